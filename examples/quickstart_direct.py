@@ -1,0 +1,69 @@
+"""Direct mode on one machine, no cluster: start a reward server on a tiny model, score texts with
+the SDK, push new head weights into the running server over gloo, and score again.
+
+    .venv/bin/python examples/quickstart_direct.py
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from rewardplane.sdk import RewardModelTrainingMode, VLLMRewardClient
+from rewardplane.sdk.naming import select_head
+from rewardplane.tinymodel import build_tiny_reward_model
+
+TEXTS = ["The answer is clear, correct and kind.", "no idea lol", "Here is a careful step-by-step proof."]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> int:
+    work = Path(tempfile.mkdtemp(prefix="rewardplane-quickstart-"))
+    model_dir = build_tiny_reward_model(work / "tiny-rm")
+    token = secrets.token_hex(16)
+    port = free_port()
+    env = dict(os.environ, REWARDPLANE_TOKEN=token)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "rewardplane.server", "--model", str(model_dir), "--port", str(port)],
+        env=env, stdout=open(work / "server.log", "wb"), stderr=subprocess.STDOUT,
+    )
+    try:
+        client = VLLMRewardClient(host="127.0.0.1", port=port, group_port=free_port(), token=token,
+                                  device="cpu", connection_timeout_s=120, trainer_host="127.0.0.1")
+        before = client.score_batch_sync(TEXTS, normalize=False)
+        print(f"scores (version {client.get_model_version_sync()}): {[round(s, 4) for s in before]}")
+
+        trainer = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
+        with torch.no_grad():  # stand-in for a training step on the reward head
+            trainer.score.weight.mul_(-1.0)
+        start = time.perf_counter()
+        version = client.sync_weights(select_head(trainer.state_dict()), version=1,
+                                      training_mode=RewardModelTrainingMode.HEAD_ONLY)
+        print(f"pushed head-only weights as version {version} in {1000 * (time.perf_counter() - start):.1f} ms")
+        after = client.score_batch_sync(TEXTS, normalize=False)
+        print(f"scores (version {client.get_model_version_sync()}): {[round(s, 4) for s in after]}")
+        assert all(abs(a + b) < 1e-4 for a, b in zip(after, before, strict=True)), "the push did not take"
+        client.close()
+        print("ok: scored, pushed in memory without a restart, and scored again")
+        return 0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

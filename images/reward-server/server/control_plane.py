@@ -1,0 +1,228 @@
+"""The weight-sync control plane (seed 000 §6.3): authenticated HTTP endpoints that drive the
+worker extension. Requests are validated before any byte moves; the receive runs in the
+background while the trainer broadcasts; the version is bumped only after the whole update."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+
+from rewardplane.sdk.auth import resolve_token
+from rewardplane.sdk.protocol import (
+    BackgroundTasksResponse,
+    Endpoints,
+    InitCommunicatorRequest,
+    ParamMeta,
+    StatusResponse,
+    UpdateParamBatchRequest,
+)
+
+from .config import ServerConfig
+from .engine import RewardEngine
+from .errors import BadRequest, Conflict, ServerError, Unauthorized
+from .metrics import ServerMetrics
+from .worker_extension import check_metadata
+
+log = logging.getLogger(__name__)
+
+# Runs a worker-extension method on every worker that holds weights; returns one result per worker.
+WorkerCall = Callable[..., Awaitable[list[Any]]]
+
+
+class Forbidden(ServerError):
+    status_code = 403
+
+
+class WeightSyncService:
+    def __init__(
+        self, engine: RewardEngine, call: WorkerCall, manifest: dict[str, ParamMeta], metrics: ServerMetrics,
+        reset_cache: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.call = call
+        self.manifest = manifest
+        self.metrics = metrics
+        self.reset_cache = reset_cache
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.last_error: str | None = None
+        self._init_task: asyncio.Task[None] | None = None
+        self._update_task: asyncio.Task[None] | None = None
+        self._has_comm = False
+
+    def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def _busy(self) -> bool:
+        return self._update_task is not None and not self._update_task.done()
+
+    # ---- init / close -----------------------------------------------------------------------
+    async def init_communicator(self, req: InitCommunicatorRequest) -> None:
+        if self._busy():
+            raise Conflict("a weight update is in progress; wait for it (GET /get_num_background_tasks) and retry")
+        group_id = req.group_id or uuid.uuid4().hex[:12]
+
+        async def join() -> None:
+            try:
+                await self.call("rp_init_communicator", req.host, req.port, req.world_size, req.rank_offset,
+                                req.backend, req.timeout_s, group_id)
+                self._has_comm = True
+                self.last_error = None
+            except Exception as exc:
+                self._has_comm = False
+                self.last_error = f"joining the trainer's group at {req.host}:{req.port} failed: {exc}"
+                log.error(self.last_error)
+
+        self._has_comm = False
+        self._init_task = self._spawn(join(), "init-communicator")
+
+    async def close(self) -> None:
+        if self._busy():
+            raise Conflict("a weight update is in progress; close the communicator after it finishes")
+        await self.call("rp_close_communicator")
+        self._has_comm = False
+
+    # ---- update -----------------------------------------------------------------------------
+    async def update(self, req: UpdateParamBatchRequest) -> int:
+        problems = check_metadata(req.metadata, self.manifest)
+        if problems:
+            raise BadRequest(
+                f"{len(problems)} announced parameter(s) do not fit the served model; nothing was received: "
+                + "; ".join(problems[:10]) + (" …" if len(problems) > 10 else ""),
+                detail=problems,
+            )
+        guard = self.engine.guard
+        version = req.version if req.version is not None else guard.version + 1
+        if version <= guard.version and guard.state != "broken":
+            raise Conflict(
+                f"version {version} is not newer than the served version {guard.version}; versions must increase"
+            )
+        if self._busy():
+            raise Conflict("another weight update is in progress; wait for it to finish")
+        if self._init_task is not None and not self._init_task.done():
+            try:  # the trainer forms the group right after /init_communicator; give it that long
+                await asyncio.wait_for(asyncio.shield(self._init_task), timeout=req.timeout_s)
+            except TimeoutError as exc:
+                raise Conflict("the communicator is still forming; the trainer must create its side of the group") from exc
+        if not self._has_comm:
+            raise Conflict(
+                "no communicator: call /init_communicator (and create the trainer's side of the group) first"
+                + (f"; the last attempt failed: {self.last_error}" if self.last_error else "")
+            )
+        self._update_task = self._spawn(self._run_update(req, version), f"update-v{version}")
+        return version
+
+    async def _run_update(self, req: UpdateParamBatchRequest, version: int) -> None:
+        guard = self.engine.guard
+        metadata = [m.model_dump(mode="json") for m in req.metadata]
+        mode = req.training_mode.value
+        start = time.perf_counter()
+        result: dict[str, Any] = {"ok": False, "error": "not started", "partial": False, "bytes": 0}
+        try:
+            if req.atomic:
+                # Stage while the old weights keep serving, then swap under the exclusive lock.
+                result = _merge(await self.call("rp_receive", metadata, req.bucket_bytes, False))
+                if result["ok"]:
+                    async with guard.updating(timeout_s=req.timeout_s):
+                        await self.call("rp_apply_staged", metadata)
+                        await self._reset_cache()
+                        guard.commit(version)
+                else:
+                    await self.call("rp_drop_staged")
+            else:
+                async with guard.updating(timeout_s=req.timeout_s):
+                    result = _merge(await self.call("rp_receive", metadata, req.bucket_bytes, True))
+                    if result["ok"]:
+                        await self._reset_cache()
+                        guard.commit(version)
+                    elif result["partial"]:
+                        guard.mark_broken(f"update to version {version} failed part-way: {result['error']}")
+        except Exception as exc:
+            result = {"ok": False, "partial": False, "bytes": 0, "error": f"{type(exc).__name__}: {exc}"}
+            if guard.state == "updating":
+                guard.mark_broken(f"update to version {version} failed: {exc}")
+        self.metrics.weight_update_bytes.inc(result.get("bytes", 0))
+        self.metrics.weight_update_seconds.observe(time.perf_counter() - start)
+        self.metrics.weight_updates.labels(mode, "ok" if result["ok"] else "failed").inc()
+        self.metrics.weights_version.set(guard.version)
+        if result["ok"]:
+            self.last_error = None
+            log.info("weights version %d loaded (%s, %d bytes, %.3fs)", version, mode, result["bytes"],
+                     time.perf_counter() - start)
+        else:
+            self.last_error = f"update to version {version} failed: {result['error']}"
+            log.error(self.last_error)
+            self._has_comm = False  # a failed transfer leaves the group unusable; the trainer re-inits
+            try:
+                await self.call("rp_close_communicator")
+            except Exception:
+                log.debug("closing the communicator after a failure failed", exc_info=True)
+
+    async def _reset_cache(self) -> None:
+        if self.reset_cache is not None:
+            await self.reset_cache()
+
+
+def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One verdict from every worker's result."""
+    errors = [r["error"] for r in results if not r["ok"]]
+    return {
+        "ok": not errors,
+        "partial": any(r["partial"] for r in results),
+        "bytes": max((r["bytes"] for r in results), default=0),
+        "error": "; ".join(errors) if errors else None,
+    }
+
+
+def install_control_plane(app: FastAPI, engine: RewardEngine, cfg: ServerConfig, metrics: ServerMetrics) -> None:
+    token = resolve_token(cfg.token, cfg.token_file)
+    service: WeightSyncService = engine.weight_sync_service(metrics)  # type: ignore[attr-defined]
+    app.state.weight_sync = service
+
+    def require_token(request: Request) -> None:
+        if token is None:
+            raise Forbidden(
+                "the weight-sync control plane is disabled: start the server with REWARDPLANE_TOKEN or --token-file"
+            )
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise Unauthorized("missing bearer token: send 'Authorization: Bearer <token>' (REWARDPLANE_TOKEN)")
+        if not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise Unauthorized("wrong bearer token: use the token this server was started with")
+
+    auth = [Depends(require_token)]
+
+    @app.post(Endpoints.INIT_COMMUNICATOR, response_model=StatusResponse, dependencies=auth)
+    async def init_communicator(req: InitCommunicatorRequest) -> StatusResponse:
+        await service.init_communicator(req)
+        return StatusResponse()
+
+    @app.post(Endpoints.UPDATE_PARAM_BATCH, response_model=StatusResponse, dependencies=auth)
+    async def update_param_batch(req: UpdateParamBatchRequest) -> StatusResponse:
+        version = await service.update(req)
+        return StatusResponse(detail={"version": version})
+
+    @app.post(Endpoints.CLOSE_COMMUNICATOR, response_model=StatusResponse, dependencies=auth)
+    async def close_communicator() -> StatusResponse:
+        await service.close()
+        return StatusResponse()
+
+    @app.api_route(Endpoints.NUM_BACKGROUND_TASKS, methods=["GET", "POST"], response_model=BackgroundTasksResponse,
+                   dependencies=auth)
+    async def num_background_tasks() -> BackgroundTasksResponse:
+        return BackgroundTasksResponse(num_background_tasks=len(service.tasks), last_error=service.last_error)
+
+    @app.get(Endpoints.PARAM_MANIFEST, response_model=list[ParamMeta], dependencies=auth)
+    async def param_manifest() -> list[ParamMeta]:
+        return list(service.manifest.values())

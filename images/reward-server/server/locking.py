@@ -1,0 +1,86 @@
+"""Weights versioning and the lock that keeps scoring and weight updates apart.
+
+Scoring holds the lock shared, an update holds it exclusively: an update waits for in-flight
+batches, new batches wait for the update (writer preference, so a steady stream of scoring cannot
+starve a push). The version read under the shared lock is therefore the version that scored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from .errors import Unavailable
+
+State = Literal["serving", "updating", "broken"]
+
+
+class WeightsGuard:
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+        self.state: State = "serving"
+        self.broken_reason: str | None = None
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+        self._cond = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def scoring(self) -> AsyncIterator[int]:
+        """Hold while a batch runs; yields the weights version that will score it."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writer and self._writers_waiting == 0)
+            if self.state == "broken":
+                raise Unavailable(
+                    f"this replica's weights are inconsistent after a failed update ({self.broken_reason}); "
+                    "it refuses to score until a later weight update succeeds — retry on another replica "
+                    "or push the weights again"
+                )
+            self._readers += 1
+        try:
+            yield self.version
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def updating(self, timeout_s: float | None = None) -> AsyncIterator[None]:
+        """Exclusive: waits (bounded) for in-flight batches, blocks new ones until released."""
+        async with self._cond:
+            self._writers_waiting += 1
+            try:
+                await asyncio.wait_for(
+                    self._cond.wait_for(lambda: not self._writer and self._readers == 0), timeout_s
+                )
+            finally:
+                self._writers_waiting -= 1
+            self._writer = True
+            previous_state = self.state
+            self.state = "updating"
+        try:
+            yield
+        except BaseException:
+            async with self._cond:
+                if self.state == "updating":
+                    self.state = previous_state
+                raise
+        finally:
+            async with self._cond:
+                self._writer = False
+                if self.state == "updating":
+                    self.state = previous_state
+                self._cond.notify_all()
+
+    def commit(self, version: int) -> None:
+        """Called inside ``updating()`` once the whole update succeeded."""
+        self.version = version
+        self.state = "serving"
+        self.broken_reason = None
+
+    def mark_broken(self, reason: str) -> None:
+        """Called inside ``updating()`` when weights were partly overwritten."""
+        self.state = "broken"
+        self.broken_reason = reason

@@ -1,0 +1,166 @@
+"""The weight-sync worker extension, shared by both engines.
+
+vLLM mixes this class into every GPU worker (``worker_extension_cls``) and reaches its methods
+with ``collective_rpc``; the transformers engine instantiates ``HFWeightSyncWorker`` directly. The
+methods are synchronous and run where the weights live; each returns plain data.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from rewardplane.sdk.buckets import unpack_bucket
+from rewardplane.sdk.comm import Communicator, create_store
+from rewardplane.sdk.protocol import Bucket, ParamMeta, plan_buckets
+
+log = logging.getLogger(__name__)
+
+_FLOATS = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+
+
+def check_metadata(metadata: list[ParamMeta], manifest: dict[str, ParamMeta]) -> list[str]:
+    """Everything wrong with an announced update, checked before any byte is received.
+
+    Floating dtypes may differ from the served ones (the server casts on receipt, e.g. an fp32
+    head next to a bf16 backbone); names and shapes must match.
+    """
+    problems: list[str] = []
+    for m in metadata:
+        served = manifest.get(m.name)
+        if served is None:
+            problems.append(f"unknown parameter {m.name!r}: the served model has no parameter of that name")
+            continue
+        if tuple(m.shape) != tuple(served.shape):
+            problems.append(f"parameter {m.name!r} has shape {list(m.shape)}; the served model expects {list(served.shape)}")
+        if m.dtype != served.dtype and not (m.dtype in _FLOATS and served.dtype in _FLOATS):
+            problems.append(f"parameter {m.name!r} has dtype {m.dtype}; the served model holds {served.dtype}")
+    return problems
+
+
+class RewardWeightSyncExtension:
+    """Receive flat buckets from the trainer and load them. vLLM workers provide ``model_runner``,
+    ``device`` and ``rank``; other hosts override the ``rp_`` accessors."""
+
+    _rp_comm: Communicator | None = None
+    _rp_staged: list[tuple[Bucket, torch.Tensor]] | None = None
+
+    # ---- accessors (vLLM defaults) ------------------------------------------------------------
+    def rp_model(self) -> torch.nn.Module:
+        return self.model_runner.model  # type: ignore[attr-defined]
+
+    def rp_device(self) -> torch.device:
+        return torch.device(self.device)  # type: ignore[attr-defined]
+
+    def rp_local_rank(self) -> int:
+        return int(getattr(self, "rank", 0))
+
+    def rp_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        # vLLM's loader takes HF names and full tensors; it fuses q/k/v, gate/up and shards for TP.
+        self.rp_model().load_weights(weights=weights)
+
+    # ---- collective RPCs -----------------------------------------------------------------------
+    def rp_init_communicator(
+        self, host: str, port: int, world_size: int, rank_offset: int, backend: str, timeout_s: float,
+        group_id: str,
+    ) -> int:
+        self.rp_close_communicator()
+        rank = rank_offset + self.rp_local_rank()
+        store = create_store(host, port, is_master=False, world_size=world_size, timeout_s=timeout_s)
+        self._rp_comm = Communicator(
+            store, rank=rank, world_size=world_size, device=self.rp_device(), backend=backend,  # type: ignore[arg-type]
+            timeout_s=timeout_s, group_id=group_id,
+        )
+        return rank
+
+    def rp_receive(self, metadata: list[dict[str, Any]], bucket_bytes: int, apply: bool) -> dict[str, Any]:
+        """Receive every bucket. ``apply``: load each as it arrives (streamed); else stage them all.
+
+        A rank whose load fails keeps receiving (so the trainer's broadcast is not left hanging),
+        then reports failure in the final status reduction that every rank and the trainer join.
+        """
+        comm = self._rp_comm
+        if comm is None:
+            return {"ok": False, "partial": False, "bytes": 0, "error": "no communicator: call /init_communicator first"}
+        metas = [ParamMeta(**m) for m in metadata]
+        src = comm.world_size - 1
+        device = self.rp_device()
+        staged: list[tuple[Bucket, torch.Tensor]] = []
+        received = 0
+        applied_any = False
+        error: str | None = None
+        try:
+            for bucket in plan_buckets(metas, bucket_bytes):
+                buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+                comm.broadcast(buf, src)
+                received += bucket.nbytes
+                if error is not None:
+                    continue
+                if not apply:
+                    staged.append((bucket, buf))
+                    continue
+                try:
+                    self.rp_load(list(unpack_bucket(bucket, metas, buf)))
+                    applied_any = True
+                except Exception as exc:  # keep receiving; report in the status reduction
+                    error = f"loading bucket failed: {exc}"
+                    applied_any = True  # a failed load may have written part of its bucket
+            if (comm.max_flag(1 if error else 0)) != 0 and error is None:
+                error = "another rank failed to load its update"
+        except Exception as exc:  # communication failed: the trainer died or timed out
+            self.rp_close_communicator()
+            return {"ok": False, "partial": applied_any, "bytes": received, "error": str(exc)}
+        if error is not None:
+            return {"ok": False, "partial": applied_any, "bytes": received, "error": error}
+        self._rp_staged = staged if not apply else None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return {"ok": True, "partial": False, "bytes": received, "error": None}
+
+    def rp_apply_staged(self, metadata: list[dict[str, Any]]) -> None:
+        metas = [ParamMeta(**m) for m in metadata]
+        staged, self._rp_staged = self._rp_staged or [], None
+        for bucket, buf in staged:
+            self.rp_load(list(unpack_bucket(bucket, metas, buf)))
+
+    def rp_drop_staged(self) -> None:
+        self._rp_staged = None
+
+    def rp_close_communicator(self) -> None:
+        if self._rp_comm is not None:
+            self._rp_comm.close()
+            self._rp_comm = None
+
+    def rp_has_communicator(self) -> bool:
+        return self._rp_comm is not None
+
+
+class HFWeightSyncWorker(RewardWeightSyncExtension):
+    """The extension hosted in the transformers engine's own process."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self._model = model
+        self._device = device
+        self._params = dict(model.named_parameters())
+
+    def rp_model(self) -> torch.nn.Module:
+        return self._model
+
+    def rp_device(self) -> torch.device:
+        return self._device
+
+    def rp_local_rank(self) -> int:
+        return 0
+
+    @torch.no_grad()
+    def rp_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in weights:
+            self._params[name].data.copy_(tensor)  # copy_ casts, e.g. a bf16 push into an fp32 head
+
+    def manifest(self) -> dict[str, ParamMeta]:
+        return {
+            n: ParamMeta(name=n, dtype=str(p.dtype), shape=tuple(p.shape)) for n, p in self._params.items()
+        }
+

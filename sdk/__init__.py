@@ -1,0 +1,52 @@
+"""rewardplane's trainer-side SDK: score rollouts, push weights, follow the cluster.
+
+Scoring needs only pydantic and httpx; weight pushes need torch (extra ``train``).
+"""
+
+from rewardplane.sdk.auth import resolve_token
+from rewardplane.sdk.chunking import contiguous_chunks, reassemble
+from rewardplane.sdk.client import VLLMRewardClient
+from rewardplane.sdk.protocol import (
+    PoolingType,
+    RewardModelTrainingMode,
+    ScoringRequest,
+    ScoringResponse,
+    derive_ports,
+    replica_group_port,
+)
+from rewardplane.sdk.retry import RetryPolicy, RewardClientError, RewardServerError, RewardServerUnavailable
+from rewardplane.sdk.reward_client_protocol import RewardModelClient
+
+__all__ = [
+    "PoolingType",
+    "RetryPolicy",
+    "RewardClientError",
+    "RewardModelClient",
+    "RewardModelTrainingMode",
+    "RewardServerError",
+    "RewardServerUnavailable",
+    "ScoringRequest",
+    "ScoringResponse",
+    "VLLMRewardClient",
+    "contiguous_chunks",
+    "create_reward_publisher",
+    "derive_ports",
+    "reassemble",
+    "replica_group_port",
+    "resolve_token",
+]
+
+
+def create_reward_publisher(client: VLLMRewardClient, head_name_patterns: list[str] | None = None,
+                            rank0_only: bool = False):  # -> RewardModelPublisher | Rank0OnlyPublisher
+    """Seed 000 §8.4: a publisher over the client's servers. ``rank0_only`` for multi-process
+    learners: only rank 0 joins the communicator and pushes, fenced by barriers (seed 004)."""
+    from rewardplane.sdk.publisher import Rank0OnlyPublisher
+
+    def make():  # noqa: ANN202 - RewardModelPublisher, imported lazily (torch)
+        publisher = client.create_reward_publisher()
+        if head_name_patterns:
+            publisher.head_name_patterns = tuple(head_name_patterns)
+        return publisher
+
+    return Rank0OnlyPublisher(make) if rank0_only else make()

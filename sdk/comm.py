@@ -1,0 +1,136 @@
+"""The data plane: torch.distributed process groups made from a TCPStore, without the global
+default group (the trainer may use torch.distributed for its own DDP).
+
+NCCL on CUDA tensors, gloo on CPU — chosen automatically. The trainer hosts the store and takes
+the last rank; server workers take ranks from their rank offset.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["auto", "nccl", "gloo"]
+
+
+class CommunicatorError(RuntimeError):
+    pass
+
+
+def resolve_backend(backend: Backend, device: torch.device) -> Literal["nccl", "gloo"]:
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise CommunicatorError("backend nccl needs a CUDA device; use backend gloo (or auto) on CPU")
+    return backend
+
+
+def create_store(host: str, port: int, *, is_master: bool, world_size: int, timeout_s: float) -> dist.Store:
+    try:
+        return dist.TCPStore(
+            host, port, world_size=world_size, is_master=is_master,
+            timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
+        )
+    except Exception as exc:  # the C++ errors say little; say what to check
+        role = "host the rendezvous on" if is_master else "reach the trainer's rendezvous at"
+        raise CommunicatorError(
+            f"could not {role} {host}:{port} within {timeout_s:.0f}s ({exc}); check that the address is "
+            "reachable from every server, the port is free on the trainer, and no firewall blocks it"
+        ) from exc
+
+
+class Communicator:
+    """One process group for weight pushes: broadcast of flat buckets, a status reduction, close."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        backend: Backend = "auto",
+        timeout_s: float = 120.0,
+        group_id: str = "default",
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        self.backend = resolve_backend(backend, device)
+        prefixed = dist.PrefixStore(f"rewardplane/{group_id}/", store)
+        if self.backend == "nccl":
+            torch.cuda.set_device(device)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, self.timeout)
+        self._closed = False
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except Exception as exc:
+            self.abort()
+            raise CommunicatorError(
+                f"{what} failed on rank {self.rank}/{self.world_size} ({exc}); a peer probably died or "
+                f"timed out after {self.timeout.total_seconds():.0f}s"
+            ) from exc
+        if ok is False:
+            self.abort()
+            raise CommunicatorError(f"{what} timed out after {self.timeout.total_seconds():.0f}s on rank {self.rank}")
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self._wait(self.pg.broadcast([tensor], opts), "broadcast")
+
+    def max_flag(self, value: int) -> int:
+        """All ranks learn the largest value: a cheap way to agree that every rank succeeded."""
+        t = torch.tensor([value], dtype=torch.int32, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self._wait(self.pg.allreduce([t], opts), "status reduction")
+        return int(t.item())
+
+    def barrier(self) -> None:
+        self.max_flag(0)
+
+    def abort(self) -> None:
+        """Tear the group down so nothing stays blocked on a dead peer."""
+        if self._closed:
+            return
+        self._closed = True
+        for method in ("abort", "shutdown"):
+            fn = getattr(self.pg, method, None)
+            if fn is not None:
+                try:
+                    fn()
+                    return
+                except Exception:  # best effort: the group is being discarded
+                    continue
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            shutdown = getattr(self.pg, "shutdown", None)
+            if shutdown is not None:
+                try:
+                    shutdown()
+                except Exception:
+                    log.debug("process group shutdown failed", exc_info=True)
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")

@@ -1,0 +1,3 @@
+from rewardplane.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""Tiny reward models built from a config with random weights, for tests, examples and the local
+development cluster. No downloads: the tokenizer is trained here on a corpus shipped with the package."""
+
+from __future__ import annotations
+
+import argparse
+from importlib import resources
+from pathlib import Path
+
+DEFAULT_DIR = Path("/tmp/rewardplane-tiny-rm")
+
+
+def corpus_lines() -> list[str]:
+    text = resources.files("rewardplane").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def train_tokenizer(vocab_size: int = 512):  # -> transformers.PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus_lines(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def build_tiny_reward_model(
+    out_dir: str | Path,
+    *,
+    num_labels: int = 1,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Save a random-weight ``LlamaForSequenceClassification`` and its tokenizer to ``out_dir``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=max_position_embeddings,
+        num_labels=num_labels,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForSequenceClassification(config)
+    # Random init gives near-zero scores; widen the head so scores differ visibly between texts.
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Build a tiny random-weight reward model (no downloads).")
+    p.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    p.add_argument("--num-labels", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    path = build_tiny_reward_model(args.out, num_labels=args.num_labels, seed=args.seed)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

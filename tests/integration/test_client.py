@@ -1,0 +1,228 @@
+"""The scoring client against real reward-server processes on loopback.
+
+Three servers of the same tiny model run for the whole module (each on its own loopback address,
+like replicas); ``FlakyProxy`` sits in front of them where a test must count requests or inject
+failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from rewardplane.sdk.chunking import contiguous_chunks
+from rewardplane.sdk.client import VLLMRewardClient
+from rewardplane.sdk.protocol import ScoringRequest
+from rewardplane.sdk.retry import RetryPolicy, RewardServerError, RewardServerUnavailable
+from tests.fixtures.flaky_proxy import FlakyProxy
+from tests.fixtures.models import reference_logits
+from tests.fixtures.servers import ServerHandle, free_port, start_server
+
+pytestmark = pytest.mark.slow
+
+# Fast retries keep the suite quick; the shape of the policy is what is under test.
+FAST = RetryPolicy(max_attempts=4, initial_backoff_s=0.05, max_backoff_s=0.2, jitter=0)
+
+TEXTS = [f"sample {i}: the answer is {i * 7 % 13} because " + "step " * (i % 9) for i in range(100)]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerHandle]]:
+    log_dir = tmp_path_factory.mktemp("client-servers")
+    hosts = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    # Start the three in parallel: model load dominates and they do not depend on each other.
+    with ThreadPoolExecutor(len(hosts)) as pool:
+        futures = [pool.submit(start_server, tiny_model_dir, log_dir, host=h) for h in hosts]
+        handles = []
+        errors = []
+        for f in futures:
+            try:
+                handles.append(f.result())
+            except Exception as exc:  # start the rest, stop them all, then fail
+                errors.append(exc)
+    try:
+        if errors:
+            raise errors[0]
+        yield handles
+    finally:
+        for h in handles:
+            h.stop()
+
+
+@pytest.fixture(scope="module")
+def proxies(servers: list[ServerHandle]) -> Iterator[list[FlakyProxy]]:
+    ps = [FlakyProxy(s.url).start() for s in servers]
+    yield ps
+    for p in ps:
+        p.stop()
+
+
+@pytest.fixture
+def fresh_proxies(proxies: list[FlakyProxy]) -> list[FlakyProxy]:
+    for p in proxies:
+        p.fail_next(0)
+        p.reset_counts()
+    return proxies
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused
+
+
+def test_batch_of_100_is_chunked_in_order_and_equals_a_single_server(
+    servers: list[ServerHandle], fresh_proxies: list[FlakyProxy]
+) -> None:
+    with VLLMRewardClient(endpoints=[servers[0].url], retry=FAST) as single:
+        reference = single.score_batch_sync(TEXTS, normalize=False)
+    for p in fresh_proxies:
+        p.reset_counts()
+
+    request = ScoringRequest(inputs=TEXTS, normalize=False)
+    with VLLMRewardClient(endpoints=[p.url for p in fresh_proxies], retry=FAST) as client:
+        response, info = client.score_sync(request)
+        again, info_again = client.score_sync(request)
+
+    assert response.scores == pytest.approx(reference, rel=1e-4, abs=1e-5)
+    assert [d.index for d in response.data] == list(range(100))
+    # Seed 004: ceil(100/3) = 34 → [0,34) [34,68) [68,100), server i gets chunk i, both times.
+    expected = [(r.start, r.stop, fresh_proxies[i].url) for i, r in enumerate(contiguous_chunks(100, 3))]
+    assert [(c["start"], c["stop"], c["endpoint"]) for c in info["chunks"]] == expected
+    assert [(c["start"], c["stop"], c["endpoint"]) for c in info_again["chunks"]] == expected
+    assert again.scores == pytest.approx(response.scores, rel=1e-5, abs=1e-6)
+    # Each server saw exactly one /score per run: its own chunk.
+    assert [p.count("/score") for p in fresh_proxies] == [2, 2, 2]
+    # Every chunk reports the weights version that scored it.
+    assert info["versions"] == [0, 0, 0]
+    assert response.metadata["versions"] == [0, 0, 0] and response.metadata["mixed_versions"] is False
+    assert response.version == 0
+    assert response.usage.prompt_tokens > 0
+
+
+def test_small_calls_round_robin(servers: list[ServerHandle], fresh_proxies: list[FlakyProxy]) -> None:
+    with VLLMRewardClient(endpoints=[p.url for p in fresh_proxies], retry=FAST) as client:
+        for _ in range(6):
+            assert len(client.score_batch_sync(TEXTS[:3])) == 3
+    assert [p.count("/score") for p in fresh_proxies] == [2, 2, 2]
+
+
+def test_503_twice_then_200_is_retried(servers: list[ServerHandle], fresh_proxies: list[FlakyProxy]) -> None:
+    proxy = fresh_proxies[0]
+    with VLLMRewardClient(endpoints=[servers[0].url], retry=FAST) as direct:
+        expected = direct.score_batch_sync(TEXTS[:5])
+    proxy.fail_next(2, status=503)
+    with VLLMRewardClient(endpoints=[proxy.url], retry=FAST) as client:
+        response, info = client.score_sync(ScoringRequest(inputs=TEXTS[:5]))
+    assert response.scores == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert proxy.count("/score") == 3 and proxy.count("/score", injected=True) == 2
+    assert info["chunks"][0]["attempts"] == 3
+
+
+def test_400_is_not_retried_and_the_message_reaches_the_caller(
+    servers: list[ServerHandle], fresh_proxies: list[FlakyProxy]
+) -> None:
+    proxy = fresh_proxies[0]
+    with VLLMRewardClient(endpoints=[proxy.url], retry=FAST) as client:
+        start = time.monotonic()
+        with pytest.raises(RewardServerError) as err:
+            client.score_batch_sync(TEXTS[:2], n_labels=3)  # the served model has 1 label
+        elapsed = time.monotonic() - start
+    assert err.value.status_code == 400
+    assert "n_labels 3 does not match" in err.value.message
+    assert "n_labels 3 does not match" in str(err.value) and proxy.url in str(err.value)
+    assert proxy.count("/score") == 1
+    assert elapsed < 5
+
+
+def test_too_many_items_is_a_400_with_the_limit(tiny_model_dir: Path, server_factory) -> None:  # type: ignore[no-untyped-def]
+    server = server_factory(tiny_model_dir, max_items_per_request=4)
+    with FlakyProxy(server.url) as proxy, VLLMRewardClient(endpoints=[proxy.url], retry=FAST) as client:
+        with pytest.raises(RewardServerError) as err:
+            client.score_batch_sync(TEXTS[:5])
+        assert err.value.status_code == 400 and "4" in err.value.message
+        assert proxy.count("/score") == 1
+        # Cutting requests to the server's limit on the client side makes the same call work.
+        client.max_items_per_request = 4
+        assert len(client.score_batch_sync(TEXTS[:10])) == 10
+        assert proxy.count("/score") == 1 + 3
+
+
+def test_zero_inputs_make_no_request(servers: list[ServerHandle], fresh_proxies: list[FlakyProxy]) -> None:
+    proxy = fresh_proxies[0]
+    with VLLMRewardClient(endpoints=[proxy.url], retry=FAST, check_server=False) as client:
+        assert client.score_batch_sync([]) == []
+        response, info = client.score_sync(ScoringRequest(inputs=[]))
+        assert response.scores == [] and info["versions"] == [] and info["chunks"] == []
+        assert asyncio.run(client.score_batch([])) == []
+    assert proxy.count() == 0
+
+
+def test_dead_endpoint_raises_unavailable_within_the_retry_budget() -> None:
+    url = dead_url()
+    policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=1, jitter=0)
+    with VLLMRewardClient(endpoints=[url], retry=policy, check_server=False, request_timeout_s=5) as client:
+        start = time.monotonic()
+        with pytest.raises(RewardServerUnavailable) as err:
+            client.score_batch_sync(["hello"])
+        elapsed = time.monotonic() - start
+    assert err.value.attempts == 3 and err.value.url == url
+    assert url in str(err.value) and "3 attempt" in str(err.value)
+    # Refused connections fail at once, so the time is the backoff: 0.1 + 0.2 s, plus slack.
+    assert policy.max_total_backoff_s() <= elapsed < policy.max_total_backoff_s() + 2
+
+
+def test_connection_error_fails_over_to_the_next_endpoint(servers: list[ServerHandle]) -> None:
+    dead = dead_url()
+    with VLLMRewardClient(endpoints=[dead, servers[1].url], retry=FAST, check_server=False) as client:
+        # Round robin starts at endpoint 0, the dead one; the retry moves to endpoint 1.
+        response, info = client.score_sync(ScoringRequest(inputs=TEXTS[:2]))
+        assert len(response.scores) == 2
+        assert info["chunks"][0]["endpoint"] == servers[1].url and info["chunks"][0]["attempts"] == 2
+        # A large batch: the dead server's chunk moves over too, order still preserved.
+        scores = client.score_batch_sync(TEXTS[:20])
+    with VLLMRewardClient(endpoints=[servers[1].url], retry=FAST) as direct:
+        assert scores == pytest.approx(direct.score_batch_sync(TEXTS[:20]), rel=1e-4, abs=1e-5)
+
+
+def test_startup_check_fails_fast_with_an_actionable_message() -> None:
+    url = dead_url()
+    start = time.monotonic()
+    with pytest.raises(RewardServerUnavailable) as err:
+        VLLMRewardClient(endpoints=[url], connection_timeout_s=1)
+    assert time.monotonic() - start < 4
+    assert url in str(err.value) and "check_server=False" in str(err.value)
+
+
+def test_versions_and_async_use(servers: list[ServerHandle]) -> None:
+    urls = [s.url for s in servers]
+
+    async def main() -> None:
+        async with VLLMRewardClient(endpoints=urls, retry=FAST) as client:
+            assert await client.get_model_version() == 0
+            assert await client.get_model_versions() == dict.fromkeys(urls, 0)
+            many = await asyncio.gather(*(client.score_batch([t]) for t in TEXTS[:24]))
+            assert [len(m) for m in many] == [1] * 24
+            # The sync API also works from inside a running loop (it uses the client's own loop).
+            assert client.score_batch_sync(TEXTS[:24]) == pytest.approx(
+                [m[0] for m in many], rel=1e-4, abs=1e-5
+            )
+            assert client.get_model_version_sync() == 0
+
+    asyncio.run(main())
+
+
+def test_three_labels_through_the_client(tiny_model_dir_3labels: Path, server_factory) -> None:  # type: ignore[no-untyped-def]
+    server = server_factory(tiny_model_dir_3labels)
+    texts = TEXTS[:12]
+    with VLLMRewardClient(endpoints=[server.url], retry=FAST) as client:
+        raw = client.score_batch_sync(texts, normalize=False, n_labels=3)
+        probs = client.score_batch_sync(texts, normalize=True)
+    reference = reference_logits(tiny_model_dir_3labels, texts)
+    assert all(isinstance(r, list) and len(r) == 3 for r in raw)
+    # pytest.approx does not nest: compare flattened vectors.
+    assert [x for r in raw for x in r] == pytest.approx([x for r in reference for x in r], rel=1e-4, abs=1e-4)
+    assert all(isinstance(p, list) and len(p) == 3 and sum(p) == pytest.approx(1, abs=1e-5) for p in probs)

@@ -1,0 +1,281 @@
+"""Weight pushes into running servers over real gloo process groups (CPU), in every training mode."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from rewardplane.sdk.direct_sync import DirectWeightSync
+from rewardplane.sdk.naming import WeightValidationError, select_head
+from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
+from rewardplane.sdk.retry import RewardServerError
+from tests.fixtures.models import TEXTS
+from tests.fixtures.servers import free_port
+from tests.fixtures.trainer import load_model, logits, perturbed, run_dying_trainer
+
+TOKEN = "secret"
+TOL = 1e-4
+
+
+def served(h, texts=TEXTS):
+    body = httpx.post(f"{h.url}/score", json={"input": texts, "normalize": False}, timeout=30).json()
+    return [d["score"] if isinstance(d["score"], list) else [d["score"]] for d in body["data"]], body["version"]
+
+
+def close(a, b, tol=TOL):
+    return all(math.isclose(x, y, abs_tol=tol, rel_tol=tol) for ra, rb in zip(a, b, strict=True)
+               for x, y in zip(ra, rb, strict=True))
+
+
+def sync_for(*handles, **kw):
+    kw.setdefault("connect_timeout_s", 30)
+    return DirectWeightSync([h.url for h in handles], group_port=free_port(), token=TOKEN, trainer_host="127.0.0.1",
+                            **kw)
+
+
+@pytest.fixture
+def server(server_factory, tiny_model_dir):
+    return server_factory(tiny_model_dir, token=TOKEN)
+
+
+def test_full_push_scores_equal_trainer_and_version_served(server, tiny_model_dir):
+    before, _ = served(server)
+    model = perturbed(tiny_model_dir, seed=1)
+    sync = sync_for(server, bucket_bytes=1 << 16)  # several buckets
+    try:
+        assert sync.sync(model.state_dict(), version=5, training_mode=Mode.FULL) == 5
+        after, version = served(server)
+        assert version == 5
+        assert httpx.get(f"{server.url}/runtime_version").json()["version"] == 5
+        assert close(after, logits(model, tiny_model_dir, TEXTS))
+        assert not close(after, before)
+        # a second push on the same communicator
+        model2 = perturbed(tiny_model_dir, seed=2)
+        sync.sync(model2.state_dict(), version=6)
+        assert close(served(server)[0], logits(model2, tiny_model_dir, TEXTS))
+    finally:
+        sync.close()
+
+
+def test_head_only_push_changes_only_the_head(server, tiny_model_dir):
+    model = perturbed(tiny_model_dir, seed=3, head_only=True)
+    sync = sync_for(server)
+    try:
+        with pytest.raises(WeightValidationError, match="backbone"):
+            sync.sync(model.state_dict(), version=1, training_mode=Mode.HEAD_ONLY)
+        sync.sync(select_head(model.state_dict()), version=1, training_mode=Mode.HEAD_ONLY)
+        assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
+        stats = sync.open().last_stats
+        assert stats["bytes"] == model.score.weight.numel() * 4
+    finally:
+        sync.close()
+
+
+def test_head_in_bf16_is_cast_into_the_fp32_head(server, tiny_model_dir):
+    model = perturbed(tiny_model_dir, seed=4, head_only=True)
+    head = {"score.weight": model.score.weight.detach().to(torch.bfloat16)}
+    sync = sync_for(server)
+    try:
+        sync.sync(head, version=1, training_mode=Mode.HEAD_ONLY)
+        model.score.weight.data = head["score.weight"].float()
+        assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS), tol=1e-3)
+    finally:
+        sync.close()
+
+
+def test_lora_merged_push_then_fresh_adapters(server, tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+
+    from rewardplane.sdk.lora import merge_sync_reinit
+
+    base = load_model(tiny_model_dir)
+    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 modules_to_save=["score"], task_type="SEQ_CLS"))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # stand-in for training: non-zero adapters and a changed head
+        for p in peft_model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    expected = logits(peft_model, tiny_model_dir, TEXTS)
+    sync = sync_for(server)
+    try:
+        with pytest.raises(WeightValidationError, match="unmerged LoRA"):
+            sync.sync(peft_model.state_dict(), version=1, training_mode=Mode.LORA)
+        fresh = merge_sync_reinit(peft_model, lambda sd: sync.sync(sd, version=1, training_mode=Mode.LORA))
+        assert close(served(server)[0], expected)
+        # fresh adapters start at B = 0: the reinitialised model computes what the server serves
+        assert close(logits(fresh, tiny_model_dir, TEXTS), expected)
+        assert any("lora_A" in n for n, p in fresh.named_parameters() if p.requires_grad)
+    finally:
+        sync.close()
+
+
+def test_adapter_sync_falls_back_to_full(server, tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+
+    from rewardplane.sdk.lora import LoraSync
+
+    peft_model = get_peft_model(load_model(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj"],
+                                                                        task_type="SEQ_CLS"))
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.1)
+    expected = logits(peft_model, tiny_model_dir, TEXTS)
+    sync = sync_for(server)
+
+    class Client:  # the part of VLLMRewardClient that LoraSync uses
+        def sync_weights(self, params, *, version, training_mode, keep_lora=False):
+            return sync.sync(params, version=version, training_mode=training_mode, keep_lora=keep_lora)
+
+    try:
+        lora_sync = LoraSync(Client(), mode="adapter", fallback_to_full=True)
+        with pytest.warns(UserWarning, match="falling back to full"):
+            lora_sync.sync(peft_model, version=1)
+        assert lora_sync.mode == "full"
+        assert close(served(server)[0], expected)
+        strict = LoraSync(Client(), mode="adapter", fallback_to_full=False)
+        with pytest.raises(RuntimeError, match="cannot take adapters"):
+            strict.sync(get_peft_model(load_model(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj"])), 2)
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize("per_server_groups", [False, True])
+def test_two_replicas_one_push(server_factory, tiny_model_dir, per_server_groups):
+    a = server_factory(tiny_model_dir, token=TOKEN)
+    b = server_factory(tiny_model_dir, token=TOKEN)
+    model = perturbed(tiny_model_dir, seed=6)
+    sync = sync_for(a, b, per_server_groups=per_server_groups)
+    try:
+        pub = sync.open()
+        if not per_server_groups:  # one group: servers at ranks 0 and 1, trainer last
+            assert pub.comm.world_size == 3 and pub.src_rank == 2
+            assert sync.control.rank_offsets() == [0, 1]
+        sync.sync(model.state_dict(), version=3)
+        expected = logits(model, tiny_model_dir, TEXTS)
+        for h in (a, b):
+            got, version = served(h)
+            assert version == 3 and close(got, expected)
+    finally:
+        sync.close()
+
+
+def test_scores_during_push_carry_the_version_that_made_them(server, tiny_model_dir):
+    text = [TEXTS[2]]
+    versions = {0: logits(load_model(tiny_model_dir), tiny_model_dir, text)[0]}
+    models = {v: perturbed(tiny_model_dir, seed=10 + v) for v in (1, 2, 3)}
+    versions.update({v: logits(m, tiny_model_dir, text)[0] for v, m in models.items()})
+    seen: list[tuple[int, list[float]]] = []
+    stop = threading.Event()
+
+    def spam() -> None:
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                body = c.post(f"{server.url}/score", json={"input": text * 4, "normalize": False}).json()
+                for d in body["data"]:
+                    seen.append((body["version"], [d["score"]]))
+
+    threads = [threading.Thread(target=spam) for _ in range(3)]
+    for t in threads:
+        t.start()
+    sync = sync_for(server, bucket_bytes=1 << 14)
+    try:
+        for v, m in models.items():
+            sync.sync(m.state_dict(), version=v)
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        sync.close()
+    assert {v for v, _ in seen} >= {0, 3}
+    for v, score in seen:
+        assert close([score], [versions[v]]), f"a response stamped version {v} was scored by other weights"
+
+
+def test_bad_metadata_rejected_before_any_receive(server, tiny_model_dir):
+    model = perturbed(tiny_model_dir, seed=7)
+    sync = sync_for(server)
+    try:
+        bad_shape = dict(model.state_dict())
+        bad_shape["score.weight"] = torch.zeros(2, bad_shape["score.weight"].shape[1])
+        with pytest.raises(RewardServerError) as err:
+            sync.sync(bad_shape, version=1)
+        assert err.value.status_code == 400 and "score.weight" in err.value.message
+        unknown = {"score.weight": model.score.weight, "model.layers.99.mlp.up_proj.weight": torch.zeros(3, 3)}
+        with pytest.raises(RewardServerError) as err:
+            sync.sync(unknown, version=1, training_mode=Mode.FULL)
+        assert err.value.status_code == 400 and "model.layers.99.mlp.up_proj.weight" in err.value.message
+        assert served(server)[1] == 0  # still the old version, still serving
+        sync.sync(model.state_dict(), version=1)  # the same communicator still works
+        assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
+        with pytest.raises(RewardServerError) as err:
+            sync.sync(model.state_dict(), version=1)
+        assert err.value.status_code == 409 and "newer" in err.value.message
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "Basic c2VjcmV0"])
+def test_control_plane_needs_the_right_token(server, header):
+    headers = {"Authorization": header} if header else {}
+    for path, body in [("/init_communicator", {"host": "127.0.0.1", "port": 1, "world_size": 2}),
+                       ("/update_param_batch", {"metadata": [{"name": "score.weight", "dtype": "float32",
+                                                             "shape": [1, 64]}]}),
+                       ("/close_communicator", {})]:
+        r = httpx.post(f"{server.url}{path}", json=body, headers=headers)
+        assert r.status_code == 401, (path, r.text)
+        assert "token" in r.json()["error"]
+    assert httpx.get(f"{server.url}/get_num_background_tasks", headers=headers).status_code == 401
+    assert httpx.post(f"{server.url}/score", json={"input": ["a"]}).status_code == 200  # scoring is open
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_trainer_killed_mid_broadcast(server, tiny_model_dir, atomic):
+    before, _ = served(server)
+    proc = run_dying_trainer(server.url, free_port(), tiny_model_dir, version=1, atomic=atomic)
+    assert proc.returncode == 17, proc.stdout + proc.stderr
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the server gives up within its group timeout (3 s here)
+        state = httpx.get(f"{server.url}/runtime_version").json()
+        if state["state"] != "updating" and httpx.get(
+            f"{server.url}/get_num_background_tasks", headers={"Authorization": f"Bearer {TOKEN}"}
+        ).json()["num_background_tasks"] == 0:
+            break
+        time.sleep(0.2)
+    state = httpx.get(f"{server.url}/runtime_version").json()
+    assert state["version"] == 0
+    r = httpx.post(f"{server.url}/score", json={"input": TEXTS, "normalize": False})
+    if atomic:  # staged: the old weights were never touched
+        assert state["state"] == "serving" and r.status_code == 200 and close(served(server)[0], before)
+    else:  # streamed: part of the weights was overwritten → refuse to score
+        assert state["state"] == "broken", state
+        assert r.status_code == 503 and "failed update" in r.json()["error"]
+        assert httpx.get(f"{server.url}/health").status_code == 503
+    model = perturbed(tiny_model_dir, seed=8)
+    sync = sync_for(server)
+    try:
+        sync.sync(model.state_dict(), version=2)
+        assert served(server)[1] == 2 and close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
+    finally:
+        sync.close()
+
+
+def test_dead_server_makes_the_push_raise_in_time(server_factory, tiny_model_dir):
+    a = server_factory(tiny_model_dir, token=TOKEN)
+    sync = sync_for(a, timeout_s=10, connect_timeout_s=5, bucket_bytes=1 << 14)
+    try:
+        sync.open()
+        a.kill()
+        start = time.monotonic()
+        with pytest.raises(Exception):  # noqa: B017 - connection refused or communicator failure
+            sync.sync(perturbed(tiny_model_dir, seed=9).state_dict(), version=1)
+        assert time.monotonic() - start < 60
+    finally:
+        sync.reset()
