@@ -37,10 +37,11 @@ def main() -> int:
     token = secrets.token_hex(16)
     port = free_port()
     env = dict(os.environ, REWARDPLANE_TOKEN=token)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "rewardplane.server", "--model", str(model_dir), "--port", str(port)],
-        env=env, stdout=open(work / "server.log", "wb"), stderr=subprocess.STDOUT,
-    )
+    with open(work / "server.log", "wb") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "rewardplane.server", "--model", str(model_dir), "--port", str(port)],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
     try:
         client = VLLMRewardClient(host="127.0.0.1", port=port, group_port=free_port(), token=token,
                                   device="cpu", connection_timeout_s=120, trainer_host="127.0.0.1")

@@ -6,6 +6,7 @@ Scoring needs only pydantic and httpx; weight pushes need torch (extra ``train``
 from rewardplane.sdk.auth import resolve_token
 from rewardplane.sdk.chunking import contiguous_chunks, reassemble
 from rewardplane.sdk.client import VLLMRewardClient
+from rewardplane.sdk.cluster import PushResult, RewardModelHandle, WeightSyncFailed
 from rewardplane.sdk.protocol import (
     PoolingType,
     RewardModelTrainingMode,
@@ -19,15 +20,18 @@ from rewardplane.sdk.reward_client_protocol import RewardModelClient
 
 __all__ = [
     "PoolingType",
+    "PushResult",
     "RetryPolicy",
     "RewardClientError",
     "RewardModelClient",
+    "RewardModelHandle",
     "RewardModelTrainingMode",
     "RewardServerError",
     "RewardServerUnavailable",
     "ScoringRequest",
     "ScoringResponse",
     "VLLMRewardClient",
+    "WeightSyncFailed",
     "contiguous_chunks",
     "create_reward_publisher",
     "derive_ports",

@@ -589,7 +589,11 @@ class VLLMRewardClient:
         if threading.current_thread() is self._loop_thread:
             coro.close()
             raise RuntimeError("a *_sync method was called on the client's own loop; await the async method")
-        self._check_open()
+        try:
+            self._check_open()
+        except RuntimeError:
+            coro.close()  # never started: no "was never awaited" warning on top of the error
+            raise
         loop = self._ensure_loop()
         future = asyncio.run_coroutine_threadsafe(coro, loop)
         budget = self._sync_budget_s()

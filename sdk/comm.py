@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from datetime import timedelta
 from typing import Literal
 
@@ -62,14 +64,21 @@ class Communicator:
     ) -> None:
         self.rank = rank
         self.world_size = world_size
+        if device.type == "cuda" and device.index is None:  # NCCL needs a concrete device
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
         self.backend = resolve_backend(backend, device)
         prefixed = dist.PrefixStore(f"rewardplane/{group_id}/", store)
         if self.backend == "nccl":
+            # On a collective timeout, abort the communicators but keep the process: a reward
+            # server must survive a trainer that died mid-push (the default tears it down).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             torch.cuda.set_device(device)
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = self.timeout
+            # Our own bounded waits (wait_event/synchronize) fire first and abort cleanly; the
+            # watchdog is the backstop.
+            opts._timeout = self.timeout * 2 + timedelta(seconds=10)
             self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, self.timeout)
@@ -89,35 +98,77 @@ class Communicator:
             raise CommunicatorError(f"{what} timed out after {self.timeout.total_seconds():.0f}s on rank {self.rank}")
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Broadcast ``tensor`` from rank ``src``.
+
+        NCCL: enqueued, ordered on the current CUDA stream; the CPU does not wait, so packing and
+        loading of neighbouring buckets overlap with the transfer. Call ``synchronize`` (bounded)
+        before trusting the result on the CPU. gloo: returns when done (bounded by the timeout).
+        """
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        self._wait(self.pg.broadcast([tensor], opts), "broadcast")
+        work = self.pg.broadcast([tensor], opts)
+        if self.backend == "nccl":
+            work.wait()  # stream-ordered only: no CPU block
+        else:
+            self._wait(work, "broadcast")
+
+    def synchronize(self) -> None:
+        """Wait (bounded) until the work enqueued on the current stream is done; abort on timeout,
+        so a dead peer cannot leave a collective hanging on the GPU."""
+        if self.backend != "nccl":
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        self.wait_event(done)
+
+    def wait_event(self, done: torch.cuda.Event) -> None:
+        """Bounded CPU wait for a CUDA event; aborts the group on timeout."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        delay = 1e-5
+        while not done.query():
+            if time.monotonic() > deadline:
+                self.abort()
+                raise CommunicatorError(
+                    f"transfer did not finish within {self.timeout.total_seconds():.0f}s on rank {self.rank}; "
+                    "a peer probably died. The group was aborted; form a new one for the next push"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
 
     def max_flag(self, value: int) -> int:
         """All ranks learn the largest value: a cheap way to agree that every rank succeeded."""
         t = torch.tensor([value], dtype=torch.int32, device=self.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
-        self._wait(self.pg.allreduce([t], opts), "status reduction")
+        work = self.pg.allreduce([t], opts)
+        if self.backend == "nccl":
+            work.wait()
+            self.synchronize()
+        else:
+            self._wait(work, "status reduction")
         return int(t.item())
 
     def barrier(self) -> None:
         self.max_flag(0)
 
     def abort(self) -> None:
-        """Tear the group down so nothing stays blocked on a dead peer."""
+        """Tear the group down so nothing stays blocked on a dead peer. Never a graceful shutdown
+        here: that waits for the pending (hung) collectives."""
         if self._closed:
             return
         self._closed = True
-        for method in ("abort", "shutdown"):
-            fn = getattr(self.pg, method, None)
-            if fn is not None:
-                try:
-                    fn()
-                    return
-                except Exception:  # best effort: the group is being discarded
-                    continue
+
+        def abort() -> None:
+            try:
+                self.pg.abort()
+            except Exception:  # the NCCL watchdog aborts the communicators after its timeout anyway
+                log.warning("aborting the process group failed", exc_info=True)
+
+        # ncclCommAbort can itself block on a wedged peer: never let it hold the caller forever.
+        t = threading.Thread(target=abort, name="pg-abort", daemon=True)
+        t.start()
+        t.join(timeout=10)
 
     def close(self) -> None:
         if not self._closed:

@@ -28,6 +28,10 @@ class FanOutCommunicator:
         for c in self.comms:
             c.broadcast(tensor, c.world_size - 1)
 
+    def synchronize(self) -> None:
+        for c in self.comms:
+            c.synchronize()
+
     def max_flag(self, value: int) -> int:
         return max(c.max_flag(value) for c in self.comms)
 

@@ -57,6 +57,7 @@ class Endpoints:
     CLOSE_COMMUNICATOR = "/close_communicator"
     NUM_BACKGROUND_TASKS = "/get_num_background_tasks"
     PARAM_MANIFEST = "/param_manifest"
+    RESTORE_WEIGHTS = "/restore_weights"
 
 
 CONTROL_PLANE_PATHS = frozenset(
@@ -66,6 +67,7 @@ CONTROL_PLANE_PATHS = frozenset(
         Endpoints.CLOSE_COMMUNICATOR,
         Endpoints.NUM_BACKGROUND_TASKS,
         Endpoints.PARAM_MANIFEST,
+        Endpoints.RESTORE_WEIGHTS,
     }
 )
 
@@ -399,6 +401,31 @@ def plan_buckets(metadata: list[ParamMeta], bucket_bytes: int = DEFAULT_BUCKET_B
     if slots:
         buckets.append(Bucket(nbytes=used, slots=tuple(slots)))
     return buckets
+
+
+_FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+
+
+def check_metadata(metadata: list[ParamMeta], manifest: dict[str, ParamMeta]) -> list[str]:
+    """Everything wrong with an announced update against the served model's manifest.
+
+    Run by the server before any byte is received, and by the trainer before it broadcasts.
+    Floating dtypes may differ from the served ones (the server casts on receipt, e.g. an fp32
+    head next to a bf16 backbone); names and shapes must match.
+    """
+    problems: list[str] = []
+    for m in metadata:
+        served = manifest.get(m.name)
+        if served is None:
+            problems.append(f"unknown parameter {m.name!r}: the served model has no parameter of that name")
+            continue
+        if tuple(m.shape) != tuple(served.shape):
+            problems.append(
+                f"parameter {m.name!r} has shape {list(m.shape)}; the served model expects {list(served.shape)}"
+            )
+        if m.dtype != served.dtype and not (m.dtype in _FLOAT_DTYPES and served.dtype in _FLOAT_DTYPES):
+            problems.append(f"parameter {m.name!r} has dtype {m.dtype}; the served model holds {served.dtype}")
+    return problems
 
 
 class InitCommunicatorRequest(BaseModel):

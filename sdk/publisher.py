@@ -14,15 +14,16 @@ import socket
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import httpx
 import torch
 
 from .auth import resolve_token
-from .buckets import meta_of, pack_bucket
+from .buckets import meta_of
 from .comm import Backend, Communicator, create_store
-from .naming import DEFAULT_HEAD_PATTERNS, normalize_params, validate_for_mode
+from .naming import DEFAULT_HEAD_PATTERNS, WeightValidationError, normalize_params, validate_for_mode
 from .protocol import (
     DEFAULT_BUCKET_BYTES,
     Endpoints,
@@ -30,9 +31,10 @@ from .protocol import (
     ParamMeta,
     RewardModelTrainingMode,
     UpdateParamBatchRequest,
-    plan_buckets,
+    check_metadata,
 )
 from .retry import RetryPolicy, call_with_retry, check_response
+from .transfer import send_buckets
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ class TensorCommunicator(Protocol):
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
 
+    def synchronize(self) -> None: ...
+
     def max_flag(self, value: int) -> int: ...
 
     def close(self) -> None: ...
@@ -90,7 +94,9 @@ class HTTPControlPlane:
                 "no control-plane token: set REWARDPLANE_TOKEN (or REWARDPLANE_TOKEN_FILE / token_file=) to the "
                 "token the reward servers were started with"
             )
-        self._http = httpx.Client(timeout=http_timeout_s, headers={"Authorization": f"Bearer {token}"})
+        # The read timeout covers finalize's server-side wait (at most 30 s a request).
+        self._http = httpx.Client(timeout=httpx.Timeout(max(http_timeout_s, 35.0), connect=min(http_timeout_s, 10.0)),
+                                  headers={"Authorization": f"Bearer {token}"})
         self._world_sizes: list[int] | None = None
         self._manifest: dict[str, ParamMeta] | None = None
 
@@ -145,24 +151,24 @@ class HTTPControlPlane:
             self._post(url, Endpoints.UPDATE_PARAM_BATCH, body)
 
     def finalize_update(self, version: int) -> None:
-        """Wait (bounded) until every server reports ``version``; raise with the server's reason."""
+        """Wait (bounded) until every server reports ``version``; raise with the server's reason.
+
+        Each server holds the request until it serves the version (or fails), so this costs one
+        round trip per server rather than a polling loop."""
         deadline = time.monotonic() + self.timeout_s
         pending = list(self.urls)
         while pending:
             for url in list(pending):
-                state = self._get(url, Endpoints.RUNTIME_VERSION)
+                wait_s = max(0.0, min(30.0, deadline - time.monotonic()))
+                state = self._get(url, f"{Endpoints.RUNTIME_VERSION}?wait_for_version={version}&timeout_s={wait_s:.3f}")
                 if state["version"] >= version and state["state"] == "serving":
                     pending.remove(url)
                     continue
                 tasks = self._get(url, Endpoints.NUM_BACKGROUND_TASKS)
                 if tasks["num_background_tasks"] == 0 and tasks.get("last_error"):
                     raise WeightSyncError(f"reward server {url} failed the update: {tasks['last_error']}")
-            if pending:
-                if time.monotonic() > deadline:
-                    raise WeightSyncError(
-                        f"servers {pending} did not report version {version} within {self.timeout_s:.0f}s"
-                    )
-                time.sleep(0.005)
+            if pending and time.monotonic() > deadline:
+                raise WeightSyncError(f"servers {pending} did not report version {version} within {self.timeout_s:.0f}s")
 
     def close_communicator(self) -> None:
         for url in self.urls:
@@ -219,38 +225,63 @@ class RewardModelPublisher:
         self.bucket_bytes = bucket_bytes
         self.atomic = atomic
         self.last_stats: dict[str, float] = {}
+        self._layout_cache: tuple[Any, list[tuple[str, str]], list[ParamMeta]] | None = None
 
     def prepare(
         self, state_dict: Mapping[str, torch.Tensor], training_mode: RewardModelTrainingMode, *, keep_lora: bool = False
     ) -> dict[str, torch.Tensor]:
+        """Normalised names → tensors, validated for the mode (and against the served manifest)."""
+        names, _ = self._layout(state_dict, training_mode, keep_lora)
+        return {server: state_dict[key] for server, key in names}
+
+    def _layout(
+        self, state_dict: Mapping[str, torch.Tensor], mode: RewardModelTrainingMode, keep_lora: bool
+    ) -> tuple[list[tuple[str, str]], list[ParamMeta]]:
+        """(server name, caller's key) in broadcast order, and the metadata to announce.
+
+        Cached by the names, shapes and dtypes: a trainer pushes the same layout every step, and
+        this work would otherwise sit on the critical path of every push."""
+        key = (mode, keep_lora, tuple((k, tuple(v.shape), v.dtype) for k, v in state_dict.items()))
+        if self._layout_cache is not None and self._layout_cache[0] == key:
+            return self._layout_cache[1], self._layout_cache[2]
         manifest = self.control.manifest()
-        params = normalize_params(state_dict, served=set(manifest) if manifest else None, keep_lora=keep_lora)
-        validate_for_mode(params, training_mode, self.head_name_patterns)
-        return params
+        renamed = normalize_params({k: k for k in state_dict}, served=set(manifest) if manifest else None,
+                                   keep_lora=keep_lora)
+        validate_for_mode(renamed, mode, self.head_name_patterns)
+        order = [(server, renamed[server]) for server in sorted(renamed)]  # deterministic on both sides
+        metadata = [meta_of(server, state_dict[k]) for server, k in order]
+        if manifest:  # the server would answer 400: say so before anything moves
+            problems = check_metadata(metadata, manifest)
+            if problems:
+                raise WeightValidationError(
+                    f"{len(problems)} parameter(s) do not fit the served model: " + "; ".join(problems[:10])
+                )
+        self._layout_cache = (key, order, metadata)
+        return order, metadata
 
     def publish(
         self, state_dict: Mapping[str, torch.Tensor], version: int, *,
         training_mode: RewardModelTrainingMode = RewardModelTrainingMode.FULL, keep_lora: bool = False,
     ) -> int:
         start = time.perf_counter()
-        params = self.prepare(state_dict, RewardModelTrainingMode(training_mode), keep_lora=keep_lora)
-        names = sorted(params)  # deterministic order on both sides
-        tensors = {n: params[n].detach() for n in names}
-        metadata = [meta_of(n, tensors[n]) for n in names]
-        self.control.announce_update_batch(
-            metadata, version=version, training_mode=RewardModelTrainingMode(training_mode),
-            bucket_bytes=self.bucket_bytes, atomic=self.atomic,
-        )
-        announced = time.perf_counter()
-        device = self.comm.device
-        scratch: torch.Tensor | None = None
-        total = 0
-        for bucket in plan_buckets(metadata, self.bucket_bytes):
-            scratch = pack_bucket(bucket, metadata, tensors, device, out=scratch)
-            self.comm.broadcast(scratch, self.src_rank)
-            total += bucket.nbytes
-            if scratch.numel() < self.bucket_bytes and bucket.nbytes == scratch.numel():
-                scratch = None  # a small last bucket; keep the large buffer only
+        mode = RewardModelTrainingMode(training_mode)
+        order, metadata = self._layout(state_dict, mode, keep_lora)
+        tensors = {server: state_dict[k].detach() for server, k in order}
+
+        def announce() -> None:
+            self.control.announce_update_batch(metadata, version=version, training_mode=mode,
+                                               bucket_bytes=self.bucket_bytes, atomic=self.atomic)
+
+        prepared = time.perf_counter()
+        if self.comm.device.type == "cuda" and self.control.manifest():
+            # Validated against the manifest already: announce while the GPU packs and enqueues the
+            # first buckets (NCCL waits on the GPU for the servers to join), confirm before waiting.
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                accepted = pool.submit(announce)
+                total = send_buckets(self.comm, metadata, tensors, self.bucket_bytes, self.src_rank,
+                                     before_wait=accepted.result)
+        else:
+            total = send_buckets(self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, before_wait=announce)
         if self.comm.max_flag(0) != 0:
             raise WeightSyncError(
                 f"a reward server failed to load version {version}; see its log and /get_num_background_tasks"
@@ -258,7 +289,7 @@ class RewardModelPublisher:
         sent = time.perf_counter()
         self.control.finalize_update(version)
         done = time.perf_counter()
-        self.last_stats = {"bytes": total, "prepare_s": announced - start, "transfer_s": sent - announced,
+        self.last_stats = {"bytes": total, "prepare_s": prepared - start, "transfer_s": sent - prepared,
                            "finalize_s": done - sent, "total_s": done - start}
         return version
 

@@ -40,10 +40,20 @@ def build_tiny_reward_model(
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    intermediate_size: int | None = None,
+    vocab_size: int | None = None,
     max_position_embeddings: int = 512,
+    head_std: float = 1.0,
+    dtype: str = "float32",
     seed: int = 0,
 ) -> Path:
-    """Save a random-weight ``LlamaForSequenceClassification`` and its tokenizer to ``out_dir``."""
+    """Save a random-weight ``LlamaForSequenceClassification`` and its tokenizer to ``out_dir``.
+
+    ``head_std``: random init gives near-zero scores; a wider head makes scores differ visibly
+    between texts (``hidden_size ** -0.5`` gives scores of order 1). ``vocab_size`` defaults to the
+    tokenizer's; a larger one mimics real models (the extra ids are simply never produced).
+    """
     import torch
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
@@ -51,12 +61,12 @@ def build_tiny_reward_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=max(vocab_size or 0, len(tokenizer)),
         hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
+        intermediate_size=intermediate_size or hidden_size * 2,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=max(1, num_heads // 2),
+        num_key_value_heads=num_kv_heads or max(1, num_heads // 2),
         max_position_embeddings=max_position_embeddings,
         num_labels=num_labels,
         pad_token_id=tokenizer.pad_token_id,
@@ -66,10 +76,9 @@ def build_tiny_reward_model(
     )
     torch.manual_seed(seed)
     model = LlamaForSequenceClassification(config)
-    # Random init gives near-zero scores; widen the head so scores differ visibly between texts.
     with torch.no_grad():
-        model.score.weight.normal_(0.0, 1.0)
-    model.save_pretrained(out)
+        model.score.weight.normal_(0.0, head_std)
+    model.to(getattr(torch, dtype)).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 

@@ -151,7 +151,8 @@ def test_two_replicas_one_push(server_factory, tiny_model_dir, per_server_groups
     a = server_factory(tiny_model_dir, token=TOKEN)
     b = server_factory(tiny_model_dir, token=TOKEN)
     model = perturbed(tiny_model_dir, seed=6)
-    sync = sync_for(a, b, per_server_groups=per_server_groups)
+    # group_port + i is the default; here each port is picked free so a busy neighbour port cannot flake
+    sync = sync_for(a, b, per_server_groups=per_server_groups, group_ports=[free_port(), free_port()])
     try:
         pub = sync.open()
         if not per_server_groups:  # one group: servers at ranks 0 and 1, trainer last
@@ -201,23 +202,32 @@ def test_scores_during_push_carry_the_version_that_made_them(server, tiny_model_
 
 def test_bad_metadata_rejected_before_any_receive(server, tiny_model_dir):
     model = perturbed(tiny_model_dir, seed=7)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    # the server checks every announced entry against its model and answers 400 before receiving
+    bad = [{"name": "score.weight", "dtype": "float32", "shape": [2, 64]},
+           {"name": "model.layers.99.mlp.up_proj.weight", "dtype": "float32", "shape": [3, 3]},
+           {"name": "model.norm.weight", "dtype": "int64", "shape": [64]}]
+    r = httpx.post(f"{server.url}/update_param_batch", json={"metadata": bad, "version": 1}, headers=auth)
+    assert r.status_code == 400, r.text
+    for needle in ("score.weight", "model.layers.99.mlp.up_proj.weight", "int64"):
+        assert needle in r.json()["error"]
     sync = sync_for(server)
     try:
+        # the trainer checks against the served manifest too, before announcing or broadcasting
         bad_shape = dict(model.state_dict())
         bad_shape["score.weight"] = torch.zeros(2, bad_shape["score.weight"].shape[1])
-        with pytest.raises(RewardServerError) as err:
+        with pytest.raises(WeightValidationError, match="score.weight"):
             sync.sync(bad_shape, version=1)
-        assert err.value.status_code == 400 and "score.weight" in err.value.message
         unknown = {"score.weight": model.score.weight, "model.layers.99.mlp.up_proj.weight": torch.zeros(3, 3)}
-        with pytest.raises(RewardServerError) as err:
+        with pytest.raises(WeightValidationError, match=r"model\.layers\.99"):
             sync.sync(unknown, version=1, training_mode=Mode.FULL)
-        assert err.value.status_code == 400 and "model.layers.99.mlp.up_proj.weight" in err.value.message
         assert served(server)[1] == 0  # still the old version, still serving
         sync.sync(model.state_dict(), version=1)  # the same communicator still works
         assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
         with pytest.raises(RewardServerError) as err:
             sync.sync(model.state_dict(), version=1)
         assert err.value.status_code == 409 and "newer" in err.value.message
+        sync.sync(model.state_dict(), version=2)  # and after a refused announce too
     finally:
         sync.close()
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -119,8 +120,19 @@ def build_app(
         return HealthResponse(version=g.version, state=g.state)
 
     @app.get(Endpoints.RUNTIME_VERSION, response_model=RuntimeVersionResponse)
-    async def runtime_version() -> RuntimeVersionResponse:
+    async def runtime_version(
+        wait_for_version: int | None = Query(default=None, ge=0),
+        timeout_s: float = Query(default=30.0, ge=0, le=300),
+    ) -> RuntimeVersionResponse:
+        """With ``wait_for_version``, answer once that version serves, the update failed, or the
+        timeout passed: a trainer learns the outcome of a push in one round trip."""
         g = engine.guard
+        if wait_for_version is not None:
+            deadline = time.monotonic() + timeout_s
+            sync = getattr(app.state, "weight_sync", None)
+            while (g.version < wait_for_version and g.state != "broken" and time.monotonic() < deadline
+                   and not (sync is not None and sync.failed_idle())):
+                await asyncio.sleep(0.0005)
         return RuntimeVersionResponse(version=g.version, state=g.state, detail=g.broken_reason)
 
     @app.get(Endpoints.WORLD_SIZE, response_model=WorldSizeResponse)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import sys
 
 from .config import ServerConfig, parse_args
@@ -36,6 +38,8 @@ def build_server_app(cfg: ServerConfig):  # -> FastAPI
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    # `kill -USR1 <pid>` prints every thread's stack: the way to see where a stuck update waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app = build_server_app(cfg)

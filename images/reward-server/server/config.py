@@ -32,6 +32,7 @@ class ServerConfig(BaseModel):
     token: str | None = None
     token_file: Path | None = None
     weights_dir: Path | None = None
+    load_format: Literal["auto", "dummy"] = "auto"
     log_level: str = "info"
     extra_engine_args: list[str] = Field(default_factory=list)
 
@@ -68,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                    help="control-plane bearer token file (else env REWARDPLANE_TOKEN / REWARDPLANE_TOKEN_FILE)")
     p.add_argument("--weights-dir", type=Path, default=None,
                    help="where pushed weights are persisted, so a restarted replica can be restored")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights from the checkpoint's config (benchmarks; weights then come by push)")
     p.add_argument("--log-level", default="info")
     args, extra = p.parse_known_args(argv)
     if extra and args.engine != "vllm":

@@ -22,13 +22,14 @@ from rewardplane.sdk.protocol import (
     ParamMeta,
     StatusResponse,
     UpdateParamBatchRequest,
+    check_metadata,
 )
 
 from .config import ServerConfig
 from .engine import RewardEngine
 from .errors import BadRequest, Conflict, ServerError, Unauthorized
 from .metrics import ServerMetrics
-from .worker_extension import check_metadata
+from .persistence import install_restore, persist_after_commit
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,10 @@ class WeightSyncService:
 
     def _busy(self) -> bool:
         return self._update_task is not None and not self._update_task.done()
+
+    def failed_idle(self) -> bool:
+        """The last update failed and none is running: waiting for a newer version is pointless."""
+        return not self._busy() and self.last_error is not None
 
     # ---- init / close -----------------------------------------------------------------------
     async def init_communicator(self, req: InitCommunicatorRequest) -> None:
@@ -137,14 +142,18 @@ class WeightSyncService:
                         await self.call("rp_apply_staged", metadata)
                         await self._reset_cache()
                         guard.commit(version)
+                        await persist_after_commit(self, [m.name for m in req.metadata], version)
                 else:
                     await self.call("rp_drop_staged")
             else:
                 async with guard.updating(timeout_s=req.timeout_s):
+                    locked = time.perf_counter()
                     result = _merge(await self.call("rp_receive", metadata, req.bucket_bytes, True))
+                    result["lock_s"], result["receive_s"] = locked - start, time.perf_counter() - locked
                     if result["ok"]:
                         await self._reset_cache()
                         guard.commit(version)
+                        await persist_after_commit(self, [m.name for m in req.metadata], version)
                     elif result["partial"]:
                         guard.mark_broken(f"update to version {version} failed part-way: {result['error']}")
         except Exception as exc:
@@ -157,8 +166,9 @@ class WeightSyncService:
         self.metrics.weights_version.set(guard.version)
         if result["ok"]:
             self.last_error = None
-            log.info("weights version %d loaded (%s, %d bytes, %.3fs)", version, mode, result["bytes"],
-                     time.perf_counter() - start)
+            log.info("weights version %d loaded (%s, %d bytes, %.1f ms; waited %.1f ms for the lock, received "
+                     "in %.1f ms)", version, mode, result["bytes"], 1000 * (time.perf_counter() - start),
+                     1000 * result.get("lock_s", 0.0), 1000 * result.get("receive_s", 0.0))
         else:
             self.last_error = f"update to version {version} failed: {result['error']}"
             log.error(self.last_error)
@@ -226,3 +236,5 @@ def install_control_plane(app: FastAPI, engine: RewardEngine, cfg: ServerConfig,
     @app.get(Endpoints.PARAM_MANIFEST, response_model=list[ParamMeta], dependencies=auth)
     async def param_manifest() -> list[ParamMeta]:
         return list(service.manifest.values())
+
+    install_restore(app, service, cfg.weights_dir, auth)  # POST /restore_weights (persistence.py)

@@ -55,14 +55,20 @@ class HFEngine:
     """
 
     def __init__(self, cfg: ServerConfig, metrics: ServerMetrics | None = None) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         self.cfg = cfg
         self.metrics = metrics or ServerMetrics()
         self.device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        model = AutoModelForSequenceClassification.from_pretrained(cfg.model, dtype=dtype)
+        if cfg.load_format == "dummy":  # random weights, built directly on the device (fast for large models)
+            with self.device:
+                model = AutoModelForSequenceClassification.from_config(
+                    AutoConfig.from_pretrained(cfg.model), dtype=dtype
+                )
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(cfg.model, dtype=dtype)
         model.eval().requires_grad_(False)
         self.model = model.to(self.device)
         num_labels = int(model.config.num_labels)

@@ -15,30 +15,9 @@ import torch
 from rewardplane.sdk.buckets import unpack_bucket
 from rewardplane.sdk.comm import Communicator, create_store
 from rewardplane.sdk.protocol import Bucket, ParamMeta, plan_buckets
+from rewardplane.sdk.transfer import Received, receive_buckets
 
 log = logging.getLogger(__name__)
-
-_FLOATS = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
-
-
-def check_metadata(metadata: list[ParamMeta], manifest: dict[str, ParamMeta]) -> list[str]:
-    """Everything wrong with an announced update, checked before any byte is received.
-
-    Floating dtypes may differ from the served ones (the server casts on receipt, e.g. an fp32
-    head next to a bf16 backbone); names and shapes must match.
-    """
-    problems: list[str] = []
-    for m in metadata:
-        served = manifest.get(m.name)
-        if served is None:
-            problems.append(f"unknown parameter {m.name!r}: the served model has no parameter of that name")
-            continue
-        if tuple(m.shape) != tuple(served.shape):
-            problems.append(f"parameter {m.name!r} has shape {list(m.shape)}; the served model expects {list(served.shape)}")
-        if m.dtype != served.dtype and not (m.dtype in _FLOATS and served.dtype in _FLOATS):
-            problems.append(f"parameter {m.name!r} has dtype {m.dtype}; the served model holds {served.dtype}")
-    return problems
-
 
 class RewardWeightSyncExtension:
     """Receive flat buckets from the trainer and load them. vLLM workers provide ``model_runner``,
@@ -84,43 +63,34 @@ class RewardWeightSyncExtension:
         comm = self._rp_comm
         if comm is None:
             return {"ok": False, "partial": False, "bytes": 0, "error": "no communicator: call /init_communicator first"}
-        metas = [ParamMeta(**m) for m in metadata]
+        metas, plan = self._rp_layout(metadata, bucket_bytes)
         src = comm.world_size - 1
-        device = self.rp_device()
-        staged: list[tuple[Bucket, torch.Tensor]] = []
-        received = 0
-        applied_any = False
-        error: str | None = None
+        got = Received()
         try:
-            for bucket in plan_buckets(metas, bucket_bytes):
-                buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-                comm.broadcast(buf, src)
-                received += bucket.nbytes
-                if error is not None:
-                    continue
-                if not apply:
-                    staged.append((bucket, buf))
-                    continue
-                try:
-                    self.rp_load(list(unpack_bucket(bucket, metas, buf)))
-                    applied_any = True
-                except Exception as exc:  # keep receiving; report in the status reduction
-                    error = f"loading bucket failed: {exc}"
-                    applied_any = True  # a failed load may have written part of its bucket
-            if (comm.max_flag(1 if error else 0)) != 0 and error is None:
-                error = "another rank failed to load its update"
+            receive_buckets(comm, metas, bucket_bytes, src, self.rp_load if apply else None, out=got, plan=plan)
+            if comm.max_flag(1 if got.error else 0) != 0 and got.error is None:
+                got.error = "another rank failed to load its part of the update"
         except Exception as exc:  # communication failed: the trainer died or timed out
             self.rp_close_communicator()
-            return {"ok": False, "partial": applied_any, "bytes": received, "error": str(exc)}
-        if error is not None:
-            return {"ok": False, "partial": applied_any, "bytes": received, "error": error}
-        self._rp_staged = staged if not apply else None
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return {"ok": True, "partial": False, "bytes": received, "error": None}
+            return {"ok": False, "partial": apply and got.applied_any, "bytes": got.bytes, "error": str(exc)}
+        if got.error is not None:
+            return {"ok": False, "partial": got.applied_any, "bytes": got.bytes, "error": got.error}
+        self._rp_staged = None if apply else got.staged
+        return {"ok": True, "partial": False, "bytes": got.bytes, "error": None}
+
+    def _rp_layout(self, metadata: list[dict[str, Any]], bucket_bytes: int) -> tuple[list[ParamMeta], list[Bucket]]:
+        """Parsed metadata and bucket plan, cached: a trainer pushes the same layout again and again,
+        and re-parsing hundreds of entries sits on the critical path of every push."""
+        key = (tuple((m["name"], m["dtype"], tuple(m["shape"])) for m in metadata), bucket_bytes)
+        cached = getattr(self, "_rp_layout_cache", None)
+        if cached is None or cached[0] != key:
+            metas = [ParamMeta(**m) for m in metadata]
+            cached = (key, metas, plan_buckets(metas, bucket_bytes))
+            self._rp_layout_cache = cached
+        return cached[1], cached[2]
 
     def rp_apply_staged(self, metadata: list[dict[str, Any]]) -> None:
-        metas = [ParamMeta(**m) for m in metadata]
+        metas = [ParamMeta(**m) for m in metadata]  # staged updates are not on the fast path
         staged, self._rp_staged = self._rp_staged or [], None
         for bucket, buf in staged:
             self.rp_load(list(unpack_bucket(bucket, metas, buf)))

@@ -1,0 +1,281 @@
+"""Operator benchmark on the local control plane (real kube-apiserver + etcd, no node agent).
+
+1. apply → all pods created: one RewardModel with N replicas, time from the create call until
+   every Pod exists; repeated (default 20 times), p50/p90 reported.
+2. many models: M RewardModels (default 100) created at once; time until each has its Pod and a
+   status, and the operator's RSS afterwards.
+
+Pods are bound to a registered Node that no agent runs, so they stay Pending: this measures the
+operator, not model loading.
+
+3. push (``--push``): a node agent runs real servers (a tiny model, ``--push-replicas`` replicas, CPU,
+   gloo). A weight push through the operator (``RewardModelHandle.push_weights``: call → WeightSync
+   Completed) against the same push in direct mode (``DirectWeightSync``: the trainer drives the
+   replicas' control plane itself, a fresh group per push like the operator's), head-only and full;
+   p50 of each and the ratio operator/direct.
+
+Usage:
+
+    python benchmarks/operator.py [--runs 20] [--replicas 3] [--models 100] [--json out.json]
+    python benchmarks/operator.py --push [--push-runs 10] [--push-replicas 2] [--hidden 256] [--layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from rewardplane.localcluster.controlplane import LocalControlPlane, free_port
+from rewardplane.operator.kube import Kube, core_path, custom_path
+
+ROOT = Path(__file__).resolve().parents[1]
+CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+NODE = "bench-node"
+NAMESPACE = "bench"
+
+
+def wait(what: str, check: Callable[[], bool], timeout_s: float, poll_s: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(poll_s)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def model(name: str, replicas: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "rewardplane.io/v1alpha1",
+        "kind": "RewardModel",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"model": {"source": "/models/bench"}, "engine": {"kind": "hf"}, "replicas": replicas,
+                 "gpu": {"mode": "none", "node": NODE}},
+    }  # fmt: skip
+
+
+def setup(kube: Kube) -> None:
+    for path in sorted((ROOT / "crds").glob("*.yaml")):
+        kube.create(CRD_PATH, yaml.safe_load(path.read_text()))
+    wait("CRDs established", lambda: _crd_ready(kube), 30)
+    kube.create(core_path("namespaces"), {"metadata": {"name": NAMESPACE}})
+    kube.create(core_path("nodes"), {"metadata": {"name": NODE}, "status": {"capacity": {"cpu": "64"}}})
+
+
+def _crd_ready(kube: Kube) -> bool:
+    crd = kube.get(f"{CRD_PATH}/rewardmodels.rewardplane.io") or {}
+    return any(c["type"] == "Established" and c["status"] == "True" for c in (crd.get("status") or {}).get("conditions") or [])
+
+
+def pod_names(kube: Kube, name: str) -> set[str]:
+    return {p["metadata"]["name"] for p in kube.list(core_path("pods", NAMESPACE), label_selector=f"rewardplane.io/model={name}")}
+
+
+def delete_model(kube: Kube, name: str) -> None:
+    kube.delete(custom_path(NAMESPACE, name))
+    wait(f"{name} deleted", lambda: kube.get(custom_path(NAMESPACE, name)) is None, 60)
+    for pod in pod_names(kube, name):  # no kubelet: force the bound pods out
+        kube._call("DELETE", core_path("pods", NAMESPACE, pod), params={"gracePeriodSeconds": "0"})
+
+
+def bench_apply(kube: Kube, runs: int, replicas: int) -> dict[str, Any]:
+    times = []
+    for i in range(runs):
+        name = f"apply-{i}"
+        started = time.perf_counter()
+        kube.create(custom_path(NAMESPACE), model(name, replicas))
+        wait(f"{replicas} pods of {name}", lambda n=name: len(pod_names(kube, n)) == replicas, 60)
+        times.append(time.perf_counter() - started)
+        delete_model(kube, name)
+    times.sort()
+    return {"runs": runs, "replicas": replicas, "p50_s": statistics.median(times),
+            "p90_s": times[int(0.9 * (len(times) - 1))], "max_s": times[-1]}  # fmt: skip
+
+
+def reconcile_stats(metrics_port: int) -> dict[str, float]:
+    """Reconciles done so far and their mean duration, from the operator's /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        for key in ("rewardplane_operator_reconcile_duration_seconds_sum", "rewardplane_operator_reconcile_duration_seconds_count"):
+            if line.startswith(key + " "):
+                values[key.rsplit("_", 1)[1]] = float(line.split()[1])
+    count = values.get("count", 0.0)
+    return {"reconciles": count, "mean_reconcile_s": values.get("sum", 0.0) / count if count else float("nan")}
+
+
+def bench_many(kube: Kube, count: int, operator_pid: int) -> dict[str, Any]:
+    started = time.perf_counter()
+    for i in range(count):
+        kube.create(custom_path(NAMESPACE), model(f"many-{i}", 1))
+    created = time.perf_counter() - started
+
+    def all_reconciled() -> bool:
+        items = kube.list(custom_path(NAMESPACE))
+        done = [m for m in items if m["metadata"]["name"].startswith("many-") and (m.get("status") or {}).get("phase")]
+        pods = kube.list(core_path("pods", NAMESPACE), label_selector="rewardplane.io/model")
+        return len(done) == count and len(pods) >= count
+
+    wait(f"{count} models reconciled", all_reconciled, 600, poll_s=0.2)
+    elapsed = time.perf_counter() - started
+    return {"models": count, "create_calls_s": created, "all_reconciled_s": elapsed, "operator_rss_mib": rss_mib(operator_pid)}
+
+
+def _p50(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def bench_push(kube: Kube, kubeconfig: Path, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Operator push (call → Completed) vs direct-mode push of the same parameters."""
+    import torch
+
+    from rewardplane.sdk.cluster import RewardModelHandle
+    from rewardplane.sdk.direct_sync import DirectWeightSync
+    from rewardplane.sdk.naming import select_head
+    from rewardplane.tinymodel import build_tiny_reward_model
+
+    model_dir = build_tiny_reward_model(tmp / "model", hidden_size=args.hidden, num_layers=args.layers)
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    head = select_head(full)
+    name = "push-bench"
+    kube.create(custom_path(NAMESPACE), {
+        "apiVersion": "rewardplane.io/v1alpha1", "kind": "RewardModel",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {"model": {"source": str(model_dir), "dtype": "float32"}, "engine": {"kind": "hf"},
+                 "replicas": args.push_replicas, "gpu": {"mode": "none", "node": AGENT_NODE}},
+    })  # fmt: skip
+    handle = RewardModelHandle(name, NAMESPACE, kubeconfig=str(kubeconfig))
+    handle.wait_ready(300)
+    urls, token = handle.urls, handle.token()
+    version = 0
+    out: dict[str, Any] = {"replicas": args.push_replicas, "runs": args.push_runs,
+                           "full_bytes": sum(v.numel() * v.element_size() for v in full.values()),
+                           "head_bytes": sum(v.numel() * v.element_size() for v in head.values())}  # fmt: skip
+    for mode, params in (("head_only", head), ("full", full)):
+        via_operator, direct = [], []
+        for _ in range(args.push_runs):
+            version += 1
+            started = time.perf_counter()
+            handle.push_weights(params, version, mode, trainer_host="127.0.0.1", timeout_s=120)
+            via_operator.append(time.perf_counter() - started)
+            version += 1
+            started = time.perf_counter()
+            sync = DirectWeightSync(urls, group_port=free_port(), token=token, trainer_host="127.0.0.1",
+                                    connect_timeout_s=60)  # fmt: skip
+            try:
+                sync.sync(params, version=version, training_mode=mode)
+            finally:
+                sync.close()
+            direct.append(time.perf_counter() - started)
+            # The operator's next push must be newer than what direct mode pushed.
+            wait("the model status to follow", lambda v=version: handle.weights_version >= v, 30)
+        out[mode] = {"operator_p50_s": _p50(via_operator), "direct_p50_s": _p50(direct),
+                     "ratio": _p50(via_operator) / _p50(direct), "operator_s": via_operator, "direct_s": direct}
+    handle.close()
+    return out
+
+
+AGENT_NODE = "bench-agent-node"
+
+
+def run_push(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="rp-bench-push-") as tmp_s, LocalControlPlane(Path(tmp_s) / "cp") as cp:
+        tmp = Path(tmp_s)
+        kube = Kube.from_environment(str(cp.kubeconfig))
+        setup(kube)
+        procs: list[subprocess.Popen[bytes]] = []
+        logs = [open(tmp / n, "wb") for n in ("agent.log", "operator.log")]  # noqa: SIM115 (closed below)
+        try:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "rewardplane.localcluster.nodeagent", "--kubeconfig", str(cp.kubeconfig),
+                 "--node-name", AGENT_NODE, "--state-dir", str(tmp / "node"), "--heartbeat-s", "5"],
+                stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "rewardplane.operator", "--kubeconfig", str(cp.kubeconfig), "--metrics-port",
+                 "0", "--resync-interval", "1", "--log-level", "WARNING"], stdout=logs[1], stderr=subprocess.STDOUT,
+                start_new_session=True))  # fmt: skip
+            time.sleep(2)
+            return bench_push(kube, cp.kubeconfig, tmp, args)
+        finally:
+            for proc in reversed(procs):
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+            for f in logs:
+                f.close()
+            kube.close()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--models", type=int, default=100)
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--push", action="store_true", help="benchmark weight pushes (operator vs direct) instead")
+    p.add_argument("--push-runs", type=int, default=10)
+    p.add_argument("--push-replicas", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256, help="hidden size of the pushed tiny model")
+    p.add_argument("--layers", type=int, default=4, help="layers of the pushed tiny model")
+    args = p.parse_args()
+    if args.push:
+        results = run_push(args)
+        for mode in ("head_only", "full"):
+            r = results[mode]
+            print(f"{mode:<9} operator {r['operator_p50_s'] * 1000:8.1f} ms   direct {r['direct_p50_s'] * 1000:8.1f} ms"
+                  f"   ratio {r['ratio']:.2f}x  (p50 of {results['runs']}, {results['replicas']} replicas)")
+        print(json.dumps(results, indent=2))
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="rp-bench-") as tmp, LocalControlPlane(Path(tmp) / "cp") as cp:
+        kube = Kube.from_environment(str(cp.kubeconfig))
+        setup(kube)
+        log = open(Path(tmp) / "operator.log", "wb")  # noqa: SIM115 (closed below, after the process)
+        metrics_port = free_port()
+        operator = subprocess.Popen(
+            [sys.executable, "-m", "rewardplane.operator", "--kubeconfig", str(cp.kubeconfig), "--metrics-port",
+             str(metrics_port), "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            time.sleep(2)  # kopf starts its watches
+            results = {"apply": bench_apply(kube, args.runs, args.replicas),
+                       "many": bench_many(kube, args.models, operator.pid)}  # fmt: skip
+            results["operator"] = reconcile_stats(metrics_port)
+        finally:
+            operator.terminate()
+            try:
+                operator.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                operator.kill()
+            log.close()
+            kube.close()
+    print(json.dumps(results, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

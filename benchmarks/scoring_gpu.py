@@ -1,0 +1,398 @@
+"""Scoring throughput on one GPU, measured in one run, as two ratios:
+
+    server over HTTP (many concurrent clients)  ÷  vLLM offline (``LLM.classify``)   goal >= 0.9
+    server over HTTP                            ÷  transformers, padded batches of 64  goal >= 2
+
+on the same token-id prompts (lengths uniform in [64, 1024], 2048 of them), for random-weight
+``LlamaForSequenceClassification`` models of ~0.4B and ~1.4B parameters.
+
+Every measurement runs in its own fresh process, one after the other on the same GPU (vLLM
+offline, then the reward server ``python -m rewardplane.server --engine vllm``, then
+transformers), so each has the GPU to itself. vLLM engines get identical settings (bf16, fp32
+head, LAST pooling, same memory fraction, same max length). Prefix caching stays on (the
+default) but no engine sees a prompt twice: the warm-up uses other prompts.
+
+Usage (GPU machine, vLLM importable, ``VLLM_USE_FLASHINFER_SAMPLER=0`` is set for you):
+
+    python benchmarks/scoring_gpu.py                     # 0.4b and 1.4b (about 8-10 minutes)
+    python benchmarks/scoring_gpu.py --sizes 1.4b        # one size per call fits a 10-minute limit
+    python benchmarks/scoring_gpu.py --quick             # 0.4b, 512 prompts, --enforce-eager
+
+Prints a final table; writes ``scoring_gpu.json`` to ``$OUT`` (or ``--out``) when set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SIZES: dict[str, dict[str, int]] = {
+    # ~0.39B: the model of the device README's measurement
+    "0.4b": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864},
+    # ~1.35B
+    "1.4b": {"hidden": 2048, "layers": 24, "heads": 16, "kv_heads": 8, "intermediate": 6656},
+}
+VOCAB = 32000
+GOAL_VS_OFFLINE = 0.9
+GOAL_VS_HF = 2.0
+
+
+# ---- phases (each runs in a fresh process) ---------------------------------------------------
+
+
+def phase_build(model_dir: Path, size: str, max_len: int) -> dict[str, Any]:
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from rewardplane.tinymodel import train_tokenizer
+
+    s = SIZES[size]
+    tokenizer = train_tokenizer()
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+        max_position_embeddings=max(max_len, 2048), num_labels=1, tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # random init on the GPU: seconds instead of minutes for 1.4B
+        model = LlamaForSequenceClassification(config).to(torch.bfloat16)
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, s["hidden"] ** -0.5)  # unit-scale scores
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    return {"params": params}
+
+
+def vllm_kwargs(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings the reward server uses (vllm_engine.build_engine_args), for offline."""
+    from vllm.config import PoolerConfig
+
+    kw: dict[str, Any] = {
+        "model": str(model_dir), "runner": "pooling", "dtype": "bfloat16", "max_model_len": args.max_len,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "hf_overrides": {"head_dtype": "float32"},
+        "pooler_config": PoolerConfig(pooling_type="LAST"), "disable_log_stats": True,
+        "served_model_name": "reward-model",
+    }
+    if args.enforce_eager:
+        kw["enforce_eager"] = True
+    return kw
+
+
+def phase_offline(model_dir: Path, prompts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import LLM, PoolingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.perf_counter()
+    llm = LLM(**vllm_kwargs(model_dir, args))
+    startup = time.perf_counter() - t0
+
+    def run(batch: list[list[int]]) -> list[list[float]]:
+        outs = llm.classify([TokensPrompt(prompt_token_ids=ids) for ids in batch],
+                            pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
+        return [list(map(float, o.outputs.probs)) for o in outs]
+
+    run(prompts["warmup"])
+    t0 = time.perf_counter()
+    scores = run(prompts["main"])
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "startup_s": startup, "scores": scores}
+
+
+def phase_hf(model_dir: Path, prompts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    device = torch.device("cuda")
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    pad = int(model.config.pad_token_id or 0)
+
+    @torch.inference_mode()
+    def run(all_ids: list[list[int]]) -> list[list[float]]:
+        out: list[list[float]] = []
+        for i in range(0, len(all_ids), args.hf_batch):  # prompt order: padding as it comes
+            batch = all_ids[i : i + args.hf_batch]
+            width = max(len(x) for x in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for r, x in enumerate(batch):
+                ids[r, : len(x)] = torch.tensor(x)
+                mask[r, : len(x)] = 1
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+            out.extend(logits.float().cpu().tolist())
+        torch.cuda.synchronize()
+        return out
+
+    run(prompts["warmup"][: args.hf_batch])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    scores = run(prompts["main"])
+    seconds = time.perf_counter() - t0
+    return {"seconds": seconds, "scores": scores}
+
+
+# ---- the server, measured from this process ---------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"server not healthy within {timeout_s:.0f}s:\n{log.read_text(errors='replace')[-4000:]}")
+
+
+async def drive(url: str, prompts: list[list[int]], per_request: int, concurrency: int) -> tuple[float, list[list[float]]]:
+    """Send every prompt in requests of ``per_request`` with at most ``concurrency`` in flight."""
+    import httpx
+
+    chunks = [prompts[i : i + per_request] for i in range(0, len(prompts), per_request)]
+    results: list[list[list[float]]] = [[] for _ in chunks]
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        async def one(i: int) -> None:
+            async with sem:
+                r = await client.post(url + "/pooling", json={"input": chunks[i]})
+                if r.status_code != 200:
+                    raise RuntimeError(f"/pooling answered {r.status_code}: {r.text[:500]}")
+                results[i] = [d["data"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(len(chunks))))
+        seconds = time.perf_counter() - t0
+    return seconds, [row for chunk in results for row in chunk]
+
+
+def measure_server(model_dir: Path, prompts: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "rewardplane.server", "--engine", "vllm", "--model", str(model_dir),
+           "--port", str(port), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--max-model-len", str(args.max_len), "--log-level", "warning"]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    log = work / f"server-{port}.log"
+    t0 = time.perf_counter()
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(url, proc, log, args.phase_timeout)
+        startup = time.perf_counter() - t0
+        asyncio.run(drive(url, prompts["warmup"], args.items_per_request, args.concurrency))
+        out: dict[str, Any] = {"startup_s": startup, "runs": {}}
+        # Each request size gets its own prompts' worth of fresh work: reuse would hit the prefix cache.
+        for k, per_request in enumerate(args.items_per_request_list):
+            main = prompts["main"] if k == 0 else prompts["extra"][k - 1]
+            seconds, scores = asyncio.run(drive(url, main, per_request, args.concurrency))
+            out["runs"][per_request] = {"seconds": seconds, "scores": scores if k == 0 else None,
+                                        "tokens": sum(map(len, main)), "prompts": len(main)}
+        return out
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        try:  # vLLM's engine core lives in the server's process group
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+# ---- orchestration -----------------------------------------------------------------------------
+
+
+def make_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # ids >= 4 skip the tokenizer's special tokens; the model's vocabulary is VOCAB
+    return [[rng.randrange(4, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_phase(name: str, model_dir: Path, work: Path, args: argparse.Namespace, extra: list[str] | None = None) -> dict[str, Any]:
+    result = work / f"{name}.json"
+    cmd = [sys.executable, os.path.abspath(__file__), "--phase", name, "--model-dir", str(model_dir),
+           "--workdir", str(work), "--max-len", str(args.max_len), "--hf-batch", str(args.hf_batch),
+           "--gpu-memory-utilization", str(args.gpu_memory_utilization), *(extra or [])]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    log = work / f"{name}.log"
+    result.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    # A log file, not pipes: vLLM's engine-core child could hold a pipe open after the phase ends.
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=args.phase_timeout)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        try:  # leave nothing of the phase on the GPU
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if rc is None:
+            proc.wait(timeout=30)
+    if rc != 0 or not result.exists():
+        why = "timed out" if rc is None else f"exit {rc}"
+        raise RuntimeError(f"phase {name} failed ({why}); log {log}:\n{log.read_text(errors='replace')[-4000:]}")
+    out = json.loads(result.read_text())
+    out["wall_s"] = time.perf_counter() - t0
+    return out
+
+
+def max_abs(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def bench_size(size: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    work = root / size
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = work / "model"
+    print(f"[{size}] building a random-weight model in {model_dir}", flush=True)
+    built = run_phase("build", model_dir, work, args, ["--size", size])
+    n_extra = len(args.items_per_request_list) - 1
+    prompts = {
+        "main": make_prompts(args.prompts, args.min_len, args.max_len, seed=1),
+        "warmup": make_prompts(64, args.min_len, args.max_len, seed=2),
+        "extra": [make_prompts(args.prompts, args.min_len, args.max_len, seed=10 + i) for i in range(n_extra)],
+    }
+    (work / "prompts.json").write_text(json.dumps(prompts))
+    tokens = sum(map(len, prompts["main"]))
+    print(f"[{size}] {built['params'] / 1e9:.2f}B params; {args.prompts} prompts, {tokens} tokens", flush=True)
+
+    offline = run_phase("offline", model_dir, work, args)
+    print(f"[{size}] vLLM offline: {tokens / offline['seconds']:,.0f} tok/s (startup {offline['startup_s']:.0f}s)", flush=True)
+    server = measure_server(model_dir, prompts, args, work)
+    primary = server["runs"][args.items_per_request_list[0]]
+    print(f"[{size}] server HTTP: {tokens / primary['seconds']:,.0f} tok/s (startup {server['startup_s']:.0f}s)", flush=True)
+    hf = None if args.skip_hf else run_phase("hf", model_dir, work, args)
+    if hf is not None:
+        print(f"[{size}] transformers padded: {tokens / hf['seconds']:,.0f} tok/s", flush=True)
+
+    row: dict[str, Any] = {
+        "size": size, "params": built["params"], "prompts": args.prompts, "tokens": tokens,
+        "offline_tok_s": tokens / offline["seconds"], "offline_s": offline["seconds"],
+        "server_tok_s": tokens / primary["seconds"], "server_s": primary["seconds"],
+        "items_per_request": args.items_per_request_list[0], "concurrency": args.concurrency,
+        "server_vs_offline": offline["seconds"] / primary["seconds"],
+        "server_vs_offline_max_abs_diff": max_abs(primary["scores"], offline["scores"]),
+        "other_request_sizes": {
+            str(k): {"tok_s": v["tokens"] / v["seconds"], "vs_offline": (v["tokens"] / v["seconds"]) / (tokens / offline["seconds"])}
+            for k, v in list(server["runs"].items())[1:]
+        },
+        "startup_s": {"offline": offline["startup_s"], "server": server["startup_s"]},
+    }
+    if hf is not None:
+        row.update({"hf_tok_s": tokens / hf["seconds"], "hf_s": hf["seconds"],
+                    "server_vs_hf": hf["seconds"] / primary["seconds"],
+                    "hf_vs_offline_max_abs_diff": max_abs(hf["scores"], offline["scores"])})
+    return row
+
+
+def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print("\n==== scoring throughput (tokens/s), one GPU, same prompts ====")
+    print(f"prompts {args.prompts}, lengths U[{args.min_len}, {args.max_len}], HTTP: {args.concurrency} in flight, "
+          f"{args.items_per_request_list[0]} prompts/request; transformers: batches of {args.hf_batch}, padded"
+          + (", enforce_eager" if args.enforce_eager else ""))
+    head = f"{'model':>6} {'params':>7} {'offline':>10} {'server':>10} {'hf':>10} {'srv/off':>8} {'goal':>5} {'srv/hf':>7} {'goal':>5} {'|srv-off|':>9}"
+    print(head)
+    for r in rows:
+        hf = r.get("hf_tok_s")
+        vs_hf = r.get("server_vs_hf")
+        print(f"{r['size']:>6} {r['params'] / 1e9:>6.2f}B {r['offline_tok_s']:>10,.0f} {r['server_tok_s']:>10,.0f} "
+              f"{(f'{hf:,.0f}' if hf else '-'):>10} {r['server_vs_offline']:>8.3f} "
+              f"{('ok' if r['server_vs_offline'] >= GOAL_VS_OFFLINE else 'MISS'):>5} "
+              f"{(f'{vs_hf:.2f}' if vs_hf else '-'):>7} "
+              f"{(('ok' if vs_hf >= GOAL_VS_HF else 'MISS') if vs_hf else '-'):>5} "
+              f"{r['server_vs_offline_max_abs_diff']:>9.4f}")
+        for k, v in r["other_request_sizes"].items():
+            print(f"{'':>6} {'':>7} server with {k} prompt(s)/request: {v['tok_s']:,.0f} tok/s = {v['vs_offline']:.3f} x offline")
+    print(f"goals: server/offline >= {GOAL_VS_OFFLINE}, server/hf >= {GOAL_VS_HF}")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="0.4b,1.4b", help=f"comma list of {sorted(SIZES)}")
+    p.add_argument("--quick", action="store_true", help="0.4b only, 512 prompts, --enforce-eager")
+    p.add_argument("--prompts", type=int, default=2048)
+    p.add_argument("--min-len", type=int, default=64)
+    p.add_argument("--max-len", type=int, default=1024, help="longest prompt; also the engines' max_model_len")
+    p.add_argument("--concurrency", type=int, default=256, help="HTTP requests in flight")
+    p.add_argument("--items-per-request", default="8",
+                   help="prompts per HTTP request; a comma list measures each (the first is the headline)")
+    p.add_argument("--hf-batch", type=int, default=64)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (faster start)")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--phase-timeout", type=float, default=900.0, help="bound on each phase (s)")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/rp-scoring-bench"))
+    p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    # internal: one phase in this process
+    p.add_argument("--phase", choices=["build", "offline", "hf"], help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--size", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.prompts, args.enforce_eager = "0.4b", min(args.prompts, 512), True
+    args.items_per_request_list = [int(x) for x in str(args.items_per_request).split(",") if x.strip()]
+    unknown = [s for s in args.sizes.split(",") if s not in SIZES]
+    if unknown:
+        p.error(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # FlashInfer is not in the device bundle
+    if args.phase:
+        work = args.workdir
+        if args.phase == "build":
+            out = phase_build(args.model_dir, args.size, args.max_len)
+        else:
+            prompts = json.loads((work / "prompts.json").read_text())
+            out = phase_offline(args.model_dir, prompts, args) if args.phase == "offline" else phase_hf(
+                args.model_dir, prompts, args)
+        (work / f"{args.phase}.json").write_text(json.dumps(out))
+        return 0
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for size in args.sizes.split(","):
+        rows.append(bench_size(size, args, args.workdir))
+        print_table(rows, args)  # after each size, in case a later one runs out of time
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "scoring_gpu.json").write_text(json.dumps({"rows": rows, "args": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

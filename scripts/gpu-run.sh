@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Runs the GPU suite and benchmarks on a GPU machine without network (the project's `device`
+# machines: Python 3.12, torch + transformers installed, our other dependencies carried as wheels).
+#
+#   bash scripts/gpu-run.sh tests            # tests/gpu (NCCL sync; vLLM tests when vllm imports)
+#   bash scripts/gpu-run.sh bench-sync [ARGS] # benchmarks/weight_sync.py
+#   bash scripts/gpu-run.sh bench-score [ARGS]# benchmarks/scoring_gpu.py
+#   bash scripts/gpu-run.sh all
+#
+# Wheels: put them in .whl/proj (see benchmarks/README.md for the list); they are installed into
+# /tmp/site. vLLM, when carried with ../shared/device's bundle, is picked up from /tmp/site too.
+# The package is laid out under /tmp/pkg by links (no build step needed). Logs go to $OUT if set.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-/tmp/rewardplane-out}; mkdir -p "$OUT"
+if compgen -G ".whl/proj/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/proj/*.whl
+fi
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r src/rewardplane /tmp/pkg/
+ln -s "$ROOT/sdk" /tmp/pkg/rewardplane/sdk
+ln -s "$ROOT/images/reward-server/server" /tmp/pkg/rewardplane/server
+ln -s "$ROOT/operator/controller" /tmp/pkg/rewardplane/operator
+ln -s "$ROOT/localcluster" /tmp/pkg/rewardplane/localcluster
+export PYTHONPATH=/tmp/site:/tmp/pkg:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi -L || true
+what=${1:-all}; shift || true
+case "$what" in
+  tests) python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu "$@" 2>&1 | tee "$OUT/gpu-tests.log" ;;
+  bench-sync) python3 benchmarks/weight_sync.py "$@" 2>&1 | tee "$OUT/bench-sync.log" ;;
+  bench-score) python3 benchmarks/scoring_gpu.py "$@" 2>&1 | tee "$OUT/bench-score.log" ;;
+  all)
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu 2>&1 | tee "$OUT/gpu-tests.log"
+    python3 benchmarks/weight_sync.py 2>&1 | tee "$OUT/bench-sync.log" ;;
+  *) echo "usage: gpu-run.sh tests|bench-sync|bench-score|all [args]"; exit 2 ;;
+esac

@@ -1,0 +1,244 @@
+"""The node agent runs Pods bound to its Node as real local processes and reports their status."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+WAIT_S = 30.0
+
+
+def _core(kube_api: Any) -> Any:
+    from kubernetes import client
+
+    return client.CoreV1Api(kube_api)
+
+
+def _pod(name: str, node: str, command: list[str], **container: Any) -> dict[str, Any]:
+    restart = container.pop("restartPolicy", "Always")
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "nodeName": node,  # bind-to-node: there is no scheduler
+            "restartPolicy": restart,
+            "terminationGracePeriodSeconds": 5,
+            "containers": [{"name": "main", "image": "local/python", "command": command, **container}],
+        },
+    }
+
+
+def _wait_pod(core: Any, ns: str, name: str, cond: Callable[[Any], bool], what: str,
+              agent: Any, timeout_s: float = WAIT_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    pod = None
+    while time.monotonic() < deadline:
+        pod = core.read_namespaced_pod(name, ns, _request_timeout=10)
+        if cond(pod):
+            return pod
+        time.sleep(0.2)
+    raise AssertionError(f"pod {ns}/{name} not {what} within {timeout_s}s; status: "
+                         f"{pod.status if pod else None}\nagent log:\n{agent.log_tail()}")
+
+
+def _ready(pod: Any) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
+
+
+def _pid(pod: Any) -> int:
+    cid = pod.status.container_statuses[0].container_id
+    return int(cid.rsplit("/", 1)[1])
+
+
+@pytest.mark.cluster
+def test_http_server_pod_gets_its_own_ip_and_becomes_ready(kube_api: Any, node_agent: Any,
+                                                           k8s_namespace: str) -> None:
+    core = _core(kube_api)
+    pod = _pod("web", node_agent.name, ["python", "-m", "http.server", "--bind", "$(POD_IP)", "8080"],
+               env=[{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+               ports=[{"name": "http", "containerPort": 8080}],
+               readinessProbe={"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1})
+    core.create_namespaced_pod(k8s_namespace, pod, _request_timeout=10)
+    got = _wait_pod(core, k8s_namespace, "web", _ready, "Ready", node_agent)
+
+    assert got.status.phase == "Running"
+    ip = got.status.pod_ip
+    assert re.fullmatch(r"127\.0\.\d+\.\d+", ip) and ip not in ("127.0.0.0", "127.0.0.1")
+    assert [i.ip for i in got.status.pod_ips] == [ip]
+    assert got.status.host_ip == "127.0.0.1"
+    assert got.status.start_time is not None
+    cs = got.status.container_statuses[0]
+    assert cs.ready and cs.state.running is not None and cs.restart_count == 0
+    types = {c.type: c.status for c in got.status.conditions}
+    assert types == {"PodScheduled": "True", "Initialized": "True", "ContainersReady": "True", "Ready": "True"}
+    with urllib.request.urlopen(f"http://{ip}:8080/", timeout=5) as resp:
+        assert resp.status == 200
+
+
+@pytest.mark.cluster
+def test_crashing_process_is_restarted(kube_api: Any, node_agent: Any, k8s_namespace: str) -> None:
+    core = _core(kube_api)
+    core.create_namespaced_pod(k8s_namespace, _pod("crash", node_agent.name,
+                                                   ["python", "-c", "import sys; sys.exit(1)"]),
+                               _request_timeout=10)
+    got = _wait_pod(core, k8s_namespace, "crash",
+                    lambda p: bool(p.status.container_statuses) and p.status.container_statuses[0].restart_count > 0,
+                    "restarted", node_agent)
+    cs = got.status.container_statuses[0]
+    assert cs.last_state.terminated is not None and cs.last_state.terminated.exit_code == 1
+    assert got.status.phase == "Running"  # restartPolicy Always keeps the pod Running
+    # between runs the container waits in CrashLoopBackOff; right after a restart it runs again
+    assert cs.state.running is not None or cs.state.waiting.reason == "CrashLoopBackOff"
+
+
+@pytest.mark.cluster
+def test_deleting_the_pod_stops_the_process(kube_api: Any, node_agent: Any, k8s_namespace: str) -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    core = _core(kube_api)
+    core.create_namespaced_pod(k8s_namespace, _pod("sleeper", node_agent.name,
+                                                   ["python", "-c", "import time; time.sleep(600)"]),
+                               _request_timeout=10)
+    got = _wait_pod(core, k8s_namespace, "sleeper", _ready, "Ready", node_agent)
+    pid = _pid(got)
+    os.kill(pid, 0)  # the process runs on this machine
+
+    core.delete_namespaced_pod("sleeper", k8s_namespace, _request_timeout=10)  # default grace
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            core.read_namespaced_pod("sleeper", k8s_namespace, _request_timeout=10)
+        except ApiException as exc:
+            assert exc.status == 404
+            break
+        assert time.monotonic() < deadline, f"pod not deleted by the agent:\n{node_agent.log_tail()}"
+        time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.cluster
+def test_secret_env_and_mounted_secret_reach_the_process(kube_api: Any, node_agent: Any,
+                                                         k8s_namespace: str, tmp_path: Path) -> None:
+    core = _core(kube_api)
+    core.create_namespaced_secret(k8s_namespace, {
+        "metadata": {"name": "creds"},
+        "stringData": {"token": "s3cret-token", "config.json": '{"answer": 42}'},
+    }, _request_timeout=10)
+    out = tmp_path / "seen.txt"
+    script = ("import os, pathlib; "
+              "pathlib.Path(os.environ['OUT']).write_text("
+              "os.environ['TOKEN'] + '|' + open('/etc/creds/config.json').read() + '|' + os.environ['CFG'])")
+    pod = _pod("reader", node_agent.name, ["python", "-c", script], restartPolicy="Never",
+               env=[{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
+                    {"name": "OUT", "value": str(out)},
+                    {"name": "CFG", "value": "/etc/creds/config.json"}],
+               volumeMounts=[{"name": "creds", "mountPath": "/etc/creds", "readOnly": True}])
+    pod["spec"]["volumes"] = [{"name": "creds", "secret": {"secretName": "creds"}}]
+    core.create_namespaced_pod(k8s_namespace, pod, _request_timeout=10)
+    got = _wait_pod(core, k8s_namespace, "reader", lambda p: p.status.phase in ("Succeeded", "Failed"),
+                    "finished", node_agent)
+    assert got.status.phase == "Succeeded", node_agent.log_tail()
+    token, config, cfg_path = out.read_text().split("|")
+    assert token == "s3cret-token"
+    assert config == '{"answer": 42}'
+    # the env value naming the mount path was rewritten to the per-pod secret directory
+    assert cfg_path != "/etc/creds/config.json" and Path(cfg_path).parent.name == "creds"
+    assert got.status.container_statuses[0].state.terminated.exit_code == 0
+
+
+@pytest.mark.cluster
+def test_node_advertises_capacity_and_labels(kube_api: Any, node_agent: Any) -> None:
+    node = _core(kube_api).read_node(node_agent.name, _request_timeout=10)
+    assert node.status.capacity["nvidia.com/gpu"] == "1"
+    assert node.status.allocatable["pods"] == "110"
+    assert node.metadata.labels["rewardplane.io/test"] == "true"
+    assert node.metadata.labels["kubernetes.io/hostname"] == node_agent.name
+
+
+# -- the agent's pure logic (no cluster needed) ------------------------------------------------------
+
+
+def test_var_expansion_follows_kubernetes_rules() -> None:
+    from rewardplane.localcluster.podspec import expand_vars
+
+    env = {"A": "1", "POD_IP": "127.0.0.2"}
+    assert expand_vars("--bind=$(POD_IP):$(A)", env) == "--bind=127.0.0.2:1"
+    assert expand_vars("$$(A)", env) == "$(A)"  # escaped
+    assert expand_vars("$(MISSING)", env) == "$(MISSING)"  # unknown names stay
+    assert expand_vars("x$(A", env) == "x$(A"  # unterminated
+    assert expand_vars("a$b$", env) == "a$b$"
+
+
+def test_env_resolution_and_mount_rewriting(tmp_path: Path) -> None:
+    from rewardplane.localcluster.podspec import PodConfigError, plan_process, plan_volumes
+
+    pod = {
+        "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
+        "spec": {
+            "nodeName": "n1",
+            "containers": [{
+                "name": "c",
+                "command": ["python3", "serve.py", "--token-file=/etc/rp/token", "--host", "$(POD_IP)"],
+                "env": [
+                    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                    {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                    {"name": "URL", "value": "http://$(POD_IP):8000"},
+                    {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "token"}}},
+                    {"name": "CACHE", "value": "/cache/models"},
+                ],
+                "volumeMounts": [{"name": "rp", "mountPath": "/etc/rp"}, {"name": "cache", "mountPath": "/cache"}],
+            }],
+            "volumes": [{"name": "rp", "secret": {"secretName": "s"}}, {"name": "cache", "emptyDir": {}}],
+        },
+    }
+    secrets = {("ns", "s"): {"token": b"abc"}}
+    vols = plan_volumes(pod, pod_dir=tmp_path, shared_dir=tmp_path / "shared", secrets=secrets, configmaps={})
+    assert vols["rp"].files == {"token": b"abc"}
+    plan = plan_process(pod, pod_ip="127.0.0.5", secrets=secrets, configmaps={}, volumes=vols, python="/py")
+    assert plan.argv == ["/py", "serve.py", f"--token-file={tmp_path}/volumes/rp/token", "--host", "127.0.0.5"]
+    assert plan.env["URL"] == "http://127.0.0.5:8000"
+    assert plan.env["NODE"] == "n1" and plan.env["TOKEN"] == "abc"
+    assert plan.env["CACHE"] == f"{tmp_path}/volumes/cache/models"
+    with pytest.raises(PodConfigError, match='secret "s" not found'):
+        plan_process(pod, pod_ip="127.0.0.5", secrets={}, configmaps={}, volumes=vols)
+
+
+def test_ip_allocation_is_unique_and_reuses_released_addresses() -> None:
+    from rewardplane.localcluster.podspec import IPAllocator
+
+    ips = IPAllocator()
+    assert [ips.allocate(u) for u in ("a", "b")] == ["127.0.0.2", "127.0.0.3"]
+    assert ips.allocate("a") == "127.0.0.2"  # stable per owner
+    assert ips.allocate("c", preferred="127.0.0.9") == "127.0.0.9"
+    assert ips.allocate("d", preferred="127.0.0.2") == "127.0.0.4"  # taken: next free
+    ips.release("a")
+    assert ips.allocate("e") == "127.0.0.2"
+
+
+def test_status_reports_crash_loop_and_readiness() -> None:
+    from rewardplane.localcluster.podspec import ContainerRuntime, build_pod_status
+
+    rt = ContainerRuntime(name="main", pod_ip="127.0.0.2", pod_start=100.0)
+    assert build_pod_status(rt, 100.0)["phase"] == "Pending"
+    rt.running_since, rt.waiting_reason, rt.pid = 101.0, None, 42
+    st = build_pod_status(rt, 101.0)
+    assert st["phase"] == "Running" and st["podIPs"] == [{"ip": "127.0.0.2"}]
+    assert {c["type"]: c["status"] for c in st["conditions"]}["Ready"] == "False"
+    rt.ready = True
+    st = build_pod_status(rt, 102.0)
+    ready = next(c for c in st["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True" and ready["lastTransitionTime"].endswith(":42Z")
+    rt.running_since, rt.ready, rt.pid = None, False, None
+    rt.last_exit, rt.waiting_reason, rt.restart_count = (1, "Error", 101.0, 103.0), "CrashLoopBackOff", 1
+    cs = build_pod_status(rt, 103.0)["containerStatuses"][0]
+    assert cs["state"]["waiting"]["reason"] == "CrashLoopBackOff"
+    assert cs["lastState"]["terminated"]["exitCode"] == 1 and cs["restartCount"] == 1

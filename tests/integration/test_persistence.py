@@ -1,0 +1,60 @@
+"""Pushed weights persisted by the server (--weights-dir) and restored after a restart (/restore_weights)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+from rewardplane.sdk.naming import select_head
+from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
+from tests.fixtures.models import TEXTS
+from tests.fixtures.trainer import logits, perturbed
+from tests.integration.test_weight_sync import TOKEN, close, served, sync_for
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_union_of_pushes_is_persisted_and_restored_after_a_restart(server_factory, tiny_model_dir, tmp_path):
+    weights = tmp_path / "weights"
+    server = server_factory(tiny_model_dir, token=TOKEN, weights_dir=weights)
+    full = perturbed(tiny_model_dir, seed=11)
+    head = perturbed(tiny_model_dir, seed=12, head_only=True)
+    sync = sync_for(server, bucket_bytes=1 << 16)
+    try:
+        sync.sync(full.state_dict(), version=1, training_mode=Mode.FULL)
+        sync.sync(select_head(head.state_dict()), version=2, training_mode=Mode.HEAD_ONLY)
+    finally:
+        sync.close()
+    # The union: full's backbone, head's head.
+    expected = perturbed(tiny_model_dir, seed=11)
+    expected.score.load_state_dict(head.score.state_dict())
+    want = logits(expected, tiny_model_dir, TEXTS)
+    assert close(served(server)[0], want)
+
+    def saved() -> dict:
+        path = weights / "version.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    deadline = time.monotonic() + 10
+    while saved().get("version") != 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert saved()["version"] == 2
+
+    server.kill()
+    restarted = server_factory(tiny_model_dir, token=TOKEN, weights_dir=weights)
+    assert served(restarted)[1] == 0
+    wrong = httpx.post(f"{restarted.url}/restore_weights", json={"version": 3}, headers=AUTH, timeout=30)
+    assert wrong.status_code == 409 and "version 2, not 3" in wrong.json()["error"]
+    assert httpx.post(f"{restarted.url}/restore_weights", json={"version": 2}, timeout=30).status_code == 401
+    ok = httpx.post(f"{restarted.url}/restore_weights", json={"version": 2}, headers=AUTH, timeout=30)
+    assert ok.status_code == 200, ok.text
+    got, version = served(restarted)
+    assert version == 2 and close(got, want)
+
+
+def test_restore_without_weights_dir_says_how_to_enable_it(server_factory, tiny_model_dir):
+    server = server_factory(tiny_model_dir, token=TOKEN)
+    resp = httpx.post(f"{server.url}/restore_weights", json={"version": 1}, headers=AUTH, timeout=30)
+    assert resp.status_code == 409 and "--weights-dir" in resp.json()["error"]

@@ -1,0 +1,287 @@
+"""The CRDs, the Helm chart and the example manifests agree with each other and with the operator."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from rewardplane.operator.planning import ClusterView, NodeInfo, plan_reward_model, validate_spec
+from rewardplane.operator.spec import RewardModelSpec
+from rewardplane.operator.status import ProbeResult, compute_status
+
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = ROOT / "crds"
+CHART = ROOT / "charts" / "rewardplane"
+EXAMPLES = ROOT / "examples"
+HELM_CANDIDATES = [Path.home() / ".cache" / "rewardplane" / "bin" / "helm"]
+
+
+def load_crd(name: str) -> dict[str, Any]:
+    return yaml.safe_load((CRDS / name).read_text())
+
+
+def schema_of(crd: dict[str, Any]) -> dict[str, Any]:
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+RM_CRD, WS_CRD = load_crd("rewardmodel.yaml"), load_crd("weightsync.yaml")
+RM_SCHEMA, WS_SCHEMA = schema_of(RM_CRD), schema_of(WS_CRD)
+
+
+# ------------------------------------------------------------------ a small structural-schema checker
+# Enough of the API server's validation (types, enums, bounds, unknown fields) to check manifests
+# and operator output in unit tests; the integration suite checks the same against the real thing.
+
+
+def schema_errors(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    if schema.get("x-kubernetes-preserve-unknown-fields") and "properties" not in schema:
+        return []
+    if schema.get("x-kubernetes-int-or-string"):
+        return [] if isinstance(value, int | str) else [f"{path}: not int-or-string"]
+    kind = schema.get("type")
+    checks = {"object": dict, "array": list, "string": str, "boolean": bool, "integer": int, "number": int | float}
+    if kind and not isinstance(value, checks[kind]) or (kind in ("integer", "number") and isinstance(value, bool)):
+        return [f"{path}: expected {kind}, got {value!r}"]
+    errors = []
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: {value!r} not in {schema['enum']}")
+    if kind in ("integer", "number"):
+        lo, hi = schema.get("minimum"), schema.get("maximum")
+        if lo is not None and (value < lo or (schema.get("exclusiveMinimum") and value == lo)):
+            errors.append(f"{path}: {value} below minimum {lo}")
+        if hi is not None and (value > hi or (schema.get("exclusiveMaximum") and value == hi)):
+            errors.append(f"{path}: {value} above maximum {hi}")
+    if kind == "string" and len(value) < schema.get("minLength", 0):
+        errors.append(f"{path}: shorter than {schema['minLength']}")
+    if kind == "object" and "properties" in schema:
+        props = schema["properties"]
+        for key in schema.get("required", []):
+            if key not in value:
+                errors.append(f"{path}.{key}: required")
+        for key, item in value.items():
+            if key not in props:
+                if not schema.get("x-kubernetes-preserve-unknown-fields"):
+                    errors.append(f"{path}.{key}: unknown field (the API server would prune it)")
+                continue
+            errors += schema_errors(item, props[key], f"{path}.{key}")
+    elif kind == "object" and "additionalProperties" in schema:
+        for key, item in value.items():
+            errors += schema_errors(item, schema["additionalProperties"], f"{path}.{key}")
+    if kind == "array":
+        for i, item in enumerate(value):
+            errors += schema_errors(item, schema["items"], f"{path}[{i}]")
+    return errors
+
+
+def walk(schema: dict[str, Any], path: str = ""):
+    yield path, schema
+    for key, sub in (schema.get("properties") or {}).items():
+        yield from walk(sub, f"{path}.{key}")
+    if isinstance(schema.get("items"), dict):
+        yield from walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+# ------------------------------------------------------------------ CRD shape
+
+
+@pytest.mark.parametrize(
+    ("crd", "kind", "short", "columns"),
+    [
+        (RM_CRD, "RewardModel", "rm", ["Ready", "Phase", "Model", "Version", "GPU-Frac", "Age"]),
+        (WS_CRD, "WeightSync", "ws", ["Model", "Version", "Mode", "Phase", "Duration", "Age"]),
+    ],
+)
+def test_crd_identity(crd: dict[str, Any], kind: str, short: str, columns: list[str]) -> None:
+    assert crd["apiVersion"] == "apiextensions.k8s.io/v1"
+    spec = crd["spec"]
+    assert spec["group"] == "rewardplane.io" and spec["scope"] == "Namespaced"
+    assert spec["names"]["kind"] == kind and spec["names"]["shortNames"] == [short]
+    assert crd["metadata"]["name"] == f"{spec['names']['plural']}.rewardplane.io"
+    (version,) = spec["versions"]
+    assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
+    assert version["subresources"] == {"status": {}}
+    assert [c["name"].upper() for c in version["additionalPrinterColumns"]] == [c.upper() for c in columns]
+    for column in version["additionalPrinterColumns"]:
+        if column["jsonPath"].startswith((".spec", ".status")):  # the column's field exists in the schema
+            parts = column["jsonPath"].strip(".").split(".")
+            node = schema_of(crd)
+            for part in parts:
+                node = node["properties"][part]
+            assert node["type"] == column["type"] or (node["type"], column["type"]) == ("integer", "number")
+
+
+@pytest.mark.parametrize("schema", [RM_SCHEMA, WS_SCHEMA], ids=["RewardModel", "WeightSync"])
+def test_every_field_is_described_and_typed(schema: dict[str, Any]) -> None:
+    for path, node in walk(schema):
+        if path in (".metadata",) or path.endswith(("{}", "[]")):  # kubectl explain shows the list's own
+            continue
+        assert node.get("description"), f"{path} has no description (kubectl explain shows nothing)"
+        assert node.get("type") or node.get("x-kubernetes-int-or-string"), f"{path} has no type (not structural)"
+        assert "x-kubernetes-validations" not in node, "CEL is not enforced on Kubernetes 1.20"
+
+
+@pytest.mark.parametrize("schema", [RM_SCHEMA, WS_SCHEMA], ids=["RewardModel", "WeightSync"])
+def test_kopf_status_is_preserved(schema: dict[str, Any]) -> None:
+    assert schema["properties"]["status"]["properties"]["kopf"]["x-kubernetes-preserve-unknown-fields"] is True
+
+
+def test_rewardmodel_bounds() -> None:
+    spec = RM_SCHEMA["properties"]["spec"]["properties"]
+    fraction = spec["gpu"]["properties"]["memoryFraction"]
+    assert (fraction["minimum"], fraction["exclusiveMinimum"], fraction["maximum"]) == (0, True, 1)
+    assert spec["replicas"]["minimum"] == 0 and spec["tensorParallelSize"]["minimum"] == 1
+    for port in ("policyHttpPort", "policyGroupPort", "http", "group"):
+        p = spec["ports"]["properties"][port]
+        assert (p["minimum"], p["maximum"]) == (1, 65535)
+    assert spec["model"]["properties"]["pooling"]["enum"] == ["last", "mean", "cls"]
+    assert spec["engine"]["properties"]["kind"]["enum"] == ["vllm", "hf"]
+    assert spec["gpu"]["properties"]["mode"]["enum"] == ["exclusive", "shared", "none"]
+
+
+def _defaults(schema: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, sub in (schema.get("properties") or {}).items():
+        if "default" in sub and sub.get("type") != "object":
+            out[f"{prefix}{key}"] = sub["default"]
+        out.update(_defaults(sub, f"{prefix}{key}."))
+    return out
+
+
+def test_crd_defaults_match_the_operators_defaults() -> None:
+    crd_defaults = _defaults(RM_SCHEMA["properties"]["spec"])
+    parsed = RewardModelSpec.model_validate({"model": {"source": "x"}}).model_dump(by_alias=True, mode="json")
+    for dotted, default in crd_defaults.items():
+        value: Any = parsed
+        for part in dotted.split("."):
+            value = value[part]
+        assert value == (list(default) if isinstance(default, list) else default), dotted
+
+
+def test_schema_refuses_what_the_issue_names() -> None:
+    base = {"model": {"source": "x"}}
+    assert schema_errors(base, RM_SCHEMA["properties"]["spec"]) == []
+    for bad in ({"gpu": {"memoryFraction": 1.5}}, {"gpu": {"memoryFraction": 0}}, {"replicas": -1},
+                {"ports": {"http": 70000}}, {"ports": {"group": 0}}, {"gpu": {"mode": "half"}}):  # fmt: skip
+        assert schema_errors({**base, **bad}, RM_SCHEMA["properties"]["spec"]), bad
+        assert validate_spec({**base, **bad}), f"the operator must refuse {bad} too (no CEL on 1.20)"
+
+
+def test_operator_status_fits_the_status_schema() -> None:
+    """kopf and our patches are pruned silently when a field is missing from the schema."""
+    body = {"metadata": {"name": "rm", "namespace": "d", "uid": "u", "generation": 2},
+            "spec": {"model": {"source": "x"}, "engine": {"kind": "hf"}, "gpu": {"mode": "none"}, "replicas": 2}}  # fmt: skip
+    plan = plan_reward_model(body, ClusterView(nodes=(NodeInfo("n"),)))
+    pods = [
+        {"metadata": {"name": f"rm-{i}", "labels": {"rewardplane.io/replica": str(i)},
+                      "annotations": {"rewardplane.io/group-port": "51217", "rewardplane.io/rank-offset": "0"}},
+         "spec": {"nodeName": "n"}, "status": {"podIP": "127.0.0.2", "conditions": [{"type": "Ready", "status": "True"}]}}
+        for i in range(2)
+    ]  # fmt: skip
+    status = compute_status(body, plan, pods, {"rm-0": ProbeResult(1, "serving")}, "2026-01-01T00:00:00Z")
+    assert schema_errors(status, RM_SCHEMA["properties"]["status"], "status") == []
+    failed = compute_status(body, None, pods, {}, "2026-01-01T00:00:00Z", errors=["x"])
+    assert schema_errors(failed, RM_SCHEMA["properties"]["status"], "status") == []
+
+
+# ------------------------------------------------------------------ examples
+
+
+EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
+
+
+def test_examples_exist() -> None:
+    names = {p.name for p in EXAMPLE_FILES}
+    assert {"rewardmodel.yaml", "rewardmodel-exclusive-gpu.yaml", "rewardmodel-shared-gpu.yaml",
+            "rewardmodel-multi-replica.yaml"} <= names  # fmt: skip
+
+
+@pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
+def test_examples_are_valid(path: Path) -> None:
+    for doc in yaml.safe_load_all(path.read_text()):
+        assert doc["apiVersion"] == "rewardplane.io/v1alpha1"
+        schema = RM_SCHEMA if doc["kind"] == "RewardModel" else WS_SCHEMA
+        assert schema_errors(doc, schema) == []
+        if doc["kind"] == "RewardModel":
+            assert validate_spec(doc["spec"], doc["metadata"]["name"]) == []
+
+
+def test_cpu_example_matches_the_tiny_model_script() -> None:
+    doc = yaml.safe_load((EXAMPLES / "rewardmodel.yaml").read_text())
+    spec = doc["spec"]
+    assert spec["model"]["source"] == "/tmp/rewardplane-tiny-rm"
+    assert (spec["engine"]["kind"], spec["gpu"]["mode"]) == ("hf", "none")
+
+
+# ------------------------------------------------------------------ Helm chart
+
+
+def test_chart_crds_are_the_repository_crds() -> None:
+    chart_crds = sorted(p.name for p in (CHART / "crds").iterdir())
+    assert chart_crds == sorted(p.name for p in CRDS.glob("*.yaml"))
+    for name in chart_crds:
+        assert (CHART / "crds" / name).read_bytes() == (CRDS / name).read_bytes(), f"{name} drifted from crds/"
+
+
+def test_chart_rbac_covers_what_the_operator_touches() -> None:
+    # Template lines dropped, the rest is plain YAML.
+    lines = (CHART / "templates" / "rbac.yaml").read_text().splitlines()
+    text = "\n".join(line for line in lines if "{{" not in line)
+    rules = next(d for d in yaml.safe_load_all(text) if d and d.get("kind") == "ClusterRole")["rules"]
+    granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    needed = {("rewardplane.io", "rewardmodels", v) for v in ("get", "list", "watch", "patch")}
+    needed |= {("rewardplane.io", "rewardmodels/status", "patch")}
+    needed |= {("", "pods", v) for v in ("get", "list", "watch", "create", "delete")}
+    needed |= {("", "services", v) for v in ("get", "list", "create", "patch", "delete")}
+    needed |= {("", "secrets", v) for v in ("get", "list", "create", "delete")}
+    needed |= {("", "nodes", "list"), ("", "events", "create")}
+    assert needed <= granted
+    assert not any(v in ("*", "update", "deletecollection") for _, _, v in granted), "grant only what is used"
+
+
+def _helm() -> str | None:
+    found = shutil.which("helm")
+    return found or next((str(p) for p in HELM_CANDIDATES if p.exists()), None)
+
+
+@pytest.fixture
+def helm() -> str:
+    binary = _helm()
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("helm is missing in CI; run scripts/install-k8s-tools.sh")
+        pytest.skip("helm not installed (scripts/install-k8s-tools.sh installs it)")
+    return binary
+
+
+def test_helm_lint(helm: str) -> None:
+    result = subprocess.run([helm, "lint", str(CHART)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_helm_template_renders_the_operator(helm: str) -> None:
+    result = subprocess.run(
+        [helm, "template", "rp", str(CHART), "--namespace", "rewardplane-system", "--include-crds"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    docs = [d for d in yaml.safe_load_all(result.stdout) if d]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds.count("CustomResourceDefinition") == 2
+    assert {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service"} <= set(kinds)
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "ghcr.io/rewardplane/operator:0.1.0"
+    assert "--all-namespaces" in container["args"]
+    scoped = subprocess.run(
+        [helm, "template", "rp", str(CHART), "--set", "operator.watchNamespace=team-a"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert "--namespace=team-a" in scoped.stdout
