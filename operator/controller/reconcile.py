@@ -20,6 +20,7 @@ import httpx
 from rewardplane.sdk.protocol import Endpoints
 
 from . import metrics
+from .coalesce import Coalescer
 from .kube import Kube, KubeError, core_path, custom_path
 from .planning import ClusterView, Plan, gpus_in_use, node_info, plan_reward_model
 from .probes import probe_server
@@ -59,8 +60,7 @@ class Reconciler:
         self.namespace = namespace  # None: the whole cluster
         self._http = httpx.Client()
         self._guard = threading.Lock()
-        self._running: set[Key] = set()
-        self._dirty: set[Key] = set()
+        self._coalesce: Coalescer[Key] = Coalescer()
         self._phases: dict[Key, str] = {}
         self._pod_states: dict[Key, object] = {}
         self._stale: dict[Key, set[str]] = {}
@@ -71,24 +71,7 @@ class Reconciler:
 
     def request(self, key: Key, trigger: str) -> None:
         """Reconcile ``key`` now, or once more right after the reconcile already running for it."""
-        with self._guard:
-            if key in self._running:
-                self._dirty.add(key)
-                return
-            self._running.add(key)
-        try:
-            while True:
-                self._timed(key, trigger)
-                with self._guard:
-                    if key not in self._dirty:
-                        self._running.discard(key)
-                        return
-                    self._dirty.discard(key)
-        except BaseException:
-            with self._guard:
-                self._running.discard(key)
-                self._dirty.discard(key)
-            raise
+        self._coalesce.run(key, lambda: self._timed(key, trigger))
 
     def _timed(self, key: Key, trigger: str) -> None:
         started = time.perf_counter()
@@ -277,8 +260,7 @@ class Reconciler:
             self._post_event(rm, Event("Warning", "ReplicaStale", f"{pod} restarted and serves weights version "
                                        f"{probes[pod].version} < {target}; left out of the endpoints until restored"))
         if stale and self._restore(rm, plan, live, stale, target):
-            with self._guard:
-                self._dirty.add(key)  # re-read the restored replicas right away
+            self._coalesce.mark_dirty(key)  # re-read the restored replicas right away
         return "ok"
 
     def _restore(self, rm: Mapping[str, Any], plan: Plan, pods: list[dict[str, Any]], stale: set[str],

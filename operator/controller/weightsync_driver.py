@@ -24,6 +24,7 @@ from rewardplane.sdk.protocol import (
 )
 
 from . import weightsync as wsm
+from .coalesce import Coalescer
 from .kube import Kube, KubeError, core_path, custom_path
 from .render import HTTP_PORT_NAME, TOKEN_KEY, selector, token_secret_name
 from .status import pod_ready, replica_index
@@ -72,39 +73,27 @@ class WeightSyncDriver:
         self.kube = kube
         self.on_done = on_done  # (namespace, model): reconcile the RewardModel after a push
         self.stale_pods = stale_pods or (lambda _key: set())
-        self._guard = threading.Lock()
-        self._running: set[Key] = set()
-        self._dirty: set[Key] = set()
+        self._coalesce: Coalescer[Key] = Coalescer()
 
     # ---------------------------------------------------------------- entry points
 
     def request(self, key: Key, *, resumed: bool = False) -> None:
         """Handle the WeightSync ``key`` on a thread of its own (coalesced per object)."""
-        with self._guard:
-            if key in self._running:
-                self._dirty.add(key)
-                return
-            self._running.add(key)
+        if not self._coalesce.begin(key):
+            return
         threading.Thread(target=self._loop, args=(key, resumed), name=f"weightsync-{key[1]}", daemon=True).start()
 
     def _loop(self, key: Key, resumed: bool) -> None:
-        try:
-            while True:
-                try:
-                    self.handle(key, resumed=resumed)
-                except Exception:  # never lose the thread silently; the next event retries
-                    log.exception("handling WeightSync %s/%s failed", *key)
-                resumed = False
-                with self._guard:
-                    if key not in self._dirty:
-                        self._running.discard(key)
-                        return
-                    self._dirty.discard(key)
-        except BaseException:
-            with self._guard:
-                self._running.discard(key)
-                self._dirty.discard(key)
-            raise
+        first = [resumed]
+
+        def once() -> None:
+            try:
+                self.handle(key, resumed=first[0])
+            except Exception:  # never lose the thread silently; the next event retries
+                log.exception("handling WeightSync %s/%s failed", *key)
+            first[0] = False
+
+        self._coalesce.loop(key, once)
 
     def handle(self, key: Key, *, resumed: bool = False) -> None:
         ns, name = key
