@@ -7,7 +7,7 @@
 #   bash scripts/gpu-run.sh bench-score [ARGS]# benchmarks/scoring_gpu.py
 #   bash scripts/gpu-run.sh all
 #
-# Wheels: put them in .whl/proj (see benchmarks/README.md for the list); they are installed into
+# Wheels: `bash scripts/gpu-wheels.sh` (CPU machine) fills .whl/proj; they are installed into
 # /tmp/site. vLLM, when carried with ../shared/device's bundle, is picked up from /tmp/site too.
 # The package is laid out under /tmp/pkg by links (no build step needed). Logs go to $OUT if set.
 set -euo pipefail
