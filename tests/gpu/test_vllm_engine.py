@@ -17,9 +17,6 @@ import copy
 import math
 import os
 import shlex
-import subprocess
-import sys
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fixtures.servers import ServerHandle, free_port
+from tests.fixtures.servers import ServerHandle, free_port, launch_server, wait_healthy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -74,33 +71,16 @@ def _device_count() -> int:
 
 def start_vllm_server(model_dir: Path, log_dir: Path, *, gpu: int, gpu_memory_utilization: float = 0.3) -> ServerHandle:
     """Start (do not wait): the server runs on one GPU, seen as its device 0."""
-    port = free_port()
-    args = [sys.executable, "-m", "rewardplane.server", "--engine", "vllm", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", str(gpu_memory_utilization),
-            "--max-model-len", "1024", *shlex.split(os.environ.get("RP_VLLM_SERVER_ARGS", ""))]
-    env = dict(os.environ)
-    env.pop("REWARDPLANE_TOKEN_FILE", None)
-    env.update({"CUDA_VISIBLE_DEVICES": str(gpu), "VLLM_USE_FLASHINFER_SAMPLER": "0", "REWARDPLANE_TOKEN": TOKEN})
-    log_path = log_dir / f"vllm-server-{port}.log"
-    with open(log_path, "wb") as logf:
-        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return ServerHandle(url=f"http://127.0.0.1:{port}", port=port, process=proc, log_path=log_path, token=TOKEN,
-                        args=args)
+    return launch_server(
+        model_dir, log_dir, token=TOKEN, engine="vllm", gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=1024, extra_args=shlex.split(os.environ.get("RP_VLLM_SERVER_ARGS", "")),
+        env_extra={"CUDA_VISIBLE_DEVICES": str(gpu), "VLLM_USE_FLASHINFER_SAMPLER": "0"},
+    )
 
 
 def wait_ready(handle: ServerHandle, timeout_s: float = STARTUP_S) -> ServerHandle:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if handle.process.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with {handle.process.returncode} during start:\n{handle.log()[-6000:]}")
-        try:
-            if httpx.get(f"{handle.url}/health", timeout=2).status_code == 200:
-                return handle
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    handle.kill()
-    raise RuntimeError(f"vLLM server not healthy within {timeout_s:.0f}s (RP_VLLM_STARTUP_S):\n{handle.log()[-6000:]}")
+    """vLLM starts in ~2 minutes (RP_VLLM_STARTUP_S bounds it)."""
+    return wait_healthy(handle, timeout_s, poll_s=1.0)
 
 
 def stop(handle: ServerHandle) -> None:
