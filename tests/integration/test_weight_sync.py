@@ -16,7 +16,7 @@ from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
 from rewardplane.sdk.retry import RewardServerError
 from tests.fixtures.models import TEXTS
 from tests.fixtures.servers import free_port
-from tests.fixtures.trainer import load_model, logits, perturbed, run_dying_trainer
+from tests.fixtures.trainer import load_model, logits, perturbed, run_dying_trainer, run_rank0_learners
 
 TOKEN = "secret"
 TOL = 1e-4
@@ -289,3 +289,17 @@ def test_dead_server_makes_the_push_raise_in_time(server_factory, tiny_model_dir
         assert time.monotonic() - start < 60
     finally:
         sync.reset()
+
+
+def test_rank0_only_publisher_for_multi_process_learners(server, tiny_model_dir, tmp_path):
+    before, _ = served(server)
+    results = run_rank0_learners(server.url, free_port(), tiny_model_dir, version=1, out=tmp_path / "learner")
+    # only rank 0 built a publisher and joined the communicator (server + rank 0 = world size 2)
+    assert results[0] == {"rank": 0, "ok": True, "made": [0, 2]}
+    assert results[1] == {"rank": 1, "ok": True, "made": []}
+    after, version = served(server)
+    assert version == 1 and close(after, [[-x for x in row] for row in before])
+    # a failed push fails every rank (version 1 again is refused by the server)
+    results = run_rank0_learners(server.url, free_port(), tiny_model_dir, version=1, out=tmp_path / "again")
+    assert all("version 1" in r.get("error", "") for r in results), results
+    assert results[1]["made"] == []
