@@ -100,7 +100,7 @@ class DirectWeightSync:
         return self._publisher
 
     def next_version(self) -> int:
-        return max(int(self.control._get(u, "/runtime_version")["version"]) for u in self.urls) + 1
+        return max(self.control.versions()) + 1
 
     def sync(
         self, params: Mapping[str, torch.Tensor], *, version: int | None = None,

@@ -114,6 +114,10 @@ class HTTPControlPlane:
             self._world_sizes = [int(self._get(u, Endpoints.WORLD_SIZE)["world_size"]) for u in self.urls]
         return self._world_sizes
 
+    def versions(self) -> list[int]:
+        """The weights version each server serves now."""
+        return [int(self._get(u, Endpoints.RUNTIME_VERSION)["version"]) for u in self.urls]
+
     def rank_offsets(self) -> list[int]:
         """Replica i's workers start at Σ world sizes of the replicas before it."""
         offsets, total = [], 0

@@ -20,6 +20,7 @@ from rewardplane.sdk.protocol import (
     ClassifyRequest,
     ClassifyResponse,
     Endpoints,
+    ErrorResponse,
     HealthResponse,
     ModelInfo,
     PoolingData,
@@ -51,6 +52,11 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
+def error_response(status_code: int, message: str, detail: object = None) -> JSONResponse:
+    """Every error body has the protocol's one shape: ``{"error": message, "detail": ...}``."""
+    return JSONResponse(ErrorResponse(error=message, detail=detail).model_dump(mode="json"), status_code=status_code)
+
+
 def build_app(
     engine: RewardEngine,
     *,
@@ -75,13 +81,13 @@ def build_app(
     @app.exception_handler(ServerError)
     async def _server_error(request: Request, exc: ServerError) -> JSONResponse:
         metrics.errors.labels(request.url.path, type(exc).__name__).inc()
-        return JSONResponse({"error": exc.message, "detail": exc.detail}, status_code=exc.status_code)
+        return error_response(exc.status_code, exc.message, exc.detail)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.errors.labels(request.url.path, "validation").inc()
         detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()]
-        return JSONResponse({"error": _validation_message(exc), "detail": detail}, status_code=422)
+        return error_response(422, _validation_message(exc), detail)
 
     @app.middleware("http")
     async def _observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -93,7 +99,7 @@ def build_app(
             log.exception("unhandled error on %s", path)
             metrics.errors.labels(path, "internal").inc()
             metrics.requests.labels(path, "500").inc()
-            return JSONResponse({"error": "internal server error; see the server log"}, status_code=500)
+            return error_response(500, "internal server error; see the server log")
         if path != Endpoints.METRICS:
             metrics.requests.labels(path, str(response.status_code)).inc()
             metrics.latency.labels(path).observe(time.perf_counter() - start)

@@ -103,8 +103,6 @@ class RewardWeightSyncExtension:
             self._rp_comm.close()
             self._rp_comm = None
 
-    def rp_has_communicator(self) -> bool:
-        return self._rp_comm is not None
 
 
 class HFWeightSyncWorker(RewardWeightSyncExtension):
