@@ -2,38 +2,42 @@
 # Runs the GPU suite and benchmarks on a GPU machine without network (the project's `device`
 # machines: Python 3.12, torch + transformers installed, our other dependencies carried as wheels).
 #
-#   bash scripts/gpu-run.sh tests            # tests/gpu (NCCL sync; vLLM tests when vllm imports)
-#   bash scripts/gpu-run.sh bench-sync [ARGS] # benchmarks/weight_sync.py
-#   bash scripts/gpu-run.sh bench-score [ARGS]# benchmarks/scoring_gpu.py
+#   bash scripts/gpu-run.sh tests [PYTEST ARGS]   # tests/gpu (NCCL sync; vLLM tests when vllm imports)
+#   bash scripts/gpu-run.sh bench-sync [ARGS]     # benchmarks/weight_sync.py
+#   bash scripts/gpu-run.sh bench-score [ARGS]    # benchmarks/scoring_gpu.py
 #   bash scripts/gpu-run.sh all
 #
-# Wheels: `bash scripts/gpu-wheels.sh` (CPU machine) fills .whl/proj; they are installed into
-# /tmp/site. vLLM, when carried with ../shared/device's bundle, is picked up from /tmp/site too.
-# The package is laid out under /tmp/pkg by links (no build step needed). Logs go to $OUT if set.
+# Wheels: vLLM and its dependencies (uvicorn and tenacity included) come with ../shared/device's
+# bundle (see docs/gpu.md), installed in /tmp/site; without that bundle, `bash scripts/gpu-wheels.sh`
+# (CPU machine) fills .whl/proj with our server's wheels, installed here into /tmp/site.
+# The package is laid out by links in a private folder (no build step, so several runs can share a
+# machine). Logs go to $OUT if set. For runs longer than one device call, see scripts/gpu-bg.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-/tmp/rewardplane-out}; mkdir -p "$OUT"
-if compgen -G ".whl/proj/*.whl" >/dev/null; then
+if [ ! -f /tmp/site/.vllm_bundle_ok ] && compgen -G ".whl/proj/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/proj/*.whl
 fi
-rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -r src/rewardplane /tmp/pkg/
-ln -s "$ROOT/sdk" /tmp/pkg/rewardplane/sdk
-ln -s "$ROOT/images/reward-server/server" /tmp/pkg/rewardplane/server
-ln -s "$ROOT/operator/controller" /tmp/pkg/rewardplane/operator
-ln -s "$ROOT/localcluster" /tmp/pkg/rewardplane/localcluster
-export PYTHONPATH=/tmp/site:/tmp/pkg:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+PKG=$(mktemp -d /tmp/rp-pkg.XXXXXX)
+cp -r src/rewardplane "$PKG/"
+ln -s "$ROOT/sdk" "$PKG/rewardplane/sdk"
+ln -s "$ROOT/images/reward-server/server" "$PKG/rewardplane/server"
+ln -s "$ROOT/operator/controller" "$PKG/rewardplane/operator"
+ln -s "$ROOT/localcluster" "$PKG/rewardplane/localcluster"
+export PYTHONPATH=/tmp/site:$PKG:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L || true
+echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all}"
 what=${1:-all}; shift || true
 case "$what" in
-  tests) python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu "$@" 2>&1 | tee "$OUT/gpu-tests.log" ;;
+  tests) python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/gpu "$@" 2>&1 | tee "$OUT/gpu-tests.log" ;;
   bench-sync) python3 benchmarks/weight_sync.py "$@" 2>&1 | tee "$OUT/bench-sync.log" ;;
   bench-score) python3 benchmarks/scoring_gpu.py "$@" 2>&1 | tee "$OUT/bench-score.log" ;;
   all)
-    python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu 2>&1 | tee "$OUT/gpu-tests.log"
+    python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/gpu 2>&1 | tee "$OUT/gpu-tests.log"
     python3 benchmarks/weight_sync.py 2>&1 | tee "$OUT/bench-sync.log" ;;
   *) echo "usage: gpu-run.sh tests|bench-sync|bench-score|all [args]"; exit 2 ;;
 esac

@@ -28,7 +28,8 @@ class RewardWeightSyncExtension:
 
     # ---- accessors (vLLM defaults) ------------------------------------------------------------
     def rp_model(self) -> torch.nn.Module:
-        return self.model_runner.model  # type: ignore[attr-defined]
+        # get_model() unwraps vLLM's CUDA-graph wrappers; load_weights lives on the model itself.
+        return self.model_runner.get_model()  # type: ignore[attr-defined]
 
     def rp_device(self) -> torch.device:
         return torch.device(self.device)  # type: ignore[attr-defined]

@@ -1,0 +1,100 @@
+"""Two vLLM replicas on two GPUs, updated by one NCCL broadcast from a trainer on a third GPU.
+
+Replicas: the 1-label tiny model on GPU 0 and GPU 1 (``CUDA_VISIBLE_DEVICES`` per server);
+trainer: this process on ``cuda:2``. One process group holds both replicas' workers and the
+trainer (world size 3), so every byte leaves the trainer once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.fixtures.servers import ServerHandle, free_port
+from tests.gpu.vllm_support import (
+    TOKEN,
+    Trainer,
+    check_after_push,
+    fill_prefix_cache,
+    load_trainer_model,
+    start_vllm_server,
+    stop,
+    wait_ready,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.gpus(3)]
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerHandle]]:
+    log_dir = tmp_path_factory.mktemp("vllm-replicas")
+    handles: list[ServerHandle] = []
+    try:
+        handles = [start_vllm_server(tiny_seqcls_1label, log_dir, gpu=g) for g in (0, 1)]
+        for h in handles:
+            wait_ready(h)
+        yield handles
+    finally:
+        for h in handles:
+            stop(h)
+
+
+@pytest.fixture(scope="module")
+def trainers(replicas: list[ServerHandle], tiny_seqcls_1label: Path) -> Iterator[list[Trainer]]:
+    import torch
+    from transformers import AutoTokenizer
+
+    from rewardplane.sdk.direct_sync import DirectWeightSync
+
+    device = torch.device("cuda", 2)
+    sync = DirectWeightSync(
+        [h.url for h in replicas], group_port=free_port(), token=TOKEN, trainer_host="127.0.0.1", device=device,
+        bucket_bytes=1 << 20, timeout_s=300, connect_timeout_s=120,
+    )
+    model = load_trainer_model(tiny_seqcls_1label, device)
+    tok = AutoTokenizer.from_pretrained(tiny_seqcls_1label)
+    # One Trainer view per replica: the same model and sync, each checked against its own server.
+    views = [Trainer(model, tok, sync, device, h.url) for h in replicas]
+    try:
+        yield views
+    finally:
+        sync.close()
+
+
+def test_one_broadcast_updates_both_replicas(trainers: list[Trainer]) -> None:
+    import torch
+
+    from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
+
+    t0 = trainers[0]
+    before = [fill_prefix_cache(t.url) for t in trainers]
+    torch.manual_seed(11)
+    with torch.no_grad():
+        for p in t0.model.parameters():
+            p.mul_(1.0 + 0.1 * torch.randn_like(p))
+    assert t0.sync.sync(t0.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+    # both replicas' workers and the trainer are one group: the trainer sent each bucket once
+    assert t0.sync.open().comm.world_size == 3
+    for t, b in zip(trainers, before, strict=True):
+        check_after_push(t, 1, b, f"full push, replica {t.url}")
+
+
+def test_head_only_push_reaches_both_replicas(trainers: list[Trainer]) -> None:
+    import torch
+
+    from rewardplane.sdk.naming import select_head
+    from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
+
+    t0 = trainers[0]
+    before = [fill_prefix_cache(t.url) for t in trainers]
+    with torch.no_grad():
+        head = t0.model.score.weight
+        head.copy_(torch.randn_like(head) * head.shape[1] ** -0.5)
+    assert t0.sync.sync(select_head(t0.model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY) == 2
+    for t, b in zip(trainers, before, strict=True):
+        check_after_push(t, 2, b, f"head_only push, replica {t.url}")
+    versions = [httpx.get(f"{t.url}/runtime_version", timeout=30).json()["version"] for t in trainers]
+    assert versions == [2, 2]

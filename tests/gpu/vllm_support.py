@@ -1,0 +1,173 @@
+"""Shared by the vLLM GPU tests: starting vLLM reward servers, reading scores, comparing them with
+the transformers model (the reference), and checking a push landed."""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.fixtures.servers import ServerHandle, launch_server, wait_healthy
+
+TOKEN = "gpu-test-token"
+MAX_ABS = 0.05  # bf16 noise on unit-scale scores (README: 0.020 measured on 0.39B)
+MIN_PEARSON = 0.999
+STARTUP_S = float(os.environ.get("RP_VLLM_STARTUP_S", "600"))
+
+# A long text, scored before each push so its prefix blocks sit in vLLM's prefix cache.
+REPEATED = (
+    "The reward model reads the whole conversation, weighs how helpful, honest and harmless the "
+    "final answer is, and returns one number that the policy tries to push up during training."
+)
+TEXTS = [
+    REPEATED,
+    "The assistant answered the question clearly and politely.",
+    "no",
+    "Here is a long and careful explanation of gradient descent, step by step, with an example: "
+    "start from a guess, compute the slope, take a small step downhill, and repeat until it settles.",
+    "Kubernetes restarts containers that crash.",
+    "A short poem about the sea at night.",
+    "def add(a, b): return a + b",
+    "Thank you!",
+    "The capital of France is Paris.",
+    "I cannot help with that request, but here is a safer alternative you might consider.",
+    "Water boils at 100 degrees Celsius at sea level.",
+    "Sure! First, preheat the oven. Then mix flour, sugar and eggs; bake for twenty minutes.",
+    "The answer is 42.",
+    "Let me think about this carefully before answering, because the question has two parts.",
+    "Bonjour, comment allez-vous ?",
+    "A B C D E F G H I J K L M N O P Q R S T U V W X Y Z",
+]
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def start_vllm_server(model_dir: Path, log_dir: Path, *, gpu: int, gpu_memory_utilization: float = 0.3) -> ServerHandle:
+    """Start (do not wait): the server runs on one GPU, seen as its device 0."""
+    return launch_server(
+        model_dir, log_dir, token=TOKEN, engine="vllm", gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=1024, extra_args=shlex.split(os.environ.get("RP_VLLM_SERVER_ARGS", "")),
+        env_extra={"CUDA_VISIBLE_DEVICES": str(gpu), "VLLM_USE_FLASHINFER_SAMPLER": "0"},
+    )
+
+
+def wait_ready(handle: ServerHandle, timeout_s: float = STARTUP_S) -> ServerHandle:
+    """vLLM starts in ~2 minutes (RP_VLLM_STARTUP_S bounds it)."""
+    return wait_healthy(handle, timeout_s, poll_s=1.0)
+
+
+def stop(handle: ServerHandle) -> None:
+    handle.stop()  # SIGTERM, then SIGKILL after 15 s
+    try:  # vLLM's engine core is in the server's session; make sure nothing stays on the GPU
+        os.killpg(handle.process.pid, 9)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def rows_of(values: list[Any]) -> list[list[float]]:
+    return [[float(x) for x in v] if isinstance(v, list) else [float(v)] for v in values]
+
+
+def served(url: str, texts: list[str] = TEXTS, endpoint: str = "/score") -> tuple[list[list[float]], int]:
+    if endpoint == "/score":
+        body = post(url, "/score", {"input": texts, "normalize": False})
+        return rows_of([d["score"] for d in sorted(body["data"], key=lambda d: d["index"])]), body["version"]
+    if endpoint == "/classify":
+        body = post(url, "/classify", {"input": texts, "use_activation": False})
+        return [d["probs"] for d in sorted(body["data"], key=lambda d: d["index"])], body["version"]
+    body = post(url, "/pooling", {"input": texts})
+    return [d["data"] for d in sorted(body["data"], key=lambda d: d["index"])], body["version"]
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(url + path, json=body, timeout=120)
+    assert r.status_code == 200, f"{path} answered {r.status_code}: {r.text[:2000]}"
+    return r.json()
+
+
+def pearson(a: list[float], b: list[float]) -> float:
+    n = len(a)
+    ma, mb = sum(a) / n, sum(b) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
+    va = math.sqrt(sum((x - ma) ** 2 for x in a))
+    vb = math.sqrt(sum((y - mb) ** 2 for y in b))
+    return cov / (va * vb) if va > 0 and vb > 0 else float("nan")
+
+
+def assert_close(got: list[list[float]], ref: list[list[float]], what: str) -> None:
+    flat_g = [x for row in got for x in row]
+    flat_r = [x for row in ref for x in row]
+    assert len(flat_g) == len(flat_r), f"{what}: {len(flat_g)} values, reference has {len(flat_r)}"
+    diff = max(abs(x - y) for x, y in zip(flat_g, flat_r, strict=True))
+    r = pearson(flat_g, flat_r)
+    assert diff <= MAX_ABS and r > MIN_PEARSON, (
+        f"{what}: max abs diff {diff:.4f} (limit {MAX_ABS}), Pearson {r:.6f} (limit {MIN_PEARSON})\n"
+        f"served    {[round(x, 4) for x in flat_g[:12]]}\nreference {[round(x, 4) for x in flat_r[:12]]}"
+    )
+
+
+def reference_scores(model: Any, tokenizer: Any, texts: list[str], device: Any) -> list[list[float]]:
+    """The transformers model's raw logits in fp32 (bf16 weights upcast), one text at a time."""
+    import torch
+
+    ref = copy.deepcopy(model).to(device=device, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for t in texts:
+            ids = tokenizer(t, add_special_tokens=True, return_tensors="pt")["input_ids"].to(device)
+            out.append(ref(input_ids=ids).logits[0].float().tolist())
+    del ref
+    torch.cuda.empty_cache()
+    return out
+
+
+def load_trainer_model(model_dir: Path, device: Any) -> Any:
+    """As a trainer holds it: bf16 backbone, fp32 score head."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
+    model.score.to(torch.float32)
+    return model
+
+
+@dataclass
+class Trainer:
+    model: Any
+    tokenizer: Any
+    sync: Any
+    device: Any
+    url: str
+
+
+def fill_prefix_cache(url: str) -> float:
+    first = served(url, [REPEATED])[0][0][0]
+    again = served(url, [REPEATED])[0][0][0]  # served from cached prefix blocks
+    assert abs(first - again) <= MAX_ABS
+    return again
+
+
+def check_after_push(t: Trainer, version: int, before_repeated: float, what: str) -> None:
+    state = httpx.get(f"{t.url}/runtime_version", timeout=30).json()
+    assert (state["version"], state["state"]) == (version, "serving"), state
+    got, served_version = served(t.url)
+    assert served_version == version
+    assert_close(got, reference_scores(t.model, t.tokenizer, TEXTS, t.device), f"{what}: served vs trainer")
+    # REPEATED is TEXTS[0]: its prefix was cached under the old weights; a stale cache would
+    # have left its score off the trainer's, and unchanged.
+    assert abs(got[0][0] - before_repeated) > 1e-3, f"{what}: the repeated prompt's score did not change"
+
+
