@@ -201,18 +201,24 @@ def measure_server(model_dir: Path, prompts: dict[str, Any], args: argparse.Name
     t0 = time.perf_counter()
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    def bounded(prompts_: list[list[int]], per_request: int) -> tuple[float, list[list[float]]]:
+        return asyncio.run(asyncio.wait_for(drive(url, prompts_, per_request, args.concurrency), args.phase_timeout))
+
     try:
         wait_healthy(url, proc, log, args.phase_timeout)
         startup = time.perf_counter() - t0
-        asyncio.run(drive(url, prompts["warmup"], args.items_per_request, args.concurrency))
+        bounded(prompts["warmup"], args.items_per_request_list[0])
         out: dict[str, Any] = {"startup_s": startup, "runs": {}}
         # Each request size gets its own prompts' worth of fresh work: reuse would hit the prefix cache.
         for k, per_request in enumerate(args.items_per_request_list):
             main = prompts["main"] if k == 0 else prompts["extra"][k - 1]
-            seconds, scores = asyncio.run(drive(url, main, per_request, args.concurrency))
+            seconds, scores = bounded(main, per_request)
             out["runs"][per_request] = {"seconds": seconds, "scores": scores if k == 0 else None,
                                         "tokens": sum(map(len, main)), "prompts": len(main)}
         return out
+    except Exception as exc:
+        raise RuntimeError(f"the server phase failed ({type(exc).__name__}: {exc}); server log {log}:\n"
+                           f"{log.read_text(errors='replace')[-6000:]}") from exc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

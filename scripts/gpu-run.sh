@@ -2,7 +2,8 @@
 # Runs the GPU suite and benchmarks on a GPU machine without network (the project's `device`
 # machines: Python 3.12, torch + transformers installed, our other dependencies carried as wheels).
 #
-#   bash scripts/gpu-run.sh tests [PYTEST ARGS]   # tests/gpu (NCCL sync; vLLM tests when vllm imports)
+#   bash scripts/gpu-run.sh tests [PYTEST ARGS]   # tests/gpu (NCCL sync; vLLM tests when vllm imports),
+#                                                 # or the test files / options given
 #   bash scripts/gpu-run.sh bench-sync [ARGS]     # benchmarks/weight_sync.py
 #   bash scripts/gpu-run.sh bench-score [ARGS]    # benchmarks/scoring_gpu.py
 #   bash scripts/gpu-run.sh all
@@ -33,7 +34,8 @@ nvidia-smi -L || true
 echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all}"
 what=${1:-all}; shift || true
 case "$what" in
-  tests) python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/gpu "$@" 2>&1 | tee "$OUT/gpu-tests.log" ;;
+  tests) [ $# -gt 0 ] || set -- tests/gpu  # default: the whole GPU suite; or name test files / -k
+    python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" "$@" 2>&1 | tee "$OUT/gpu-tests.log" ;;
   bench-sync) python3 benchmarks/weight_sync.py "$@" 2>&1 | tee "$OUT/bench-sync.log" ;;
   bench-score) python3 benchmarks/scoring_gpu.py "$@" 2>&1 | tee "$OUT/bench-score.log" ;;
   all)

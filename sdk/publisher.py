@@ -99,6 +99,17 @@ class HTTPControlPlane:
                                   headers={"Authorization": f"Bearer {token}"})
         self._world_sizes: list[int] | None = None
         self._manifest: dict[str, ParamMeta] | None = None
+        # Servers are driven concurrently: with sequential calls, the last replica joins a push
+        # (and reports it done) one HTTP round trip per replica later than the first.
+        self._pool = ThreadPoolExecutor(max_workers=min(32, len(self.urls)), thread_name_prefix="rp-control") \
+            if len(self.urls) > 1 else None
+        self._metadata_json: tuple[list[ParamMeta], list[dict[str, Any]]] | None = None
+
+    def _each(self, fn: Any) -> list[Any]:
+        """``fn(url)`` for every server, concurrently; the first error is raised after all answered."""
+        if self._pool is None:
+            return [fn(self.urls[0])]
+        return [f.result() for f in [self._pool.submit(fn, u) for u in self.urls]]
 
     def _get(self, url: str, path: str) -> Any:
         return call_with_retry(self.retry, lambda: self._http.get(url + path), url=url + path).json()
@@ -147,12 +158,16 @@ class HTTPControlPlane:
         self, metadata: list[ParamMeta], *, version: int, training_mode: RewardModelTrainingMode,
         bucket_bytes: int, atomic: bool,
     ) -> None:
-        body = UpdateParamBatchRequest(
-            metadata=metadata, training_mode=training_mode, version=version, bucket_bytes=bucket_bytes,
-            atomic=atomic, timeout_s=self.timeout_s,
-        ).model_dump(mode="json")
-        for url in self.urls:
-            self._post(url, Endpoints.UPDATE_PARAM_BATCH, body)
+        cached = self._metadata_json
+        if cached is None or cached[0] is not metadata:  # a publisher re-sends one layout: dump it once
+            cached = (metadata, [m.model_dump(mode="json") for m in metadata])
+            self._metadata_json = cached
+        body = UpdateParamBatchRequest.model_construct(
+            training_mode=training_mode, version=version, bucket_bytes=bucket_bytes, atomic=atomic,
+            timeout_s=self.timeout_s,
+        ).model_dump(mode="json", exclude={"metadata"})
+        body["metadata"] = cached[1]
+        self._each(lambda url: self._post(url, Endpoints.UPDATE_PARAM_BATCH, body))
 
     def finalize_update(self, version: int) -> None:
         """Wait (bounded) until every server reports ``version``; raise with the server's reason.
@@ -160,28 +175,36 @@ class HTTPControlPlane:
         Each server holds the request until it serves the version (or fails), so this costs one
         round trip per server rather than a polling loop."""
         deadline = time.monotonic() + self.timeout_s
-        pending = list(self.urls)
-        while pending:
-            for url in list(pending):
+
+        def wait_for(url: str) -> None:
+            while True:
                 wait_s = max(0.0, min(30.0, deadline - time.monotonic()))
                 state = self._get(url, f"{Endpoints.RUNTIME_VERSION}?wait_for_version={version}&timeout_s={wait_s:.3f}")
                 if state["version"] >= version and state["state"] == "serving":
-                    pending.remove(url)
-                    continue
+                    return
                 tasks = self._get(url, Endpoints.NUM_BACKGROUND_TASKS)
                 if tasks["num_background_tasks"] == 0 and tasks.get("last_error"):
                     raise WeightSyncError(f"reward server {url} failed the update: {tasks['last_error']}")
-            if pending and time.monotonic() > deadline:
-                raise WeightSyncError(f"servers {pending} did not report version {version} within {self.timeout_s:.0f}s")
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(
+                        f"server {url} did not report version {version} within {self.timeout_s:.0f}s "
+                        f"(it serves {state['version']}, state {state['state']!r})"
+                    )
+
+        self._each(wait_for)
 
     def close_communicator(self) -> None:
-        for url in self.urls:
+        def close(url: str) -> None:
             try:
                 self._post(url, Endpoints.CLOSE_COMMUNICATOR, {})
             except Exception as exc:  # closing is best effort; the group is discarded anyway
                 log.warning("closing the communicator on %s failed: %s", url, exc)
 
+        self._each(close)
+
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
 

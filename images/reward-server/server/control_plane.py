@@ -148,10 +148,15 @@ class WeightSyncService:
             else:
                 async with guard.updating(timeout_s=req.timeout_s):
                     locked = time.perf_counter()
-                    result = _merge(await self.call("rp_receive", metadata, req.bucket_bytes, True))
+                    # The cache reset goes out first, alongside the receive: nothing is scored while
+                    # the exclusive lock is held, so no block made from old weights can enter the
+                    # cache after it, and its round trip to the engine leaves the critical path.
+                    _, received = await asyncio.gather(
+                        self._reset_cache(), self.call("rp_receive", metadata, req.bucket_bytes, True),
+                    )
+                    result = _merge(received)
                     result["lock_s"], result["receive_s"] = locked - start, time.perf_counter() - locked
                     if result["ok"]:
-                        await self._reset_cache()
                         guard.commit(version)
                         await persist_after_commit(self, [m.name for m in req.metadata], version)
                     elif result["partial"]:
