@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -217,8 +218,15 @@ def measure_server(model_dir: Path, prompts: dict[str, Any], args: argparse.Name
                                         "tokens": sum(map(len, main)), "prompts": len(main)}
         return out
     except Exception as exc:
-        raise RuntimeError(f"the server phase failed ({type(exc).__name__}: {exc}); server log {log}:\n"
-                           f"{log.read_text(errors='replace')[-6000:]}") from exc
+        # The server and its engine core print every thread's stack on SIGUSR1: see where it waits.
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGUSR1)
+            time.sleep(3)
+        else:
+            print(f"the server exited with {proc.returncode}", flush=True)
+        raise RuntimeError(f"the server phase failed ({type(exc).__name__}: {exc!r}); server log {log}:\n"
+                           f"{log.read_text(errors='replace')[-12000:]}") from exc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -7,7 +7,10 @@ methods are synchronous and run where the weights live; each returns plain data.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
+import threading
 from typing import Any
 
 import torch
@@ -18,6 +21,12 @@ from rewardplane.sdk.protocol import Bucket, ParamMeta, plan_buckets
 from rewardplane.sdk.transfer import Received, receive_buckets
 
 log = logging.getLogger(__name__)
+
+# vLLM imports this module in its engine-core process (where the weights live): as in the API
+# server, `kill -USR1 <pid>` then prints every thread's stack — the way to see where a stuck engine
+# or weight update waits. Only where nobody else handles SIGUSR1.
+if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 class RewardWeightSyncExtension:
     """Receive flat buckets from the trainer and load them. vLLM workers provide ``model_runner``,
