@@ -85,6 +85,8 @@ def vllm_kwargs(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         "gpu_memory_utilization": args.gpu_memory_utilization, "hf_overrides": {"head_dtype": "float32"},
         "pooler_config": PoolerConfig(pooling_type="LAST"), "disable_log_stats": True,
         "served_model_name": "reward-model",
+        # as the server: whole prompts per step (see vllm_engine.build_engine_args)
+        "enable_chunked_prefill": False,
     }
     if args.enforce_eager:
         kw["enforce_eager"] = True

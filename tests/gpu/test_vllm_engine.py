@@ -42,6 +42,32 @@ from tests.gpu.vllm_support import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
+# ---- engine arguments (no server start) ------------------------------------------------------
+
+
+def test_engine_args_defaults_and_user_overrides(tiny_seqcls_1label: Path) -> None:
+    """Whole prompts per step and offline-sized batches unless the user says otherwise; flags the
+    server owns are refused, not silently overridden."""
+    from rewardplane.server.config import ServerConfig
+    from rewardplane.server.vllm_engine import build_engine_args
+
+    cfg = ServerConfig(model=str(tiny_seqcls_1label), engine="vllm")
+    args = build_engine_args(cfg, 1024)
+    assert args.enable_chunked_prefill is False
+    assert args.max_num_batched_tokens >= 8192 and args.max_num_seqs >= 256
+    assert args.hf_overrides == {"head_dtype": "float32"}
+    assert args.worker_extension_cls.endswith("RewardWeightSyncExtension")
+
+    user = ServerConfig(model=str(tiny_seqcls_1label), engine="vllm", extra_engine_args=[
+        "--enable-chunked-prefill", "--max-num-batched-tokens", "4096", "--enforce-eager"])
+    args = build_engine_args(user, 1024)
+    assert (args.enable_chunked_prefill, args.max_num_batched_tokens, args.enforce_eager) == (True, 4096, True)
+
+    owned = ServerConfig(model=str(tiny_seqcls_1label), engine="vllm", extra_engine_args=["--dtype", "float16"])
+    with pytest.raises(ValueError, match="--dtype"):
+        build_engine_args(owned, 1024)
+
+
 # ---- fixtures --------------------------------------------------------------------------------
 
 

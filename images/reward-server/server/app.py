@@ -7,12 +7,13 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rewardplane.sdk.protocol import (
     VERSION_HEADER,
@@ -57,6 +58,45 @@ def error_response(status_code: int, message: str, detail: object = None) -> JSO
     return JSONResponse(ErrorResponse(error=message, detail=detail).model_dump(mode="json"), status_code=status_code)
 
 
+class ObserveMiddleware:
+    """Request counts and latency per endpoint; an unhandled error becomes a logged 500.
+
+    A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware("http")``) runs
+    every request through an extra task and memory stream, a cost paid per scoring request."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        path = scope["path"]
+        status = 500
+        started = False
+
+        async def observed_send(message: Message) -> None:
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                status, started = int(message["status"]), True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed_send)
+        except Exception:
+            log.exception("unhandled error on %s", path)
+            self.metrics.errors.labels(path, "internal").inc()
+            self.metrics.requests.labels(path, "500").inc()
+            if not started:
+                await error_response(500, "internal server error; see the server log")(scope, receive, send)
+            return
+        if path != Endpoints.METRICS:
+            self.metrics.requests.labels(path, str(status)).inc()
+            self.metrics.latency.labels(path).observe(time.perf_counter() - start)
+
+
 def build_app(
     engine: RewardEngine,
     *,
@@ -89,21 +129,7 @@ def build_app(
         detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()]
         return error_response(422, _validation_message(exc), detail)
 
-    @app.middleware("http")
-    async def _observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        start = time.perf_counter()
-        path = request.url.path
-        try:
-            response = await call_next(request)
-        except Exception:
-            log.exception("unhandled error on %s", path)
-            metrics.errors.labels(path, "internal").inc()
-            metrics.requests.labels(path, "500").inc()
-            return error_response(500, "internal server error; see the server log")
-        if path != Endpoints.METRICS:
-            metrics.requests.labels(path, str(response.status_code)).inc()
-            metrics.latency.labels(path).observe(time.perf_counter() - start)
-        return response
+    app.add_middleware(ObserveMiddleware, metrics=metrics)
 
     def check_model(name: str | None) -> None:
         # Accept the served name or the generic default; anything else is a client mistake.

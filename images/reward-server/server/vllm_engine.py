@@ -173,6 +173,12 @@ def build_engine_args(cfg: ServerConfig, max_model_len: int) -> AsyncEngineArgs:
     tokens, seqs = _throughput_batch_limits(cfg.tensor_parallel_size, max_model_len)
     base.setdefault("max_num_batched_tokens", tokens)
     base.setdefault("max_num_seqs", seqs)
+    # Chunked prefill is off unless asked for (--enable-chunked-prefill): in vLLM 0.24 a pooling
+    # model's prompt split across steps can race with async scheduling (vllm-project/vllm#48901:
+    # wrong scores under torch.compile; #48214, #47971: crashes and silent stalls). Our scoring
+    # server stalled under load with chunked prefill on (benchmarks/README.md). A reward must be
+    # right; whole prompts per step cost little for prompts up to max_model_len.
+    base["enable_chunked_prefill"] = False
     overrides = user.pop("hf_overrides", None) or {}
     if not isinstance(overrides, dict):
         raise ValueError("--hf-overrides must be a JSON object with the reward server")
