@@ -6,7 +6,7 @@ per server on the derived ports ``group_port + i`` (seed 004).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -31,6 +31,17 @@ class FanOutCommunicator:
     def synchronize(self) -> None:
         for c in self.comms:
             c.synchronize()
+
+    def wait_event(self, done: torch.cuda.Event, abort_if: Callable[[], BaseException | None] | None = None) -> None:
+        try:  # one CUDA event, whichever group's bounded wait watches it
+            self.comms[0].wait_event(done, abort_if=abort_if)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        for c in self.comms:
+            c.abort()
 
     def max_flag(self, value: int) -> int:
         return max(c.max_flag(value) for c in self.comms)

@@ -6,7 +6,9 @@ pydantic so that a scoring-only client needs neither torch nor the server's depe
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Sequence
 from enum import Enum
 from typing import Any, Literal
 
@@ -450,11 +452,33 @@ class InitCommunicatorRequest(BaseModel):
         return self
 
 
+LAYOUT_ID_PATTERN = r"^[0-9a-f]{16}$"
+
+
+def layout_id(metadata: Sequence[ParamMeta], bucket_bytes: int) -> str:
+    """Names one push layout (parameters in order, dtypes, shapes, bucket size). A trainer re-sends
+    the same layout push after push; once a server has validated it, the trainer refers to it by
+    this id instead of re-sending and re-validating hundreds of entries on every push's critical
+    path."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{bucket_bytes}\n".encode())
+    for m in metadata:
+        h.update(f"{m.name}\0{m.dtype}\0{','.join(str(d) for d in m.shape)}\n".encode())
+    return h.hexdigest()
+
+
 class UpdateParamBatchRequest(BaseModel):
     """Announce one weight push. The server validates every entry against the served model and
-    answers 400 before any byte is broadcast; then it receives ``plan_buckets(metadata, bucket_bytes)``."""
+    answers 400 before any byte is broadcast; then it receives ``plan_buckets(metadata, bucket_bytes)``.
 
-    metadata: list[ParamMeta]
+    ``layout_id`` without ``metadata`` refers to a layout this server validated before (409 if it
+    does not know it: announce the metadata again)."""
+
+    metadata: list[ParamMeta] = Field(default_factory=list)
+    layout_id: str | None = Field(
+        default=None, pattern=LAYOUT_ID_PATTERN,
+        description="layout_id(metadata, bucket_bytes) of an announced layout; with metadata, it must match it",
+    )
     training_mode: RewardModelTrainingMode = RewardModelTrainingMode.FULL
     version: int | None = Field(default=None, ge=0)
     bucket_bytes: int = Field(default=DEFAULT_BUCKET_BYTES, ge=BUCKET_ALIGN)
@@ -468,7 +492,13 @@ class UpdateParamBatchRequest(BaseModel):
     @model_validator(mode="after")
     def _non_empty_unique(self) -> UpdateParamBatchRequest:
         if not self.metadata:
-            raise ValueError("metadata is empty: announce at least one parameter")
+            if self.layout_id is None:
+                raise ValueError(
+                    "metadata is empty: announce at least one parameter (or name an announced layout by layout_id)"
+                )
+            return self
+        if self.layout_id is not None and self.layout_id != layout_id(self.metadata, self.bucket_bytes):
+            raise ValueError("layout_id does not match the announced metadata and bucket_bytes")
         seen: set[str] = set()
         for m in self.metadata:
             if m.name in seen:

@@ -32,6 +32,7 @@ from .protocol import (
     RewardModelTrainingMode,
     UpdateParamBatchRequest,
     check_metadata,
+    layout_id,
 )
 from .retry import RetryPolicy, call_with_retry, check_response
 from .transfer import send_buckets
@@ -103,7 +104,9 @@ class HTTPControlPlane:
         # (and reports it done) one HTTP round trip per replica later than the first.
         self._pool = ThreadPoolExecutor(max_workers=min(32, len(self.urls)), thread_name_prefix="rp-control") \
             if len(self.urls) > 1 else None
-        self._metadata_json: tuple[list[ParamMeta], list[dict[str, Any]]] | None = None
+        self._metadata_json: tuple[list[ParamMeta], int, str, list[dict[str, Any]]] | None = None
+        # Layouts every server accepted since the group formed: later pushes name them by id.
+        self._announced: set[str] = set()
 
     def _each(self, fn: Any) -> list[Any]:
         """``fn(url)`` for every server, concurrently; the first error is raised after all answered."""
@@ -148,6 +151,7 @@ class HTTPControlPlane:
         return self._manifest
 
     def init_communicator(self, host: str, port: int, *, backend: Backend, timeout_s: float, group_id: str) -> None:
+        self._announced.clear()  # a new group may mean restarted servers: announce layouts in full again
         world = self.total_world_size()
         for url, offset in zip(self.urls, self.rank_offsets(), strict=True):
             req = InitCommunicatorRequest(host=host, port=port, world_size=world, rank_offset=offset,
@@ -159,15 +163,25 @@ class HTTPControlPlane:
         bucket_bytes: int, atomic: bool,
     ) -> None:
         cached = self._metadata_json
-        if cached is None or cached[0] is not metadata:  # a publisher re-sends one layout: dump it once
-            cached = (metadata, [m.model_dump(mode="json") for m in metadata])
+        if cached is None or cached[0] is not metadata or cached[1] != bucket_bytes:
+            # a publisher re-sends one layout: name and dump it once
+            cached = (metadata, bucket_bytes, layout_id(metadata, bucket_bytes),
+                      [m.model_dump(mode="json") for m in metadata])
             self._metadata_json = cached
+        lid = cached[2]
         body = UpdateParamBatchRequest.model_construct(
             training_mode=training_mode, version=version, bucket_bytes=bucket_bytes, atomic=atomic,
-            timeout_s=self.timeout_s,
+            timeout_s=self.timeout_s, layout_id=lid,
         ).model_dump(mode="json", exclude={"metadata"})
-        body["metadata"] = cached[1]
-        self._each(lambda url: self._post(url, Endpoints.UPDATE_PARAM_BATCH, body))
+        known = lid in self._announced
+        if not known:
+            body["metadata"] = cached[3]
+        try:
+            self._each(lambda url: self._post(url, Endpoints.UPDATE_PARAM_BATCH, body))
+        except Exception:
+            self._announced.discard(lid)  # e.g. a server forgot it (409): the next push sends it again
+            raise
+        self._announced.add(lid)
 
     def finalize_update(self, version: int) -> None:
         """Wait (bounded) until every server reports ``version``; raise with the server's reason.
@@ -306,7 +320,8 @@ class RewardModelPublisher:
             with ThreadPoolExecutor(max_workers=1) as pool:
                 accepted = pool.submit(announce)
                 total = send_buckets(self.comm, metadata, tensors, self.bucket_bytes, self.src_rank,
-                                     before_wait=accepted.result)
+                                     before_wait=accepted.result,
+                                     failed=lambda: accepted.exception() if accepted.done() else None)
         else:
             total = send_buckets(self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, before_wait=announce)
         if self.comm.max_flag(0) != 0:

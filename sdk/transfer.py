@@ -23,12 +23,15 @@ Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
 def send_buckets(
     comm: Communicator, metadata: Sequence[ParamMeta], tensors: Mapping[str, torch.Tensor], bucket_bytes: int,
     src: int, before_wait: Callable[[], None] | None = None,
+    failed: Callable[[], BaseException | None] | None = None,
 ) -> int:
     """Broadcast ``tensors`` (ordered as ``metadata``) from rank ``src``; returns bytes sent.
 
     ``before_wait`` runs after everything is enqueued and before the bounded wait for completion
     (e.g. to confirm that the servers accepted the announce sent concurrently); if it raises, the
-    group is aborted, since the enqueued transfer can then never complete.
+    group is aborted, since the enqueued transfer can then never complete. ``failed`` is polled
+    while waiting for buckets in flight (CUDA), so a refused announce surfaces at once rather than
+    after the transfer's timeout.
     """
     plan = plan_buckets(list(metadata), bucket_bytes)
     device = comm.device
@@ -53,7 +56,7 @@ def send_buckets(
             i = k % len(bufs)
             if free[i] is not None:
                 # at most two buckets in flight, and a dead peer is noticed here, within the timeout
-                comm.wait_event(free[i])
+                comm.wait_event(free[i], abort_if=failed)
             with torch.cuda.stream(pack_stream):
                 pack_bucket(bucket, metadata, tensors, device, out=bufs[i])
                 packed = torch.cuda.Event()

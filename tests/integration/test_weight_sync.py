@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -228,6 +229,46 @@ def test_bad_metadata_rejected_before_any_receive(server, tiny_model_dir):
             sync.sync(model.state_dict(), version=1)
         assert err.value.status_code == 409 and "newer" in err.value.message
         sync.sync(model.state_dict(), version=2)  # and after a refused announce too
+    finally:
+        sync.close()
+
+
+def test_layout_announced_once_then_named_by_id(server, tiny_model_dir):
+    """The first push of a layout carries its metadata; later pushes of it only its id (no
+    re-sending and re-validating every entry); an id the server does not know is refused before
+    anything starts, and the SDK then announces the metadata again."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    r = httpx.post(f"{server.url}/update_param_batch", json={"layout_id": "0123456789abcdef", "version": 1},
+                   headers=auth)
+    assert r.status_code == 409 and "announce the metadata again" in r.json()["error"], r.text
+    meta = [{"name": "score.weight", "dtype": "float32", "shape": [1, 64]}]
+    r = httpx.post(f"{server.url}/update_param_batch", json={"metadata": meta, "layout_id": "0123456789abcdef"},
+                   headers=auth)
+    assert r.status_code == 422 and "layout_id does not match" in r.text
+    assert httpx.get(f"{server.url}/get_num_background_tasks", headers=auth).json()["num_background_tasks"] == 0
+
+    sync = sync_for(server, bucket_bytes=1 << 16)
+    announces: list[dict] = []
+
+    def record(request: httpx.Request) -> None:
+        if request.url.path.endswith("/update_param_batch"):
+            announces.append(json.loads(request.content))
+
+    sync.control._http.event_hooks["request"].append(record)  # what goes over the wire
+    try:
+        models = [perturbed(tiny_model_dir, seed=s) for s in (31, 32, 33)]
+        sync.sync(models[0].state_dict(), version=1)
+        sync.sync(select_head(models[1].state_dict()), version=2, training_mode=Mode.HEAD_ONLY)
+        sync.sync(models[2].state_dict(), version=3)  # the full layout again: named by id
+        assert [bool(a.get("metadata")) for a in announces] == [True, True, False]
+        assert announces[2]["layout_id"] == announces[0]["layout_id"] != announces[1]["layout_id"]
+        assert close(served(server)[0], logits(models[2], tiny_model_dir, TEXTS))
+        with pytest.raises(RewardServerError) as err:  # refused (stale version): the id is not trusted after
+            sync.sync(models[2].state_dict(), version=3)
+        assert err.value.status_code == 409
+        sync.sync(models[1].state_dict(), version=4)
+        assert announces[-1].get("metadata") and served(server)[1] == 4
+        assert close(served(server)[0], logits(models[1], tiny_model_dir, TEXTS))
     finally:
         sync.close()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -164,7 +163,8 @@ def build_app(
             sync = getattr(app.state, "weight_sync", None)
             while (g.version < wait_for_version and g.state != "broken" and time.monotonic() < deadline
                    and not (sync is not None and sync.failed_idle())):
-                await asyncio.sleep(0.0005)
+                # woken by the commit or the update's end; the cap only bounds a missed wake-up
+                await g.wait_change(min(0.05, max(0.0, deadline - time.monotonic())))
         return RuntimeVersionResponse(version=g.version, state=g.state, detail=g.broken_reason)
 
     @app.get(Endpoints.WORLD_SIZE, response_model=WorldSizeResponse)

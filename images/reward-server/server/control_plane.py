@@ -9,7 +9,9 @@ import hmac
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -23,6 +25,7 @@ from rewardplane.sdk.protocol import (
     StatusResponse,
     UpdateParamBatchRequest,
     check_metadata,
+    layout_id,
 )
 
 from .config import ServerConfig
@@ -41,6 +44,19 @@ class Forbidden(ServerError):
     status_code = 403
 
 
+MAX_LAYOUTS = 16  # a trainer alternates a few (full, head_only, lora); older ones are announced again
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One validated push layout: what the workers are told to receive."""
+
+    id: str
+    bucket_bytes: int
+    names: list[str]
+    metadata: list[dict[str, Any]]  # ParamMeta as JSON, for the worker calls
+
+
 class WeightSyncService:
     def __init__(
         self, engine: RewardEngine, call: WorkerCall, manifest: dict[str, ParamMeta], metrics: ServerMetrics,
@@ -56,6 +72,8 @@ class WeightSyncService:
         self._init_task: asyncio.Task[None] | None = None
         self._update_task: asyncio.Task[None] | None = None
         self._has_comm = False
+        # Validated push layouts by layout_id (most recent last): later pushes name them by id.
+        self._layouts: OrderedDict[str, Layout] = OrderedDict()
 
     def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
@@ -98,7 +116,18 @@ class WeightSyncService:
         self._has_comm = False
 
     # ---- update -----------------------------------------------------------------------------
-    async def update(self, req: UpdateParamBatchRequest) -> int:
+    def _layout_of(self, req: UpdateParamBatchRequest) -> Layout:
+        """The announced layout, validated against the served model (once per layout)."""
+        if not req.metadata:
+            assert req.layout_id is not None  # the request model guarantees one or the other
+            known = self._layouts.get(req.layout_id)
+            if known is None or known.bucket_bytes != req.bucket_bytes:
+                raise Conflict(
+                    f"unknown layout_id {req.layout_id!r} (this server restarted or forgot it); announce the "
+                    "metadata again — the SDK does so by itself on the next push"
+                )
+            self._layouts.move_to_end(req.layout_id)
+            return known
         problems = check_metadata(req.metadata, self.manifest)
         if problems:
             raise BadRequest(
@@ -106,6 +135,18 @@ class WeightSyncService:
                 + "; ".join(problems[:10]) + (" …" if len(problems) > 10 else ""),
                 detail=problems,
             )
+        layout = Layout(
+            layout_id(req.metadata, req.bucket_bytes), req.bucket_bytes, [m.name for m in req.metadata],
+            [m.model_dump(mode="json") for m in req.metadata],
+        )
+        self._layouts[layout.id] = layout
+        self._layouts.move_to_end(layout.id)
+        while len(self._layouts) > MAX_LAYOUTS:
+            self._layouts.popitem(last=False)
+        return layout
+
+    async def update(self, req: UpdateParamBatchRequest) -> int:
+        layout = self._layout_of(req)
         guard = self.engine.guard
         version = req.version if req.version is not None else guard.version + 1
         if version <= guard.version and guard.state != "broken":
@@ -124,25 +165,27 @@ class WeightSyncService:
                 "no communicator: call /init_communicator (and create the trainer's side of the group) first"
                 + (f"; the last attempt failed: {self.last_error}" if self.last_error else "")
             )
-        self._update_task = self._spawn(self._run_update(req, version), f"update-v{version}")
+        self._update_task = self._spawn(self._run_update(req, layout, version), f"update-v{version}")
+        # once the outcome is known (the task is done), wake trainers waiting on /runtime_version
+        self._update_task.add_done_callback(lambda _: guard.signal_change())
         return version
 
-    async def _run_update(self, req: UpdateParamBatchRequest, version: int) -> None:
+    async def _run_update(self, req: UpdateParamBatchRequest, layout: Layout, version: int) -> None:
         guard = self.engine.guard
-        metadata = [m.model_dump(mode="json") for m in req.metadata]
+        metadata = layout.metadata
         mode = req.training_mode.value
         start = time.perf_counter()
         result: dict[str, Any] = {"ok": False, "error": "not started", "partial": False, "bytes": 0}
         try:
             if req.atomic:
                 # Stage while the old weights keep serving, then swap under the exclusive lock.
-                result = _merge(await self.call("rp_receive", metadata, req.bucket_bytes, False))
+                result = _merge(await self.call("rp_receive", metadata, req.bucket_bytes, False, layout.id))
                 if result["ok"]:
                     async with guard.updating(timeout_s=req.timeout_s):
                         await self.call("rp_apply_staged", metadata)
                         await self._reset_cache()
                         guard.commit(version)
-                        await persist_after_commit(self, [m.name for m in req.metadata], version)
+                        await persist_after_commit(self, layout.names, version)
                 else:
                     await self.call("rp_drop_staged")
             else:
@@ -152,13 +195,13 @@ class WeightSyncService:
                     # the exclusive lock is held, so no block made from old weights can enter the
                     # cache after it, and its round trip to the engine leaves the critical path.
                     _, received = await asyncio.gather(
-                        self._reset_cache(), self.call("rp_receive", metadata, req.bucket_bytes, True),
+                        self._reset_cache(), self.call("rp_receive", metadata, req.bucket_bytes, True, layout.id),
                     )
                     result = _merge(received)
                     result["lock_s"], result["receive_s"] = locked - start, time.perf_counter() - locked
                     if result["ok"]:
                         guard.commit(version)
-                        await persist_after_commit(self, [m.name for m in req.metadata], version)
+                        await persist_after_commit(self, layout.names, version)
                     elif result["partial"]:
                         guard.mark_broken(f"update to version {version} failed part-way: {result['error']}")
         except Exception as exc:

@@ -26,6 +26,17 @@ class WeightsGuard:
         self._writer = False
         self._writers_waiting = 0
         self._cond = asyncio.Condition()
+        self._changed = asyncio.Event()  # set (and replaced) on every change of version or state
+
+    def signal_change(self) -> None:
+        """Wake everyone waiting in ``wait_change`` (version, state or an update's outcome changed)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_change(self, timeout_s: float) -> None:
+        """Wait (bounded) for the next ``signal_change``; returns on timeout too."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
 
     @contextlib.asynccontextmanager
     async def scoring(self) -> AsyncIterator[int]:
@@ -73,14 +84,17 @@ class WeightsGuard:
                 if self.state == "updating":
                     self.state = previous_state
                 self._cond.notify_all()
+            self.signal_change()
 
     def commit(self, version: int) -> None:
         """Called inside ``updating()`` once the whole update succeeded."""
         self.version = version
         self.state = "serving"
         self.broken_reason = None
+        self.signal_change()
 
     def mark_broken(self, reason: str) -> None:
         """Called inside ``updating()`` when weights were partly overwritten."""
         self.state = "broken"
         self.broken_reason = reason
+        self.signal_change()

@@ -17,7 +17,7 @@ import torch
 
 from rewardplane.sdk.buckets import unpack_bucket
 from rewardplane.sdk.comm import Communicator, create_store
-from rewardplane.sdk.protocol import Bucket, ParamMeta, plan_buckets
+from rewardplane.sdk.protocol import Bucket, ParamMeta, layout_id, plan_buckets
 from rewardplane.sdk.transfer import Received, receive_buckets
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,9 @@ class RewardWeightSyncExtension:
         )
         return rank
 
-    def rp_receive(self, metadata: list[dict[str, Any]], bucket_bytes: int, apply: bool) -> dict[str, Any]:
+    def rp_receive(
+        self, metadata: list[dict[str, Any]], bucket_bytes: int, apply: bool, layout_key: str | None = None,
+    ) -> dict[str, Any]:
         """Receive every bucket. ``apply``: load each as it arrives (streamed); else stage them all.
 
         A rank whose load fails keeps receiving (so the trainer's broadcast is not left hanging),
@@ -73,7 +75,7 @@ class RewardWeightSyncExtension:
         comm = self._rp_comm
         if comm is None:
             return {"ok": False, "partial": False, "bytes": 0, "error": "no communicator: call /init_communicator first"}
-        metas, plan = self._rp_layout(metadata, bucket_bytes)
+        metas, plan = self._rp_layout(metadata, bucket_bytes, layout_key)
         src = comm.world_size - 1
         got = Received()
         try:
@@ -88,16 +90,23 @@ class RewardWeightSyncExtension:
         self._rp_staged = None if apply else got.staged
         return {"ok": True, "partial": False, "bytes": got.bytes, "error": None}
 
-    def _rp_layout(self, metadata: list[dict[str, Any]], bucket_bytes: int) -> tuple[list[ParamMeta], list[Bucket]]:
-        """Parsed metadata and bucket plan, cached: a trainer pushes the same layout again and again,
-        and re-parsing hundreds of entries sits on the critical path of every push."""
-        key = (tuple((m["name"], m["dtype"], tuple(m["shape"])) for m in metadata), bucket_bytes)
-        cached = getattr(self, "_rp_layout_cache", None)
-        if cached is None or cached[0] != key:
+    def _rp_layout(
+        self, metadata: list[dict[str, Any]], bucket_bytes: int, layout_key: str | None,
+    ) -> tuple[list[ParamMeta], list[Bucket]]:
+        """Parsed metadata and bucket plan, cached by the layout's id: a trainer pushes the same
+        layout again and again, and re-parsing hundreds of entries sits on every push's critical path."""
+        key = layout_key or layout_id([ParamMeta(**m) for m in metadata], bucket_bytes)
+        cache: dict[str, tuple[list[ParamMeta], list[Bucket]]] | None = getattr(self, "_rp_layouts", None)
+        if cache is None:
+            cache = self._rp_layouts = {}
+        hit = cache.get(key)
+        if hit is None:
             metas = [ParamMeta(**m) for m in metadata]
-            cached = (key, metas, plan_buckets(metas, bucket_bytes))
-            self._rp_layout_cache = cached
-        return cached[1], cached[2]
+            hit = (metas, plan_buckets(metas, bucket_bytes))
+            if len(cache) >= 16:  # as the control plane's layout cache
+                cache.pop(next(iter(cache)))
+            cache[key] = hit
+        return hit
 
     def rp_apply_staged(self, metadata: list[dict[str, Any]]) -> None:
         metas = [ParamMeta(**m) for m in metadata]  # staged updates are not on the fast path
