@@ -55,7 +55,14 @@ class Kube:
     @classmethod
     def from_environment(cls, kubeconfig: str | None = None) -> Kube:
         """Load credentials: an explicit kubeconfig, else in-cluster, else $KUBECONFIG / ~/.kube/config."""
-        from kubernetes import client, config  # the loaders only; requests go through httpx
+        try:
+            from kubernetes import client, config  # the loaders only; requests go through httpx
+        except ImportError as exc:
+            raise ImportError(
+                "reaching the Kubernetes API (RewardModelHandle, cluster-mode pushes, the operator) needs the "
+                "`kubernetes` package for its credential loaders: pip install 'rewardplane[cluster]' "
+                f"({exc})"
+            ) from exc
 
         cfg = client.Configuration()
         if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
