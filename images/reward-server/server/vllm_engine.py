@@ -310,6 +310,14 @@ class VLLMEngine:
                 f"{self.cfg.gpu_memory_utilization:.0%} of its memory free (--gpu-memory-utilization) — see the "
                 "log above for vLLM's own reason"
             ) from exc
+        # One tiny request before the server reports healthy: the first inference compiles a few
+        # Triton kernels (vLLM logs "JIT compilation during inference"), a stall the first real
+        # requests would otherwise pay. A failure here means the engine cannot score: fail the start.
+        try:
+            await asyncio.wait_for(self._encode(self.llm, "rp-warmup", [min(1, self.info.vocab_size - 1)] * 16),
+                                   SHORT_RPC_TIMEOUT_S)
+        except Exception as exc:
+            raise RuntimeError(f"vLLM started but could not score a warm-up prompt: {type(exc).__name__}: {exc}") from exc
         mc = self.llm.model_config
         served_head = str(mc.head_dtype).removeprefix("torch.")
         if served_head != self.info.head_dtype or int(mc.max_model_len) != self.info.max_model_len:
