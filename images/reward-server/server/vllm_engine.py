@@ -20,7 +20,11 @@ Why the pieces look the way they do:
   old weights.
 - ``AsyncLLM`` is built in ``start()`` (inside the server's event loop: its ZMQ asyncio sockets
   and output task belong to the loop that uses them); everything the app needs before that
-  (``info``, the manifest, the tokenizer) is derived from the checkpoint's config here.
+  (``info``, the manifest, the tokenizer) is derived from the checkpoint's config here. A warm-up
+  prompt is scored before the server reports healthy.
+- Batch limits: vLLM's offline (``LLM``) defaults for the card, not ``AsyncLLM``'s engine-context
+  ones (2048 tokens a step made the server 0.37x of offline); chunked prefill off (vLLM 0.24's
+  pooling + chunked prefill races; see ``build_engine_args``). Both yield to the user's flags.
 
 Extra vLLM engine arguments (``cfg.extra_engine_args``, i.e. unknown command-line flags with
 ``--engine vllm``) are parsed with vLLM's own ``AsyncEngineArgs`` parser, so any
