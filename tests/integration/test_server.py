@@ -125,6 +125,10 @@ def test_concurrent_clients_get_their_own_scores(one_label, tiny_model_dir):
         ("/score", {"input": ["a"], "model": "other"}, 400, "not served"),
         ("/score", {"input": ["a"], "pooling_type": "step"}, 400, "pooling_type"),
         ("/classify", {"input": [[1, 99999]]}, 400, "vocabulary"),
+        ("/classify", {"input": [[1, -3]]}, 400, "vocabulary"),
+        ("/pooling", {"input": [[1, 2.5]]}, 422, "input"),
+        ("/pooling", {"input": [[1, "two"]]}, 422, "input"),
+        ("/pooling", {"input": [[1, 2], "text"]}, 422, "input"),
         ("/classify", {"input": {"a": 1}}, 422, "input"),
     ],
 )
