@@ -194,10 +194,16 @@ class WeightSyncService:
                     # The cache reset goes out first, alongside the receive: nothing is scored while
                     # the exclusive lock is held, so no block made from old weights can enter the
                     # cache after it, and its round trip to the engine leaves the critical path.
-                    _, received = await asyncio.gather(
+                    # Both finish before the lock is released, whatever happens to either.
+                    reset, received = await asyncio.gather(
                         self._reset_cache(), self.call("rp_receive", metadata, req.bucket_bytes, True, layout.id),
+                        return_exceptions=True,
                     )
+                    if isinstance(received, BaseException):
+                        raise received
                     result = _merge(received)
+                    if isinstance(reset, BaseException) and result["ok"]:
+                        raise reset  # new weights, but cached blocks of the old ones: refuse to serve
                     result["lock_s"], result["receive_s"] = locked - start, time.perf_counter() - locked
                     if result["ok"]:
                         guard.commit(version)
