@@ -453,6 +453,9 @@ class InitCommunicatorRequest(BaseModel):
 
 
 LAYOUT_ID_PATTERN = r"^[0-9a-f]{16}$"
+# Layouts a server (and each of its workers) keeps by id; a trainer alternates a few (full,
+# head_only, lora), and an older one is simply announced in full again.
+MAX_LAYOUTS = 16
 
 
 def layout_id(metadata: Sequence[ParamMeta], bucket_bytes: int) -> str:

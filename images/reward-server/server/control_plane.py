@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, Request
 
 from rewardplane.sdk.auth import resolve_token
 from rewardplane.sdk.protocol import (
+    MAX_LAYOUTS,
     BackgroundTasksResponse,
     Endpoints,
     InitCommunicatorRequest,
@@ -42,9 +43,6 @@ WorkerCall = Callable[..., Awaitable[list[Any]]]
 
 class Forbidden(ServerError):
     status_code = 403
-
-
-MAX_LAYOUTS = 16  # a trainer alternates a few (full, head_only, lora); older ones are announced again
 
 
 @dataclass(frozen=True)
@@ -136,7 +134,8 @@ class WeightSyncService:
                 detail=problems,
             )
         layout = Layout(
-            layout_id(req.metadata, req.bucket_bytes), req.bucket_bytes, [m.name for m in req.metadata],
+            # a given layout_id was checked against the metadata when the request was parsed
+            req.layout_id or layout_id(req.metadata, req.bucket_bytes), req.bucket_bytes, [m.name for m in req.metadata],
             [m.model_dump(mode="json") for m in req.metadata],
         )
         self._layouts[layout.id] = layout

@@ -17,7 +17,7 @@ import torch
 
 from rewardplane.sdk.buckets import unpack_bucket
 from rewardplane.sdk.comm import Communicator, create_store
-from rewardplane.sdk.protocol import Bucket, ParamMeta, layout_id, plan_buckets
+from rewardplane.sdk.protocol import MAX_LAYOUTS, Bucket, ParamMeta, plan_buckets
 from rewardplane.sdk.transfer import Received, receive_buckets
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class RewardWeightSyncExtension:
         return rank
 
     def rp_receive(
-        self, metadata: list[dict[str, Any]], bucket_bytes: int, apply: bool, layout_key: str | None = None,
+        self, metadata: list[dict[str, Any]], bucket_bytes: int, apply: bool, layout_key: str,
     ) -> dict[str, Any]:
         """Receive every bucket. ``apply``: load each as it arrives (streamed); else stage them all.
 
@@ -91,21 +91,21 @@ class RewardWeightSyncExtension:
         return {"ok": True, "partial": False, "bytes": got.bytes, "error": None}
 
     def _rp_layout(
-        self, metadata: list[dict[str, Any]], bucket_bytes: int, layout_key: str | None,
+        self, metadata: list[dict[str, Any]], bucket_bytes: int, layout_key: str,
     ) -> tuple[list[ParamMeta], list[Bucket]]:
-        """Parsed metadata and bucket plan, cached by the layout's id: a trainer pushes the same
-        layout again and again, and re-parsing hundreds of entries sits on every push's critical path."""
-        key = layout_key or layout_id([ParamMeta(**m) for m in metadata], bucket_bytes)
+        """Parsed metadata and bucket plan, cached by the layout's id (the control plane's, which
+        covers the bucket size): a trainer pushes the same layout again and again, and re-parsing
+        hundreds of entries sits on every push's critical path."""
         cache: dict[str, tuple[list[ParamMeta], list[Bucket]]] | None = getattr(self, "_rp_layouts", None)
         if cache is None:
             cache = self._rp_layouts = {}
-        hit = cache.get(key)
+        hit = cache.get(layout_key)
         if hit is None:
             metas = [ParamMeta(**m) for m in metadata]
             hit = (metas, plan_buckets(metas, bucket_bytes))
-            if len(cache) >= 16:  # as the control plane's layout cache
+            if len(cache) >= MAX_LAYOUTS:  # the oldest goes; its metadata comes with every call anyway
                 cache.pop(next(iter(cache)))
-            cache[key] = hit
+            cache[layout_key] = hit
         return hit
 
     def rp_apply_staged(self, metadata: list[dict[str, Any]]) -> None:
