@@ -26,6 +26,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rewardplane.sdk.http_pool import ShardedAsyncClient  # noqa: E402
 from rewardplane.server.batching import plan_micro_batches  # noqa: E402
 from rewardplane.server.config import ServerConfig  # noqa: E402
 from rewardplane.server.hf_engine import HFEngine  # noqa: E402
@@ -53,13 +54,13 @@ async def over_http(url: str, texts: list[str], clients: int, per_request: int) 
     for c in chunks:
         queue.put_nowait(c)
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker(client: ShardedAsyncClient) -> None:
         while not queue.empty():
             chunk = queue.get_nowait()
             r = await client.post(f"{url}/score", json={"input": chunk, "normalize": False})
             r.raise_for_status()
 
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=clients)) as client:
+    async with ShardedAsyncClient(max_connections=clients, timeout=httpx.Timeout(300.0)) as client:
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(clients)))
         return time.perf_counter() - start

@@ -174,11 +174,14 @@ async def drive(url: str, prompts: list[list[int]], per_request: int, concurrenc
     """Send every prompt in requests of ``per_request`` with at most ``concurrency`` in flight."""
     import httpx
 
+    from rewardplane.sdk.http_pool import ShardedAsyncClient
+
     chunks = [prompts[i : i + per_request] for i in range(0, len(prompts), per_request)]
     results: list[list[list[float]]] = [[] for _ in chunks]
     sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    # The SDK's client: one httpx pool of 256 connections costs ~2x the client CPU per request
+    # (benchmarks/http_client.py), which capped this benchmark rather than the server.
+    async with ShardedAsyncClient(max_connections=concurrency, timeout=httpx.Timeout(600.0)) as client:
         async def one(i: int) -> None:
             async with sem:
                 r = await client.post(url + "/pooling", json={"input": chunks[i]})
@@ -190,6 +193,26 @@ async def drive(url: str, prompts: list[list[int]], per_request: int, concurrenc
         await asyncio.gather(*(one(i) for i in range(len(chunks))))
         seconds = time.perf_counter() - t0
     return seconds, [row for chunk in results for row in chunk]
+
+
+def process_cpu_s(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) of ``root`` and each of its descendants (Linux /proc), by
+    "pid:name": whether the API process, the engine core or the client is saturated."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            out[f"{pid}:{name}"] = (int(fields[11]) + int(fields[12])) / tick
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def measure_server(model_dir: Path, prompts: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -215,9 +238,14 @@ def measure_server(model_dir: Path, prompts: dict[str, Any], args: argparse.Name
         # Each request size gets its own prompts' worth of fresh work: reuse would hit the prefix cache.
         for k, per_request in enumerate(args.items_per_request_list):
             main = prompts["main"] if k == 0 else prompts["extra"][k - 1]
+            before, client_before = process_cpu_s(proc.pid), time.process_time()
             seconds, scores = bounded(main, per_request)
+            after, client_after = process_cpu_s(proc.pid), time.process_time()
+            # busy fraction of each process over the run: ~1.0 means that process set the pace
+            busy = {name: round((after[name] - before[name]) / seconds, 3) for name in after if name in before}
+            busy["client (this process)"] = round((client_after - client_before) / seconds, 3)
             out["runs"][per_request] = {"seconds": seconds, "scores": scores if k == 0 else None,
-                                        "tokens": sum(map(len, main)), "prompts": len(main)}
+                                        "tokens": sum(map(len, main)), "prompts": len(main), "cpu_busy": busy}
         return out
     except Exception as exc:
         # The server and its engine core print every thread's stack on SIGUSR1: see where it waits.
@@ -308,7 +336,8 @@ def bench_size(size: str, args: argparse.Namespace, root: Path) -> dict[str, Any
     print(f"[{size}] vLLM offline: {tokens / offline['seconds']:,.0f} tok/s (startup {offline['startup_s']:.0f}s)", flush=True)
     server = measure_server(model_dir, prompts, args, work)
     primary = server["runs"][args.items_per_request_list[0]]
-    print(f"[{size}] server HTTP: {tokens / primary['seconds']:,.0f} tok/s (startup {server['startup_s']:.0f}s)", flush=True)
+    print(f"[{size}] server HTTP: {tokens / primary['seconds']:,.0f} tok/s (startup {server['startup_s']:.0f}s); "
+          f"CPU busy: {primary['cpu_busy']}", flush=True)
     hf = None if args.skip_hf else run_phase("hf", model_dir, work, args)
     if hf is not None:
         print(f"[{size}] transformers padded: {tokens / hf['seconds']:,.0f} tok/s", flush=True)
@@ -320,6 +349,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path) -> dict[str, Any
         "items_per_request": args.items_per_request_list[0], "concurrency": args.concurrency,
         "server_vs_offline": offline["seconds"] / primary["seconds"],
         "server_vs_offline_max_abs_diff": max_abs(primary["scores"], offline["scores"]),
+        "server_cpu_busy": primary["cpu_busy"],
         "other_request_sizes": {
             str(k): {"tok_s": v["tokens"] / v["seconds"], "vs_offline": (v["tokens"] / v["seconds"]) / (tokens / offline["seconds"])}
             for k, v in list(server["runs"].items())[1:]

@@ -119,31 +119,64 @@ def build_trainer_model(ckpt: Path, device: torch.device) -> torch.nn.Module:
     return model.eval().requires_grad_(False)
 
 
+def timeline(urls: list[str], stats: dict[str, float], version: int) -> dict[str, float]:
+    """One push's events in ms after the trainer's call: the trainer's own, and each server's
+    (``last_update`` of /get_num_background_tasks; same host, so one monotonic clock)."""
+    out = {"trainer.announce_answered": 1000 * stats["announced_at_s"],
+           "trainer.synchronized": 1000 * stats["synchronized_at_s"],
+           "trainer.status_reduced": 1000 * stats["flagged_at_s"], "trainer.served": 1000 * stats["total_s"]}
+    for i, url in enumerate(urls):
+        for _ in range(50):  # the server records it just after the commit that answered the trainer
+            last = httpx.get(f"{url}/get_num_background_tasks", headers={"Authorization": f"Bearer {TOKEN}"},
+                             timeout=10).json().get("last_update")
+            if last and last["version"] == version:
+                break
+            time.sleep(0.01)
+        else:
+            continue
+        offset = 1000 * (last["announced_at"] - stats["started_at"])
+        out[f"server{i}.announce_arrived"] = offset
+        out.update({f"server{i}.{k}": offset + v for k, v in last["after_announce_ms"].items()})
+    return dict(sorted(out.items(), key=lambda kv: kv[1]))
+
+
 def timed_pushes(
     sync: DirectWeightSync, params: dict[str, torch.Tensor], versions: Iterator[int], reps: int, head_reps: int,
-    trainer: torch.device,
+    trainer: torch.device, urls: list[str],
 ) -> dict[str, object]:
     """One warm-up push (forms the group), ``reps`` timed full pushes, ``head_reps`` head-only pushes."""
     t0 = time.perf_counter()
     sync.sync(params, version=next(versions))
     first = time.perf_counter() - t0
-    full, stats = [], []
+    full, stats, timelines = [], [], []
     for _ in range(reps):
-        torch.cuda.synchronize(trainer)
+        if trainer.type == "cuda":
+            torch.cuda.synchronize(trainer)
+        version = next(versions)
         t0 = time.perf_counter()
-        sync.sync(params, version=next(versions))
+        sync.sync(params, version=version)
         full.append(time.perf_counter() - t0)
         stats.append(dict(sync.open().last_stats))
+        timelines.append(timeline(urls, stats[-1], version))
     head = select_head(params)
-    head_times = []
+    head_times, head_timelines = [], []
     for _ in range(head_reps):
+        version = next(versions)
         t0 = time.perf_counter()
-        sync.sync(head, version=next(versions), training_mode=Mode.HEAD_ONLY)
+        sync.sync(head, version=version, training_mode=Mode.HEAD_ONLY)
         head_times.append(time.perf_counter() - t0)
+        head_timelines.append(timeline(urls, dict(sync.open().last_stats), version))
     return {"first_push_s": first, "full_push_s": full, "full_push_median_s": statistics.median(full),
             "head_only_s": head_times, "head_only_ms_median": 1000 * statistics.median(head_times),
             "head_only_ms_p90": 1000 * sorted(head_times)[int(0.9 * (len(head_times) - 1))],
-            "world_size": sync.open().comm.world_size, "breakdown": stats}
+            "world_size": sync.open().comm.world_size, "breakdown": stats,
+            "timeline_ms": median_timeline(timelines), "head_only_timeline_ms": median_timeline(head_timelines)}
+
+
+def median_timeline(timelines: list[dict[str, float]]) -> dict[str, float]:
+    keys = [k for k in timelines[0] if all(k in t for t in timelines)]
+    med = {k: round(statistics.median(t[k] for t in timelines), 3) for k in keys}
+    return dict(sorted(med.items(), key=lambda kv: kv[1]))
 
 
 def score_check(urls: list[str], model: torch.nn.Module, ckpt: Path, trainer: torch.device) -> list[dict[str, float]]:
@@ -212,7 +245,7 @@ def main() -> int:
             sync = DirectWeightSync(target, group_port=free_port(), token=TOKEN, trainer_host="127.0.0.1",
                                     device=trainer, bucket_bytes=bucket_bytes, connect_timeout_s=300, timeout_s=600)
             try:
-                return timed_pushes(sync, params, versions, args.reps, args.head_reps, trainer)
+                return timed_pushes(sync, params, versions, args.reps, args.head_reps, trainer, target)
             finally:
                 sync.close()
 
@@ -267,6 +300,10 @@ def main() -> int:
         assert isinstance(br, list)
         print("  breakdown of the last full push     : " + ", ".join(
             f"{key}={1000 * v:.1f}ms" for key, v in br[-1].items() if key.endswith("_s")))
+        for name in ("timeline_ms", "head_only_timeline_ms"):
+            tl = p[name]
+            assert isinstance(tl, dict)
+            print(f"  {name} (median, ms after the call): " + ", ".join(f"{k} {v:.2f}" for k, v in tl.items()))
     if raw_single:
         print(f"raw NCCL broadcast, one tensor, {n} peer(s): {gb / statistics.median(raw_single):7.1f} GB/s")
     if n > 1:

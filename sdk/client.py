@@ -37,6 +37,7 @@ from pydantic import ValidationError
 
 from rewardplane.sdk.auth import auth_headers, resolve_token
 from rewardplane.sdk.chunking import assignments, reassemble, split_range
+from rewardplane.sdk.http_pool import ShardedAsyncClient
 from rewardplane.sdk.protocol import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_GROUP_PORT,
@@ -122,7 +123,8 @@ class VLLMRewardClient:
         min_chunk: batches of at most this many inputs go whole to one server (round robin).
         max_items_per_request: cut each server's chunk into requests of at most this many inputs
             (match the server's max items per request); ``None`` sends one request per chunk.
-        max_connections: connection-pool size per event loop (many concurrent scoring calls).
+        max_connections: connections per event loop (many concurrent scoring calls), spread
+            over pools of at most 32 (``http_pool``: one large httpx pool costs CPU per request).
         trainer_host: this trainer's address as the servers reach it (weight pushes; default:
             the local address on the route to the first server).
         bucket_bytes: size of the flat buckets a push broadcasts (large buckets reach the link's
@@ -201,6 +203,7 @@ class VLLMRewardClient:
         self._timeout = httpx.Timeout(
             self.request_timeout_s, connect=min(self.request_timeout_s, _CONNECT_TIMEOUT_CAP_S)
         )
+        self._max_connections = max_connections
         self._limits = httpx.Limits(
             max_connections=max_connections, max_keepalive_connections=max_connections
         )
@@ -209,7 +212,7 @@ class VLLMRewardClient:
         self._closed = False
         self._sync_client: httpx.Client | None = None
         # httpx.AsyncClient is bound to the loop that first used it, so keep one per loop.
-        self._async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+        self._async_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ShardedAsyncClient] = (
             weakref.WeakKeyDictionary()
         )
         # Private loop on a daemon thread for the *_sync methods (works under a running loop too).
@@ -242,13 +245,14 @@ class VLLMRewardClient:
                 )
             return self._sync_client
 
-    def _aclient(self) -> httpx.AsyncClient:
+    def _aclient(self) -> ShardedAsyncClient:
         self._check_open()
         loop = asyncio.get_running_loop()
         with self._lock:
             client = self._async_clients.get(loop)
             if client is None or client.is_closed:
-                client = httpx.AsyncClient(timeout=self._timeout, limits=self._limits, headers=self.headers)
+                client = ShardedAsyncClient(max_connections=self._max_connections,
+                                            timeout=self._timeout, headers=self.headers)
                 self._async_clients[loop] = client
             return client
 

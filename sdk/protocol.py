@@ -518,3 +518,6 @@ class StatusResponse(BaseModel):
 class BackgroundTasksResponse(BaseModel):
     num_background_tasks: int
     last_error: str | None = None
+    # The last finished update's timeline: event → seconds after the announce reached the server
+    # (see control_plane.UpdateTimeline). Where a push's time goes, without a profiler.
+    last_update: dict[str, Any] | None = None

@@ -305,13 +305,17 @@ class RewardModelPublisher:
         training_mode: RewardModelTrainingMode = RewardModelTrainingMode.FULL, keep_lora: bool = False,
     ) -> int:
         start = time.perf_counter()
+        started_at = time.monotonic()  # the servers' timelines use this clock too (same host)
         mode = RewardModelTrainingMode(training_mode)
         order, metadata = self._layout(state_dict, mode, keep_lora)
         tensors = {server: state_dict[k].detach() for server, k in order}
+        announced = start
 
         def announce() -> None:
+            nonlocal announced
             self.control.announce_update_batch(metadata, version=version, training_mode=mode,
                                                bucket_bytes=self.bucket_bytes, atomic=self.atomic)
+            announced = time.perf_counter()
 
         prepared = time.perf_counter()
         if self.comm.device.type == "cuda" and self.control.manifest():
@@ -324,6 +328,7 @@ class RewardModelPublisher:
                                      failed=lambda: accepted.exception() if accepted.done() else None)
         else:
             total = send_buckets(self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, before_wait=announce)
+        synchronized = time.perf_counter()
         if self.comm.max_flag(0) != 0:
             raise WeightSyncError(
                 f"a reward server failed to load version {version}; see its log and /get_num_background_tasks"
@@ -331,8 +336,11 @@ class RewardModelPublisher:
         sent = time.perf_counter()
         self.control.finalize_update(version)
         done = time.perf_counter()
+        # phases, and a timeline (seconds after the call) to set beside the servers' (last_update)
         self.last_stats = {"bytes": total, "prepare_s": prepared - start, "transfer_s": sent - prepared,
-                           "finalize_s": done - sent, "total_s": done - start}
+                           "finalize_s": done - sent, "total_s": done - start, "started_at": started_at,
+                           "announced_at_s": announced - start, "synchronized_at_s": synchronized - start,
+                           "flagged_at_s": sent - start}
         return version
 
 

@@ -8,6 +8,7 @@ bounded ``synchronize`` catches a dead peer. On CPU (gloo) it runs bucket by buc
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -82,6 +83,7 @@ class Received:
     error: str | None = None
     applied_any: bool = False
     staged: list[tuple[Bucket, torch.Tensor]] = field(default_factory=list)
+    posted_at: float | None = None  # time.monotonic() when the first receive was posted
 
 
 def receive_buckets(
@@ -114,6 +116,7 @@ def receive_buckets(
             if load is None or reuse is None or reuse.numel() < bucket.nbytes:
                 reuse = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
             buf = reuse[: bucket.nbytes]
+            out.posted_at = out.posted_at or time.monotonic()
             comm.broadcast(buf, src)
             out.bytes += bucket.nbytes
             if load is None:
@@ -138,6 +141,7 @@ def receive_buckets(
                 comm.wait_event(loaded[i])
             buf = bufs[i][: bucket.nbytes]
             comm.broadcast(buf, src)
+            out.posted_at = out.posted_at or time.monotonic()
             out.bytes += bucket.nbytes
             arrived = torch.cuda.Event()
             arrived.record(main)

@@ -59,6 +59,15 @@ def test_full_push_scores_equal_trainer_and_version_served(server, tiny_model_di
         model2 = perturbed(tiny_model_dir, seed=2)
         sync.sync(model2.state_dict(), version=6)
         assert close(served(server)[0], logits(model2, tiny_model_dir, TEXTS))
+        # where the push's time went: the server's timeline, in order, on the trainer's clock
+        tasks = httpx.get(f"{server.url}/get_num_background_tasks", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        last = tasks["last_update"]
+        assert (last["version"], last["ok"], last["mode"]) == (6, True, "full")
+        ms = last["after_announce_ms"]
+        order = ["task", "locked", "worker_in", "worker_posted", "worker_out", "returned", "committed"]
+        assert set(ms) == set(order) and [ms[k] for k in order] == sorted(ms.values()), ms
+        stats = sync.open().last_stats
+        assert stats["started_at"] < last["announced_at"] < stats["started_at"] + stats["total_s"]
     finally:
         sync.close()
 

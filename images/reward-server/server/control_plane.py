@@ -67,6 +67,8 @@ class WeightSyncService:
         self.reset_cache = reset_cache
         self.tasks: set[asyncio.Task[None]] = set()
         self.last_error: str | None = None
+        # The last finished update's timeline (GET /get_num_background_tasks → last_update).
+        self.last_update: dict[str, Any] | None = None
         self._init_task: asyncio.Task[None] | None = None
         self._update_task: asyncio.Task[None] | None = None
         self._has_comm = False
@@ -145,6 +147,7 @@ class WeightSyncService:
         return layout
 
     async def update(self, req: UpdateParamBatchRequest) -> int:
+        arrived = time.monotonic()
         layout = self._layout_of(req)
         guard = self.engine.guard
         version = req.version if req.version is not None else guard.version + 1
@@ -164,32 +167,36 @@ class WeightSyncService:
                 "no communicator: call /init_communicator (and create the trainer's side of the group) first"
                 + (f"; the last attempt failed: {self.last_error}" if self.last_error else "")
             )
-        self._update_task = self._spawn(self._run_update(req, layout, version), f"update-v{version}")
+        self._update_task = self._spawn(self._run_update(req, layout, version, arrived), f"update-v{version}")
         # once the outcome is known (the task is done), wake trainers waiting on /runtime_version
         self._update_task.add_done_callback(lambda _: guard.signal_change())
         return version
 
-    async def _run_update(self, req: UpdateParamBatchRequest, layout: Layout, version: int) -> None:
+    async def _run_update(self, req: UpdateParamBatchRequest, layout: Layout, version: int, arrived: float) -> None:
         guard = self.engine.guard
         metadata = layout.metadata
         mode = req.training_mode.value
         start = time.perf_counter()
+        stamps: dict[str, float | None] = {"task": time.monotonic()}
         result: dict[str, Any] = {"ok": False, "error": "not started", "partial": False, "bytes": 0}
         try:
             if req.atomic:
                 # Stage while the old weights keep serving, then swap under the exclusive lock.
                 result = _merge(await self.call("rp_receive", metadata, req.bucket_bytes, False, layout.id))
+                stamps.update(result.pop("times"), returned=time.monotonic())
                 if result["ok"]:
                     async with guard.updating(timeout_s=req.timeout_s):
                         await self.call("rp_apply_staged", metadata)
                         await self._reset_cache()
                         guard.commit(version)
+                        stamps["committed"] = time.monotonic()
                         await persist_after_commit(self, layout.names, version)
                 else:
                     await self.call("rp_drop_staged")
             else:
                 async with guard.updating(timeout_s=req.timeout_s):
                     locked = time.perf_counter()
+                    stamps["locked"] = time.monotonic()
                     # The cache reset goes out first, alongside the receive: nothing is scored while
                     # the exclusive lock is held, so no block made from old weights can enter the
                     # cache after it, and its round trip to the engine leaves the critical path.
@@ -198,14 +205,17 @@ class WeightSyncService:
                         self._reset_cache(), self.call("rp_receive", metadata, req.bucket_bytes, True, layout.id),
                         return_exceptions=True,
                     )
+                    stamps["returned"] = time.monotonic()
                     if isinstance(received, BaseException):
                         raise received
                     result = _merge(received)
+                    stamps.update(result.pop("times"))
                     if isinstance(reset, BaseException) and result["ok"]:
                         raise reset  # new weights, but cached blocks of the old ones: refuse to serve
                     result["lock_s"], result["receive_s"] = locked - start, time.perf_counter() - locked
                     if result["ok"]:
                         guard.commit(version)
+                        stamps["committed"] = time.monotonic()
                         await persist_after_commit(self, layout.names, version)
                     elif result["partial"]:
                         guard.mark_broken(f"update to version {version} failed part-way: {result['error']}")
@@ -213,6 +223,11 @@ class WeightSyncService:
             result = {"ok": False, "partial": False, "bytes": 0, "error": f"{type(exc).__name__}: {exc}"}
             if guard.state == "updating":
                 guard.mark_broken(f"update to version {version} failed: {exc}")
+        self.last_update = {
+            "version": version, "mode": mode, "ok": bool(result["ok"]), "bytes": result.get("bytes", 0),
+            "announced_at": arrived,  # time.monotonic() of this host, to line up with the trainer's clock
+            "after_announce_ms": {k: round(1000 * (t - arrived), 3) for k, t in stamps.items() if t is not None},
+        }
         self.metrics.weight_update_bytes.inc(result.get("bytes", 0))
         self.metrics.weight_update_seconds.observe(time.perf_counter() - start)
         self.metrics.weight_updates.labels(mode, "ok" if result["ok"] else "failed").inc()
@@ -239,7 +254,13 @@ class WeightSyncService:
 def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     """One verdict from every worker's result."""
     errors = [r["error"] for r in results if not r["ok"]]
+    times: dict[str, float] = {}
+    for r in results:  # the slowest worker's stamps
+        for key, t in (r.get("times") or {}).items():
+            if t is not None:
+                times[key] = max(t, times.get(key, t))
     return {
+        "times": times,
         "ok": not errors,
         "partial": any(r["partial"] for r in results),
         "bytes": max((r["bytes"] for r in results), default=0),
@@ -284,7 +305,8 @@ def install_control_plane(app: FastAPI, engine: RewardEngine, cfg: ServerConfig,
     @app.api_route(Endpoints.NUM_BACKGROUND_TASKS, methods=["GET", "POST"], response_model=BackgroundTasksResponse,
                    dependencies=auth)
     async def num_background_tasks() -> BackgroundTasksResponse:
-        return BackgroundTasksResponse(num_background_tasks=len(service.tasks), last_error=service.last_error)
+        return BackgroundTasksResponse(num_background_tasks=len(service.tasks), last_error=service.last_error,
+                                       last_update=service.last_update)
 
     @app.get(Endpoints.PARAM_MANIFEST, response_model=list[ParamMeta], dependencies=auth)
     async def param_manifest() -> list[ParamMeta]:

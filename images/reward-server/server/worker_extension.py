@@ -11,6 +11,7 @@ import faulthandler
 import logging
 import signal
 import threading
+import time
 from typing import Any
 
 import torch
@@ -72,23 +73,30 @@ class RewardWeightSyncExtension:
         A rank whose load fails keeps receiving (so the trainer's broadcast is not left hanging),
         then reports failure in the final status reduction that every rank and the trainer join.
         """
+        entered = time.monotonic()
         comm = self._rp_comm
         if comm is None:
             return {"ok": False, "partial": False, "bytes": 0, "error": "no communicator: call /init_communicator first"}
         metas, plan = self._rp_layout(metadata, bucket_bytes, layout_key)
         src = comm.world_size - 1
         got = Received()
+
+        def outcome(ok: bool, partial: bool, error: str | None) -> dict[str, Any]:
+            # monotonic stamps (one clock for every process of the host) for the update's timeline
+            times = {"worker_in": entered, "worker_posted": got.posted_at, "worker_out": time.monotonic()}
+            return {"ok": ok, "partial": partial, "bytes": got.bytes, "error": error, "times": times}
+
         try:
             receive_buckets(comm, metas, bucket_bytes, src, self.rp_load if apply else None, out=got, plan=plan)
             if comm.max_flag(1 if got.error else 0) != 0 and got.error is None:
                 got.error = "another rank failed to load its part of the update"
         except Exception as exc:  # communication failed: the trainer died or timed out
             self.rp_close_communicator()
-            return {"ok": False, "partial": apply and got.applied_any, "bytes": got.bytes, "error": str(exc)}
+            return outcome(False, apply and got.applied_any, str(exc))
         if got.error is not None:
-            return {"ok": False, "partial": got.applied_any, "bytes": got.bytes, "error": got.error}
+            return outcome(False, got.applied_any, got.error)
         self._rp_staged = None if apply else got.staged
-        return {"ok": True, "partial": False, "bytes": got.bytes, "error": None}
+        return outcome(True, False, None)
 
     def _rp_layout(
         self, metadata: list[dict[str, Any]], bucket_bytes: int, layout_key: str,
