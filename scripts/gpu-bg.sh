@@ -5,6 +5,7 @@
 # outlives the call), on the GPUs named:
 #
 #   bash scripts/gpu-bg.sh start NAME GPUS MODE [ARGS]   # e.g. start tests 0,1,2 tests
+#   AFTER=sync bash scripts/gpu-bg.sh start tests 0,1,2 tests   # queued behind job "sync"
 #   bash scripts/gpu-bg.sh wait SECONDS [NAME ...]        # wait (bounded) for jobs; copy logs to $OUT
 #   bash scripts/gpu-bg.sh status                         # tails of every job's log, copied to $OUT
 #
@@ -35,9 +36,12 @@ case "${1:-}" in
     mkdir -p "$snap"
     # the tree without the carried wheels (they are installed already)
     tar --exclude=./.whl -cf - . | tar -xf - -C "$snap"
-    (cd "$snap" && CUDA_VISIBLE_DEVICES=$gpus OUT=$d/out setsid nohup bash -c \
-      'bash scripts/gpu-run.sh "$@"; echo $? > '"$d"'/rc' _ "$@" > "$d/log" 2>&1 < /dev/null &)
-    echo "started $name on GPUs $gpus: $*" ;;
+    # AFTER=NAME: start only once job NAME has finished (e.g. two jobs on the same GPUs, one call)
+    after=${AFTER:+$BG/$AFTER/rc}
+    (cd "$snap" && CUDA_VISIBLE_DEVICES=$gpus OUT=$d/out AFTER_RC=$after setsid nohup bash -c \
+      'while [ -n "$AFTER_RC" ] && [ ! -f "$AFTER_RC" ]; do sleep 2; done
+       bash scripts/gpu-run.sh "$@"; echo $? > '"$d"'/rc' _ "$@" > "$d/log" 2>&1 < /dev/null &)
+    echo "started $name on GPUs $gpus${AFTER:+ after $AFTER}: $*" ;;
   wait)
     secs=$2; shift 2
     names=("$@")

@@ -11,7 +11,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Literal
 
@@ -123,19 +122,13 @@ class Communicator:
         done.record(torch.cuda.current_stream(self.device))
         self.wait_event(done)
 
-    def wait_event(self, done: torch.cuda.Event, abort_if: Callable[[], BaseException | None] | None = None) -> None:
-        """Bounded CPU wait for a CUDA event; aborts the group on timeout, or as soon as ``abort_if``
-        returns an error (e.g. a server refused the push: what was enqueued can never complete)."""
+    def wait_event(self, done: torch.cuda.Event) -> None:
+        """Bounded CPU wait for a CUDA event; aborts the group on timeout."""
         start = time.monotonic()
         deadline = start + self.timeout.total_seconds()
         delay = 1e-5
         while not done.query():
             now = time.monotonic()
-            if abort_if is not None:
-                failure = abort_if()
-                if failure is not None:
-                    self.abort()
-                    raise failure
             if now > deadline:
                 self.abort()
                 raise CommunicatorError(

@@ -6,7 +6,7 @@ per server on the derived ports ``group_port + i`` (seed 004).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -32,9 +32,9 @@ class FanOutCommunicator:
         for c in self.comms:
             c.synchronize()
 
-    def wait_event(self, done: torch.cuda.Event, abort_if: Callable[[], BaseException | None] | None = None) -> None:
+    def wait_event(self, done: torch.cuda.Event) -> None:
         try:  # one CUDA event, whichever group's bounded wait watches it
-            self.comms[0].wait_event(done, abort_if=abort_if)
+            self.comms[0].wait_event(done)
         except BaseException:
             self.abort()
             raise

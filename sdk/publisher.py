@@ -14,7 +14,7 @@ import socket
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import httpx
@@ -26,6 +26,7 @@ from .comm import Backend, Communicator, create_store
 from .naming import DEFAULT_HEAD_PATTERNS, WeightValidationError, normalize_params, validate_for_mode
 from .protocol import (
     DEFAULT_BUCKET_BYTES,
+    Bucket,
     Endpoints,
     InitCommunicatorRequest,
     ParamMeta,
@@ -33,11 +34,17 @@ from .protocol import (
     UpdateParamBatchRequest,
     check_metadata,
     layout_id,
+    plan_buckets,
 )
 from .retry import RetryPolicy, call_with_retry, check_response
 from .transfer import send_buckets
 
 log = logging.getLogger(__name__)
+
+
+# How long the early long-poll for a pushed version waits on the server (finalize_update polls on
+# after it, up to the control plane's timeout): long enough for a large push on a fast link.
+EARLY_WAIT_S = 10.0
 
 
 class WeightSyncError(RuntimeError):
@@ -107,6 +114,12 @@ class HTTPControlPlane:
         self._metadata_json: tuple[list[ParamMeta], int, str, list[dict[str, Any]]] | None = None
         # Layouts every server accepted since the group formed: later pushes name them by id.
         self._announced: set[str] = set()
+        # A long-poll per server for the announced version, sent as soon as the announce is
+        # accepted: when the update commits, the answer is on its way (finalize_update takes it)
+        # instead of a request only then starting its trip. Bounded, so a failed push leaves
+        # nothing waiting for long.
+        self._waiters = ThreadPoolExecutor(max_workers=min(32, len(self.urls)), thread_name_prefix="rp-finalize")
+        self._early: tuple[int, dict[str, Future[Any]]] | None = None
 
     def _each(self, fn: Any) -> list[Any]:
         """``fn(url)`` for every server, concurrently; the first error is raised after all answered."""
@@ -176,12 +189,15 @@ class HTTPControlPlane:
         known = lid in self._announced
         if not known:
             body["metadata"] = cached[3]
+        self._early = None
         try:
             self._each(lambda url: self._post(url, Endpoints.UPDATE_PARAM_BATCH, body))
         except Exception:
             self._announced.discard(lid)  # e.g. a server forgot it (409): the next push sends it again
             raise
         self._announced.add(lid)
+        query = f"{Endpoints.RUNTIME_VERSION}?wait_for_version={version}&timeout_s={EARLY_WAIT_S:.0f}"
+        self._early = (version, {u: self._waiters.submit(self._http.get, u + query) for u in self.urls})
 
     def finalize_update(self, version: int) -> None:
         """Wait (bounded) until every server reports ``version``; raise with the server's reason.
@@ -189,8 +205,19 @@ class HTTPControlPlane:
         Each server holds the request until it serves the version (or fails), so this costs one
         round trip per server rather than a polling loop."""
         deadline = time.monotonic() + self.timeout_s
+        early = self._early[1] if self._early is not None and self._early[0] == version else {}
+        self._early = None
+
+        def answered_early(url: str) -> bool:
+            try:
+                state = early[url].result(timeout=EARLY_WAIT_S + 5).json()
+            except Exception:  # no early answer (e.g. connection trouble): the loop below decides
+                return False
+            return bool(state["version"] >= version and state["state"] == "serving")
 
         def wait_for(url: str) -> None:
+            if url in early and answered_early(url):
+                return
             while True:
                 wait_s = max(0.0, min(30.0, deadline - time.monotonic()))
                 state = self._get(url, f"{Endpoints.RUNTIME_VERSION}?wait_for_version={version}&timeout_s={wait_s:.3f}")
@@ -219,6 +246,7 @@ class HTTPControlPlane:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        self._waiters.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
 
@@ -266,25 +294,25 @@ class RewardModelPublisher:
         self.bucket_bytes = bucket_bytes
         self.atomic = atomic
         self.last_stats: dict[str, float] = {}
-        self._layout_cache: tuple[Any, list[tuple[str, str]], list[ParamMeta]] | None = None
+        self._layout_cache: tuple[Any, list[tuple[str, str]], list[ParamMeta], list[Bucket]] | None = None
 
     def prepare(
         self, state_dict: Mapping[str, torch.Tensor], training_mode: RewardModelTrainingMode, *, keep_lora: bool = False
     ) -> dict[str, torch.Tensor]:
         """Normalised names → tensors, validated for the mode (and against the served manifest)."""
-        names, _ = self._layout(state_dict, training_mode, keep_lora)
+        names, _, _ = self._layout(state_dict, training_mode, keep_lora)
         return {server: state_dict[key] for server, key in names}
 
     def _layout(
         self, state_dict: Mapping[str, torch.Tensor], mode: RewardModelTrainingMode, keep_lora: bool
-    ) -> tuple[list[tuple[str, str]], list[ParamMeta]]:
-        """(server name, caller's key) in broadcast order, and the metadata to announce.
+    ) -> tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket]]:
+        """(server name, caller's key) in broadcast order, the metadata to announce, its buckets.
 
         Cached by the names, shapes and dtypes: a trainer pushes the same layout every step, and
         this work would otherwise sit on the critical path of every push."""
         key = (mode, keep_lora, tuple((k, tuple(v.shape), v.dtype) for k, v in state_dict.items()))
         if self._layout_cache is not None and self._layout_cache[0] == key:
-            return self._layout_cache[1], self._layout_cache[2]
+            return self._layout_cache[1], self._layout_cache[2], self._layout_cache[3]
         manifest = self.control.manifest()
         renamed = normalize_params({k: k for k in state_dict}, served=set(manifest) if manifest else None,
                                    keep_lora=keep_lora)
@@ -297,8 +325,9 @@ class RewardModelPublisher:
                 raise WeightValidationError(
                     f"{len(problems)} parameter(s) do not fit the served model: " + "; ".join(problems[:10])
                 )
-        self._layout_cache = (key, order, metadata)
-        return order, metadata
+        plan = plan_buckets(metadata, self.bucket_bytes)
+        self._layout_cache = (key, order, metadata, plan)
+        return order, metadata, plan
 
     def publish(
         self, state_dict: Mapping[str, torch.Tensor], version: int, *,
@@ -307,27 +336,16 @@ class RewardModelPublisher:
         start = time.perf_counter()
         started_at = time.monotonic()  # the servers' timelines use this clock too (same host)
         mode = RewardModelTrainingMode(training_mode)
-        order, metadata = self._layout(state_dict, mode, keep_lora)
+        order, metadata, plan = self._layout(state_dict, mode, keep_lora)
         tensors = {server: state_dict[k].detach() for server, k in order}
-        announced = start
-
-        def announce() -> None:
-            nonlocal announced
-            self.control.announce_update_batch(metadata, version=version, training_mode=mode,
-                                               bucket_bytes=self.bucket_bytes, atomic=self.atomic)
-            announced = time.perf_counter()
-
         prepared = time.perf_counter()
-        if self.comm.device.type == "cuda" and self.control.manifest():
-            # Validated against the manifest already: announce while the GPU packs and enqueues the
-            # first buckets (NCCL waits on the GPU for the servers to join), confirm before waiting.
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                accepted = pool.submit(announce)
-                total = send_buckets(self.comm, metadata, tensors, self.bucket_bytes, self.src_rank,
-                                     before_wait=accepted.result,
-                                     failed=lambda: accepted.exception() if accepted.done() else None)
-        else:
-            total = send_buckets(self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, before_wait=announce)
+        # The announce first, on this thread: a refusal then costs nothing, and while the servers
+        # set up their receive (the longer part) this thread packs and enqueues the first buckets.
+        # (Announcing from a helper thread during packing was slower: it waited for the GIL.)
+        self.control.announce_update_batch(metadata, version=version, training_mode=mode,
+                                           bucket_bytes=self.bucket_bytes, atomic=self.atomic)
+        announced = time.perf_counter()
+        total = send_buckets(self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, plan=plan)
         synchronized = time.perf_counter()
         if self.comm.max_flag(0) != 0:
             raise WeightSyncError(

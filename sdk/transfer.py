@@ -2,12 +2,16 @@
 
 On CUDA the transfer is pipelined with two bucket buffers: the trainer packs bucket k+1 on a side
 stream while bucket k is on the wire, and a server loads bucket k on a side stream while bucket
-k+1 arrives, so copies hide behind the link. Nothing waits on the CPU until the end, where one
-bounded ``synchronize`` catches a dead peer. On CPU (gloo) it runs bucket by bucket.
+k+1 arrives, so copies hide behind the link. A server never waits on the CPU until the end: a
+buffer's reuse waits on the GPU for its last load, so the CPU runs ahead and a slow ``load`` call
+(vLLM's loader is Python) does not stall the link or, with several replicas in one group, every
+other replica. One bounded ``synchronize`` at the end catches a dead peer. On CPU (gloo) it runs
+bucket by bucket.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,32 +25,38 @@ from .protocol import Bucket, ParamMeta, plan_buckets
 Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 
+# How many buckets a server's CPU may enqueue ahead of the GPU's loads (the two buffers are
+# guarded on the GPU); enough to ride out a slow Python ``load`` call.
+RECEIVE_LOOKAHEAD = 4
+
+
+@functools.cache
+def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """(transfer stream, copy stream) of a device, made once: pushes on one device never overlap,
+    and creating streams on every push sat on its critical path."""
+    return torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+
 def send_buckets(
     comm: Communicator, metadata: Sequence[ParamMeta], tensors: Mapping[str, torch.Tensor], bucket_bytes: int,
-    src: int, before_wait: Callable[[], None] | None = None,
-    failed: Callable[[], BaseException | None] | None = None,
+    src: int, plan: list[Bucket] | None = None,
 ) -> int:
     """Broadcast ``tensors`` (ordered as ``metadata``) from rank ``src``; returns bytes sent.
 
-    ``before_wait`` runs after everything is enqueued and before the bounded wait for completion
-    (e.g. to confirm that the servers accepted the announce sent concurrently); if it raises, the
-    group is aborted, since the enqueued transfer can then never complete. ``failed`` is polled
-    while waiting for buckets in flight (CUDA), so a refused announce surfaces at once rather than
-    after the transfer's timeout.
+    The receivers must have accepted the push (the announce) before: on CUDA everything is enqueued
+    and waited for here, bounded by the group's timeout. ``plan``: ``plan_buckets(metadata,
+    bucket_bytes)`` when the caller has it already.
     """
-    plan = plan_buckets(list(metadata), bucket_bytes)
+    plan = plan if plan is not None else plan_buckets(list(metadata), bucket_bytes)
     device = comm.device
     if device.type != "cuda":
         buf: torch.Tensor | None = None
-        if before_wait is not None:
-            before_wait()  # CPU broadcasts block: the announce must be accepted before them
         for bucket in plan:
             buf = pack_bucket(bucket, metadata, tensors, device, out=buf)
             comm.broadcast(buf[: bucket.nbytes], src)
         return sum(b.nbytes for b in plan)
     caller = torch.cuda.current_stream(device)
-    main = torch.cuda.Stream(device)  # a wedged transfer must not block the caller's stream
-    pack_stream = torch.cuda.Stream(device)
+    main, pack_stream = _streams(device)  # a wedged transfer must not block the caller's stream
     main.wait_stream(caller)
     pack_stream.wait_stream(caller)  # the parameters were produced on the caller's stream
     largest = max(b.nbytes for b in plan)
@@ -56,8 +66,9 @@ def send_buckets(
         for k, bucket in enumerate(plan):
             i = k % len(bufs)
             if free[i] is not None:
-                # at most two buckets in flight, and a dead peer is noticed here, within the timeout
-                comm.wait_event(free[i], abort_if=failed)
+                # at most two buckets in flight (a progress bar follows the link), and a dead peer
+                # is noticed here, within the timeout
+                comm.wait_event(free[i])
             with torch.cuda.stream(pack_stream):
                 pack_bucket(bucket, metadata, tensors, device, out=bufs[i])
                 packed = torch.cuda.Event()
@@ -67,13 +78,8 @@ def send_buckets(
             done = torch.cuda.Event()
             done.record(main)
             free[i] = done
-        if before_wait is not None:
-            try:
-                before_wait()
-            except BaseException:
-                comm.abort()
-                raise
         comm.synchronize()
+    caller.wait_stream(main)  # the caller may overwrite the parameters once this returns
     return sum(b.nbytes for b in plan)
 
 
@@ -127,31 +133,37 @@ def receive_buckets(
         return out
 
     caller = torch.cuda.current_stream(device)
-    main = torch.cuda.Stream(device)  # a wedged transfer must not block the stream scoring uses
-    load_stream = torch.cuda.Stream(device)
+    main, load_stream = _streams(device)  # a wedged transfer must not block the stream scoring uses
     main.wait_stream(caller)
+    load_stream.wait_stream(caller)
     largest = max(b.nbytes for b in plan)
     bufs = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(min(2, len(plan)))]
     loaded: list[torch.cuda.Event | None] = [None] * len(bufs)
-    with torch.cuda.stream(main):
-        for k, bucket in enumerate(plan):
-            i = k % len(bufs)
+    history: list[torch.cuda.Event] = []
+    for k, bucket in enumerate(plan):
+        i = k % len(bufs)
+        buf = bufs[i][: bucket.nbytes]
+        if k >= RECEIVE_LOOKAHEAD:
+            # the CPU stays a few buckets ahead, no more: each bucket is bounded by the timeout
+            # (a dead trainer is noticed within it), not only the whole transfer
+            comm.wait_event(history[k - RECEIVE_LOOKAHEAD])
+        with torch.cuda.stream(main):
             if loaded[i] is not None:
-                # at most two buckets in flight, and a dead trainer is noticed here, within the timeout
-                comm.wait_event(loaded[i])
-            buf = bufs[i][: bucket.nbytes]
+                main.wait_event(loaded[i])  # the buffer's previous bucket is loaded: on the GPU, not here
             comm.broadcast(buf, src)
             out.posted_at = out.posted_at or time.monotonic()
             out.bytes += bucket.nbytes
             arrived = torch.cuda.Event()
             arrived.record(main)
-            with torch.cuda.stream(load_stream):
-                load_stream.wait_event(arrived)
-                apply(bucket, buf)
-                done = torch.cuda.Event()
-                done.record(load_stream)
-            loaded[i] = done
+        with torch.cuda.stream(load_stream):
+            load_stream.wait_event(arrived)
+            apply(bucket, buf)  # enqueues the copies out of ``buf`` on this stream
+            done = torch.cuda.Event()
+            done.record(load_stream)
+        loaded[i] = done
+        history.append(done)
+    with torch.cuda.stream(main):
         main.wait_stream(load_stream)
-        comm.synchronize()
+        comm.synchronize()  # bounded: a dead trainer is noticed here, and the group aborted
     caller.wait_stream(main)
     return out
