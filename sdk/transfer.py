@@ -12,6 +12,7 @@ bucket by bucket.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 # How many buckets a server's CPU may enqueue ahead of the GPU's loads (the two buffers are
 # guarded on the GPU); enough to ride out a slow Python ``load`` call.
-RECEIVE_LOOKAHEAD = 4
+RECEIVE_LOOKAHEAD = int(os.environ.get("REWARDPLANE_RECEIVE_LOOKAHEAD", "4"))
 
 
 @functools.cache
