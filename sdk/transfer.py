@@ -26,9 +26,24 @@ from .protocol import Bucket, ParamMeta, plan_buckets
 Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 
+
+
+def _lookahead_from_env() -> int:
+    raw = os.environ.get("REWARDPLANE_RECEIVE_LOOKAHEAD", "4")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"REWARDPLANE_RECEIVE_LOOKAHEAD={raw!r}: give a whole number of buckets >= 1 (default 4)")
+    return value
+
+
 # How many buckets a server's CPU may enqueue ahead of the GPU's loads (the two buffers are
-# guarded on the GPU); enough to ride out a slow Python ``load`` call.
-RECEIVE_LOOKAHEAD = int(os.environ.get("REWARDPLANE_RECEIVE_LOOKAHEAD", "4"))
+# guarded on the GPU): enough to ride out a slow Python ``load`` call. 2 = wait on the CPU for
+# each buffer's previous load, the earlier behaviour; the same within run-to-run noise on 4x H100
+# (benchmarks/README.md).
+RECEIVE_LOOKAHEAD = _lookahead_from_env()
 
 
 @functools.cache
