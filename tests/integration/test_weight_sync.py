@@ -86,6 +86,23 @@ def test_head_only_push_changes_only_the_head(server, tiny_model_dir):
         sync.close()
 
 
+def test_push_completes_when_the_early_version_wait_expires_first(server, tiny_model_dir, monkeypatch):
+    """The long-poll sent right after the announce is bounded; when it answers before the commit
+    (here: at once), finalize waits on by itself and the push still reports the served version."""
+    from rewardplane.sdk import publisher
+
+    monkeypatch.setattr(publisher, "EARLY_WAIT_S", 0.0)
+    model = perturbed(tiny_model_dir, seed=6)
+    sync = sync_for(server, bucket_bytes=1 << 16)
+    try:
+        for version in (1, 2):
+            assert sync.sync(model.state_dict(), version=version) == version
+            assert served(server)[1] == version
+        assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
+    finally:
+        sync.close()
+
+
 def test_head_in_bf16_is_cast_into_the_fp32_head(server, tiny_model_dir):
     model = perturbed(tiny_model_dir, seed=4, head_only=True)
     head = {"score.weight": model.score.weight.detach().to(torch.bfloat16)}

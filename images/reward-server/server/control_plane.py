@@ -74,6 +74,9 @@ class WeightSyncService:
         self._has_comm = False
         # Validated push layouts by layout_id (most recent last): later pushes name them by id.
         self._layouts: OrderedDict[str, Layout] = OrderedDict()
+        # Layouts the workers hold (their cache, mirrored: first in, first out, MAX_LAYOUTS): the
+        # receive call then carries the id only — ~290 entries cost ~0.4 ms per vLLM RPC.
+        self._worker_layouts: OrderedDict[str, None] = OrderedDict()
 
     def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
@@ -182,7 +185,7 @@ class WeightSyncService:
         try:
             if req.atomic:
                 # Stage while the old weights keep serving, then swap under the exclusive lock.
-                result = _merge(await self.call("rp_receive", metadata, req.bucket_bytes, False, layout.id))
+                result = _merge(await self._receive(layout, False))
                 stamps.update(result.pop("times"), returned=time.monotonic())
                 if result["ok"]:
                     async with guard.updating(timeout_s=req.timeout_s):
@@ -202,7 +205,7 @@ class WeightSyncService:
                     # cache after it, and its round trip to the engine leaves the critical path.
                     # Both finish before the lock is released, whatever happens to either.
                     reset, received = await asyncio.gather(
-                        self._reset_cache(), self.call("rp_receive", metadata, req.bucket_bytes, True, layout.id),
+                        self._reset_cache(), self._receive(layout, True),
                         return_exceptions=True,
                     )
                     stamps["returned"] = time.monotonic()
@@ -245,6 +248,22 @@ class WeightSyncService:
                 await self.call("rp_close_communicator")
             except Exception:
                 log.debug("closing the communicator after a failure failed", exc_info=True)
+
+    async def _receive(self, layout: Layout, apply: bool) -> list[dict[str, Any]]:
+        """``rp_receive`` on every worker; the metadata only travels when the workers lack it."""
+        known = layout.id in self._worker_layouts
+        results = await self.call("rp_receive", None if known else layout.metadata, layout.bucket_bytes, apply,
+                                  layout.id)
+        if known and any(r.get("unknown_layout") for r in results):
+            # nothing was posted: the trainer's broadcast waits for the second call
+            log.warning("the workers no longer hold layout %s; sending its metadata", layout.id)
+            self._worker_layouts.pop(layout.id, None)
+            results = await self.call("rp_receive", layout.metadata, layout.bucket_bytes, apply, layout.id)
+        if layout.id not in self._worker_layouts:  # the workers cached it (same eviction as theirs)
+            if len(self._worker_layouts) >= MAX_LAYOUTS:
+                self._worker_layouts.popitem(last=False)
+            self._worker_layouts[layout.id] = None
+        return results
 
     async def _reset_cache(self) -> None:
         if self.reset_cache is not None:

@@ -66,18 +66,26 @@ class RewardWeightSyncExtension:
         return rank
 
     def rp_receive(
-        self, metadata: list[dict[str, Any]], bucket_bytes: int, apply: bool, layout_key: str,
+        self, metadata: list[dict[str, Any]] | None, bucket_bytes: int, apply: bool, layout_key: str,
     ) -> dict[str, Any]:
         """Receive every bucket. ``apply``: load each as it arrives (streamed); else stage them all.
+
+        ``metadata`` may be None for a layout this worker received before (``layout_key``); if it
+        does not hold it, it answers ``unknown_layout`` at once, before posting any receive, and the
+        control plane calls again with the metadata.
 
         A rank whose load fails keeps receiving (so the trainer's broadcast is not left hanging),
         then reports failure in the final status reduction that every rank and the trainer join.
         """
         entered = time.monotonic()
+        layout = self._rp_layout(metadata, bucket_bytes, layout_key)
+        if layout is None:
+            return {"ok": False, "partial": False, "bytes": 0, "unknown_layout": True,
+                    "error": f"layout {layout_key} is not cached in this worker; send its metadata"}
+        metas, plan = layout
         comm = self._rp_comm
         if comm is None:
             return {"ok": False, "partial": False, "bytes": 0, "error": "no communicator: call /init_communicator first"}
-        metas, plan = self._rp_layout(metadata, bucket_bytes, layout_key)
         src = comm.world_size - 1
         got = Received()
 
@@ -99,16 +107,21 @@ class RewardWeightSyncExtension:
         return outcome(True, False, None)
 
     def _rp_layout(
-        self, metadata: list[dict[str, Any]], bucket_bytes: int, layout_key: str,
-    ) -> tuple[list[ParamMeta], list[Bucket]]:
+        self, metadata: list[dict[str, Any]] | None, bucket_bytes: int, layout_key: str,
+    ) -> tuple[list[ParamMeta], list[Bucket]] | None:
         """Parsed metadata and bucket plan, cached by the layout's id (the control plane's, which
         covers the bucket size): a trainer pushes the same layout again and again, and re-parsing
-        hundreds of entries sits on every push's critical path."""
+        hundreds of entries sits on every push's critical path. None: not cached, no metadata.
+
+        Eviction is first in, first out (``MAX_LAYOUTS``): ``control_plane`` mirrors it to know
+        which layouts it can name by id alone, so every worker of a replica decides alike."""
         cache: dict[str, tuple[list[ParamMeta], list[Bucket]]] | None = getattr(self, "_rp_layouts", None)
         if cache is None:
             cache = self._rp_layouts = {}
         hit = cache.get(layout_key)
         if hit is None:
+            if metadata is None:
+                return None
             metas = [ParamMeta(**m) for m in metadata]
             hit = (metas, plan_buckets(metas, bucket_bytes))
             if len(cache) >= MAX_LAYOUTS:  # the oldest goes; its metadata comes with every call anyway
