@@ -4,7 +4,7 @@ httpcore's connection pool walks every connection for every queued request and e
 connection (encode/httpx#3215, encode/httpcore#1035), so one pool of 256 connections under 256
 concurrent requests spends most of the caller's CPU on bookkeeping: measured on a 2-core machine,
 2048 prompts in 256 concurrent requests took 2.3 s through one 256-connection pool and 0.65 s
-through 8 pools of 32 (``benchmarks/scoring.py --client-only`` reproduces it). Requests are spread
+through 8 pools of 32 (``benchmarks/http_client.py`` measures it). Requests are spread
 round robin over shards of at most ``PER_SHARD`` connections; the total stays ``max_connections``.
 """
 
