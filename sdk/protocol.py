@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from enum import Enum
 from typing import Any, Literal
 
@@ -458,6 +458,15 @@ LAYOUT_ID_PATTERN = r"^[0-9a-f]{16}$"
 MAX_LAYOUTS = 16
 
 
+def remember_layout(cache: MutableMapping[str, Any], key: str, value: Any) -> None:
+    """Add ``key`` to a workers' layout cache: first in, first out, at most ``MAX_LAYOUTS``. The
+    server's control plane mirrors its workers' caches with the same call, so both evict alike."""
+    if key not in cache:
+        if len(cache) >= MAX_LAYOUTS:
+            cache.pop(next(iter(cache)))
+        cache[key] = value
+
+
 def layout_id(metadata: Sequence[ParamMeta], bucket_bytes: int) -> str:
     """Names one push layout (parameters in order, dtypes, shapes, bucket size). A trainer re-sends
     the same layout push after push; once a server has validated it, the trainer refers to it by
@@ -518,6 +527,7 @@ class StatusResponse(BaseModel):
 class BackgroundTasksResponse(BaseModel):
     num_background_tasks: int
     last_error: str | None = None
-    # The last finished update's timeline: event → seconds after the announce reached the server
-    # (see control_plane.UpdateTimeline). Where a push's time goes, without a profiler.
+    # The last finished update's timeline (version, mode, ok, bytes, announced_at and
+    # after_announce_ms: event → ms after the announce reached the server; see control_plane).
+    # Where a push's time goes, without a profiler.
     last_update: dict[str, Any] | None = None

@@ -2,11 +2,11 @@
 
 On CUDA the transfer is pipelined with two bucket buffers: the trainer packs bucket k+1 on a side
 stream while bucket k is on the wire, and a server loads bucket k on a side stream while bucket
-k+1 arrives, so copies hide behind the link. A server never waits on the CPU until the end: a
-buffer's reuse waits on the GPU for its last load, so the CPU runs ahead and a slow ``load`` call
-(vLLM's loader is Python) does not stall the link or, with several replicas in one group, every
-other replica. One bounded ``synchronize`` at the end catches a dead peer. On CPU (gloo) it runs
-bucket by bucket.
+k+1 arrives, so copies hide behind the link. On a server a buffer's reuse waits on the GPU for
+its last load, and the CPU runs up to ``RECEIVE_LOOKAHEAD`` buckets ahead (a bounded wait per
+bucket), so a slow ``load`` call (vLLM's loader is Python) does not stall the link or, with several
+replicas in one group, every other replica. A bounded ``synchronize`` at the end catches a dead
+peer. On CPU (gloo) it runs bucket by bucket.
 """
 
 from __future__ import annotations
@@ -24,8 +24,6 @@ from .comm import Communicator
 from .protocol import Bucket, ParamMeta, plan_buckets
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
-
-
 
 
 def _lookahead_from_env() -> int:

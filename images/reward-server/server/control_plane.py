@@ -27,6 +27,7 @@ from rewardplane.sdk.protocol import (
     UpdateParamBatchRequest,
     check_metadata,
     layout_id,
+    remember_layout,
 )
 
 from .config import ServerConfig
@@ -74,9 +75,9 @@ class WeightSyncService:
         self._has_comm = False
         # Validated push layouts by layout_id (most recent last): later pushes name them by id.
         self._layouts: OrderedDict[str, Layout] = OrderedDict()
-        # Layouts the workers hold (their cache, mirrored: first in, first out, MAX_LAYOUTS): the
+        # Layouts the workers hold (their cache, mirrored with the same remember_layout): the
         # receive call then carries the id only — ~290 entries cost ~0.4 ms per vLLM RPC.
-        self._worker_layouts: OrderedDict[str, None] = OrderedDict()
+        self._worker_layouts: dict[str, None] = {}
 
     def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
@@ -179,8 +180,8 @@ class WeightSyncService:
         guard = self.engine.guard
         metadata = layout.metadata
         mode = req.training_mode.value
-        start = time.perf_counter()
-        stamps: dict[str, float | None] = {"task": time.monotonic()}
+        start = time.monotonic()
+        stamps: dict[str, float | None] = {"task": start}
         result: dict[str, Any] = {"ok": False, "error": "not started", "partial": False, "bytes": 0}
         try:
             if req.atomic:
@@ -198,8 +199,7 @@ class WeightSyncService:
                     await self.call("rp_drop_staged")
             else:
                 async with guard.updating(timeout_s=req.timeout_s):
-                    locked = time.perf_counter()
-                    stamps["locked"] = time.monotonic()
+                    stamps["locked"] = locked = time.monotonic()
                     # The cache reset goes out first, alongside the receive: nothing is scored while
                     # the exclusive lock is held, so no block made from old weights can enter the
                     # cache after it, and its round trip to the engine leaves the critical path.
@@ -215,7 +215,7 @@ class WeightSyncService:
                     stamps.update(result.pop("times"))
                     if isinstance(reset, BaseException) and result["ok"]:
                         raise reset  # new weights, but cached blocks of the old ones: refuse to serve
-                    result["lock_s"], result["receive_s"] = locked - start, time.perf_counter() - locked
+                    result["lock_s"], result["receive_s"] = locked - start, time.monotonic() - locked
                     if result["ok"]:
                         guard.commit(version)
                         stamps["committed"] = time.monotonic()
@@ -232,13 +232,13 @@ class WeightSyncService:
             "after_announce_ms": {k: round(1000 * (t - arrived), 3) for k, t in stamps.items() if t is not None},
         }
         self.metrics.weight_update_bytes.inc(result.get("bytes", 0))
-        self.metrics.weight_update_seconds.observe(time.perf_counter() - start)
+        self.metrics.weight_update_seconds.observe(time.monotonic() - start)
         self.metrics.weight_updates.labels(mode, "ok" if result["ok"] else "failed").inc()
         self.metrics.weights_version.set(guard.version)
         if result["ok"]:
             self.last_error = None
             log.info("weights version %d loaded (%s, %d bytes, %.1f ms; waited %.1f ms for the lock, received "
-                     "in %.1f ms)", version, mode, result["bytes"], 1000 * (time.perf_counter() - start),
+                     "in %.1f ms)", version, mode, result["bytes"], 1000 * (time.monotonic() - start),
                      1000 * result.get("lock_s", 0.0), 1000 * result.get("receive_s", 0.0))
         else:
             self.last_error = f"update to version {version} failed: {result['error']}"
@@ -259,10 +259,7 @@ class WeightSyncService:
             log.warning("the workers no longer hold layout %s; sending its metadata", layout.id)
             self._worker_layouts.pop(layout.id, None)
             results = await self.call("rp_receive", layout.metadata, layout.bucket_bytes, apply, layout.id)
-        if layout.id not in self._worker_layouts:  # the workers cached it (same eviction as theirs)
-            if len(self._worker_layouts) >= MAX_LAYOUTS:
-                self._worker_layouts.popitem(last=False)
-            self._worker_layouts[layout.id] = None
+        remember_layout(self._worker_layouts, layout.id, None)  # the workers cached it
         return results
 
     async def _reset_cache(self) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from rewardplane.sdk.buckets import unpack_bucket
 from rewardplane.sdk.comm import Communicator, create_store
-from rewardplane.sdk.protocol import MAX_LAYOUTS, Bucket, ParamMeta, plan_buckets
+from rewardplane.sdk.protocol import Bucket, ParamMeta, plan_buckets, remember_layout
 from rewardplane.sdk.transfer import Received, receive_buckets
 
 log = logging.getLogger(__name__)
@@ -113,8 +113,8 @@ class RewardWeightSyncExtension:
         covers the bucket size): a trainer pushes the same layout again and again, and re-parsing
         hundreds of entries sits on every push's critical path. None: not cached, no metadata.
 
-        Eviction is first in, first out (``MAX_LAYOUTS``): ``control_plane`` mirrors it to know
-        which layouts it can name by id alone, so every worker of a replica decides alike."""
+        Eviction is ``protocol.remember_layout``'s (first in, first out): ``control_plane`` mirrors
+        it to know which layouts it can name by id alone, so every worker of a replica decides alike."""
         cache: dict[str, tuple[list[ParamMeta], list[Bucket]]] | None = getattr(self, "_rp_layouts", None)
         if cache is None:
             cache = self._rp_layouts = {}
@@ -124,9 +124,7 @@ class RewardWeightSyncExtension:
                 return None
             metas = [ParamMeta(**m) for m in metadata]
             hit = (metas, plan_buckets(metas, bucket_bytes))
-            if len(cache) >= MAX_LAYOUTS:  # the oldest goes; its metadata comes with every call anyway
-                cache.pop(next(iter(cache)))
-            cache[layout_key] = hit
+            remember_layout(cache, layout_key, hit)
         return hit
 
     def rp_apply_staged(self, metadata: list[dict[str, Any]]) -> None:
