@@ -210,7 +210,7 @@ def run_push(args: argparse.Namespace) -> dict[str, Any]:
                  "--node-name", AGENT_NODE, "--state-dir", str(tmp / "node"), "--heartbeat-s", "5"],
                 stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "rewardplane.operator", "--kubeconfig", str(cp.kubeconfig), "--metrics-port",
+                [sys.executable, "-m", "rewardplane.operator", "--kubeconfig", str(cp.kubeconfig), "--delete-children", "--metrics-port",
                  "0", "--resync-interval", "1", "--log-level", "WARNING"], stdout=logs[1], stderr=subprocess.STDOUT,
                 start_new_session=True))  # fmt: skip
             time.sleep(2)
@@ -256,7 +256,7 @@ def main() -> int:
         log = open(Path(tmp) / "operator.log", "wb")  # noqa: SIM115 (closed below, after the process)
         metrics_port = free_port()
         operator = subprocess.Popen(
-            [sys.executable, "-m", "rewardplane.operator", "--kubeconfig", str(cp.kubeconfig), "--metrics-port",
+            [sys.executable, "-m", "rewardplane.operator", "--kubeconfig", str(cp.kubeconfig), "--delete-children", "--metrics-port",
              str(metrics_port), "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         try:
             time.sleep(2)  # kopf starts its watches

@@ -1,9 +1,16 @@
 """``rewardplane dev up|down|status``: the local development cluster as background processes.
 
-``up`` starts etcd + kube-apiserver (:class:`LocalControlPlane`), applies ``crds/*.yaml``, starts
-the node agent (one Node ``local-node``) and the operator (``python -m rewardplane.operator``),
-writes pid files and logs under the state dir, prints ``export KUBECONFIG=...`` and returns.
-``down`` stops them in reverse order; ``status`` says what runs.
+Two kinds of node (``--node``):
+
+- ``real`` (the default): a real single-node Kubernetes (:mod:`.realnode`: control plane,
+  containerd, CNI, kubelet, kube-proxy) running the images that ``scripts/build-images.sh`` built;
+  ``up`` also installs the operator from the Helm chart, in-cluster, as a user would.
+- ``agent``: etcd + kube-apiserver (:class:`LocalControlPlane`), the node agent (one Node
+  ``local-node`` whose pods run as host processes) and the operator as a host process. This is
+  for the GPU machine, which has GPUs but no NVIDIA container runtime.
+
+``up`` writes pid files and logs under the state dir, prints ``export KUBECONFIG=...`` and
+returns. ``down`` stops everything in reverse order; ``status`` says what runs.
 """
 
 from __future__ import annotations
@@ -19,17 +26,54 @@ import sys
 import time
 from pathlib import Path
 
+from rewardplane.localcluster import realnode
 from rewardplane.localcluster.binaries import BinaryNotFoundError, cache_dir, find_binary
 from rewardplane.localcluster.controlplane import ControlPlaneError, LocalControlPlane, _http_ok
+from rewardplane.localcluster.realnode import RealNode, RealNodeError
 
 # stop order for `down`: dependants first, the store last
 COMPONENTS = ("operator", "nodeagent", "kube-apiserver", "etcd")
 STOP_GRACE_S = {"operator": 15.0, "nodeagent": 45.0, "kube-apiserver": 10.0, "etcd": 10.0}
 REPO_CRDS = Path(__file__).resolve().parent.parent / "crds"
+REPO_CHART = Path(__file__).resolve().parent.parent / "charts" / "rewardplane"
+OPERATOR_RELEASE = "rewardplane"
+OPERATOR_NAMESPACE = "rewardplane-system"
+OPERATOR_IMAGE = "localhost/rewardplane/operator"
 
 
-def default_state_dir() -> Path:
-    return cache_dir() / "dev"
+def default_state_dir(node: str = "agent") -> Path:
+    return realnode.default_state_dir() if node == "real" else cache_dir() / "dev"
+
+
+def local_image_tag() -> str:
+    """The tag scripts/build-images.sh gave the images it built (written next to them)."""
+    tag_file = realnode.images_dir() / "TAG"
+    try:
+        return tag_file.read_text().strip()
+    except OSError:
+        raise RealNodeError(f"no locally built images ({tag_file} missing); build them first: "
+                            "bash scripts/build-images.sh") from None
+
+
+def helm_install_operator(kubeconfig: Path, *, release: str = OPERATOR_RELEASE,
+                          namespace: str = OPERATOR_NAMESPACE, values: dict[str, str] | None = None,
+                          timeout_s: int = 300, log_path: Path | None = None) -> None:
+    """``helm upgrade --install`` the chart with the locally built operator image; returns once the
+    operator's Deployment is available (helm --wait). Raises RealNodeError with helm's output."""
+    sets = {"image.repository": OPERATOR_IMAGE, "image.tag": local_image_tag(),
+            # the image exists only on this node: never try a registry
+            "image.pullPolicy": "Never", **(values or {})}  # fmt: skip
+    cmd = [str(find_binary("helm")), "--kubeconfig", str(kubeconfig), "upgrade", "--install", release,
+           str(REPO_CHART), "--namespace", namespace, "--create-namespace", "--wait",
+           f"--timeout={timeout_s}s"]  # fmt: skip
+    for key, value in sets.items():
+        cmd += ["--set", f"{key}={value}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 60)
+    if log_path is not None:
+        with open(log_path, "a") as f:
+            f.write(f"$ {' '.join(cmd)}\n{done.stdout}{done.stderr}\n")
+    if done.returncode != 0:
+        raise RealNodeError(f"helm install of the operator failed: {done.stderr.strip() or done.stdout.strip()}")
 
 
 # -- pid files --------------------------------------------------------------------------------------
@@ -123,7 +167,8 @@ def cmd_up(state: Path, *, gpus: int, timeout_s: float) -> int:
 
     if importlib.util.find_spec("rewardplane.operator") is not None and \
             importlib.util.find_spec("rewardplane.operator.__main__") is not None:
-        op = _spawn([sys.executable, "-m", "rewardplane.operator", "--kubeconfig", str(kubeconfig)],
+        op = _spawn([sys.executable, "-m", "rewardplane.operator", "--kubeconfig", str(kubeconfig),
+                     "--delete-children"],  # no controller-manager here: no garbage collector
                     logs / "operator.log")
         _write_pid(state, "operator", op.pid)
     else:
@@ -183,15 +228,61 @@ def cmd_status(state: Path) -> int:
     return 0 if running["kube-apiserver"] else 1
 
 
+def cmd_up_real(state: Path, *, timeout_s: float) -> int:
+    node = RealNode(state)
+    try:
+        kubeconfig = node.up(timeout_s=timeout_s)
+        helm_install_operator(kubeconfig, log_path=node.layout.logs / "helm.log")
+    except (BinaryNotFoundError, ControlPlaneError) as exc:
+        print(f"rewardplane dev up --node real: {exc}", file=sys.stderr)
+        return 1
+    print(f"real node up (logs in {node.layout.logs}); operator installed by helm in {OPERATOR_NAMESPACE}",
+          file=sys.stderr)
+    print(f"export KUBECONFIG={kubeconfig}")
+    return 0
+
+
+def cmd_down_real(state: Path, *, purge: bool) -> int:
+    left = RealNode(state).down(purge=purge)
+    if left:
+        print("down left behind:\n  " + "\n  ".join(left), file=sys.stderr)
+        return 1
+    print("real node stopped; nothing left behind")
+    return 0
+
+
+def cmd_status_real(state: Path) -> int:
+    node = RealNode(state)
+    for name, pid in node.status().items():
+        print(f"{name:24} {'running (pid ' + str(pid) + ')' if pid else 'not running'}")
+    if node.running():
+        print(f"export KUBECONFIG={node.kubeconfig}")
+    return 0 if node.running() else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rewardplane dev", description="the local development cluster")
     p.add_argument("action", choices=("up", "down", "status"))
+    p.add_argument("--node", choices=("real", "agent"), default="real",
+                   help="real: kubelet + containerd running the built images (default); agent: the node "
+                        "agent runs pods as host processes (for a GPU machine without a container runtime)")
     p.add_argument("--state-dir", type=Path, default=None,
-                   help="pid files, logs, kubeconfig, etcd data (default ~/.cache/rewardplane/dev)")
-    p.add_argument("--gpus", type=int, default=0, help="nvidia.com/gpu the node advertises (pretend capacity)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the API server")
+                   help="pid files, logs, kubeconfig, cluster data "
+                        "(default ~/.cache/rewardplane/realnode, or .../dev for --node agent)")
+    p.add_argument("--gpus", type=int, default=0,
+                   help="--node agent: nvidia.com/gpu the node advertises (pretend capacity)")
+    p.add_argument("--purge", action="store_true", help="--node real, down: also delete images and PKI")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for the cluster (default 60 for agent, 240 for real)")
     args = p.parse_args(argv)
-    state = (args.state_dir or default_state_dir()).expanduser().resolve()
+    state = (args.state_dir or default_state_dir(args.node)).expanduser().resolve()
+    if args.node == "real":
+        if args.action == "up":
+            return cmd_up_real(state, timeout_s=args.timeout or 240.0)
+        if args.action == "down":
+            return cmd_down_real(state, purge=args.purge)
+        return cmd_status_real(state)
+    args.timeout = args.timeout or 60.0
     if args.action == "up":
         return cmd_up(state, gpus=args.gpus, timeout_s=args.timeout)
     if args.action == "down":

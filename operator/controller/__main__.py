@@ -19,6 +19,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resync-interval", type=float, default=None,
                    help="seconds between periodic reconciles of each RewardModel (default 5)")  # fmt: skip
     p.add_argument("--log-level", default=os.environ.get("REWARDPLANE_LOG_LEVEL", "INFO"))
+    p.add_argument("--delete-children", action="store_true",
+                   help="delete a RewardModel's Pods, Service and Secret itself when it goes; only for a control "
+                        "plane without a garbage collector (the node-agent dev cluster): owner references do it "
+                        "everywhere else")
     return p.parse_args(argv)
 
 
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.metrics_port:
         metrics.serve(args.metrics_port)
-    reconciler = Reconciler(kube, namespace=args.namespace)
+    reconciler = Reconciler(kube, namespace=args.namespace, delete_children=args.delete_children)
     weightsyncs = WeightSyncDriver(kube, on_done=lambda key: reconciler.request(key, trigger="weightsync"),
                                    stale_pods=reconciler.stale_pods)  # fmt: skip
     kopf.run(

@@ -16,6 +16,7 @@ from typing import Any
 from rewardplane.sdk.protocol import RewardModelPorts, derive_ports
 
 from .spec import EngineKind, GpuMode, InvalidSpecError, RewardModelSpec, parse_spec
+from .storage import InvalidSourceError, delivery
 
 GPU_RESOURCE = "nvidia.com/gpu"
 RESERVATIONS_ANNOTATION = "rewardplane.io/gpu-reservations"
@@ -232,6 +233,7 @@ OPERATOR_FLAGS = {
     "--tensor-parallel-size": "spec.tensorParallelSize",
     "--token-file": "(the control-token Secret)",
     "--weights-dir": "spec.weightSync.persistDir",
+    "--shutdown-timeout": "(the pod's termination grace period)",
 }
 
 
@@ -258,7 +260,15 @@ def validate_spec(spec: Mapping[str, Any], name: str | None = None) -> list[str]
     except InvalidSpecError as exc:
         return list(exc.errors)
     errors = _check_name(name, parsed.replicas) if name is not None else []
-    return errors + _check_ports(parsed) + _check_gpu(parsed) + _check_extra_args(parsed)
+    return errors + _check_ports(parsed) + _check_gpu(parsed) + _check_extra_args(parsed) + _check_source(parsed)
+
+
+def _check_source(spec: RewardModelSpec) -> list[str]:
+    try:
+        delivery(spec.model.source)
+    except InvalidSourceError as exc:
+        return [str(exc)]
+    return []
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,6 +47,11 @@ _EVENT_MESSAGE_LIMIT = 1024  # the API server refuses longer Event messages
 RESTORE_TIMEOUT_S = 300.0  # loading a persisted model from disk
 
 
+def _owned_by(obj: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
+    uid = owner["metadata"].get("uid")
+    return any(ref.get("uid") == uid for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
 def now_rfc3339() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -55,9 +60,12 @@ Key = tuple[str, str]  # (namespace, name)
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, namespace: str | None = None) -> None:
+    def __init__(self, kube: Kube, namespace: str | None = None, *, delete_children: bool = False) -> None:
         self.kube = kube
         self.namespace = namespace  # None: the whole cluster
+        # A cluster with a garbage collector (every real one) deletes the owned children itself;
+        # only a control plane without a controller-manager (the node-agent dev cluster) needs us to.
+        self.delete_children = delete_children
         self._http = httpx.Client()
         self._guard = threading.Lock()
         self._coalesce: Coalescer[Key] = Coalescer()
@@ -293,14 +301,25 @@ class Reconciler:
         return restored
 
     def cleanup(self, rm: Mapping[str, Any]) -> None:
-        """Delete every child. Owner references would do it on a full cluster, but the local control
-        plane has no garbage collector, so the operator does it itself."""
+        """What garbage collection cannot do when a RewardModel goes (the reason for the finalizer).
+
+        Pods, Service and token Secret carry owner references, so the garbage collector deletes
+        them. GC follows owner references only: a WeightSync names its model in
+        ``spec.rewardModelRef``, and one created without an owner reference (by kubectl, or an
+        SDK older than this operator) would outlive the model, as would its manifest ConfigMap;
+        those are deleted here. Then the operator drops its in-memory state of the model (stale
+        replicas, restore bookkeeping), which no cluster object holds.
+        """
         ns, name = rm["metadata"]["namespace"], rm["metadata"]["name"]
-        for plural in ("pods", "services", "secrets", "configmaps"):
-            for child in self.kube.list(core_path(plural, ns), label_selector=selector(name)):
-                self.kube.delete(core_path(plural, ns, child["metadata"]["name"]))
+        if self.delete_children:
+            for plural in ("pods", "services", "secrets"):
+                for child in self.kube.list(core_path(plural, ns), label_selector=selector(name)):
+                    self.kube.delete(core_path(plural, ns, child["metadata"]["name"]))
+        for cm in self.kube.list(core_path("configmaps", ns), label_selector=selector(name)):
+            if self.delete_children or not _owned_by(cm, rm):
+                self.kube.delete(core_path("configmaps", ns, cm["metadata"]["name"]))
         for ws in self.kube.list(custom_path(ns, plural=WS_PLURAL)):  # the model's pushes go with it
-            if (ws.get("spec") or {}).get("rewardModelRef") == name:
+            if (ws.get("spec") or {}).get("rewardModelRef") == name and (self.delete_children or not _owned_by(ws, rm)):
                 self.kube.delete(custom_path(ns, ws["metadata"]["name"], WS_PLURAL))
         self.forget((ns, name))
 

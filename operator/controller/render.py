@@ -18,6 +18,7 @@ from rewardplane.sdk.protocol import TOKEN_FILE_ENV, Endpoints
 
 from .planning import GPU_RESOURCE, Plan, ReplicaPlan
 from .spec import API_VERSION, KIND, EngineKind, GpuMode
+from .storage import delivery
 
 LABEL_MODEL = "rewardplane.io/model"
 LABEL_REPLICA = "rewardplane.io/replica"
@@ -40,6 +41,23 @@ GROUP_PORT_NAME = "nccl-group"
 READINESS_PERIOD_S = 5
 READINESS_TIMEOUT_S = 3
 READINESS_FAILURES = 3
+# Loading a large model takes minutes: the startup probe allows up to 30 min before liveness
+# (a stuck event loop or a broken replica: /health answers 503) may restart the container.
+STARTUP_PERIOD_S = 2
+STARTUP_FAILURES = 900
+LIVENESS_PERIOD_S = 10
+LIVENESS_TIMEOUT_S = 5
+LIVENESS_FAILURES = 6
+# SIGTERM: the server stops taking requests and drains in-flight ones (uvicorn's graceful
+# shutdown, bounded by --shutdown-timeout); the kubelet kills it after this grace period.
+TERMINATION_GRACE_S = 30
+SHUTDOWN_TIMEOUT_S = 20
+# The images run as this non-root user; volumes are made group-readable for it (fsGroup).
+RUN_AS_USER = 65532
+# The root filesystem is read-only: HOME and TMPDIR point at a per-pod scratch volume instead
+# (not /tmp: the node agent rewrites mount paths in args, and /tmp prefixes too many of them).
+SCRATCH_VOLUME = "scratch"
+SCRATCH_DIR = "/scratch"
 
 
 def token_secret_name(model_name: str) -> str:
@@ -90,7 +108,7 @@ def server_args(plan: Plan, replica: ReplicaPlan) -> list[str]:
     spec = plan.spec
     on_gpu = spec.gpu.mode is not GpuMode.NONE
     args = [
-        "--model", spec.model.source,
+        "--model", delivery(spec.model.source).model_arg,
         "--engine", spec.engine.kind.value,
         "--host", "$(POD_IP)",  # expanded by the kubelet (or node agent) from the env below
         "--port", str(plan.ports.http),
@@ -100,6 +118,7 @@ def server_args(plan: Plan, replica: ReplicaPlan) -> list[str]:
         "--pooling", spec.model.pooling,
         "--num-labels", str(spec.model.num_labels),
         "--token-file", TOKEN_FILE,
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
     ]  # fmt: skip
     if spec.model.max_length is not None:
         args += ["--max-model-len", str(spec.model.max_length)]
@@ -113,11 +132,14 @@ def server_args(plan: Plan, replica: ReplicaPlan) -> list[str]:
     return args + list(spec.engine.extra_args)
 
 
-def _env(replica: ReplicaPlan) -> list[dict[str, Any]]:
+def _env(plan: Plan, replica: ReplicaPlan) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": TOKEN_FILE_ENV, "value": TOKEN_FILE},
+        {"name": "HOME", "value": SCRATCH_DIR},
+        {"name": "TMPDIR", "value": SCRATCH_DIR},
     ]
+    env += [{"name": k, "value": v} for k, v in delivery(plan.spec.model.source).env]
     if replica.device_ids:
         # Shared mode pins devices itself: no nvidia.com/gpu request (the device plugin would hand
         # out whole devices), so the visible-devices variables do the pinning.
@@ -148,32 +170,53 @@ def spec_hash(pod: Mapping[str, Any], pinned_node: str | None) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def _health_probe(plan: Plan, **timing: int) -> dict[str, Any]:
+    return {"httpGet": {"path": Endpoints.HEALTH, "port": plan.ports.http}, **timing}
+
+
 def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[str, Any]:
     """The Pod of one replica, placed by the operator itself (``spec.nodeName``: no scheduler needed)."""
     labels = {**model_labels(plan.name), LABEL_REPLICA: str(replica.index), LABEL_COMPONENT: "reward-server"}
+    model = delivery(plan.spec.model.source)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": plan.spec.engine.image,
         "imagePullPolicy": plan.spec.engine.image_pull_policy,
         "command": list(SERVER_COMMAND),
         "args": server_args(plan, replica),
-        "env": _env(replica),
+        "env": _env(plan, replica),
         "ports": [
             {"name": HTTP_PORT_NAME, "containerPort": plan.ports.http, "protocol": "TCP"},
             {"name": GROUP_PORT_NAME, "containerPort": replica.group_port, "protocol": "TCP"},
         ],
-        "readinessProbe": {
-            "httpGet": {"path": Endpoints.HEALTH, "port": plan.ports.http},
-            "periodSeconds": READINESS_PERIOD_S,
-            "timeoutSeconds": READINESS_TIMEOUT_S,
-            "failureThreshold": READINESS_FAILURES,
+        "startupProbe": _health_probe(plan, periodSeconds=STARTUP_PERIOD_S, timeoutSeconds=READINESS_TIMEOUT_S,
+                                      failureThreshold=STARTUP_FAILURES),
+        "readinessProbe": _health_probe(plan, periodSeconds=READINESS_PERIOD_S, timeoutSeconds=READINESS_TIMEOUT_S,
+                                        failureThreshold=READINESS_FAILURES),
+        "livenessProbe": _health_probe(plan, periodSeconds=LIVENESS_PERIOD_S, timeoutSeconds=LIVENESS_TIMEOUT_S,
+                                       failureThreshold=LIVENESS_FAILURES),
+        "volumeMounts": [
+            {"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT_DIR, "readOnly": True},
+            model.mount,
+            {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR},
+        ],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
         },
-        "volumeMounts": [{"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT_DIR, "readOnly": True}],
+        # A crash shows its last log lines in the pod's status (and so in the model's conditions).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     resources = _resources(plan, replica)
     if resources:
         container["resources"] = resources
-    volumes: list[dict[str, Any]] = [{"name": TOKEN_VOLUME, "secret": {"secretName": token_secret_name(plan.name)}}]
+    volumes: list[dict[str, Any]] = [
+        # Mode 0440 + fsGroup: the non-root server reads the token, nobody else on the node does.
+        {"name": TOKEN_VOLUME, "secret": {"secretName": token_secret_name(plan.name), "defaultMode": 0o440}},
+        model.volume,
+        {"name": SCRATCH_VOLUME, "emptyDir": {}},
+    ]
     persist_dir = plan.spec.weight_sync.persist_dir
     if persist_dir:
         container["volumeMounts"].append({"name": WEIGHTS_VOLUME, "mountPath": persist_dir})
@@ -194,6 +237,14 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
             "hostname": replica.pod_name,
             "subdomain": service_name(plan.name),
             "restartPolicy": "Always",
+            "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": RUN_AS_USER,
+                "runAsGroup": RUN_AS_USER,
+                "fsGroup": RUN_AS_USER,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
             "containers": [container],
             "volumes": volumes,
         },

@@ -78,7 +78,7 @@ def start_operator(kubeconfig: Path, log_path: Path) -> OperatorProcess:
     from tests.fixtures.servers import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "rewardplane.operator", "--kubeconfig", str(kubeconfig),
+    cmd = [sys.executable, "-m", "rewardplane.operator", "--kubeconfig", str(kubeconfig), "--delete-children",
            "--metrics-port", str(port), "--resync-interval", "1"]  # fmt: skip
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -6,6 +6,7 @@ import faulthandler
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from .config import ServerConfig, parse_args
 from .engine import RewardEngine
@@ -44,9 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = build_server_app(cfg)
     except (ValueError, RuntimeError, OSError, ImportError) as exc:
-        print(f"rewardplane server: cannot start: {exc}", file=sys.stderr)
+        hint = ""
+        if isinstance(exc, OSError) and not Path(cfg.model).exists():
+            hint = (f" (the model {cfg.model!r} is not a local path, so it is a hub id that could not be "
+                    "downloaded: where the hub is unreachable, deliver the model from a volume instead, "
+                    "e.g. spec.model.source: pvc://<claim>/<path> or file:///<path on the node>)")
+        print(f"rewardplane server: cannot start: {exc}{hint}", file=sys.stderr)
         return 2
     import uvicorn
 
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(), access_log=False)
+    # On SIGTERM uvicorn stops accepting connections and lets in-flight requests finish (bounded
+    # by the shutdown timeout) before it exits: a rolling restart loses no scored batch.
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(), access_log=False,
+                timeout_graceful_shutdown=cfg.shutdown_timeout_s)
     return 0

@@ -34,6 +34,7 @@ class ServerConfig(BaseModel):
     weights_dir: Path | None = None
     load_format: Literal["auto", "dummy"] = "auto"
     log_level: str = "info"
+    shutdown_timeout_s: float = Field(default=20.0, ge=0)
     extra_engine_args: list[str] = Field(default_factory=list)
 
     @property
@@ -72,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: random weights from the checkpoint's config (benchmarks; weights then come by push)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--shutdown-timeout", type=float, default=20.0, dest="shutdown_timeout_s",
+                   help="on SIGTERM, seconds to let in-flight requests finish before closing (keep it below "
+                        "the pod's termination grace period)")
     args, extra = p.parse_known_args(argv)
     if extra and args.engine != "vllm":
         p.error(f"unknown arguments {extra} (extra engine arguments are passed only to --engine vllm)")
