@@ -1,22 +1,31 @@
-# The rewardplane operator image: `docker build -t ghcr.io/rewardplane/operator:0.1.0 .`
-# Only the operator's dependencies (extra `operator`): no torch, no server code at run time.
-FROM python:3.11-slim AS build
-WORKDIR /src
-# pyproject maps the top-level folders onto rewardplane.* subpackages, so all of them are needed
-# to build the wheel (they are small; the heavy server deps are extras not installed here).
-COPY pyproject.toml README.md ./
-COPY src ./src
-COPY sdk ./sdk
-COPY operator ./operator
-COPY images/reward-server/server ./images/reward-server/server
-COPY localcluster ./localcluster
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+# The rewardplane operator image (rewardplane-core + rewardplane-operator; no torch, no server).
+#
+#   docker build -t ghcr.io/rewardplane/operator:0.1.0 .            # online: python:3.11-slim, PyPI
+#   bash scripts/build-images.sh                                     # offline: local base + wheelhouse
+#
+# BASE_IMAGE needs python3 (3.10+) with venv support; PIP_INSTALL_ARGS lets an offline build point
+# pip at the wheelhouse that scripts/build-images.sh fills on the host (.wheelhouse/ in the context).
+ARG BASE_IMAGE=python:3.11.11-slim-bookworm
 
-FROM python:3.11-slim
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
-COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir "$(ls /wheels/rewardplane-*.whl)[operator]" && rm -rf /wheels
+FROM ${BASE_IMAGE} AS build
+ARG PIP_INSTALL_ARGS="-c /wheelhouse/constraints.txt"
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
+# The glob keeps the build working without a wheelhouse (online: pip uses PyPI instead).
+COPY images/constraints.txt .wheelhouse* /wheelhouse/
+COPY core /src/core
+COPY operator /src/operator
+RUN python3 -m venv /opt/venv \
+ && /opt/venv/bin/pip install $PIP_INSTALL_ARGS /src/core /src/operator \
+ && /opt/venv/bin/pip uninstall -q -y pip setuptools wheel
+
+FROM ${BASE_IMAGE} AS operator
+# tini as PID 1 forwards SIGTERM to the operator and reaps children. The local base has it;
+# on another base it comes from the distribution (the only step that may need the network).
+RUN command -v tini >/dev/null || { apt-get update -q && apt-get install -y -q --no-install-recommends tini \
+    && rm -rf /var/lib/apt/lists/*; }
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 # A fixed non-root user, matching the chart's securityContext (runAsUser 65532).
 USER 65532:65532
 EXPOSE 9090 8081
-ENTRYPOINT ["python", "-m", "rewardplane.operator"]
+ENTRYPOINT ["tini", "--", "python3", "-m", "rewardplane.operator"]

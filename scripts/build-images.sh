@@ -76,15 +76,16 @@ if [[ ! -f "$IMAGES/pause.tar" ]]; then
 fi
 
 # ---------------------------------------------------------------------------------------------
-# 3. wheelhouse: pinned wheels (images/constraints.txt) for the base's Python (3.11), plus the
-#    build backend, so the image builds install with --no-index.
+# 3. wheelhouse: every pinned wheel of images/constraints.txt (the build backend included) and
+#    the CPU torch, for the base's Python (3.11), so the image builds install with --no-index.
 # ---------------------------------------------------------------------------------------------
 log "wheelhouse: pip download (cached in $WHEELHOUSE)"
-"$PY" -m pip download -q --dest "$WHEELHOUSE" --only-binary=:all: --python-version 3.11 \
-  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+"$PY" -m pip download -q --no-deps --dest "$WHEELHOUSE" --only-binary=:all: --python-version 3.11 \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform linux_x86_64 --platform any --implementation cp \
-  -r images/requirements-build.txt -c images/constraints.txt \
-  || die "pip download failed: the wheelhouse is filled on the host, so PyPI (or its mirror) must be reachable here"
+  -r images/constraints.txt "torch==2.13.0" >"$CACHE/wheelhouse.log" 2>&1 \
+  || { grep -v '^WARNING' "$CACHE/wheelhouse.log" | tail -n 20 >&2
+       die "pip download failed (log: $CACHE/wheelhouse.log): the wheelhouse is filled on the host, so PyPI (or its mirror) must be reachable"; }
 # The build context carries the wheelhouse as hard links (same filesystem) or copies.
 rm -rf .wheelhouse
 cp -al "$WHEELHOUSE" .wheelhouse 2>/dev/null || cp -a "$WHEELHOUSE" .wheelhouse
@@ -123,7 +124,8 @@ build() { # name target dockerfile
   local name=$1 target=$2 file=$3 start=$SECONDS
   log "docker build $name ($file, target $target)"
   DOCKER_BUILDKIT=0 "$DOCKER" build -q --network none -f "$file" --target "$target" \
-    --build-arg BASE_IMAGE="$BASE_TAG" --build-arg PIP_NO_INDEX=1 --build-arg TORCH_REQUIREMENT="torch==2.13.0" \
+    --build-arg BASE_IMAGE="$BASE_TAG" --build-arg TORCH_REQUIREMENT="torch==2.13.0" \
+    --build-arg PIP_INSTALL_ARGS="--no-index --find-links /wheelhouse -c /wheelhouse/constraints.txt" \
     -t "localhost/rewardplane/$name:$TAG" . >/dev/null \
     || die "docker build of $name failed (rerun without -q to see why: DOCKER_HOST=$DOCKER_HOST $DOCKER build -f $file .)"
   local id

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The test command (README; .ci/run calls exactly this): install what is missing, lint, run the
-# unit and integration suites. GPU tests skip where no GPU exists. Extra args go to pytest.
+# The test command (README; .ci/run calls exactly this): install what is missing, build the images
+# (as root: the real-node end-to-end suite runs them), lint, run every suite: unit, integration,
+# e2e (the real single-node cluster). GPU tests skip where no GPU exists. Extra args go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+if [[ "$(id -u)" -eq 0 ]]; then
+  bash scripts/build-images.sh
+else
+  echo "[test] not root: the images are not built and the real-node e2e suite will be skipped" >&2
+fi
 .venv/bin/ruff check .
 export PATH="${REWARDPLANE_CACHE:-$HOME/.cache/rewardplane}/bin:$PATH"
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -37,10 +37,18 @@ def build_server_app(cfg: ServerConfig):  # -> FastAPI
     )
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     # `kill -USR1 <pid>` prints every thread's stack: the way to see where a stuck update waits.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # In a container the server may be PID 1, for which a signal without a handler is ignored:
+    # SIGTERM during the model load would wait out the pod's whole grace period. Exit instead;
+    # uvicorn replaces this with its own draining handler once it serves.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app = build_server_app(cfg)

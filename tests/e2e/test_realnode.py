@@ -1,0 +1,402 @@
+"""The real-node end-to-end suite: what a user of ``helm install`` + ``kubectl apply`` depends on,
+on a real kubelet + containerd running the images built from this repository.
+
+The tests run in file order and share one cluster and one RewardModel (the steps of a user's
+session); the last test brings the node down and checks that nothing is left on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rewardplane.localcluster import realnode
+from rewardplane.localcluster.binaries import find_binary
+from rewardplane.localcluster.dev import REPO_CHART, helm_install_operator, local_image_tag
+from rewardplane.tinymodel import build_tiny_reward_model
+from tests.e2e.conftest import OPERATOR_NAMESPACE, OPERATOR_RELEASE, RealCluster, wait_for
+from tests.fixtures.models import TEXTS
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+NS = "default"
+RM = "e2e-rm"
+GROUP, VERSION = "rewardplane.io", "v1alpha1"
+MODEL_CLAIM = "models"
+TRAINER_SA = "e2e-trainer"
+RUN_AS = 65532
+SCORE_TOL = 2e-3
+READY_TIMEOUT_S = 240
+RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+
+
+# ------------------------------------------------------------------------------------ helpers
+def server_image() -> str:
+    return f"localhost/rewardplane/reward-server:{local_image_tag()}"
+
+
+def rm_body(replicas: int, source: str, persist_dir: str | None, name: str = RM) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"source": source, "servedName": name, "dtype": "float32", "numLabels": 1, "pooling": "last"},
+        "engine": {"kind": "hf", "image": server_image(), "imagePullPolicy": "Never"},
+        "replicas": replicas,
+        "gpu": {"mode": "none"},
+        "resources": RESOURCES,
+    }
+    if persist_dir:
+        spec["weightSync"] = {"persistDir": persist_dir}
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "RewardModel", "metadata": {"name": name, "namespace": NS},
+            "spec": spec}  # fmt: skip
+
+
+def get_rm(c: RealCluster, name: str = RM) -> dict[str, Any]:
+    return c.custom.get_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", name)
+
+
+def model_pods(c: RealCluster, name: str = RM) -> list[Any]:
+    return c.core.list_namespaced_pod(NS, label_selector=f"rewardplane.io/model={name}").items
+
+
+def ready_at(c: RealCluster, replicas: int, version: int | None = None) -> dict[str, Any] | None:
+    """The RewardModel once ``replicas`` replicas serve (at ``version``) and no other pod exists."""
+    rm = get_rm(c)
+    st = rm.get("status") or {}
+    eps = [e for e in st.get("endpoints") or [] if e.get("ready")]
+    pods = model_pods(c)
+    if st.get("readyReplicas") != replicas or len(eps) != replicas or len(pods) != replicas:
+        return None
+    if version is not None and (st.get("weightsVersion") != version or any(e.get("weightsVersion") != version
+                                                                           for e in eps)):  # fmt: skip
+        return None
+    return rm
+
+
+def handle(c: RealCluster) -> Any:
+    from rewardplane.sdk.cluster import RewardModelHandle
+
+    return RewardModelHandle(RM, NS, kubeconfig=c.kubeconfig)
+
+
+def load_model(path: Path) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    return (AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval(),
+            AutoTokenizer.from_pretrained(path))  # fmt: skip
+
+
+def scores_of(model: Any, tok: Any, texts: list[str]) -> list[float]:
+    import torch
+
+    with torch.inference_mode():
+        return [float(model(**tok(t, return_tensors="pt")).logits[0, 0]) for t in texts]
+
+
+def assert_scores(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want)
+    worst = max(abs(a - b) for a, b in zip(got, want, strict=True))
+    assert worst < SCORE_TOL, f"served scores differ from the trainer's model by {worst:.2e}: {got} vs {want}"
+
+
+def kubectl(c: RealCluster, *args: str, timeout: float = 120) -> str:
+    done = subprocess.run([str(find_binary("kubectl")), "--kubeconfig", str(c.kubeconfig), *args],
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stderr}"
+    return done.stdout
+
+
+def helm(c: RealCluster, *args: str, timeout: float = 360) -> str:
+    done = subprocess.run([str(find_binary("helm")), "--kubeconfig", str(c.kubeconfig), *args],
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    assert done.returncode == 0, f"helm {' '.join(args)}: {done.stderr}"
+    return done.stdout
+
+
+# ------------------------------------------------------------------------------------ state
+class Session:
+    """What the steps hand on to each other (one user session)."""
+
+    model_dir: Path
+    expected: list[float]
+    version: int = 0
+
+
+S = Session()
+
+
+# ------------------------------------------------------------------------------------ steps
+def test_operator_runs_in_cluster_from_the_chart(real_cluster: RealCluster) -> None:
+    c = real_cluster
+    dep = c.apps.read_namespaced_deployment(OPERATOR_RELEASE, OPERATOR_NAMESPACE)
+    assert dep.status.available_replicas == 1
+    [pod] = c.core.list_namespaced_pod(OPERATOR_NAMESPACE, label_selector="app.kubernetes.io/component=operator").items
+    # exactly the chart's ServiceAccount (whose ClusterRole is all it gets), and the local image
+    assert pod.spec.service_account_name == OPERATOR_RELEASE
+    assert pod.spec.containers[0].image == f"localhost/rewardplane/operator:{local_image_tag()}"
+    status = pod.status.container_statuses[0]
+    assert status.ready and status.container_id.startswith("containerd://")
+    assert pod.spec.security_context.run_as_user == RUN_AS
+
+
+def test_rewardmodel_from_a_volume_becomes_ready(real_cluster: RealCluster) -> None:
+    c = real_cluster
+    models = c.volumes / "models"
+    S.model_dir = build_tiny_reward_model(models / "tiny-rm", num_labels=1, seed=0)
+    weights = c.volumes / "weights"
+    weights.mkdir(exist_ok=True)
+    import os
+
+    os.chown(weights, RUN_AS, RUN_AS)  # the server runs as this user and writes its pushed weights there
+    # The model reaches the pods the way clusters deliver models: a PersistentVolumeClaim
+    # (bound by the controller-manager to a hostPath PersistentVolume made for the test).
+    c.core.create_persistent_volume({
+        "metadata": {"name": "e2e-models"},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "e2e",
+                 "hostPath": {"path": str(models), "type": "Directory"},
+                 "claimRef": {"namespace": NS, "name": MODEL_CLAIM}},
+    })  # fmt: skip
+    c.core.create_namespaced_persistent_volume_claim(NS, {
+        "metadata": {"name": MODEL_CLAIM},
+        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "e2e", "volumeName": "e2e-models",
+                 "resources": {"requests": {"storage": "1Gi"}}},
+    })  # fmt: skip
+    c.custom.create_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels",
+                                             rm_body(2, f"pvc://{MODEL_CLAIM}/tiny-rm", str(weights)))  # fmt: skip
+    rm = wait_for("2 ready replicas", lambda: ready_at(c, 2), READY_TIMEOUT_S, 2)
+    assert {c["type"]: c["status"] for c in rm["status"]["conditions"]}["Available"] == "True"
+
+    for pod in model_pods(c):
+        ctr = pod.spec.containers[0]
+        assert pod.status.container_statuses[0].container_id.startswith("containerd://")
+        assert ctr.image == server_image()
+        assert ctr.resources.requests == RESOURCES["requests"] and ctr.resources.limits == RESOURCES["limits"]
+        assert ctr.readiness_probe.http_get.path == "/health" and ctr.liveness_probe.http_get.path == "/health"
+        assert pod.spec.security_context.run_as_user == RUN_AS and ctr.security_context.read_only_root_filesystem
+        secret_volumes = [v for v in pod.spec.volumes if v.secret is not None]
+        assert [v.secret.secret_name for v in secret_volumes] == [f"{RM}-control-token"]
+        assert "--token-file" in ctr.args and pod.status.pod_ip.startswith("10.244.0.")
+
+
+def test_score_from_the_host(real_cluster: RealCluster) -> None:
+    model, tok = load_model(S.model_dir)
+    S.expected = scores_of(model, tok, TEXTS)
+    with handle(real_cluster) as rm:
+        assert len(rm.urls) == 2  # pod IPs, reached from the host over the node's bridge
+        assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
+
+
+def test_pushes_from_a_trainer_on_the_host(real_cluster: RealCluster) -> None:
+    import torch
+
+    from rewardplane.sdk import RewardModelTrainingMode
+    from rewardplane.sdk.naming import select_head
+
+    model, tok = load_model(S.model_dir)
+    with handle(real_cluster) as rm:
+        with torch.no_grad():
+            model.score.weight.mul_(-1.0)
+        result = rm.push_weights(select_head(model.state_dict()), 1, RewardModelTrainingMode.HEAD_ONLY, timeout_s=120)
+        assert result.replicas == 2
+        assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), scores_of(model, tok, TEXTS))
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(1)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+        rm.push_weights(model.state_dict(), 2, RewardModelTrainingMode.FULL, timeout_s=120)
+        S.expected = scores_of(model, tok, TEXTS)
+        assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
+    S.version = 2
+
+
+TRAINER_SCRIPT = """
+import json, sys, torch
+from transformers import AutoModelForSequenceClassification
+from rewardplane.sdk import RewardModelTrainingMode
+from rewardplane.sdk.cluster import RewardModelHandle
+from rewardplane.sdk.naming import select_head
+
+name, texts = sys.argv[1], json.loads(sys.argv[2])
+rm = RewardModelHandle(name, "default")  # in-cluster credentials: the pod's ServiceAccount
+rm.wait_ready(timeout_s=120)
+model = AutoModelForSequenceClassification.from_pretrained("/mnt/models/tiny-rm", dtype=torch.float32)
+v = rm.weights_version
+with torch.no_grad():
+    model.score.weight.mul_(2.0)
+rm.push_weights(select_head(model.state_dict()), v + 1, RewardModelTrainingMode.HEAD_ONLY, timeout_s=120)
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(0.01)
+rm.push_weights(model.state_dict(), v + 2, RewardModelTrainingMode.FULL, timeout_s=120)
+print("RESULT " + json.dumps({"version": rm.weights_version,
+                              "scores": rm.client().score_batch_sync(texts, normalize=False)}), flush=True)
+"""
+
+
+def test_pushes_from_a_trainer_pod_over_the_pod_network(real_cluster: RealCluster) -> None:
+    c = real_cluster
+    # What a trainer needs, and nothing more: read the model, drive its WeightSync, store the
+    # parameter manifest, read the control token (the manifest check asks a replica for it).
+    c.core.create_namespaced_service_account(NS, {"metadata": {"name": TRAINER_SA}})
+    from kubernetes import client
+
+    rbac = client.RbacAuthorizationV1Api(c.api)
+    rbac.create_namespaced_role(NS, {"metadata": {"name": TRAINER_SA}, "rules": [
+        {"apiGroups": [GROUP], "resources": ["rewardmodels"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [GROUP], "resources": ["weightsyncs"], "verbs": ["get", "list", "watch", "create", "patch"]},
+        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch"]},
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": [f"{RM}-control-token"]},
+    ]})  # fmt: skip
+    rbac.create_namespaced_role_binding(NS, {
+        "metadata": {"name": TRAINER_SA},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": TRAINER_SA},
+        "subjects": [{"kind": "ServiceAccount", "name": TRAINER_SA, "namespace": NS}],
+    })  # fmt: skip
+    c.core.create_namespaced_config_map(NS, {"metadata": {"name": "e2e-trainer"},
+                                             "data": {"trainer.py": TRAINER_SCRIPT}})  # fmt: skip
+    c.core.create_namespaced_pod(NS, {
+        "metadata": {"name": "e2e-trainer"},
+        "spec": {
+            "serviceAccountName": TRAINER_SA, "restartPolicy": "Never",
+            "containers": [{
+                "name": "trainer", "image": f"localhost/rewardplane/trainer:{local_image_tag()}",
+                "imagePullPolicy": "Never",
+                "args": ["/scripts/trainer.py", RM, json.dumps(TEXTS)],
+                "volumeMounts": [{"name": "scripts", "mountPath": "/scripts"},
+                                 {"name": "models", "mountPath": "/mnt/models", "readOnly": True}],
+            }],
+            "volumes": [{"name": "scripts", "configMap": {"name": "e2e-trainer"}},
+                        {"name": "models", "persistentVolumeClaim": {"claimName": MODEL_CLAIM, "readOnly": True}}],
+        },
+    })  # fmt: skip
+
+    def finished() -> str | None:
+        phase = c.core.read_namespaced_pod("e2e-trainer", NS).status.phase
+        return phase if phase in ("Succeeded", "Failed") else None
+
+    phase = wait_for("the trainer pod to finish", finished, 300, 2)
+    logs = c.core.read_namespaced_pod_log("e2e-trainer", NS)  # through the kubelet
+    assert phase == "Succeeded", logs[-3000:]
+    result = json.loads(next(line for line in logs.splitlines() if line.startswith("RESULT "))[7:])
+    model, tok = load_model(S.model_dir)
+    import torch
+
+    with torch.no_grad():
+        model.score.weight.mul_(2.0)
+        for p in model.parameters():
+            p.add_(0.01)
+    S.expected = scores_of(model, tok, TEXTS)
+    S.version += 2
+    assert result["version"] == S.version
+    assert_scores(result["scores"], S.expected)
+    # the replicas reached the trainer at its pod IP: the rendezvous the operator handed out
+    ws = c.custom.get_namespaced_custom_object(GROUP, VERSION, NS, "weightsyncs", RM)
+    trainer_ip = c.core.read_namespaced_pod("e2e-trainer", NS).status.pod_ip
+    assert ws["spec"]["rendezvous"]["address"] == trainer_ip and ws["status"]["phase"] == "Completed"
+    c.core.delete_namespaced_pod("e2e-trainer", NS, grace_period_seconds=0)
+
+
+def test_killed_container_is_restarted_and_restored(real_cluster: RealCluster) -> None:
+    c = real_cluster
+    pod = sorted(model_pods(c), key=lambda p: p.metadata.name)[0]
+    restarts = pod.status.container_statuses[0].restart_count
+    cid = pod.status.container_statuses[0].container_id.removeprefix("containerd://")
+    # kill the container's process through the node's containerd, as an OOM kill would
+    subprocess.run(["ctr", "-a", str(c.node.layout.containerd_sock), "-n", "k8s.io", "tasks", "kill", "-s",
+                    "SIGKILL", cid], check=True, capture_output=True, timeout=30)  # fmt: skip
+
+    def restarted() -> bool:
+        st = c.core.read_namespaced_pod(pod.metadata.name, NS).status.container_statuses[0]
+        return st.restart_count > restarts
+
+    wait_for("the kubelet to restart the container", restarted, 120)
+    wait_for(f"both replicas back on version {S.version}", lambda: ready_at(c, 2, S.version), READY_TIMEOUT_S, 2)
+    with handle(c) as rm:
+        assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
+
+
+def test_scale_1_3_1_and_sigterm_ends_replicas_fast(real_cluster: RealCluster) -> None:
+    c = real_cluster
+
+    def scale(n: int) -> None:
+        c.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", RM, {"spec": {"replicas": n}})
+
+    started = time.monotonic()
+    scale(1)
+    wait_for("1 replica", lambda: ready_at(c, 1, S.version), READY_TIMEOUT_S, 1)
+    # The removed replica got SIGTERM and exited well inside its 30 s grace period: the server
+    # handles the signal itself (drains, then exits).
+    assert time.monotonic() - started < 20, f"scaling down took {time.monotonic() - started:.0f} s"
+    scale(3)
+    wait_for("3 replicas on the current version", lambda: ready_at(c, 3, S.version), READY_TIMEOUT_S, 2)
+    with handle(c) as rm:
+        assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
+    scale(1)
+    wait_for("1 replica again", lambda: ready_at(c, 1, S.version), READY_TIMEOUT_S, 1)
+
+
+def test_hub_model_fails_fast_and_says_why(real_cluster: RealCluster) -> None:
+    c = real_cluster
+    name = "e2e-hub"
+    c.custom.create_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels",
+                                             rm_body(1, "hf://rewardplane/not-reachable-here", None, name))  # fmt: skip
+
+    def terminated_message() -> str | None:
+        for pod in model_pods(c, name):
+            for st in pod.status.container_statuses or []:
+                term = (st.last_state and st.last_state.terminated) or (st.state and st.state.terminated)
+                if term and term.message:
+                    return str(term.message)
+        return None
+
+    message = wait_for("the hub model's server to stop", terminated_message, 180, 2)
+    assert "hub id" in message and "pvc://" in message, message
+    assert get_rm(c, name).get("status", {}).get("readyReplicas", 0) == 0
+    c.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", name)
+
+
+def test_deleting_the_model_garbage_collects_its_children(real_cluster: RealCluster) -> None:
+    c = real_cluster
+    uid = get_rm(c)["metadata"]["uid"]
+    c.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", RM)
+
+    def gone() -> bool:
+        owned = [o for lst in (c.core.list_namespaced_pod(NS).items, c.core.list_namespaced_service(NS).items,
+                               c.core.list_namespaced_secret(NS).items, c.core.list_namespaced_config_map(NS).items)
+                 for o in lst if any(r.uid == uid for r in o.metadata.owner_references or [])]  # fmt: skip
+        ws = c.custom.list_namespaced_custom_object(GROUP, VERSION, NS, "weightsyncs")["items"]
+        return not owned and not ws
+
+    wait_for("garbage collection of the model's pods, Service, Secret and push objects", gone, 120)
+
+
+def test_helm_upgrade_then_uninstall_leaves_nothing(real_cluster: RealCluster) -> None:
+    c = real_cluster
+    helm_install_operator(c.kubeconfig, values={"operator.logLevel": "DEBUG", "operator.resyncInterval": "7"})
+    dep = c.apps.read_namespaced_deployment(OPERATOR_RELEASE, OPERATOR_NAMESPACE)
+    args = dep.spec.template.spec.containers[0].args
+    assert "--log-level=DEBUG" in args and "--resync-interval=7" in args
+    [pod] = [p for p in c.core.list_namespaced_pod(OPERATOR_NAMESPACE).items if not p.metadata.deletion_timestamp]
+    assert "--log-level=DEBUG" in pod.spec.containers[0].args and pod.status.phase == "Running"
+
+    helm("uninstall", OPERATOR_RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait")
+    left = kubectl(c, "get", "all,serviceaccounts,roles,rolebindings,configmaps,secrets", "-n", OPERATOR_NAMESPACE,
+                   "-l", f"app.kubernetes.io/instance={OPERATOR_RELEASE}", "-o", "name")  # fmt: skip
+    cluster_wide = kubectl(c, "get", "clusterroles,clusterrolebindings", "-l",
+                           f"app.kubernetes.io/instance={OPERATOR_RELEASE}", "-o", "name")  # fmt: skip
+    pods = c.core.list_namespaced_pod(OPERATOR_NAMESPACE).items
+    assert not left.strip() and not cluster_wide.strip() and not pods, (left, cluster_wide, pods)
+    assert REPO_CHART.is_dir()  # (CRDs stay: Helm never deletes what a chart's crds/ installed)
+
+
+def test_down_leaves_nothing_behind(real_cluster: RealCluster) -> None:
+    state = real_cluster.node.layout.root
+    assert realnode.leftovers(state) != []  # sanity: a running node is visible to the check
+    left = real_cluster.node.down()
+    assert left == [], left
+    assert realnode.leftovers(state) == []
+    assert not Path(f"/sys/class/net/{realnode.BRIDGE}").exists()
