@@ -21,8 +21,11 @@ RUN python3 -m venv /opt/venv \
 FROM ${BASE_IMAGE} AS operator
 # tini as PID 1 forwards SIGTERM to the operator and reaps children. The local base has it;
 # on another base it comes from the distribution (the only step that may need the network).
+# The user needs a passwd entry: kopf (getpass.getuser) and torch look the user name up.
 RUN command -v tini >/dev/null || { apt-get update -q && apt-get install -y -q --no-install-recommends tini \
-    && rm -rf /var/lib/apt/lists/*; }
+    && rm -rf /var/lib/apt/lists/*; } \
+ && groupadd --system --gid 65532 rewardplane \
+ && useradd --system --uid 65532 --gid 65532 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin rewardplane
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 # A fixed non-root user, matching the chart's securityContext (runAsUser 65532).

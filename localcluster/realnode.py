@@ -3,9 +3,10 @@ scheduler, containerd, CNI (bridge + host-local + portmap + loopback), kubelet a
 
 Everything lives under one state directory (default ``~/.cache/rewardplane/realnode``): PKI,
 configs, logs, pid files, etcd data, containerd's content store and the kubelet's root. The node
-gets an address of its own, ``NODE_IP`` on a dummy link, so that the API server (bound there, not
+gets an address of its own, ``NODE_IP``, so that the API server (bound there, not
 on 0.0.0.0) is reachable from pods through the ``kubernetes`` Service without listening on the
-machine's real network. Pods get addresses from ``POD_CIDR`` on the bridge ``BRIDGE``; the host
+machine's real network (the address sits on ``lo``: these kernels have no dummy links). Pods
+get addresses from ``POD_CIDR`` on the bridge ``BRIDGE``; the host
 reaches them directly.
 
 ``down`` leaves nothing behind: pods are deleted through the API (so they drain), what remains is
@@ -45,7 +46,7 @@ from rewardplane.localcluster.controlplane import (
 log = logging.getLogger(__name__)
 
 NODE_NAME = "rewardplane-node"
-NODE_LINK = "rpnode0"
+NODE_LINK = "lo"  # the node's address is an extra one on loopback: local, and reachable from pods
 NODE_IP = "10.250.0.1"
 BRIDGE = "rpcni0"
 POD_CIDR = "10.244.0.0/24"
@@ -211,18 +212,26 @@ def _stop_pid(pid: int, grace_s: float) -> None:
             time.sleep(0.1)
 
 
+# What the node runs: its daemons, and the containerd shims (which name the node's socket).
+DAEMON_NAMES = frozenset({"containerd", "containerd-shim", "containerd-shim-runc-v1", "containerd-shim-runc-v2",
+                          "runc", "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet",
+                          "kube-proxy"})  # fmt: skip
+
+
 def _our_processes(layout: Layout) -> list[tuple[int, str]]:
-    """Every process whose command line names the state dir (daemons, shims), but not this one."""
+    """The node's daemons and shims that still run: a daemon binary whose command line names the
+    state dir (a shell or a test that merely mentions the path is not one of them)."""
     found = []
     needle = str(layout.root).encode()
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+        if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes()
+            exe = os.path.basename(os.readlink(entry / "exe")).removesuffix(" (deleted)")
         except OSError:
             continue
-        if needle in cmdline and _alive(int(entry.name)):
+        if exe in DAEMON_NAMES and needle in cmdline and _alive(int(entry.name)):
             found.append((int(entry.name), cmdline.replace(b"\0", b" ").decode(errors="replace").strip()))
     return found
 
@@ -408,10 +417,7 @@ class RealNode:
         }, indent=2))  # fmt: skip
 
     def _network(self) -> None:
-        if _run(["ip", "link", "show", NODE_LINK], check=False).returncode != 0:
-            _run(["ip", "link", "add", NODE_LINK, "type", "dummy"])
         _run(["ip", "addr", "replace", f"{NODE_IP}/32", "dev", NODE_LINK])
-        _run(["ip", "link", "set", NODE_LINK, "up"])
         Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
 
     def _pki(self) -> None:
@@ -711,9 +717,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             ns.unlink(missing_ok=True)
 
     def _remove_links(self) -> None:
-        for link in (BRIDGE, NODE_LINK, "kube-ipvs0"):
-            if _run(["ip", "link", "show", link], check=False).returncode == 0:
-                _run(["ip", "link", "del", link], check=False)
+        if _run(["ip", "link", "show", BRIDGE], check=False).returncode == 0:
+            _run(["ip", "link", "del", BRIDGE], check=False)
+        if _node_address_present():
+            _run(["ip", "addr", "del", f"{NODE_IP}/32", "dev", NODE_LINK], check=False)
 
     def _remove_iptables(self) -> None:
         kube_proxy = cache_dir() / "bin" / "kube-proxy"
@@ -779,6 +786,11 @@ def _mounts_under(root: Path) -> list[str]:
     return out
 
 
+def _node_address_present() -> bool:
+    done = _run(["ip", "-4", "-o", "addr", "show", "dev", NODE_LINK], check=False)
+    return f" {NODE_IP}/" in done.stdout
+
+
 def _cni_netns() -> list[Path]:
     netns = Path("/run/netns")
     return sorted(netns.glob("cni-*")) if netns.is_dir() else []
@@ -833,9 +845,10 @@ def leftovers(state: Path | None = None) -> list[str]:
     left = [f"process {pid}: {cmd[:120]}" for pid, cmd in _our_processes(Layout(root))]
     left += [f"mount {m}" for m in _mounts_under(root)]
     left += [f"netns {ns}" for ns in _cni_netns()]
-    for link in (BRIDGE, NODE_LINK):
-        if Path(f"/sys/class/net/{link}").exists():
-            left.append(f"link {link}")
+    if Path(f"/sys/class/net/{BRIDGE}").exists():
+        left.append(f"link {BRIDGE}")
+    if _node_address_present():
+        left.append(f"address {NODE_IP} on {NODE_LINK}")
     left += [f"veth {p.name}" for p in Path("/sys/class/net").iterdir()
              if (p / "master").exists() and (p / "master").resolve().name == BRIDGE]  # fmt: skip
     for cmd in ("iptables", "ip6tables"):
