@@ -74,7 +74,9 @@ async def measure(kind: str, url: str, prompts: list[list[int]], args: argparse.
         client = ShardedAsyncClient(max_connections=args.concurrency, timeout=timeout)
     async with client:
         await drive(client, url, prompts[:256], args.per_request, args.concurrency)  # connections, warm-up
-        return [await drive(client, url, prompts, args.per_request, args.concurrency) for _ in range(args.reps)]
+        return [
+            await drive(client, url, prompts, args.per_request, args.concurrency) for _ in range(args.reps)
+        ]
 
 
 def main() -> int:
@@ -104,20 +106,27 @@ def main() -> int:
                     raise RuntimeError("the loopback server did not start") from None
                 time.sleep(0.2)
         prompts = make_prompts(args.prompts, 64, 1024, seed=1)
-        times = {kind: statistics.median(asyncio.run(measure(kind, url, prompts, args)))
-                 for kind in ("one-pool", "sharded")}
+        times = {
+            kind: statistics.median(asyncio.run(measure(kind, url, prompts, args)))
+            for kind in ("one-pool", "sharded")
+        }
     finally:
         server.terminate()
         server.wait(10)
     result = {
-        "prompts": args.prompts, "per_request": args.per_request, "concurrency": args.concurrency,
-        "cpus": os.cpu_count(), "prompts_per_s": {k: args.prompts / v for k, v in times.items()},
+        "prompts": args.prompts,
+        "per_request": args.per_request,
+        "concurrency": args.concurrency,
+        "cpus": os.cpu_count(),
+        "prompts_per_s": {k: args.prompts / v for k, v in times.items()},
         "sharded_vs_one_pool": times["one-pool"] / times["sharded"],
     }
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "http_client.json").write_text(json.dumps(result, indent=2))
     for kind, rate in result["prompts_per_s"].items():
-        print(f"{kind:>9}: {rate:8.0f} prompts/s  ({args.concurrency} requests in flight, {args.per_request} prompts each)")
+        print(
+            f"{kind:>9}: {rate:8.0f} prompts/s  ({args.concurrency} requests in flight, {args.per_request} prompts each)"
+        )
     print(f"sharded ÷ one pool: {result['sharded_vs_one_pool']:.2f}x")
     return 0
 

@@ -36,8 +36,8 @@ from typing import Any
 import httpx
 import yaml
 
+from rewardplane.api.kube import Kube, core_path, custom_path
 from rewardplane.localcluster.controlplane import LocalControlPlane, free_port
-from rewardplane.operator.kube import Kube, core_path, custom_path
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
@@ -65,9 +65,13 @@ def model(name: str, replicas: int) -> dict[str, Any]:
         "apiVersion": "rewardplane.io/v1alpha1",
         "kind": "RewardModel",
         "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {"model": {"source": "/models/bench"}, "engine": {"kind": "hf"}, "replicas": replicas,
-                 "gpu": {"mode": "none", "node": NODE}},
-    }  # fmt: skip
+        "spec": {
+            "model": {"source": "/models/bench"},
+            "engine": {"kind": "hf"},
+            "replicas": replicas,
+            "gpu": {"mode": "none", "node": NODE},
+        },
+    }
 
 
 def setup(kube: Kube) -> None:
@@ -80,11 +84,17 @@ def setup(kube: Kube) -> None:
 
 def _crd_ready(kube: Kube) -> bool:
     crd = kube.get(f"{CRD_PATH}/rewardmodels.rewardplane.io") or {}
-    return any(c["type"] == "Established" and c["status"] == "True" for c in (crd.get("status") or {}).get("conditions") or [])
+    return any(
+        c["type"] == "Established" and c["status"] == "True"
+        for c in (crd.get("status") or {}).get("conditions") or []
+    )
 
 
 def pod_names(kube: Kube, name: str) -> set[str]:
-    return {p["metadata"]["name"] for p in kube.list(core_path("pods", NAMESPACE), label_selector=f"rewardplane.io/model={name}")}
+    return {
+        p["metadata"]["name"]
+        for p in kube.list(core_path("pods", NAMESPACE), label_selector=f"rewardplane.io/model={name}")
+    }
 
 
 def delete_model(kube: Kube, name: str) -> None:
@@ -104,8 +114,13 @@ def bench_apply(kube: Kube, runs: int, replicas: int) -> dict[str, Any]:
         times.append(time.perf_counter() - started)
         delete_model(kube, name)
     times.sort()
-    return {"runs": runs, "replicas": replicas, "p50_s": statistics.median(times),
-            "p90_s": times[int(0.9 * (len(times) - 1))], "max_s": times[-1]}  # fmt: skip
+    return {
+        "runs": runs,
+        "replicas": replicas,
+        "p50_s": statistics.median(times),
+        "p90_s": times[int(0.9 * (len(times) - 1))],
+        "max_s": times[-1],
+    }
 
 
 def reconcile_stats(metrics_port: int) -> dict[str, float]:
@@ -113,11 +128,17 @@ def reconcile_stats(metrics_port: int) -> dict[str, float]:
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
     values: dict[str, float] = {}
     for line in text.splitlines():
-        for key in ("rewardplane_operator_reconcile_duration_seconds_sum", "rewardplane_operator_reconcile_duration_seconds_count"):
+        for key in (
+            "rewardplane_operator_reconcile_duration_seconds_sum",
+            "rewardplane_operator_reconcile_duration_seconds_count",
+        ):
             if line.startswith(key + " "):
                 values[key.rsplit("_", 1)[1]] = float(line.split()[1])
     count = values.get("count", 0.0)
-    return {"reconciles": count, "mean_reconcile_s": values.get("sum", 0.0) / count if count else float("nan")}
+    return {
+        "reconciles": count,
+        "mean_reconcile_s": values.get("sum", 0.0) / count if count else float("nan"),
+    }
 
 
 def bench_many(kube: Kube, count: int, operator_pid: int) -> dict[str, Any]:
@@ -128,13 +149,22 @@ def bench_many(kube: Kube, count: int, operator_pid: int) -> dict[str, Any]:
 
     def all_reconciled() -> bool:
         items = kube.list(custom_path(NAMESPACE))
-        done = [m for m in items if m["metadata"]["name"].startswith("many-") and (m.get("status") or {}).get("phase")]
+        done = [
+            m
+            for m in items
+            if m["metadata"]["name"].startswith("many-") and (m.get("status") or {}).get("phase")
+        ]
         pods = kube.list(core_path("pods", NAMESPACE), label_selector="rewardplane.io/model")
         return len(done) == count and len(pods) >= count
 
     wait(f"{count} models reconciled", all_reconciled, 600, poll_s=0.2)
     elapsed = time.perf_counter() - started
-    return {"models": count, "create_calls_s": created, "all_reconciled_s": elapsed, "operator_rss_mib": rss_mib(operator_pid)}
+    return {
+        "models": count,
+        "create_calls_s": created,
+        "all_reconciled_s": elapsed,
+        "operator_rss_mib": rss_mib(operator_pid),
+    }
 
 
 def _p50(xs: list[float]) -> float:
@@ -145,9 +175,9 @@ def bench_push(kube: Kube, kubeconfig: Path, tmp: Path, args: argparse.Namespace
     """Operator push (call → Completed) vs direct-mode push of the same parameters."""
     import torch
 
+    from rewardplane.protocol.naming import select_head
     from rewardplane.sdk.cluster import RewardModelHandle
     from rewardplane.sdk.direct_sync import DirectWeightSync
-    from rewardplane.sdk.naming import select_head
     from rewardplane.tinymodel import build_tiny_reward_model
 
     model_dir = build_tiny_reward_model(tmp / "model", hidden_size=args.hidden, num_layers=args.layers)
@@ -157,19 +187,30 @@ def bench_push(kube: Kube, kubeconfig: Path, tmp: Path, args: argparse.Namespace
     full = {k: v.detach().clone() for k, v in model.state_dict().items()}
     head = select_head(full)
     name = "push-bench"
-    kube.create(custom_path(NAMESPACE), {
-        "apiVersion": "rewardplane.io/v1alpha1", "kind": "RewardModel",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {"model": {"source": str(model_dir), "dtype": "float32"}, "engine": {"kind": "hf"},
-                 "replicas": args.push_replicas, "gpu": {"mode": "none", "node": AGENT_NODE}},
-    })  # fmt: skip
+    kube.create(
+        custom_path(NAMESPACE),
+        {
+            "apiVersion": "rewardplane.io/v1alpha1",
+            "kind": "RewardModel",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {
+                "model": {"source": str(model_dir), "dtype": "float32"},
+                "engine": {"kind": "hf"},
+                "replicas": args.push_replicas,
+                "gpu": {"mode": "none", "node": AGENT_NODE},
+            },
+        },
+    )
     handle = RewardModelHandle(name, NAMESPACE, kubeconfig=str(kubeconfig))
     handle.wait_ready(300)
     urls, token = handle.urls, handle.token()
     version = 0
-    out: dict[str, Any] = {"replicas": args.push_replicas, "runs": args.push_runs,
-                           "full_bytes": sum(v.numel() * v.element_size() for v in full.values()),
-                           "head_bytes": sum(v.numel() * v.element_size() for v in head.values())}  # fmt: skip
+    out: dict[str, Any] = {
+        "replicas": args.push_replicas,
+        "runs": args.push_runs,
+        "full_bytes": sum(v.numel() * v.element_size() for v in full.values()),
+        "head_bytes": sum(v.numel() * v.element_size() for v in head.values()),
+    }
     for mode, params in (("head_only", head), ("full", full)):
         via_operator, direct = [], []
         for _ in range(args.push_runs):
@@ -179,8 +220,9 @@ def bench_push(kube: Kube, kubeconfig: Path, tmp: Path, args: argparse.Namespace
             via_operator.append(time.perf_counter() - started)
             version += 1
             started = time.perf_counter()
-            sync = DirectWeightSync(urls, group_port=free_port(), token=token, trainer_host="127.0.0.1",
-                                    connect_timeout_s=60)  # fmt: skip
+            sync = DirectWeightSync(
+                urls, group_port=free_port(), token=token, trainer_host="127.0.0.1", connect_timeout_s=60
+            )
             try:
                 sync.sync(params, version=version, training_mode=mode)
             finally:
@@ -188,8 +230,13 @@ def bench_push(kube: Kube, kubeconfig: Path, tmp: Path, args: argparse.Namespace
             direct.append(time.perf_counter() - started)
             # The operator's next push must be newer than what direct mode pushed.
             wait("the model status to follow", lambda v=version: handle.weights_version >= v, 30)
-        out[mode] = {"operator_p50_s": _p50(via_operator), "direct_p50_s": _p50(direct),
-                     "ratio": _p50(via_operator) / _p50(direct), "operator_s": via_operator, "direct_s": direct}
+        out[mode] = {
+            "operator_p50_s": _p50(via_operator),
+            "direct_p50_s": _p50(direct),
+            "ratio": _p50(via_operator) / _p50(direct),
+            "operator_s": via_operator,
+            "direct_s": direct,
+        }
     handle.close()
     return out
 
@@ -198,21 +245,57 @@ AGENT_NODE = "bench-agent-node"
 
 
 def run_push(args: argparse.Namespace) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="rp-bench-push-") as tmp_s, LocalControlPlane(Path(tmp_s) / "cp") as cp:
+    with (
+        tempfile.TemporaryDirectory(prefix="rp-bench-push-") as tmp_s,
+        LocalControlPlane(Path(tmp_s) / "cp") as cp,
+    ):
         tmp = Path(tmp_s)
         kube = Kube.from_environment(str(cp.kubeconfig))
         setup(kube)
         procs: list[subprocess.Popen[bytes]] = []
         logs = [open(tmp / n, "wb") for n in ("agent.log", "operator.log")]  # noqa: SIM115 (closed below)
         try:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "rewardplane.localcluster.nodeagent", "--kubeconfig", str(cp.kubeconfig),
-                 "--node-name", AGENT_NODE, "--state-dir", str(tmp / "node"), "--heartbeat-s", "5"],
-                stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "rewardplane.operator", "--kubeconfig", str(cp.kubeconfig), "--delete-children", "--metrics-port",
-                 "0", "--resync-interval", "1", "--log-level", "WARNING"], stdout=logs[1], stderr=subprocess.STDOUT,
-                start_new_session=True))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "rewardplane.localcluster.nodeagent",
+                        "--kubeconfig",
+                        str(cp.kubeconfig),
+                        "--node-name",
+                        AGENT_NODE,
+                        "--state-dir",
+                        str(tmp / "node"),
+                        "--heartbeat-s",
+                        "5",
+                    ],
+                    stdout=logs[0],
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "rewardplane.operator",
+                        "--kubeconfig",
+                        str(cp.kubeconfig),
+                        "--delete-children",
+                        "--metrics-port",
+                        "0",
+                        "--resync-interval",
+                        "1",
+                        "--log-level",
+                        "WARNING",
+                    ],
+                    stdout=logs[1],
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
             time.sleep(2)
             return bench_push(kube, cp.kubeconfig, tmp, args)
         finally:
@@ -243,8 +326,10 @@ def main() -> int:
         results = run_push(args)
         for mode in ("head_only", "full"):
             r = results[mode]
-            print(f"{mode:<9} operator {r['operator_p50_s'] * 1000:8.1f} ms   direct {r['direct_p50_s'] * 1000:8.1f} ms"
-                  f"   ratio {r['ratio']:.2f}x  (p50 of {results['runs']}, {results['replicas']} replicas)")
+            print(
+                f"{mode:<9} operator {r['operator_p50_s'] * 1000:8.1f} ms   direct {r['direct_p50_s'] * 1000:8.1f} ms"
+                f"   ratio {r['ratio']:.2f}x  (p50 of {results['runs']}, {results['replicas']} replicas)"
+            )
         print(json.dumps(results, indent=2))
         if args.json:
             args.json.write_text(json.dumps(results, indent=2))
@@ -256,12 +341,27 @@ def main() -> int:
         log = open(Path(tmp) / "operator.log", "wb")  # noqa: SIM115 (closed below, after the process)
         metrics_port = free_port()
         operator = subprocess.Popen(
-            [sys.executable, "-m", "rewardplane.operator", "--kubeconfig", str(cp.kubeconfig), "--delete-children", "--metrics-port",
-             str(metrics_port), "--log-level", "WARNING"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "rewardplane.operator",
+                "--kubeconfig",
+                str(cp.kubeconfig),
+                "--delete-children",
+                "--metrics-port",
+                str(metrics_port),
+                "--log-level",
+                "WARNING",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             time.sleep(2)  # kopf starts its watches
-            results = {"apply": bench_apply(kube, args.runs, args.replicas),
-                       "many": bench_many(kube, args.models, operator.pid)}  # fmt: skip
+            results = {
+                "apply": bench_apply(kube, args.runs, args.replicas),
+                "many": bench_many(kube, args.models, operator.pid),
+            }
             results["operator"] = reconcile_stats(metrics_port)
         finally:
             operator.terminate()

@@ -75,13 +75,20 @@ def descendants(pid: int) -> list[int]:
 @contextmanager
 def agent_cluster(state: Path) -> Iterator[tuple[Path, Callable[[], list[int]]]]:
     dev = [sys.executable, "-m", "rewardplane.localcluster.dev"]
-    up = subprocess.run([*dev, "up", "--node", "agent", "--state-dir", str(state)], capture_output=True, text=True,
-                        timeout=180, check=True)  # fmt: skip
+    up = subprocess.run(
+        [*dev, "up", "--node", "agent", "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+    )
     kubeconfig = Path(up.stdout.strip().split("=", 1)[1])
     try:
         yield kubeconfig, lambda: [int((state / "pids" / "operator.pid").read_text())]
     finally:
-        subprocess.run([*dev, "down", "--node", "agent", "--state-dir", str(state)], capture_output=True, timeout=120)
+        subprocess.run(
+            [*dev, "down", "--node", "agent", "--state-dir", str(state)], capture_output=True, timeout=120
+        )
 
 
 @contextmanager
@@ -96,8 +103,12 @@ def real_cluster(state: Path) -> Iterator[tuple[Path, Callable[[], list[int]]]]:
         [pod] = client.CoreV1Api(api).list_namespaced_pod(OPERATOR_NAMESPACE).items
         cid = pod.status.container_statuses[0].container_id.removeprefix("containerd://")
         api.close()
-        out = subprocess.run(["ctr", "-a", str(node.layout.containerd_sock), "-n", "k8s.io", "tasks", "ls"],
-                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            ["ctr", "-a", str(node.layout.containerd_sock), "-n", "k8s.io", "tasks", "ls"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         pid = next(int(line.split()[1]) for line in out.splitlines() if line.startswith(cid))
         return descendants(pid)
 
@@ -109,15 +120,30 @@ def real_cluster(state: Path) -> Iterator[tuple[Path, Callable[[], list[int]]]]:
 
 
 def rm_body(model_dir: Path) -> dict[str, Any]:
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "RewardModel", "metadata": {"name": NAME, "namespace": NS},
-            "spec": {"model": {"source": f"file://{model_dir}", "dtype": "float32"},
-                     "engine": {"kind": "hf", "image": f"localhost/rewardplane/reward-server:{local_image_tag()}",
-                                "imagePullPolicy": "Never"},
-                     "replicas": 1, "gpu": {"mode": "none"}}}  # fmt: skip
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "RewardModel",
+        "metadata": {"name": NAME, "namespace": NS},
+        "spec": {
+            "model": {"source": f"file://{model_dir}", "dtype": "float32"},
+            "engine": {
+                "kind": "hf",
+                "image": f"localhost/rewardplane/reward-server:{local_image_tag()}",
+                "imagePullPolicy": "Never",
+            },
+            "replicas": 1,
+            "gpu": {"mode": "none"},
+        },
+    }
 
 
-def bench(kind: str, kubeconfig: Path, operator_pids: Callable[[], list[int]], model_dir: Path,
-          args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+def bench(
+    kind: str,
+    kubeconfig: Path,
+    operator_pids: Callable[[], list[int]],
+    model_dir: Path,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     import torch
     from kubernetes import client
     from transformers import AutoModelForSequenceClassification
@@ -151,15 +177,22 @@ def bench(kind: str, kubeconfig: Path, operator_pids: Callable[[], list[int]], m
         if i < args.runs:
             custom.delete_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", NAME)
             wait("the model gone", lambda: no_pods() and not available(), 120)
-            wait("the model object gone", lambda: not custom.list_namespaced_custom_object(
-                GROUP, VERSION, NS, "rewardmodels")["items"], 120)  # fmt: skip
+            wait(
+                "the model object gone",
+                lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels")["items"],
+                120,
+            )
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
     pushes: dict[str, list[float]] = {"head_only": [], "full": []}
     with RewardModelHandle(NAME, NS, kubeconfig=kubeconfig) as rm:
         version = rm.weights_version
         for mode in (RewardModelTrainingMode.HEAD_ONLY, RewardModelTrainingMode.FULL):
             for _ in range(args.push_runs):
-                params = select_head(model.state_dict()) if mode is RewardModelTrainingMode.HEAD_ONLY else model.state_dict()
+                params = (
+                    select_head(model.state_dict())
+                    if mode is RewardModelTrainingMode.HEAD_ONLY
+                    else model.state_dict()
+                )
                 version += 1
                 start = time.monotonic()
                 rm.push_weights(params, version, mode, timeout_s=120)
@@ -196,15 +229,23 @@ def main() -> int:
             results.append(bench("agent", kubeconfig, pids, model_dir, args))
         with real_cluster(cache_dir() / "realnode-bench") as (kubeconfig, pids):
             results.append(bench("real", kubeconfig, pids, model_dir, args))
-    out = {"machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, {platform.platform()}",
-           "model": {"hidden": args.hidden, "layers": args.layers}, "runs": args.runs, "push_runs": args.push_runs,
-           "results": results}  # fmt: skip
+    out = {
+        "machine": f"{platform.machine()}, {len(os.sched_getaffinity(0))} cores, {platform.platform()}",
+        "model": {"hidden": args.hidden, "layers": args.layers},
+        "runs": args.runs,
+        "push_runs": args.push_runs,
+        "results": results,
+    }
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     a, r = results
     print(f"{'':28}{'node agent':>12}{'real node':>12}")
-    for key, label in (("apply_to_ready_p50_s", "apply -> Ready p50 (s)"), ("push_head_only_p50_ms", "push head_only p50 (ms)"),
-                       ("push_full_p50_ms", "push full p50 (ms)"), ("operator_rss_mib", "operator RSS (MiB)")):  # fmt: skip
+    for key, label in (
+        ("apply_to_ready_p50_s", "apply -> Ready p50 (s)"),
+        ("push_head_only_p50_ms", "push head_only p50 (ms)"),
+        ("push_full_p50_ms", "push full p50 (ms)"),
+        ("operator_rss_mib", "operator RSS (MiB)"),
+    ):
         print(f"{label:28}{a[key]:>12}{r[key]:>12}")
     return 0
 

@@ -30,8 +30,8 @@ from rewardplane.sdk.http_pool import ShardedAsyncClient  # noqa: E402
 from rewardplane.server.batching import plan_micro_batches  # noqa: E402
 from rewardplane.server.config import ServerConfig  # noqa: E402
 from rewardplane.server.hf_engine import HFEngine  # noqa: E402
+from rewardplane.testing.servers import start_server  # noqa: E402
 from rewardplane.tinymodel import build_tiny_reward_model, corpus_lines  # noqa: E402
-from tests.fixtures.servers import start_server  # noqa: E402
 
 
 def make_texts(n: int, seed: int = 0, max_words: int = 120) -> list[str]:
@@ -79,13 +79,16 @@ def main() -> int:
     if args.quick:
         args.texts, args.reps = 256, 1
     work = Path(tempfile.mkdtemp(prefix="score-bench-"))
-    model = build_tiny_reward_model(work / "rm", hidden_size=args.hidden, num_layers=args.layers,
-                                    num_heads=max(1, args.hidden // 64))
+    model = build_tiny_reward_model(
+        work / "rm", hidden_size=args.hidden, num_layers=args.layers, num_heads=max(1, args.hidden // 64)
+    )
     texts = make_texts(args.texts)
     cfg = ServerConfig(model=str(model), device="cpu")
     engine = HFEngine(cfg)
     ntok = sum(len(x) for x in engine.tokenizer(texts)["input_ids"])
-    in_proc = [in_process(engine, texts, cfg.max_batch_tokens, cfg.max_batch_items) for _ in range(args.reps + 1)][1:]
+    in_proc = [
+        in_process(engine, texts, cfg.max_batch_tokens, cfg.max_batch_items) for _ in range(args.reps + 1)
+    ][1:]
     del engine
 
     import torch
@@ -94,22 +97,36 @@ def main() -> int:
     server = start_server(model, work, env_extra={"OMP_NUM_THREADS": str(torch.get_num_threads())})
     try:
         asyncio.run(over_http(server.url, texts[:64], args.clients, args.per_request))  # warm-up
-        http = [asyncio.run(over_http(server.url, texts, args.clients, args.per_request)) for _ in range(args.reps)]
+        http = [
+            asyncio.run(over_http(server.url, texts, args.clients, args.per_request))
+            for _ in range(args.reps)
+        ]
     finally:
         server.stop()
     t_in, t_http = statistics.median(in_proc), statistics.median(http)
     result = {
-        "texts": len(texts), "tokens": ntok, "clients": args.clients, "per_request": args.per_request,
-        "model": f"llama hidden {args.hidden}, {args.layers} layers", "cpu_threads": os.cpu_count(),
-        "in_process_texts_per_s": len(texts) / t_in, "http_texts_per_s": len(texts) / t_http,
-        "in_process_tokens_per_s": ntok / t_in, "http_tokens_per_s": ntok / t_http, "ratio": t_in / t_http,
+        "texts": len(texts),
+        "tokens": ntok,
+        "clients": args.clients,
+        "per_request": args.per_request,
+        "model": f"llama hidden {args.hidden}, {args.layers} layers",
+        "cpu_threads": os.cpu_count(),
+        "in_process_texts_per_s": len(texts) / t_in,
+        "http_texts_per_s": len(texts) / t_http,
+        "in_process_tokens_per_s": ntok / t_in,
+        "http_tokens_per_s": ntok / t_http,
+        "ratio": t_in / t_http,
     }
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "scoring.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=1))
-    print(f"\nin-process engine : {result['in_process_texts_per_s']:8.1f} texts/s  {result['in_process_tokens_per_s']:9.0f} tokens/s")
-    print(f"server over HTTP  : {result['http_texts_per_s']:8.1f} texts/s  {result['http_tokens_per_s']:9.0f} tokens/s"
-          f"  ({args.clients} clients x {args.per_request} texts/request)")
+    print(
+        f"\nin-process engine : {result['in_process_texts_per_s']:8.1f} texts/s  {result['in_process_tokens_per_s']:9.0f} tokens/s"
+    )
+    print(
+        f"server over HTTP  : {result['http_texts_per_s']:8.1f} texts/s  {result['http_tokens_per_s']:9.0f} tokens/s"
+        f"  ({args.clients} clients x {args.per_request} texts/request)"
+    )
     print(f"ratio HTTP / in-process: {result['ratio']:.2f}")
     return 0
 

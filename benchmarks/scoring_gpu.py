@@ -60,10 +60,18 @@ def phase_build(model_dir: Path, size: str, max_len: int) -> dict[str, Any]:
     s = SIZES[size]
     tokenizer = train_tokenizer()
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-        max_position_embeddings=max(max_len, 2048), num_labels=1, tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=VOCAB,
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        max_position_embeddings=max(max_len, 2048),
+        num_labels=1,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
     with torch.device("cuda"):  # random init on the GPU: seconds instead of minutes for 1.4B
@@ -81,9 +89,14 @@ def vllm_kwargs(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     from vllm.config import PoolerConfig
 
     kw: dict[str, Any] = {
-        "model": str(model_dir), "runner": "pooling", "dtype": "bfloat16", "max_model_len": args.max_len,
-        "gpu_memory_utilization": args.gpu_memory_utilization, "hf_overrides": {"head_dtype": "float32"},
-        "pooler_config": PoolerConfig(pooling_type="LAST"), "disable_log_stats": True,
+        "model": str(model_dir),
+        "runner": "pooling",
+        "dtype": "bfloat16",
+        "max_model_len": args.max_len,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "hf_overrides": {"head_dtype": "float32"},
+        "pooler_config": PoolerConfig(pooling_type="LAST"),
+        "disable_log_stats": True,
         "served_model_name": "reward-model",
         # as the server: whole prompts per step (see vllm_engine.build_engine_args)
         "enable_chunked_prefill": False,
@@ -102,8 +115,11 @@ def phase_offline(model_dir: Path, prompts: dict[str, Any], args: argparse.Names
     startup = time.perf_counter() - t0
 
     def run(batch: list[list[int]]) -> list[list[float]]:
-        outs = llm.classify([TokensPrompt(prompt_token_ids=ids) for ids in batch],
-                            pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
+        outs = llm.classify(
+            [TokensPrompt(prompt_token_ids=ids) for ids in batch],
+            pooling_params=PoolingParams(use_activation=False),
+            use_tqdm=False,
+        )
         return [list(map(float, o.outputs.probs)) for o in outs]
 
     run(prompts["warmup"])
@@ -118,7 +134,9 @@ def phase_hf(model_dir: Path, prompts: dict[str, Any], args: argparse.Namespace)
     from transformers import AutoModelForSequenceClassification
 
     device = torch.device("cuda")
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    model = (
+        AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    )
     pad = int(model.config.pad_token_id or 0)
 
     @torch.inference_mode()
@@ -160,17 +178,23 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
+            raise RuntimeError(
+                f"server exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}"
+            )
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(1.0)
-    raise RuntimeError(f"server not healthy within {timeout_s:.0f}s:\n{log.read_text(errors='replace')[-4000:]}")
+    raise RuntimeError(
+        f"server not healthy within {timeout_s:.0f}s:\n{log.read_text(errors='replace')[-4000:]}"
+    )
 
 
-async def drive(url: str, prompts: list[list[int]], per_request: int, concurrency: int) -> tuple[float, list[list[float]]]:
+async def drive(
+    url: str, prompts: list[list[int]], per_request: int, concurrency: int
+) -> tuple[float, list[list[float]]]:
     """Send every prompt in requests of ``per_request`` with at most ``concurrency`` in flight."""
     import httpx
 
@@ -182,6 +206,7 @@ async def drive(url: str, prompts: list[list[int]], per_request: int, concurrenc
     # The SDK's client: one httpx pool of 256 connections costs ~2x the client CPU per request
     # (benchmarks/http_client.py), which capped this benchmark rather than the server.
     async with ShardedAsyncClient(max_connections=concurrency, timeout=httpx.Timeout(600.0)) as client:
+
         async def one(i: int) -> None:
             async with sem:
                 r = await client.post(url + "/pooling", json={"input": chunks[i]})
@@ -215,20 +240,39 @@ def process_cpu_s(root: int) -> dict[str, float]:
     return out
 
 
-def measure_server(model_dir: Path, prompts: dict[str, Any], args: argparse.Namespace, work: Path) -> dict[str, Any]:
+def measure_server(
+    model_dir: Path, prompts: dict[str, Any], args: argparse.Namespace, work: Path
+) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "rewardplane.server", "--engine", "vllm", "--model", str(model_dir),
-           "--port", str(port), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-           "--max-model-len", str(args.max_len), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rewardplane.server",
+        "--engine",
+        "vllm",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--max-model-len",
+        str(args.max_len),
+        "--log-level",
+        "warning",
+    ]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     log = work / f"server-{port}.log"
     t0 = time.perf_counter()
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
     def bounded(prompts_: list[list[int]], per_request: int) -> tuple[float, list[list[float]]]:
-        return asyncio.run(asyncio.wait_for(drive(url, prompts_, per_request, args.concurrency), args.phase_timeout))
+        return asyncio.run(
+            asyncio.wait_for(drive(url, prompts_, per_request, args.concurrency), args.phase_timeout)
+        )
 
     try:
         wait_healthy(url, proc, log, args.phase_timeout)
@@ -242,10 +286,17 @@ def measure_server(model_dir: Path, prompts: dict[str, Any], args: argparse.Name
             seconds, scores = bounded(main, per_request)
             after, client_after = process_cpu_s(proc.pid), time.process_time()
             # busy fraction of each process over the run: ~1.0 means that process set the pace
-            busy = {name: round((after[name] - before[name]) / seconds, 3) for name in after if name in before}
+            busy = {
+                name: round((after[name] - before[name]) / seconds, 3) for name in after if name in before
+            }
             busy["client (this process)"] = round((client_after - client_before) / seconds, 3)
-            out["runs"][per_request] = {"seconds": seconds, "scores": scores if k == 0 else None,
-                                        "tokens": sum(map(len, main)), "prompts": len(main), "cpu_busy": busy}
+            out["runs"][per_request] = {
+                "seconds": seconds,
+                "scores": scores if k == 0 else None,
+                "tokens": sum(map(len, main)),
+                "prompts": len(main),
+                "cpu_busy": busy,
+            }
         return out
     except Exception as exc:
         # The server and its engine core print every thread's stack on SIGUSR1: see where it waits.
@@ -255,8 +306,10 @@ def measure_server(model_dir: Path, prompts: dict[str, Any], args: argparse.Name
             time.sleep(3)
         else:
             print(f"the server exited with {proc.returncode}", flush=True)
-        raise RuntimeError(f"the server phase failed ({type(exc).__name__}: {exc!r}); server log {log}:\n"
-                           f"{log.read_text(errors='replace')[-12000:]}") from exc
+        raise RuntimeError(
+            f"the server phase failed ({type(exc).__name__}: {exc!r}); server log {log}:\n"
+            f"{log.read_text(errors='replace')[-12000:]}"
+        ) from exc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -280,11 +333,27 @@ def make_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(4, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def run_phase(name: str, model_dir: Path, work: Path, args: argparse.Namespace, extra: list[str] | None = None) -> dict[str, Any]:
+def run_phase(
+    name: str, model_dir: Path, work: Path, args: argparse.Namespace, extra: list[str] | None = None
+) -> dict[str, Any]:
     result = work / f"{name}.json"
-    cmd = [sys.executable, os.path.abspath(__file__), "--phase", name, "--model-dir", str(model_dir),
-           "--workdir", str(work), "--max-len", str(args.max_len), "--hf-batch", str(args.hf_batch),
-           "--gpu-memory-utilization", str(args.gpu_memory_utilization), *(extra or [])]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--phase",
+        name,
+        "--model-dir",
+        str(model_dir),
+        "--workdir",
+        str(work),
+        "--max-len",
+        str(args.max_len),
+        "--hf-batch",
+        str(args.hf_batch),
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        *(extra or []),
+    ]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     log = work / f"{name}.log"
@@ -306,7 +375,9 @@ def run_phase(name: str, model_dir: Path, work: Path, args: argparse.Namespace, 
             proc.wait(timeout=30)
     if rc != 0 or not result.exists():
         why = "timed out" if rc is None else f"exit {rc}"
-        raise RuntimeError(f"phase {name} failed ({why}); log {log}:\n{log.read_text(errors='replace')[-4000:]}")
+        raise RuntimeError(
+            f"phase {name} failed ({why}); log {log}:\n{log.read_text(errors='replace')[-4000:]}"
+        )
     out = json.loads(result.read_text())
     out["wall_s"] = time.perf_counter() - t0
     return out
@@ -326,61 +397,91 @@ def bench_size(size: str, args: argparse.Namespace, root: Path) -> dict[str, Any
     prompts = {
         "main": make_prompts(args.prompts, args.min_len, args.max_len, seed=1),
         "warmup": make_prompts(64, args.min_len, args.max_len, seed=2),
-        "extra": [make_prompts(args.prompts, args.min_len, args.max_len, seed=10 + i) for i in range(n_extra)],
+        "extra": [
+            make_prompts(args.prompts, args.min_len, args.max_len, seed=10 + i) for i in range(n_extra)
+        ],
     }
     (work / "prompts.json").write_text(json.dumps(prompts))
     tokens = sum(map(len, prompts["main"]))
-    print(f"[{size}] {built['params'] / 1e9:.2f}B params; {args.prompts} prompts, {tokens} tokens", flush=True)
+    print(
+        f"[{size}] {built['params'] / 1e9:.2f}B params; {args.prompts} prompts, {tokens} tokens", flush=True
+    )
 
     offline = run_phase("offline", model_dir, work, args)
-    print(f"[{size}] vLLM offline: {tokens / offline['seconds']:,.0f} tok/s (startup {offline['startup_s']:.0f}s)", flush=True)
+    print(
+        f"[{size}] vLLM offline: {tokens / offline['seconds']:,.0f} tok/s (startup {offline['startup_s']:.0f}s)",
+        flush=True,
+    )
     server = measure_server(model_dir, prompts, args, work)
     primary = server["runs"][args.items_per_request_list[0]]
-    print(f"[{size}] server HTTP: {tokens / primary['seconds']:,.0f} tok/s (startup {server['startup_s']:.0f}s); "
-          f"CPU busy: {primary['cpu_busy']}", flush=True)
+    print(
+        f"[{size}] server HTTP: {tokens / primary['seconds']:,.0f} tok/s (startup {server['startup_s']:.0f}s); "
+        f"CPU busy: {primary['cpu_busy']}",
+        flush=True,
+    )
     hf = None if args.skip_hf else run_phase("hf", model_dir, work, args)
     if hf is not None:
         print(f"[{size}] transformers padded: {tokens / hf['seconds']:,.0f} tok/s", flush=True)
 
     row: dict[str, Any] = {
-        "size": size, "params": built["params"], "prompts": args.prompts, "tokens": tokens,
-        "offline_tok_s": tokens / offline["seconds"], "offline_s": offline["seconds"],
-        "server_tok_s": tokens / primary["seconds"], "server_s": primary["seconds"],
-        "items_per_request": args.items_per_request_list[0], "concurrency": args.concurrency,
+        "size": size,
+        "params": built["params"],
+        "prompts": args.prompts,
+        "tokens": tokens,
+        "offline_tok_s": tokens / offline["seconds"],
+        "offline_s": offline["seconds"],
+        "server_tok_s": tokens / primary["seconds"],
+        "server_s": primary["seconds"],
+        "items_per_request": args.items_per_request_list[0],
+        "concurrency": args.concurrency,
         "server_vs_offline": offline["seconds"] / primary["seconds"],
         "server_vs_offline_max_abs_diff": max_abs(primary["scores"], offline["scores"]),
         "server_cpu_busy": primary["cpu_busy"],
         "other_request_sizes": {
-            str(k): {"tok_s": v["tokens"] / v["seconds"], "vs_offline": (v["tokens"] / v["seconds"]) / (tokens / offline["seconds"])}
+            str(k): {
+                "tok_s": v["tokens"] / v["seconds"],
+                "vs_offline": (v["tokens"] / v["seconds"]) / (tokens / offline["seconds"]),
+            }
             for k, v in list(server["runs"].items())[1:]
         },
         "startup_s": {"offline": offline["startup_s"], "server": server["startup_s"]},
     }
     if hf is not None:
-        row.update({"hf_tok_s": tokens / hf["seconds"], "hf_s": hf["seconds"],
-                    "server_vs_hf": hf["seconds"] / primary["seconds"],
-                    "hf_vs_offline_max_abs_diff": max_abs(hf["scores"], offline["scores"])})
+        row.update(
+            {
+                "hf_tok_s": tokens / hf["seconds"],
+                "hf_s": hf["seconds"],
+                "server_vs_hf": hf["seconds"] / primary["seconds"],
+                "hf_vs_offline_max_abs_diff": max_abs(hf["scores"], offline["scores"]),
+            }
+        )
     return row
 
 
 def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print("\n==== scoring throughput (tokens/s), one GPU, same prompts ====")
-    print(f"prompts {args.prompts}, lengths U[{args.min_len}, {args.max_len}], HTTP: {args.concurrency} in flight, "
-          f"{args.items_per_request_list[0]} prompts/request; transformers: batches of {args.hf_batch}, padded"
-          + (", enforce_eager" if args.enforce_eager else ""))
+    print(
+        f"prompts {args.prompts}, lengths U[{args.min_len}, {args.max_len}], HTTP: {args.concurrency} in flight, "
+        f"{args.items_per_request_list[0]} prompts/request; transformers: batches of {args.hf_batch}, padded"
+        + (", enforce_eager" if args.enforce_eager else "")
+    )
     head = f"{'model':>6} {'params':>7} {'offline':>10} {'server':>10} {'hf':>10} {'srv/off':>8} {'goal':>5} {'srv/hf':>7} {'goal':>5} {'|srv-off|':>9}"
     print(head)
     for r in rows:
         hf = r.get("hf_tok_s")
         vs_hf = r.get("server_vs_hf")
-        print(f"{r['size']:>6} {r['params'] / 1e9:>6.2f}B {r['offline_tok_s']:>10,.0f} {r['server_tok_s']:>10,.0f} "
-              f"{(f'{hf:,.0f}' if hf else '-'):>10} {r['server_vs_offline']:>8.3f} "
-              f"{('ok' if r['server_vs_offline'] >= GOAL_VS_OFFLINE else 'MISS'):>5} "
-              f"{(f'{vs_hf:.2f}' if vs_hf else '-'):>7} "
-              f"{(('ok' if vs_hf >= GOAL_VS_HF else 'MISS') if vs_hf else '-'):>5} "
-              f"{r['server_vs_offline_max_abs_diff']:>9.4f}")
+        print(
+            f"{r['size']:>6} {r['params'] / 1e9:>6.2f}B {r['offline_tok_s']:>10,.0f} {r['server_tok_s']:>10,.0f} "
+            f"{(f'{hf:,.0f}' if hf else '-'):>10} {r['server_vs_offline']:>8.3f} "
+            f"{('ok' if r['server_vs_offline'] >= GOAL_VS_OFFLINE else 'MISS'):>5} "
+            f"{(f'{vs_hf:.2f}' if vs_hf else '-'):>7} "
+            f"{(('ok' if vs_hf >= GOAL_VS_HF else 'MISS') if vs_hf else '-'):>5} "
+            f"{r['server_vs_offline_max_abs_diff']:>9.4f}"
+        )
         for k, v in r["other_request_sizes"].items():
-            print(f"{'':>6} {'':>7} server with {k} prompt(s)/request: {v['tok_s']:,.0f} tok/s = {v['vs_offline']:.3f} x offline")
+            print(
+                f"{'':>6} {'':>7} server with {k} prompt(s)/request: {v['tok_s']:,.0f} tok/s = {v['vs_offline']:.3f} x offline"
+            )
     print(f"goals: server/offline >= {GOAL_VS_OFFLINE}, server/hf >= {GOAL_VS_HF}")
 
 
@@ -390,13 +491,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="0.4b only, 512 prompts, --enforce-eager")
     p.add_argument("--prompts", type=int, default=2048)
     p.add_argument("--min-len", type=int, default=64)
-    p.add_argument("--max-len", type=int, default=1024, help="longest prompt; also the engines' max_model_len")
+    p.add_argument(
+        "--max-len", type=int, default=1024, help="longest prompt; also the engines' max_model_len"
+    )
     p.add_argument("--concurrency", type=int, default=256, help="HTTP requests in flight")
-    p.add_argument("--items-per-request", default="8",
-                   help="prompts per HTTP request; a comma list measures each (the first is the headline)")
+    p.add_argument(
+        "--items-per-request",
+        default="8",
+        help="prompts per HTTP request; a comma list measures each (the first is the headline)",
+    )
     p.add_argument("--hf-batch", type=int, default=64)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (faster start)")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (faster start)"
+    )
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--phase-timeout", type=float, default=900.0, help="bound on each phase (s)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/rp-scoring-bench"))
@@ -424,8 +532,11 @@ def main(argv: list[str] | None = None) -> int:
             out = phase_build(args.model_dir, args.size, args.max_len)
         else:
             prompts = json.loads((work / "prompts.json").read_text())
-            out = phase_offline(args.model_dir, prompts, args) if args.phase == "offline" else phase_hf(
-                args.model_dir, prompts, args)
+            out = (
+                phase_offline(args.model_dir, prompts, args)
+                if args.phase == "offline"
+                else phase_hf(args.model_dir, prompts, args)
+            )
         (work / f"{args.phase}.json").write_text(json.dumps(out))
         return 0
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -435,8 +546,15 @@ def main(argv: list[str] | None = None) -> int:
         print_table(rows, args)  # after each size, in case a later one runs out of time
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "scoring_gpu.json").write_text(json.dumps({"rows": rows, "args": {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}, indent=2))
+        (args.out / "scoring_gpu.json").write_text(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -33,25 +33,37 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rewardplane.sdk.comm import Communicator, create_store  # noqa: E402
+from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
+from rewardplane.protocol.naming import select_head  # noqa: E402
 from rewardplane.sdk.direct_sync import DirectWeightSync  # noqa: E402
-from rewardplane.sdk.naming import select_head  # noqa: E402
-from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode  # noqa: E402
+from rewardplane.testing.servers import free_port, launch_server, wait_healthy  # noqa: E402
 from rewardplane.tinymodel import train_tokenizer  # noqa: E402
-from tests.fixtures.servers import free_port, launch_server, wait_healthy  # noqa: E402
+from rewardplane.transport.comm import Communicator, create_store  # noqa: E402
 
 SIZES = {
     # Llama-2-7B's shape: 6.6B parameters in the backbone
-    "7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=32, vocab_size=32000),
-    "small": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=32000),
+    "7b": dict(
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        vocab_size=32000,
+    ),
+    "small": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=32000,
+    ),
 }
 TOKEN = "bench"
 
 RAW_PEER = r"""
 import sys, torch
-from rewardplane.sdk.comm import Communicator, create_store
+from rewardplane.transport.comm import Communicator, create_store
 port, rank, world, nbytes, chunk, reps = map(int, sys.argv[1:7])
 dev = torch.device("cuda", 0)
 store = create_store("127.0.0.1", port, is_master=False, world_size=world, timeout_s=120)
@@ -72,13 +84,27 @@ def raw_broadcast_s(nbytes: int, chunk: int, reps: int, trainer: torch.device, p
     port = free_port()
     world = peers + 1
     procs = [
-        subprocess.Popen([sys.executable, "-c", RAW_PEER, str(port), str(r), str(world), str(nbytes), str(chunk),
-                          str(reps)], env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(r)))
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                RAW_PEER,
+                str(port),
+                str(r),
+                str(world),
+                str(nbytes),
+                str(chunk),
+                str(reps),
+            ],
+            env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(r)),
+        )
         for r in range(peers)
     ]
     try:
         store = create_store("127.0.0.1", port, is_master=True, world_size=world, timeout_s=120)
-        comm = Communicator(store, rank=world - 1, world_size=world, device=trainer, timeout_s=120, group_id="raw")
+        comm = Communicator(
+            store, rank=world - 1, world_size=world, device=trainer, timeout_s=120, group_id="raw"
+        )
         buf = torch.randint(0, 255, (chunk,), dtype=torch.uint8, device=trainer)
         times = []
         for rep in range(reps + 1):
@@ -105,8 +131,14 @@ def make_checkpoint(size: str, root: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     tok.save_pretrained(out)
-    cfg = LlamaConfig(**SIZES[size], num_labels=1, pad_token_id=tok.pad_token_id, max_position_embeddings=4096,
-                      architectures=["LlamaForSequenceClassification"], tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        **SIZES[size],
+        num_labels=1,
+        pad_token_id=tok.pad_token_id,
+        max_position_embeddings=4096,
+        architectures=["LlamaForSequenceClassification"],
+        tie_word_embeddings=False,
+    )
     cfg.save_pretrained(out)
     return out
 
@@ -115,20 +147,32 @@ def build_trainer_model(ckpt: Path, device: torch.device) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     with device:
-        model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(ckpt), dtype=torch.bfloat16)
+        model = AutoModelForSequenceClassification.from_config(
+            AutoConfig.from_pretrained(ckpt), dtype=torch.bfloat16
+        )
     return model.eval().requires_grad_(False)
 
 
 def timeline(urls: list[str], stats: dict[str, float], version: int) -> dict[str, float]:
     """One push's events in ms after the trainer's call: the trainer's own, and each server's
     (``last_update`` of /get_num_background_tasks; same host, so one monotonic clock)."""
-    out = {"trainer.announce_answered": 1000 * stats["announced_at_s"],
-           "trainer.synchronized": 1000 * stats["synchronized_at_s"],
-           "trainer.status_reduced": 1000 * stats["flagged_at_s"], "trainer.served": 1000 * stats["total_s"]}
+    out = {
+        "trainer.announce_answered": 1000 * stats["announced_at_s"],
+        "trainer.synchronized": 1000 * stats["synchronized_at_s"],
+        "trainer.status_reduced": 1000 * stats["flagged_at_s"],
+        "trainer.served": 1000 * stats["total_s"],
+    }
     for i, url in enumerate(urls):
         for _ in range(50):  # the server records it just after the commit that answered the trainer
-            last = httpx.get(f"{url}/get_num_background_tasks", headers={"Authorization": f"Bearer {TOKEN}"},
-                             timeout=10).json().get("last_update")
+            last = (
+                httpx.get(
+                    f"{url}/get_num_background_tasks",
+                    headers={"Authorization": f"Bearer {TOKEN}"},
+                    timeout=10,
+                )
+                .json()
+                .get("last_update")
+            )
             if last and last["version"] == version:
                 break
             time.sleep(0.01)
@@ -141,8 +185,13 @@ def timeline(urls: list[str], stats: dict[str, float], version: int) -> dict[str
 
 
 def timed_pushes(
-    sync: DirectWeightSync, params: dict[str, torch.Tensor], versions: Iterator[int], reps: int, head_reps: int,
-    trainer: torch.device, urls: list[str],
+    sync: DirectWeightSync,
+    params: dict[str, torch.Tensor],
+    versions: Iterator[int],
+    reps: int,
+    head_reps: int,
+    trainer: torch.device,
+    urls: list[str],
 ) -> dict[str, object]:
     """One warm-up push (forms the group), ``reps`` timed full pushes, ``head_reps`` head-only pushes."""
     t0 = time.perf_counter()
@@ -166,11 +215,18 @@ def timed_pushes(
         sync.sync(head, version=version, training_mode=Mode.HEAD_ONLY)
         head_times.append(time.perf_counter() - t0)
         head_timelines.append(timeline(urls, dict(sync.open().last_stats), version))
-    return {"first_push_s": first, "full_push_s": full, "full_push_median_s": statistics.median(full),
-            "head_only_s": head_times, "head_only_ms_median": 1000 * statistics.median(head_times),
-            "head_only_ms_p90": 1000 * sorted(head_times)[int(0.9 * (len(head_times) - 1))],
-            "world_size": sync.open().comm.world_size, "breakdown": stats,
-            "timeline_ms": median_timeline(timelines), "head_only_timeline_ms": median_timeline(head_timelines)}
+    return {
+        "first_push_s": first,
+        "full_push_s": full,
+        "full_push_median_s": statistics.median(full),
+        "head_only_s": head_times,
+        "head_only_ms_median": 1000 * statistics.median(head_times),
+        "head_only_ms_p90": 1000 * sorted(head_times)[int(0.9 * (len(head_times) - 1))],
+        "world_size": sync.open().comm.world_size,
+        "breakdown": stats,
+        "timeline_ms": median_timeline(timelines),
+        "head_only_timeline_ms": median_timeline(head_timelines),
+    }
 
 
 def median_timeline(timelines: list[dict[str, float]]) -> dict[str, float]:
@@ -179,7 +235,9 @@ def median_timeline(timelines: list[dict[str, float]]) -> dict[str, float]:
     return dict(sorted(med.items(), key=lambda kv: kv[1]))
 
 
-def score_check(urls: list[str], model: torch.nn.Module, ckpt: Path, trainer: torch.device) -> list[dict[str, float]]:
+def score_check(
+    urls: list[str], model: torch.nn.Module, ckpt: Path, trainer: torch.device
+) -> list[dict[str, float]]:
     """The pushed weights are the ones that score: each replica's score next to the trainer's own."""
     from transformers import AutoTokenizer
 
@@ -205,7 +263,9 @@ def main() -> int:
     ap.add_argument("--bucket-mib", type=int, default=1024)
     ap.add_argument("--head-reps", type=int, default=20)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM servers' memory fraction")
-    ap.add_argument("--server-args", default="", help="extra server flags, e.g. --enforce-eager (vLLM: faster start)")
+    ap.add_argument(
+        "--server-args", default="", help="extra server flags, e.g. --enforce-eager (vLLM: faster start)"
+    )
     args = ap.parse_args()
     n = args.replicas
     if torch.cuda.device_count() < n + 1:
@@ -222,12 +282,25 @@ def main() -> int:
         opts["device"] = "cuda"
     else:
         opts.update(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024)
-    servers = [launch_server(ckpt, work, token=TOKEN, extra_args=shlex.split(args.server_args),
-                             env_extra={"CUDA_VISIBLE_DEVICES": str(i), "VLLM_USE_FLASHINFER_SAMPLER": "0"}, **opts)
-               for i in range(n)]
-    results: dict[str, object] = {"size": args.size, "engine": args.engine, "replicas": n,
-                                  "gpu": torch.cuda.get_device_name(trainer), "bucket_bytes": bucket_bytes,
-                                  "server_args": args.server_args}
+    servers = [
+        launch_server(
+            ckpt,
+            work,
+            token=TOKEN,
+            extra_args=shlex.split(args.server_args),
+            env_extra={"CUDA_VISIBLE_DEVICES": str(i), "VLLM_USE_FLASHINFER_SAMPLER": "0"},
+            **opts,
+        )
+        for i in range(n)
+    ]
+    results: dict[str, object] = {
+        "size": args.size,
+        "engine": args.engine,
+        "replicas": n,
+        "gpu": torch.cuda.get_device_name(trainer),
+        "bucket_bytes": bucket_bytes,
+        "server_args": args.server_args,
+    }
     versions = itertools.count(1)
     try:
         t0 = time.perf_counter()
@@ -242,8 +315,16 @@ def main() -> int:
         urls = [s.url for s in servers]
 
         def run(target: list[str], params: dict[str, torch.Tensor]) -> dict[str, object]:
-            sync = DirectWeightSync(target, group_port=free_port(), token=TOKEN, trainer_host="127.0.0.1",
-                                    device=trainer, bucket_bytes=bucket_bytes, connect_timeout_s=300, timeout_s=600)
+            sync = DirectWeightSync(
+                target,
+                group_port=free_port(),
+                token=TOKEN,
+                trainer_host="127.0.0.1",
+                device=trainer,
+                bucket_bytes=bucket_bytes,
+                connect_timeout_s=300,
+                timeout_s=600,
+            )
             try:
                 return timed_pushes(sync, params, versions, args.reps, args.head_reps, trainer, target)
             finally:
@@ -272,7 +353,8 @@ def main() -> int:
     full_n = pushes[str(n)]["full_push_median_s"]
     assert isinstance(full_n, float)
     results.update(
-        raw_bucketed_s=raw, raw_bucketed_gbps={k: gb / v for k, v in med.items()},
+        raw_bucketed_s=raw,
+        raw_bucketed_gbps={k: gb / v for k, v in med.items()},
         raw_single_s=raw_single,
         ratio_vs_raw_bucketed=med[str(n)] / full_n,
         ratio_vs_raw_single=(statistics.median(raw_single) / full_n) if raw_single else None,
@@ -285,30 +367,42 @@ def main() -> int:
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], f"weight_sync-{args.engine}.json").write_text(json.dumps(results, indent=2))
     print(json.dumps({k: v for k, v in results.items() if k != "pushes"}, indent=1))
-    print(f"\n== weight sync, {args.engine} engine, {args.size} ({nparams / 1e9:.2f}B params, {gb:.2f} GB), "
-          f"{results['gpu']}, {n} replica(s) ==")
+    print(
+        f"\n== weight sync, {args.engine} engine, {args.size} ({nparams / 1e9:.2f}B params, {gb:.2f} GB), "
+        f"{results['gpu']}, {n} replica(s) =="
+    )
     for k in sorted(pushes, key=int):
         p = pushes[k]
         fm = p["full_push_median_s"]
         assert isinstance(fm, float)
         print(f"[{k} replica(s), world size {p['world_size']}]")
-        print(f"  raw NCCL broadcast, {args.bucket_mib} MiB pieces : {gb / med[k]:7.1f} GB/s  ({1000 * med[k]:.1f} ms)")
+        print(
+            f"  raw NCCL broadcast, {args.bucket_mib} MiB pieces : {gb / med[k]:7.1f} GB/s  ({1000 * med[k]:.1f} ms)"
+        )
         print(f"  full push, call -> served           : {gb / fm:7.1f} GB/s  ({1000 * fm:.1f} ms)")
         print(f"  ratio full push / raw               : {med[k] / fm:.3f}   (goal >= 0.9)")
-        print(f"  head-only push, call -> served      : {p['head_only_ms_median']:.2f} ms median (goal <= 20 ms)")
+        print(
+            f"  head-only push, call -> served      : {p['head_only_ms_median']:.2f} ms median (goal <= 20 ms)"
+        )
         br = p["breakdown"]
         assert isinstance(br, list)
-        print("  breakdown of the last full push     : " + ", ".join(
-            f"{key}={1000 * v:.1f}ms" for key, v in br[-1].items() if key.endswith("_s")))
+        print(
+            "  breakdown of the last full push     : "
+            + ", ".join(f"{key}={1000 * v:.1f}ms" for key, v in br[-1].items() if key.endswith("_s"))
+        )
         for name in ("timeline_ms", "head_only_timeline_ms"):
             tl = p[name]
             assert isinstance(tl, dict)
-            print(f"  {name} (median, ms after the call): " + ", ".join(f"{k} {v:.2f}" for k, v in tl.items()))
+            print(
+                f"  {name} (median, ms after the call): " + ", ".join(f"{k} {v:.2f}" for k, v in tl.items())
+            )
     if raw_single:
         print(f"raw NCCL broadcast, one tensor, {n} peer(s): {gb / statistics.median(raw_single):7.1f} GB/s")
     if n > 1:
-        print(f"push to {n} replicas / push to 1        : {results['ratio_push_n_over_push_1']:.3f}   (goal <= 1.15; "
-              f"raw broadcast {n}/1: {results['ratio_raw_n_over_raw_1']:.3f})")
+        print(
+            f"push to {n} replicas / push to 1        : {results['ratio_push_n_over_push_1']:.3f}   (goal <= 1.15; "
+            f"raw broadcast {n}/1: {results['ratio_raw_n_over_raw_1']:.3f})"
+        )
     return 0
 
 

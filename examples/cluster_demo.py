@@ -12,9 +12,8 @@ import time
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from rewardplane.sdk import RewardModelTrainingMode
+from rewardplane.sdk import RewardModelTrainingMode, select_head
 from rewardplane.sdk.cluster import RewardModelHandle
-from rewardplane.sdk.naming import select_head
 
 TEXTS = ["The answer is clear, correct and kind.", "no idea lol", "Here is a careful step-by-step proof."]
 
@@ -39,8 +38,10 @@ def main() -> int:
     version = rm.weights_version + 1
     start = time.perf_counter()
     result = rm.push_weights(select_head(trainer.state_dict()), version, RewardModelTrainingMode.HEAD_ONLY)
-    print(f"pushed version {result.version} to {result.replicas} replica(s) through the operator in "
-          f"{1000 * (time.perf_counter() - start):.0f} ms")
+    print(
+        f"pushed version {result.version} to {result.replicas} replica(s) through the operator in "
+        f"{1000 * (time.perf_counter() - start):.0f} ms"
+    )
     after = rm.client().score_batch_sync(TEXTS, normalize=False)  # the handle owns its client
     print(f"scores at version {rm.weights_version}: {[round(s, 4) for s in after]}")
     if not all(abs(a + b) < 1e-3 for a, b in zip(after, before, strict=True)):

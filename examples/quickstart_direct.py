@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from rewardplane.sdk import RewardModelTrainingMode, VLLMRewardClient
-from rewardplane.sdk.naming import select_head
+from rewardplane.sdk import RewardModelTrainingMode, VLLMRewardClient, select_head
 from rewardplane.tinymodel import build_tiny_reward_model
 
 TEXTS = ["The answer is clear, correct and kind.", "no idea lol", "Here is a careful step-by-step proof."]
@@ -40,11 +39,20 @@ def main() -> int:
     with open(work / "server.log", "wb") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "rewardplane.server", "--model", str(model_dir), "--port", str(port)],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     try:
-        client = VLLMRewardClient(host="127.0.0.1", port=port, group_port=free_port(), token=token,
-                                  device="cpu", connection_timeout_s=120, trainer_host="127.0.0.1")
+        client = VLLMRewardClient(
+            host="127.0.0.1",
+            port=port,
+            group_port=free_port(),
+            token=token,
+            device="cpu",
+            connection_timeout_s=120,
+            trainer_host="127.0.0.1",
+        )
         before = client.score_batch_sync(TEXTS, normalize=False)
         print(f"scores (version {client.get_model_version_sync()}): {[round(s, 4) for s in before]}")
 
@@ -52,9 +60,12 @@ def main() -> int:
         with torch.no_grad():  # stand-in for a training step on the reward head
             trainer.score.weight.mul_(-1.0)
         start = time.perf_counter()
-        version = client.sync_weights(select_head(trainer.state_dict()), version=1,
-                                      training_mode=RewardModelTrainingMode.HEAD_ONLY)
-        print(f"pushed head-only weights as version {version} in {1000 * (time.perf_counter() - start):.1f} ms")
+        version = client.sync_weights(
+            select_head(trainer.state_dict()), version=1, training_mode=RewardModelTrainingMode.HEAD_ONLY
+        )
+        print(
+            f"pushed head-only weights as version {version} in {1000 * (time.perf_counter() - start):.1f} ms"
+        )
         after = client.score_batch_sync(TEXTS, normalize=False)
         print(f"scores (version {client.get_model_version_sync()}): {[round(s, 4) for s in after]}")
         assert all(abs(a + b) < 1e-4 for a, b in zip(after, before, strict=True)), "the push did not take"

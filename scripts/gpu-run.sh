@@ -12,8 +12,7 @@
 # Wheels: vLLM and its dependencies (uvicorn and tenacity included) come with ../shared/device's
 # bundle (see docs/gpu.md), installed in /tmp/site; without that bundle, `bash scripts/gpu-wheels.sh`
 # (CPU machine) fills .whl/proj with our server's wheels, installed here into /tmp/site.
-# The package is laid out by links in a private folder (no build step, so several runs can share a
-# machine). Logs go to $OUT if set. For runs longer than one device call, see scripts/gpu-bg.sh.
+# Logs go to $OUT if set. For runs longer than one device call, see scripts/gpu-bg.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -21,13 +20,10 @@ OUT=${OUT:-/tmp/rewardplane-out}; mkdir -p "$OUT"
 if [ ! -f /tmp/site/.vllm_bundle_ok ] && compgen -G ".whl/proj/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/proj/*.whl
 fi
-PKG=$(mktemp -d /tmp/rp-pkg.XXXXXX)
-cp -r src/rewardplane "$PKG/"
-ln -s "$ROOT/sdk" "$PKG/rewardplane/sdk"
-ln -s "$ROOT/images/reward-server/server" "$PKG/rewardplane/server"
-ln -s "$ROOT/operator/controller" "$PKG/rewardplane/operator"
-ln -s "$ROOT/localcluster" "$PKG/rewardplane/localcluster"
-export PYTHONPATH=/tmp/site:$PKG:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+# Every distribution's source root on the path: `rewardplane` is a namespace package, so no build
+# step is needed (several runs can share a machine).
+SRC=$ROOT/core/src:$ROOT/sdk/src:$ROOT/operator/src:$ROOT/images/reward-server/src:$ROOT/src
+export PYTHONPATH=/tmp/site:$SRC:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

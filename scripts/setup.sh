@@ -17,14 +17,18 @@ if ! command -v "$PY" >/dev/null || ! "$PY" -c 'import venv, ensurepip' 2>/dev/n
 fi
 [[ -x .venv/bin/python ]] || { log "creating .venv"; "$PY" -m venv .venv; }
 
-# Reinstall only when the dependency list changed.
+# The workspace's distributions, editable, in one resolve (the root depends on the others by
+# name). Package metadata states ranges; constraints/cpu.txt pins torch to the CPU build.
+PACKAGES=(core sdk operator images/reward-server)
+# Reinstall only when a dependency list or the constraints changed.
 stamp=.venv/.rewardplane-deps
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml constraints/cpu.txt "${PACKAGES[@]/%//pyproject.toml}" | sha256sum | cut -d' ' -f1)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
-  log "installing python packages (torch is pinned to the CPU build 2.13.0)"
+  log "installing python packages (constraints/cpu.txt: torch's CPU build)"
   .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
-  .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e '.[dev]'
+  editable=()
+  for p in "${PACKAGES[@]}"; do editable+=(-e "./$p"); done
+  .venv/bin/python -m pip install -q -c constraints/cpu.txt "${editable[@]}" -e '.[dev]'
   echo "$want" > "$stamp"
 fi
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (README; .ci/run calls exactly this): install what is missing, build the images
-# (as root: the real-node end-to-end suite runs them), lint, run every suite: unit, integration,
-# e2e (the real single-node cluster). GPU tests skip where no GPU exists. Extra args go to pytest.
+# (as root: the real-node end-to-end suite runs them), run the static checks, then every suite:
+# unit, integration, e2e (the real single-node cluster). GPU tests skip where no GPU exists.
+# Extra args go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -10,6 +11,10 @@ if [[ "$(id -u)" -eq 0 ]]; then
 else
   echo "[test] not root: the images are not built and the real-node e2e suite will be skipped" >&2
 fi
+# Static checks first: lint, format, the layers' import contract, types (docs/architecture.md).
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/lint-imports
+.venv/bin/mypy
 export PATH="${REWARDPLANE_CACHE:-$HOME/.cache/rewardplane}/bin:$PATH"
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -9,7 +9,10 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "server": ("rewardplane.server.cli", "run a reward-model server (same as python -m rewardplane.server)"),
     "operator": ("rewardplane.operator.__main__", "run the Kubernetes operator"),
-    "node": ("rewardplane.localcluster.nodeagent", "run the node agent (runs this node's pods as local processes)"),
+    "node": (
+        "rewardplane.localcluster.nodeagent",
+        "run the node agent (runs this node's pods as local processes)",
+    ),
     "dev": ("rewardplane.localcluster.dev", "local development cluster: dev up | down | status"),
     "tiny-model": ("rewardplane.tinymodel", "build a tiny random-weight reward model (no downloads)"),
     "status": ("rewardplane.sdk.cli", "show a RewardModel's status"),
@@ -37,8 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        print(f"rewardplane {name}: not available ({exc}); install the matching extra, e.g. "
-              "pip install 'rewardplane[server,operator,train]'", file=sys.stderr)
+        print(
+            f"rewardplane {name}: not available ({exc}); install the matching extra, e.g. "
+            "pip install 'rewardplane[server,operator,train]'",
+            file=sys.stderr,
+        )
         return 2
     if module_name == "rewardplane.sdk.cli":
         return int(module.main([name, *rest]) or 0)

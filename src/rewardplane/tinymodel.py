@@ -4,14 +4,14 @@ development cluster. No downloads: the tokenizer is trained here on a corpus shi
 from __future__ import annotations
 
 import argparse
-from importlib import resources
 from pathlib import Path
 
 DEFAULT_DIR = Path("/tmp/rewardplane-tiny-rm")
 
 
 def corpus_lines() -> list[str]:
-    text = resources.files("rewardplane").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    # beside this module (importlib.resources cannot read from a namespace package like `rewardplane`)
+    text = (Path(__file__).parent / "data" / "corpus.txt").read_text(encoding="utf-8")
     return [line for line in text.splitlines() if line.strip()]
 
 

@@ -26,8 +26,16 @@ from rewardplane.localcluster.binaries import cache_dir, missing_binaries
 from rewardplane.localcluster.controlplane import api_client_for
 from rewardplane.localcluster.dev import OPERATOR_NAMESPACE, OPERATOR_RELEASE, helm_install_operator
 
-NODE_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kube-proxy",
-                 "kubectl", "helm")  # fmt: skip
+NODE_BINARIES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubelet",
+    "kube-proxy",
+    "kubectl",
+    "helm",
+)
 IMAGES = ("pause", "operator", "reward-server", "trainer")
 
 

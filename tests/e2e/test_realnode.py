@@ -42,7 +42,13 @@ def server_image() -> str:
 
 def rm_body(replicas: int, source: str, persist_dir: str | None, name: str = RM) -> dict[str, Any]:
     spec: dict[str, Any] = {
-        "model": {"source": source, "servedName": name, "dtype": "float32", "numLabels": 1, "pooling": "last"},
+        "model": {
+            "source": source,
+            "servedName": name,
+            "dtype": "float32",
+            "numLabels": 1,
+            "pooling": "last",
+        },
         "engine": {"kind": "hf", "image": server_image(), "imagePullPolicy": "Never"},
         "replicas": replicas,
         "gpu": {"mode": "none"},
@@ -50,8 +56,12 @@ def rm_body(replicas: int, source: str, persist_dir: str | None, name: str = RM)
     }
     if persist_dir:
         spec["weightSync"] = {"persistDir": persist_dir}
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "RewardModel", "metadata": {"name": name, "namespace": NS},
-            "spec": spec}  # fmt: skip
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "RewardModel",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": spec,
+    }
 
 
 def get_rm(c: RealCluster, name: str = RM) -> dict[str, Any]:
@@ -70,8 +80,9 @@ def ready_at(c: RealCluster, replicas: int, version: int | None = None) -> dict[
     pods = model_pods(c)
     if st.get("readyReplicas") != replicas or len(eps) != replicas or len(pods) != replicas:
         return None
-    if version is not None and (st.get("weightsVersion") != version or any(e.get("weightsVersion") != version
-                                                                           for e in eps)):  # fmt: skip
+    if version is not None and (
+        st.get("weightsVersion") != version or any(e.get("weightsVersion") != version for e in eps)
+    ):
         return None
     return rm
 
@@ -86,8 +97,10 @@ def load_model(path: Path) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    return (AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval(),
-            AutoTokenizer.from_pretrained(path))  # fmt: skip
+    return (
+        AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval(),
+        AutoTokenizer.from_pretrained(path),
+    )
 
 
 def scores_of(model: Any, tok: Any, texts: list[str]) -> list[float]:
@@ -104,15 +117,23 @@ def assert_scores(got: list[float], want: list[float]) -> None:
 
 
 def kubectl(c: RealCluster, *args: str, timeout: float = 120) -> str:
-    done = subprocess.run([str(find_binary("kubectl")), "--kubeconfig", str(c.kubeconfig), *args],
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    done = subprocess.run(
+        [str(find_binary("kubectl")), "--kubeconfig", str(c.kubeconfig), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stderr}"
     return done.stdout
 
 
 def helm(c: RealCluster, *args: str, timeout: float = 360) -> str:
-    done = subprocess.run([str(find_binary("helm")), "--kubeconfig", str(c.kubeconfig), *args],
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    done = subprocess.run(
+        [str(find_binary("helm")), "--kubeconfig", str(c.kubeconfig), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, f"helm {' '.join(args)}: {done.stderr}"
     return done.stdout
 
@@ -134,7 +155,9 @@ def test_operator_runs_in_cluster_from_the_chart(real_cluster: RealCluster) -> N
     c = real_cluster
     dep = c.apps.read_namespaced_deployment(OPERATOR_RELEASE, OPERATOR_NAMESPACE)
     assert dep.status.available_replicas == 1
-    [pod] = c.core.list_namespaced_pod(OPERATOR_NAMESPACE, label_selector="app.kubernetes.io/component=operator").items
+    [pod] = c.core.list_namespaced_pod(
+        OPERATOR_NAMESPACE, label_selector="app.kubernetes.io/component=operator"
+    ).items
     # exactly the chart's ServiceAccount (whose ClusterRole is all it gets), and the local image
     assert pod.spec.service_account_name == OPERATOR_RELEASE
     assert pod.spec.containers[0].image == f"localhost/rewardplane/operator:{local_image_tag()}"
@@ -154,19 +177,33 @@ def test_rewardmodel_from_a_volume_becomes_ready(real_cluster: RealCluster) -> N
     os.chown(weights, RUN_AS, RUN_AS)  # the server runs as this user and writes its pushed weights there
     # The model reaches the pods the way clusters deliver models: a PersistentVolumeClaim
     # (bound by the controller-manager to a hostPath PersistentVolume made for the test).
-    c.core.create_persistent_volume({
-        "metadata": {"name": "e2e-models"},
-        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "e2e",
-                 "hostPath": {"path": str(models), "type": "Directory"},
-                 "claimRef": {"namespace": NS, "name": MODEL_CLAIM}},
-    })  # fmt: skip
-    c.core.create_namespaced_persistent_volume_claim(NS, {
-        "metadata": {"name": MODEL_CLAIM},
-        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "e2e", "volumeName": "e2e-models",
-                 "resources": {"requests": {"storage": "1Gi"}}},
-    })  # fmt: skip
-    c.custom.create_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels",
-                                             rm_body(2, f"pvc://{MODEL_CLAIM}/tiny-rm", str(weights)))  # fmt: skip
+    c.core.create_persistent_volume(
+        {
+            "metadata": {"name": "e2e-models"},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadOnlyMany"],
+                "storageClassName": "e2e",
+                "hostPath": {"path": str(models), "type": "Directory"},
+                "claimRef": {"namespace": NS, "name": MODEL_CLAIM},
+            },
+        }
+    )
+    c.core.create_namespaced_persistent_volume_claim(
+        NS,
+        {
+            "metadata": {"name": MODEL_CLAIM},
+            "spec": {
+                "accessModes": ["ReadOnlyMany"],
+                "storageClassName": "e2e",
+                "volumeName": "e2e-models",
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+    )
+    c.custom.create_namespaced_custom_object(
+        GROUP, VERSION, NS, "rewardmodels", rm_body(2, f"pvc://{MODEL_CLAIM}/tiny-rm", str(weights))
+    )
     rm = wait_for("2 ready replicas", lambda: ready_at(c, 2), READY_TIMEOUT_S, 2)
     assert {c["type"]: c["status"] for c in rm["status"]["conditions"]}["Available"] == "True"
 
@@ -175,8 +212,12 @@ def test_rewardmodel_from_a_volume_becomes_ready(real_cluster: RealCluster) -> N
         assert pod.status.container_statuses[0].container_id.startswith("containerd://")
         assert ctr.image == server_image()
         assert ctr.resources.requests == RESOURCES["requests"] and ctr.resources.limits == RESOURCES["limits"]
-        assert ctr.readiness_probe.http_get.path == "/health" and ctr.liveness_probe.http_get.path == "/health"
-        assert pod.spec.security_context.run_as_user == RUN_AS and ctr.security_context.read_only_root_filesystem
+        assert (
+            ctr.readiness_probe.http_get.path == "/health" and ctr.liveness_probe.http_get.path == "/health"
+        )
+        assert (
+            pod.spec.security_context.run_as_user == RUN_AS and ctr.security_context.read_only_root_filesystem
+        )
         secret_volumes = [v for v in pod.spec.volumes if v.secret is not None]
         assert [v.secret.secret_name for v in secret_volumes] == [f"{RM}-control-token"]
         assert "--token-file" in ctr.args and pod.status.pod_ip.startswith("10.244.0.")
@@ -200,7 +241,9 @@ def test_pushes_from_a_trainer_on_the_host(real_cluster: RealCluster) -> None:
     with handle(real_cluster) as rm:
         with torch.no_grad():
             model.score.weight.mul_(-1.0)
-        result = rm.push_weights(select_head(model.state_dict()), 1, RewardModelTrainingMode.HEAD_ONLY, timeout_s=120)
+        result = rm.push_weights(
+            select_head(model.state_dict()), 1, RewardModelTrainingMode.HEAD_ONLY, timeout_s=120
+        )
         assert result.replicas == 2
         assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), scores_of(model, tok, TEXTS))
         with torch.no_grad():
@@ -245,34 +288,64 @@ def test_pushes_from_a_trainer_pod_over_the_pod_network(real_cluster: RealCluste
     from kubernetes import client
 
     rbac = client.RbacAuthorizationV1Api(c.api)
-    rbac.create_namespaced_role(NS, {"metadata": {"name": TRAINER_SA}, "rules": [
-        {"apiGroups": [GROUP], "resources": ["rewardmodels"], "verbs": ["get", "list", "watch"]},
-        {"apiGroups": [GROUP], "resources": ["weightsyncs"], "verbs": ["get", "list", "watch", "create", "patch"]},
-        {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch"]},
-        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"], "resourceNames": [f"{RM}-control-token"]},
-    ]})  # fmt: skip
-    rbac.create_namespaced_role_binding(NS, {
-        "metadata": {"name": TRAINER_SA},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": TRAINER_SA},
-        "subjects": [{"kind": "ServiceAccount", "name": TRAINER_SA, "namespace": NS}],
-    })  # fmt: skip
-    c.core.create_namespaced_config_map(NS, {"metadata": {"name": "e2e-trainer"},
-                                             "data": {"trainer.py": TRAINER_SCRIPT}})  # fmt: skip
-    c.core.create_namespaced_pod(NS, {
-        "metadata": {"name": "e2e-trainer"},
-        "spec": {
-            "serviceAccountName": TRAINER_SA, "restartPolicy": "Never",
-            "containers": [{
-                "name": "trainer", "image": f"localhost/rewardplane/trainer:{local_image_tag()}",
-                "imagePullPolicy": "Never",
-                "args": ["/scripts/trainer.py", RM, json.dumps(TEXTS)],
-                "volumeMounts": [{"name": "scripts", "mountPath": "/scripts"},
-                                 {"name": "models", "mountPath": "/mnt/models", "readOnly": True}],
-            }],
-            "volumes": [{"name": "scripts", "configMap": {"name": "e2e-trainer"}},
-                        {"name": "models", "persistentVolumeClaim": {"claimName": MODEL_CLAIM, "readOnly": True}}],
+    rbac.create_namespaced_role(
+        NS,
+        {
+            "metadata": {"name": TRAINER_SA},
+            "rules": [
+                {"apiGroups": [GROUP], "resources": ["rewardmodels"], "verbs": ["get", "list", "watch"]},
+                {
+                    "apiGroups": [GROUP],
+                    "resources": ["weightsyncs"],
+                    "verbs": ["get", "list", "watch", "create", "patch"],
+                },
+                {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch"]},
+                {
+                    "apiGroups": [""],
+                    "resources": ["secrets"],
+                    "verbs": ["get"],
+                    "resourceNames": [f"{RM}-control-token"],
+                },
+            ],
         },
-    })  # fmt: skip
+    )
+    rbac.create_namespaced_role_binding(
+        NS,
+        {
+            "metadata": {"name": TRAINER_SA},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": TRAINER_SA},
+            "subjects": [{"kind": "ServiceAccount", "name": TRAINER_SA, "namespace": NS}],
+        },
+    )
+    c.core.create_namespaced_config_map(
+        NS, {"metadata": {"name": "e2e-trainer"}, "data": {"trainer.py": TRAINER_SCRIPT}}
+    )
+    c.core.create_namespaced_pod(
+        NS,
+        {
+            "metadata": {"name": "e2e-trainer"},
+            "spec": {
+                "serviceAccountName": TRAINER_SA,
+                "restartPolicy": "Never",
+                "containers": [
+                    {
+                        "name": "trainer",
+                        "image": f"localhost/rewardplane/trainer:{local_image_tag()}",
+                        "imagePullPolicy": "Never",
+                        "args": ["/scripts/trainer.py", RM, json.dumps(TEXTS)],
+                        "volumeMounts": [
+                            {"name": "scripts", "mountPath": "/scripts"},
+                            {"name": "models", "mountPath": "/mnt/models", "readOnly": True},
+                        ],
+                    }
+                ],
+                "volumes": [
+                    {"name": "scripts", "configMap": {"name": "e2e-trainer"}},
+                    {"name": "models", "persistentVolumeClaim": {"claimName": MODEL_CLAIM, "readOnly": True}},
+                ],
+            },
+        },
+    )
 
     def finished() -> str | None:
         phase = c.core.read_namespaced_pod("e2e-trainer", NS).status.phase
@@ -306,15 +379,32 @@ def test_killed_container_is_restarted_and_restored(real_cluster: RealCluster) -
     restarts = pod.status.container_statuses[0].restart_count
     cid = pod.status.container_statuses[0].container_id.removeprefix("containerd://")
     # kill the container's process through the node's containerd, as an OOM kill would
-    subprocess.run(["ctr", "-a", str(c.node.layout.containerd_sock), "-n", "k8s.io", "tasks", "kill", "-s",
-                    "SIGKILL", cid], check=True, capture_output=True, timeout=30)  # fmt: skip
+    subprocess.run(
+        [
+            "ctr",
+            "-a",
+            str(c.node.layout.containerd_sock),
+            "-n",
+            "k8s.io",
+            "tasks",
+            "kill",
+            "-s",
+            "SIGKILL",
+            cid,
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
 
     def restarted() -> bool:
         st = c.core.read_namespaced_pod(pod.metadata.name, NS).status.container_statuses[0]
         return st.restart_count > restarts
 
     wait_for("the kubelet to restart the container", restarted, 120)
-    wait_for(f"both replicas back on version {S.version}", lambda: ready_at(c, 2, S.version), READY_TIMEOUT_S, 2)
+    wait_for(
+        f"both replicas back on version {S.version}", lambda: ready_at(c, 2, S.version), READY_TIMEOUT_S, 2
+    )
     with handle(c) as rm:
         assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
 
@@ -323,7 +413,9 @@ def test_scale_1_3_1_and_sigterm_ends_replicas_fast(real_cluster: RealCluster) -
     c = real_cluster
 
     def scale(n: int) -> None:
-        c.custom.patch_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", RM, {"spec": {"replicas": n}})
+        c.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, NS, "rewardmodels", RM, {"spec": {"replicas": n}}
+        )
 
     started = time.monotonic()
     scale(1)
@@ -342,8 +434,9 @@ def test_scale_1_3_1_and_sigterm_ends_replicas_fast(real_cluster: RealCluster) -
 def test_hub_model_fails_fast_and_says_why(real_cluster: RealCluster) -> None:
     c = real_cluster
     name = "e2e-hub"
-    c.custom.create_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels",
-                                             rm_body(1, "hf://rewardplane/not-reachable-here", None, name))  # fmt: skip
+    c.custom.create_namespaced_custom_object(
+        GROUP, VERSION, NS, "rewardmodels", rm_body(1, "hf://rewardplane/not-reachable-here", None, name)
+    )
 
     def terminated_message() -> str | None:
         for pod in model_pods(c, name):
@@ -365,9 +458,17 @@ def test_deleting_the_model_garbage_collects_its_children(real_cluster: RealClus
     c.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", RM)
 
     def gone() -> bool:
-        owned = [o for lst in (c.core.list_namespaced_pod(NS).items, c.core.list_namespaced_service(NS).items,
-                               c.core.list_namespaced_secret(NS).items, c.core.list_namespaced_config_map(NS).items)
-                 for o in lst if any(r.uid == uid for r in o.metadata.owner_references or [])]  # fmt: skip
+        owned = [
+            o
+            for lst in (
+                c.core.list_namespaced_pod(NS).items,
+                c.core.list_namespaced_service(NS).items,
+                c.core.list_namespaced_secret(NS).items,
+                c.core.list_namespaced_config_map(NS).items,
+            )
+            for o in lst
+            if any(r.uid == uid for r in o.metadata.owner_references or [])
+        ]
         ws = c.custom.list_namespaced_custom_object(GROUP, VERSION, NS, "weightsyncs")["items"]
         return not owned and not ws
 
@@ -380,14 +481,32 @@ def test_helm_upgrade_then_uninstall_leaves_nothing(real_cluster: RealCluster) -
     dep = c.apps.read_namespaced_deployment(OPERATOR_RELEASE, OPERATOR_NAMESPACE)
     args = dep.spec.template.spec.containers[0].args
     assert "--log-level=DEBUG" in args and "--resync-interval=7" in args
-    [pod] = [p for p in c.core.list_namespaced_pod(OPERATOR_NAMESPACE).items if not p.metadata.deletion_timestamp]
+    [pod] = [
+        p for p in c.core.list_namespaced_pod(OPERATOR_NAMESPACE).items if not p.metadata.deletion_timestamp
+    ]
     assert "--log-level=DEBUG" in pod.spec.containers[0].args and pod.status.phase == "Running"
 
     helm("uninstall", OPERATOR_RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait")
-    left = kubectl(c, "get", "all,serviceaccounts,roles,rolebindings,configmaps,secrets", "-n", OPERATOR_NAMESPACE,
-                   "-l", f"app.kubernetes.io/instance={OPERATOR_RELEASE}", "-o", "name")  # fmt: skip
-    cluster_wide = kubectl(c, "get", "clusterroles,clusterrolebindings", "-l",
-                           f"app.kubernetes.io/instance={OPERATOR_RELEASE}", "-o", "name")  # fmt: skip
+    left = kubectl(
+        c,
+        "get",
+        "all,serviceaccounts,roles,rolebindings,configmaps,secrets",
+        "-n",
+        OPERATOR_NAMESPACE,
+        "-l",
+        f"app.kubernetes.io/instance={OPERATOR_RELEASE}",
+        "-o",
+        "name",
+    )
+    cluster_wide = kubectl(
+        c,
+        "get",
+        "clusterroles,clusterrolebindings",
+        "-l",
+        f"app.kubernetes.io/instance={OPERATOR_RELEASE}",
+        "-o",
+        "name",
+    )
     pods = c.core.list_namespaced_pod(OPERATOR_NAMESPACE).items
     assert not left.strip() and not cluster_wide.strip() and not pods, (left, cluster_wide, pods)
     assert REPO_CHART.is_dir()  # (CRDs stay: Helm never deletes what a chart's crds/ installed)

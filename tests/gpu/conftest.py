@@ -44,7 +44,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="no CUDA GPU (torch.cuda.is_available() is False)"))
             continue
         if item.get_closest_marker("vllm") is not None and not has_vllm:
-            item.add_marker(pytest.mark.skip(reason="vllm is not importable: pip install 'rewardplane[vllm]'"))
+            item.add_marker(
+                pytest.mark.skip(reason="vllm is not importable: pip install 'rewardplane[vllm]'")
+            )
             continue
         need = item.get_closest_marker("gpus")
         if need is not None and ngpu < int(need.args[0]):
@@ -65,7 +67,9 @@ class LlamaSize:
 # ~0.39B parameters (the README's measured model) and a tiny one for correctness checks.
 # Head dims are 64 (FlashAttention 3 needs multiples of 8).
 SIZES: dict[str, LlamaSize] = {
-    "tiny": LlamaSize(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=512, max_positions=1024),
+    "tiny": LlamaSize(
+        hidden=256, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=512, max_positions=1024
+    ),
     "0.4b": LlamaSize(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864),
     "1.4b": LlamaSize(hidden=2048, layers=24, heads=16, kv_heads=8, intermediate=6656),
 }
@@ -79,9 +83,18 @@ def build_llama_seqcls(out_dir: Path, size: LlamaSize, *, num_labels: int = 1, s
     from rewardplane.tinymodel import build_tiny_reward_model
 
     return build_tiny_reward_model(
-        out_dir, num_labels=num_labels, hidden_size=size.hidden, num_layers=size.layers, num_heads=size.heads,
-        num_kv_heads=size.kv_heads, intermediate_size=size.intermediate, vocab_size=size.vocab,
-        max_position_embeddings=size.max_positions, head_std=size.hidden ** -0.5, dtype="bfloat16", seed=seed,
+        out_dir,
+        num_labels=num_labels,
+        hidden_size=size.hidden,
+        num_layers=size.layers,
+        num_heads=size.heads,
+        num_kv_heads=size.kv_heads,
+        intermediate_size=size.intermediate,
+        vocab_size=size.vocab,
+        max_position_embeddings=size.max_positions,
+        head_std=size.hidden**-0.5,
+        dtype="bfloat16",
+        seed=seed,
     )
 
 

@@ -10,11 +10,11 @@ import httpx
 import pytest
 import torch
 
+from rewardplane.protocol import RewardModelTrainingMode as Mode
+from rewardplane.protocol.naming import select_head
 from rewardplane.sdk.direct_sync import DirectWeightSync
-from rewardplane.sdk.naming import select_head
-from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
+from rewardplane.testing.servers import free_port, start_server
 from tests.fixtures.models import TEXTS
-from tests.fixtures.servers import free_port, start_server
 from tests.fixtures.trainer import load_model, perturbed, run_dying_trainer
 
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
@@ -28,8 +28,14 @@ ATOL = 2e-2
 
 @pytest.fixture(scope="module")
 def gpu_server(tiny_model_dir, tmp_path_factory):
-    h = start_server(tiny_model_dir, tmp_path_factory.mktemp("gpu-srv"), token=TOKEN, device="cuda", dtype="bfloat16",
-                     env_extra={"CUDA_VISIBLE_DEVICES": "0"})
+    h = start_server(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("gpu-srv"),
+        token=TOKEN,
+        device="cuda",
+        dtype="bfloat16",
+        env_extra={"CUDA_VISIBLE_DEVICES": "0"},
+    )
     yield h
     h.stop()
 
@@ -42,7 +48,9 @@ def served(h):
 def test_server_scores_the_checkpoint_like_the_trainer(gpu_server, tiny_model_dir):
     got, version = served(gpu_server)
     assert version == 0
-    torch.testing.assert_close(got, trainer_scores(load_model(tiny_model_dir), tiny_model_dir), atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(
+        got, trainer_scores(load_model(tiny_model_dir), tiny_model_dir), atol=ATOL, rtol=ATOL
+    )
 
 
 @torch.inference_mode()
@@ -62,8 +70,15 @@ def trainer_scores(model, model_dir):
 
 
 def push(h, params, version, mode, **kw):
-    sync = DirectWeightSync([h.url], group_port=free_port(), token=TOKEN, trainer_host="127.0.0.1", device=TRAINER,
-                            connect_timeout_s=60, **kw)
+    sync = DirectWeightSync(
+        [h.url],
+        group_port=free_port(),
+        token=TOKEN,
+        trainer_host="127.0.0.1",
+        device=TRAINER,
+        connect_timeout_s=60,
+        **kw,
+    )
     try:
         assert sync.open().comm.backend == "nccl"
         sync.sync(params, version=version, training_mode=mode)
@@ -82,8 +97,10 @@ def test_round_trip_all_modes_over_nccl(gpu_server, tiny_model_dir):
     assert version == 1
     torch.testing.assert_close(got, trainer_scores(head, tiny_model_dir), atol=ATOL, rtol=ATOL)
 
-    peft_model = get_peft_model(load_model(tiny_model_dir), LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
-                                                                        modules_to_save=["score"]))
+    peft_model = get_peft_model(
+        load_model(tiny_model_dir),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["score"]),
+    )
     with torch.no_grad():
         for p in peft_model.parameters():
             if p.requires_grad:
@@ -96,7 +113,9 @@ def test_round_trip_all_modes_over_nccl(gpu_server, tiny_model_dir):
 
     # a small perturbation keeps the tiny model well conditioned, so bf16 noise stays small
     full = perturbed(tiny_model_dir, seed=22, scale=0.01).to(TRAINER, torch.bfloat16)
-    push(gpu_server, full.state_dict(), 3, Mode.FULL, bucket_bytes=1 << 16)  # many buckets: the pipelined path
+    push(
+        gpu_server, full.state_dict(), 3, Mode.FULL, bucket_bytes=1 << 16
+    )  # many buckets: the pipelined path
     got, version = served(gpu_server)
     assert version == 3 and httpx.get(f"{gpu_server.url}/runtime_version").json()["version"] == 3
     torch.testing.assert_close(got, trainer_scores(full, tiny_model_dir), atol=ATOL, rtol=ATOL)
@@ -104,8 +123,9 @@ def test_round_trip_all_modes_over_nccl(gpu_server, tiny_model_dir):
 
 def test_trainer_dies_mid_broadcast_over_nccl(gpu_server, tiny_model_dir):
     v0 = httpx.get(f"{gpu_server.url}/runtime_version").json()["version"]
-    proc = run_dying_trainer(gpu_server.url, free_port(), tiny_model_dir, version=v0 + 1, atomic=False,
-                             device="cuda:1")
+    proc = run_dying_trainer(
+        gpu_server.url, free_port(), tiny_model_dir, version=v0 + 1, atomic=False, device="cuda:1"
+    )
     assert proc.returncode == 17, proc.stdout + proc.stderr
     deadline = time.monotonic() + 60
     state = {}

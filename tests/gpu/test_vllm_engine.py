@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fixtures.servers import ServerHandle, free_port
+from rewardplane.testing.servers import ServerHandle, free_port
 from tests.gpu.vllm_support import (
     TEXTS,
     TOKEN,
@@ -58,12 +58,21 @@ def test_engine_args_defaults_and_user_overrides(tiny_seqcls_1label: Path) -> No
     assert args.hf_overrides == {"head_dtype": "float32"}
     assert args.worker_extension_cls.endswith("RewardWeightSyncExtension")
 
-    user = ServerConfig(model=str(tiny_seqcls_1label), engine="vllm", extra_engine_args=[
-        "--enable-chunked-prefill", "--max-num-batched-tokens", "4096", "--enforce-eager"])
+    user = ServerConfig(
+        model=str(tiny_seqcls_1label),
+        engine="vllm",
+        extra_engine_args=["--enable-chunked-prefill", "--max-num-batched-tokens", "4096", "--enforce-eager"],
+    )
     args = build_engine_args(user, 1024)
-    assert (args.enable_chunked_prefill, args.max_num_batched_tokens, args.enforce_eager) == (True, 4096, True)
+    assert (args.enable_chunked_prefill, args.max_num_batched_tokens, args.enforce_eager) == (
+        True,
+        4096,
+        True,
+    )
 
-    owned = ServerConfig(model=str(tiny_seqcls_1label), engine="vllm", extra_engine_args=["--dtype", "float16"])
+    owned = ServerConfig(
+        model=str(tiny_seqcls_1label), engine="vllm", extra_engine_args=["--dtype", "float16"]
+    )
     with pytest.raises(ValueError, match="--dtype"):
         build_engine_args(owned, 1024)
 
@@ -73,7 +82,9 @@ def test_engine_args_defaults_and_user_overrides(tiny_seqcls_1label: Path) -> No
 
 @pytest.fixture(scope="module")
 def vllm_servers(
-    tiny_seqcls_1label: Path, tiny_seqcls_3labels: Path, tmp_path_factory: pytest.TempPathFactory,
+    tiny_seqcls_1label: Path,
+    tiny_seqcls_3labels: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[int, ServerHandle]]:
     log_dir = tmp_path_factory.mktemp("vllm-logs")
     two = device_count() >= 2
@@ -120,7 +131,11 @@ def test_model_info_reports_vllm_and_fp32_head(vllm_servers: dict[int, ServerHan
 @pytest.mark.parametrize("endpoint", ["/score", "/classify", "/pooling"])
 @pytest.mark.parametrize("labels", [1, 3])
 def test_raw_scores_equal_transformers(
-    vllm_servers: dict[int, ServerHandle], model_dirs: dict[int, Path], ref_device: Any, labels: int, endpoint: str,
+    vllm_servers: dict[int, ServerHandle],
+    model_dirs: dict[int, Path],
+    ref_device: Any,
+    labels: int,
+    endpoint: str,
 ) -> None:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -134,7 +149,9 @@ def test_raw_scores_equal_transformers(
     assert_close(got, ref, f"{endpoint} with {labels} label(s)")
 
 
-def test_token_id_input_and_activation(vllm_servers: dict[int, ServerHandle], model_dirs: dict[int, Path]) -> None:
+def test_token_id_input_and_activation(
+    vllm_servers: dict[int, ServerHandle], model_dirs: dict[int, Path]
+) -> None:
     from transformers import AutoTokenizer
 
     url = vllm_servers[3].url
@@ -154,10 +171,15 @@ def test_concurrent_requests_all_answered(vllm_servers: dict[int, ServerHandle])
 
     async def run() -> list[int]:
         async with httpx.AsyncClient(timeout=120) as client:
-            rs = await asyncio.gather(*(
-                client.post(f"{vllm_servers[1].url}/score", json={"input": TEXTS[i % 16:] or TEXTS, "normalize": False})
-                for i in range(64)
-            ))
+            rs = await asyncio.gather(
+                *(
+                    client.post(
+                        f"{vllm_servers[1].url}/score",
+                        json={"input": TEXTS[i % 16 :] or TEXTS, "normalize": False},
+                    )
+                    for i in range(64)
+                )
+            )
         return [r.status_code for r in rs]
 
     assert set(asyncio.run(run())) == {200}
@@ -178,11 +200,22 @@ def trainer(vllm_servers: dict[int, ServerHandle], model_dirs: dict[int, Path]) 
     device = torch.device("cuda", 1)
     url = vllm_servers[1].url
     sync = DirectWeightSync(
-        [url], group_port=free_port(), token=TOKEN, trainer_host="127.0.0.1", device=device,
+        [url],
+        group_port=free_port(),
+        token=TOKEN,
+        trainer_host="127.0.0.1",
+        device=device,
         bucket_bytes=1 << 20,  # several buckets even for the tiny model
-        timeout_s=300, connect_timeout_s=120,
+        timeout_s=300,
+        connect_timeout_s=120,
     )
-    t = Trainer(load_trainer_model(model_dirs[1], device), AutoTokenizer.from_pretrained(model_dirs[1]), sync, device, url)
+    t = Trainer(
+        load_trainer_model(model_dirs[1], device),
+        AutoTokenizer.from_pretrained(model_dirs[1]),
+        sync,
+        device,
+        url,
+    )
     try:
         yield t
     finally:
@@ -193,8 +226,8 @@ def trainer(vllm_servers: dict[int, ServerHandle], model_dirs: dict[int, Path]) 
 def test_push_head_only_fp32_head(trainer: Trainer) -> None:
     import torch
 
-    from rewardplane.sdk.naming import select_head
-    from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+    from rewardplane.protocol.naming import select_head
 
     before = fill_prefix_cache(trainer.url)
     with torch.no_grad():
@@ -211,12 +244,16 @@ def test_push_lora_merged(trainer: Trainer) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
 
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
     from rewardplane.sdk.lora import merge_sync_reinit
-    from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
 
     before = fill_prefix_cache(trainer.url)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                             "up_proj", "down_proj"], modules_to_save=["score"])
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        modules_to_save=["score"],
+    )
     peft_model = get_peft_model(trainer.model, config)
     torch.manual_seed(3)
     with torch.no_grad():  # as if trained: non-zero B, and a changed head copy
@@ -238,7 +275,7 @@ def test_push_lora_merged(trainer: Trainer) -> None:
 def test_push_full(trainer: Trainer) -> None:
     import torch
 
-    from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
 
     before = fill_prefix_cache(trainer.url)
     torch.manual_seed(4)
@@ -253,7 +290,7 @@ def test_push_full(trainer: Trainer) -> None:
 def test_bad_metadata_rejected_before_any_byte(trainer: Trainer) -> None:
     import torch
 
-    from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
 
     bad = {k: v for k, v in trainer.model.state_dict().items()}
     bad["model.norm.weight"] = torch.ones(7, device=trainer.device, dtype=torch.bfloat16)
@@ -261,29 +298,49 @@ def test_bad_metadata_rejected_before_any_byte(trainer: Trainer) -> None:
         trainer.sync.sync(bad, version=4, training_mode=Mode.FULL)
     assert httpx.get(f"{trainer.url}/runtime_version", timeout=30).json()["version"] == 3
     got, _ = served(trainer.url)
-    assert_close(got, reference_scores(trainer.model, trainer.tokenizer, TEXTS, trainer.device), "after a rejected push")
+    assert_close(
+        got,
+        reference_scores(trainer.model, trainer.tokenizer, TEXTS, trainer.device),
+        "after a rejected push",
+    )
 
 
 # ---- optional: a ~0.4B model (RP_GPU_TESTS_LARGE=1) ---------------------------------------------
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.skipif(os.environ.get("RP_GPU_TESTS_LARGE") != "1", reason="set RP_GPU_TESTS_LARGE=1 (one more vLLM start)")
+@pytest.mark.skipif(
+    os.environ.get("RP_GPU_TESTS_LARGE") != "1", reason="set RP_GPU_TESTS_LARGE=1 (one more vLLM start)"
+)
 def test_full_push_0_4b(seqcls_0_4b: Path, tmp_path: Path) -> None:
     import torch
     from transformers import AutoTokenizer
 
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
     from rewardplane.sdk.direct_sync import DirectWeightSync
-    from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
 
     handle = wait_ready(start_vllm_server(seqcls_0_4b, tmp_path, gpu=0, gpu_memory_utilization=0.4))
     device = torch.device("cuda", 1)
-    sync = DirectWeightSync([handle.url], group_port=free_port(), token=TOKEN, trainer_host="127.0.0.1",
-                            device=device, timeout_s=300, connect_timeout_s=120)
+    sync = DirectWeightSync(
+        [handle.url],
+        group_port=free_port(),
+        token=TOKEN,
+        trainer_host="127.0.0.1",
+        device=device,
+        timeout_s=300,
+        connect_timeout_s=120,
+    )
     try:
-        t = Trainer(load_trainer_model(seqcls_0_4b, device), AutoTokenizer.from_pretrained(seqcls_0_4b), sync,
-                    device, handle.url)
-        assert_close(served(handle.url)[0], reference_scores(t.model, t.tokenizer, TEXTS, device), "0.4B at start")
+        t = Trainer(
+            load_trainer_model(seqcls_0_4b, device),
+            AutoTokenizer.from_pretrained(seqcls_0_4b),
+            sync,
+            device,
+            handle.url,
+        )
+        assert_close(
+            served(handle.url)[0], reference_scores(t.model, t.tokenizer, TEXTS, device), "0.4B at start"
+        )
         before = fill_prefix_cache(handle.url)
         torch.manual_seed(5)
         with torch.no_grad():

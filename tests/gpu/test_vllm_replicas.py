@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.fixtures.servers import ServerHandle, free_port
+from rewardplane.testing.servers import ServerHandle, free_port
 from tests.gpu.vllm_support import (
     TOKEN,
     Trainer,
@@ -29,7 +29,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800), pyt
 
 
 @pytest.fixture(scope="module")
-def replicas(tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerHandle]]:
+def replicas(
+    tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[ServerHandle]]:
     log_dir = tmp_path_factory.mktemp("vllm-replicas")
     handles: list[ServerHandle] = []
     try:
@@ -51,8 +53,14 @@ def trainers(replicas: list[ServerHandle], tiny_seqcls_1label: Path) -> Iterator
 
     device = torch.device("cuda", 2)
     sync = DirectWeightSync(
-        [h.url for h in replicas], group_port=free_port(), token=TOKEN, trainer_host="127.0.0.1", device=device,
-        bucket_bytes=1 << 20, timeout_s=300, connect_timeout_s=120,
+        [h.url for h in replicas],
+        group_port=free_port(),
+        token=TOKEN,
+        trainer_host="127.0.0.1",
+        device=device,
+        bucket_bytes=1 << 20,
+        timeout_s=300,
+        connect_timeout_s=120,
     )
     model = load_trainer_model(tiny_seqcls_1label, device)
     tok = AutoTokenizer.from_pretrained(tiny_seqcls_1label)
@@ -67,7 +75,7 @@ def trainers(replicas: list[ServerHandle], tiny_seqcls_1label: Path) -> Iterator
 def test_one_broadcast_updates_both_replicas(trainers: list[Trainer]) -> None:
     import torch
 
-    from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
 
     t0 = trainers[0]
     before = [fill_prefix_cache(t.url) for t in trainers]
@@ -85,8 +93,8 @@ def test_one_broadcast_updates_both_replicas(trainers: list[Trainer]) -> None:
 def test_head_only_push_reaches_both_replicas(trainers: list[Trainer]) -> None:
     import torch
 
-    from rewardplane.sdk.naming import select_head
-    from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+    from rewardplane.protocol.naming import select_head
 
     t0 = trainers[0]
     before = [fill_prefix_cache(t.url) for t in trainers]

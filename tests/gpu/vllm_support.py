@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from tests.fixtures.servers import ServerHandle, launch_server, wait_healthy
+from rewardplane.testing.servers import ServerHandle, launch_server, wait_healthy
 
 TOKEN = "gpu-test-token"
 MAX_ABS = 0.05  # bf16 noise on unit-scale scores (README: 0.020 measured on 0.39B)
@@ -55,11 +55,18 @@ def device_count() -> int:
     return torch.cuda.device_count()
 
 
-def start_vllm_server(model_dir: Path, log_dir: Path, *, gpu: int, gpu_memory_utilization: float = 0.3) -> ServerHandle:
+def start_vllm_server(
+    model_dir: Path, log_dir: Path, *, gpu: int, gpu_memory_utilization: float = 0.3
+) -> ServerHandle:
     """Start (do not wait): the server runs on one GPU, seen as its device 0."""
     return launch_server(
-        model_dir, log_dir, token=TOKEN, engine="vllm", gpu_memory_utilization=gpu_memory_utilization,
-        max_model_len=1024, extra_args=shlex.split(os.environ.get("RP_VLLM_SERVER_ARGS", "")),
+        model_dir,
+        log_dir,
+        token=TOKEN,
+        engine="vllm",
+        gpu_memory_utilization=gpu_memory_utilization,
+        max_model_len=1024,
+        extra_args=shlex.split(os.environ.get("RP_VLLM_SERVER_ARGS", "")),
         env_extra={"CUDA_VISIBLE_DEVICES": str(gpu), "VLLM_USE_FLASHINFER_SAMPLER": "0"},
     )
 
@@ -169,5 +176,3 @@ def check_after_push(t: Trainer, version: int, before_repeated: float, what: str
     # REPEATED is TEXTS[0]: its prefix was cached under the old weights; a stale cache would
     # have left its score off the trainer's, and unchanged.
     assert abs(got[0][0] - before_repeated) > 1e-3, f"{what}: the repeated prompt's score did not change"
-
-

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from rewardplane.protocol import ScoringRequest
 from rewardplane.sdk.chunking import contiguous_chunks
 from rewardplane.sdk.client import VLLMRewardClient
-from rewardplane.sdk.protocol import ScoringRequest
 from rewardplane.sdk.retry import RetryPolicy, RewardServerError, RewardServerUnavailable
+from rewardplane.testing.servers import ServerHandle, free_port, start_server
 from tests.fixtures.flaky_proxy import FlakyProxy
 from tests.fixtures.models import reference_logits
-from tests.fixtures.servers import ServerHandle, free_port, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def test_batch_of_100_is_chunked_in_order_and_equals_a_single_server(
 
     assert response.scores == pytest.approx(reference, rel=1e-4, abs=1e-5)
     assert [d.index for d in response.data] == list(range(100))
-    # Seed 004: ceil(100/3) = 34 → [0,34) [34,68) [68,100), server i gets chunk i, both times.
+    # ceil(100/3) = 34 → [0,34) [34,68) [68,100), server i gets chunk i, both times.
     expected = [(r.start, r.stop, fresh_proxies[i].url) for i, r in enumerate(contiguous_chunks(100, 3))]
     assert [(c["start"], c["stop"], c["endpoint"]) for c in info["chunks"]] == expected
     assert [(c["start"], c["stop"], c["endpoint"]) for c in info_again["chunks"]] == expected

@@ -16,24 +16,20 @@ from typing import Any
 import httpx
 import pytest
 
+from rewardplane.api.kube import Kube, core_path, custom_path
 from rewardplane.cli import main as rewardplane_cli
-from rewardplane.operator.kube import Kube, core_path, custom_path
+from rewardplane.protocol.naming import select_head
 from rewardplane.sdk.cluster import RewardModelHandle, WeightSyncFailed
-from rewardplane.sdk.naming import select_head
-from tests.fixtures.cluster import control_plane, k8s_namespace, kube_api, node_agent  # noqa: F401
 from tests.fixtures.models import TEXTS
-from tests.fixtures.trainer import logits, perturbed
-from tests.integration.test_operator import (  # noqa: F401  (fixtures)
+from tests.fixtures.operator import (
     SERVER_READY_S,
-    _kubectl,
     get_rm,
-    kube,
-    ns,
-    operator,
+    kubectl_path,
     pods_of,
     reward_model,
     wait_for,
 )
+from tests.fixtures.trainer import logits, perturbed
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -44,15 +40,20 @@ WS_PLURAL = "weightsyncs"
 
 def scores(url: str, texts: list[str] = TEXTS) -> tuple[list[list[float]], int]:
     body = httpx.post(f"{url}/score", json={"input": texts, "normalize": False}, timeout=30).json()
-    return [d["score"] if isinstance(d["score"], list) else [d["score"]] for d in body["data"]], body["version"]
+    return [d["score"] if isinstance(d["score"], list) else [d["score"]] for d in body["data"]], body[
+        "version"
+    ]
 
 
 def close(a: list[list[float]], b: list[list[float]], tol: float = TOL) -> bool:
-    return all(math.isclose(x, y, abs_tol=tol, rel_tol=tol) for ra, rb in zip(a, b, strict=True)
-               for x, y in zip(ra, rb, strict=True))  # fmt: skip
+    return all(
+        math.isclose(x, y, abs_tol=tol, rel_tol=tol)
+        for ra, rb in zip(a, b, strict=True)
+        for x, y in zip(ra, rb, strict=True)
+    )
 
 
-def make_model(kube: Kube, ns: str, node: str, model_dir: Path, replicas: int, **extra: Any) -> str:  # noqa: F811
+def make_model(kube: Kube, ns: str, node: str, model_dir: Path, replicas: int, **extra: Any) -> str:
     name = f"rm-{uuid.uuid4().hex[:4]}"
     body = reward_model(name, ns, replicas=replicas, gpu={"mode": "none", "node": node}, **extra)
     body["spec"]["model"] = {"source": str(model_dir), "dtype": "float32"}
@@ -60,7 +61,7 @@ def make_model(kube: Kube, ns: str, node: str, model_dir: Path, replicas: int, *
     return name
 
 
-def ws_status(kube: Kube, ns: str, name: str) -> dict[str, Any]:  # noqa: F811
+def ws_status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
     return (kube.get(custom_path(ns, name, WS_PLURAL)) or {}).get("status") or {}
 
 
@@ -74,9 +75,9 @@ def every_replica_scores_like(handle: RewardModelHandle, model: Any, model_dir: 
         assert close(got, want), url
 
 
-DYING_TRAINER = r'''
+DYING_TRAINER = r"""
 import os, sys
-from rewardplane.sdk import comm as C
+from rewardplane.transport import comm as C
 from rewardplane.sdk.cluster import RewardModelHandle
 from tests.fixtures.trainer import perturbed
 name, ns, kubeconfig, model_dir, version = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
@@ -92,12 +93,18 @@ C.Communicator.broadcast = dying
 h = RewardModelHandle(name, ns, kubeconfig=kubeconfig)
 h.push_weights(perturbed(model_dir, seed=99).state_dict(), version, "full", bucket_bytes=1 << 14, timeout_s=30,
                trainer_host="127.0.0.1")
-'''
+"""
 
 
 def test_cluster_push_end_to_end(
-    kube: Kube, operator: Any, node_agent: Any, ns: str, tiny_model_dir: Path, control_plane: Any,  # noqa: F811
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    kube: Kube,
+    operator: Any,
+    node_agent: Any,
+    ns: str,
+    tiny_model_dir: Path,
+    control_plane: Any,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     name = make_model(kube, ns, node_agent.name, tiny_model_dir, replicas=2)
     logs = lambda: operator.logs() + "\n" + node_agent.log_tail()  # noqa: E731
@@ -108,21 +115,25 @@ def test_cluster_push_end_to_end(
 
         # head_only: one broadcast into both replicas.
         head_model = perturbed(tiny_model_dir, seed=3, head_only=True)
-        result = handle.push_weights(select_head(head_model.state_dict()), 1, "head_only", timeout_s=60,
-                                     trainer_host="127.0.0.1")  # fmt: skip
+        result = handle.push_weights(
+            select_head(head_model.state_dict()), 1, "head_only", timeout_s=60, trainer_host="127.0.0.1"
+        )
         assert result.world_size == 3 and result.replicas == 2
         status = ws_status(kube, ns, name)
         assert status["phase"] == "Completed" and status["version"] == 1 and status["worldSize"] == 3
         assert [(r["replica"], r["rankOffset"], r["phase"]) for r in status["replicas"]] == [
-            (0, 0, "Completed"), (1, 1, "Completed")]
+            (0, 0, "Completed"),
+            (1, 1, "Completed"),
+        ]
         assert all(r["bytes"] > 0 for r in status["replicas"]) and status["bytes"] > 0
         assert get_rm(kube, ns, name)["status"]["weightsVersion"] == 1
         every_replica_scores_like(handle, head_model, tiny_model_dir, 1)
 
         # full, several buckets.
         full_model = perturbed(tiny_model_dir, seed=4)
-        handle.push_weights(full_model.state_dict(), 2, "full", bucket_bytes=1 << 16, timeout_s=60,
-                            trainer_host="127.0.0.1")  # fmt: skip
+        handle.push_weights(
+            full_model.state_dict(), 2, "full", bucket_bytes=1 << 16, timeout_s=60, trainer_host="127.0.0.1"
+        )
         assert ws_status(kube, ns, name)["phase"] == "Completed"
         assert get_rm(kube, ns, name)["status"]["weightsVersion"] == 2
         every_replica_scores_like(handle, full_model, tiny_model_dir, 2)
@@ -130,12 +141,18 @@ def test_cluster_push_end_to_end(
         assert sorted(client.endpoints) == sorted(e.url for e in handle.endpoints)
         assert handle.client() is client  # same replicas: the same client
         via_client = client.score_batch_sync(TEXTS, normalize=False)
-        assert close([s if isinstance(s, list) else [s] for s in via_client], logits(full_model, tiny_model_dir, TEXTS))
+        assert close(
+            [s if isinstance(s, list) else [s] for s in via_client], logits(full_model, tiny_model_dir, TEXTS)
+        )
         # kubectl shows the push.
-        kubectl = _kubectl()
+        kubectl = kubectl_path()
         if kubectl:
-            table = subprocess.run([kubectl, "--kubeconfig", str(control_plane.kubeconfig), "get", "ws", "-n", ns],
-                                   capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+            table = subprocess.run(
+                [kubectl, "--kubeconfig", str(control_plane.kubeconfig), "get", "ws", "-n", ns],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
             header, row = table.splitlines()[:2]
             assert header.split()[:5] == ["NAME", "MODEL", "VERSION", "MODE", "PHASE"]
             assert row.split()[:5] == [name, name, "2", "full", "Completed"]
@@ -151,34 +168,79 @@ def test_cluster_push_end_to_end(
         # A trainer that dies mid-broadcast: Failed with a reason, within the timeout.
         started = time.monotonic()
         dying = subprocess.run(
-            [sys.executable, "-c", DYING_TRAINER, name, ns, str(control_plane.kubeconfig), str(tiny_model_dir), "3"],
-            capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-c",
+                DYING_TRAINER,
+                name,
+                ns,
+                str(control_plane.kubeconfig),
+                str(tiny_model_dir),
+                "3",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         assert dying.returncode == 17, dying.stdout + dying.stderr
-        failed = wait_for("the push Failed", lambda: (s := ws_status(kube, ns, name)).get("phase") == "Failed"
-                          and s.get("version") == 3 and s, 45, logs)  # fmt: skip
+        failed = wait_for(
+            "the push Failed",
+            lambda: (s := ws_status(kube, ns, name)).get("phase") == "Failed" and s.get("version") == 3 and s,
+            45,
+            logs,
+        )
         assert time.monotonic() - started < 45
         assert failed["reason"] in ("ReplicaFailed", "Timeout") and failed["message"]
         assert any(h["version"] == 3 and h["phase"] == "Failed" for h in failed["history"])
 
         # The next push succeeds, onto every replica (a partly written one included).
         again = perturbed(tiny_model_dir, seed=5)
-        handle.push_weights(again.state_dict(), 3, "full", bucket_bytes=1 << 16, timeout_s=60,
-                            trainer_host="127.0.0.1")  # fmt: skip
-        wait_for("both replicas ready on version 3", lambda: len(handle.endpoints) == 2
-                 and handle.weights_version == 3, 30, logs)  # fmt: skip
+        handle.push_weights(
+            again.state_dict(), 3, "full", bucket_bytes=1 << 16, timeout_s=60, trainer_host="127.0.0.1"
+        )
+        wait_for(
+            "both replicas ready on version 3",
+            lambda: len(handle.endpoints) == 2 and handle.weights_version == 3,
+            30,
+            logs,
+        )
         every_replica_scores_like(handle, again, tiny_model_dir, 3)
         history = ws_status(kube, ns, name)["history"]
         assert [(h["version"], h["phase"]) for h in history] == [
-            (1, "Completed"), (2, "Completed"), (1, "Failed"), (3, "Failed"), (3, "Completed")]
+            (1, "Completed"),
+            (2, "Completed"),
+            (1, "Failed"),
+            (3, "Failed"),
+            (3, "Completed"),
+        ]
 
         # The CLI (through the `rewardplane` entry point): push a saved checkpoint, status, score.
         checkpoint = tmp_path / "checkpoint"
         saved = perturbed(tiny_model_dir, seed=6)
         saved.save_pretrained(checkpoint)
         base = ["-n", ns, "--kubeconfig", str(control_plane.kubeconfig)]
-        assert rewardplane_cli(["push", name, *base, "--from", str(checkpoint), "--version", "4", "--mode", "full",
-                                "--trainer-host", "127.0.0.1", "--timeout", "60"]) == 0  # fmt: skip
+        assert (
+            rewardplane_cli(
+                [
+                    "push",
+                    name,
+                    *base,
+                    "--from",
+                    str(checkpoint),
+                    "--version",
+                    "4",
+                    "--mode",
+                    "full",
+                    "--trainer-host",
+                    "127.0.0.1",
+                    "--timeout",
+                    "60",
+                ]
+            )
+            == 0
+        )
         assert "pushed version 4 (full" in capsys.readouterr().out
         every_replica_scores_like(handle, saved, tiny_model_dir, 4)
         assert rewardplane_cli(["status", name, *base]) == 0
@@ -196,24 +258,41 @@ def test_cluster_push_end_to_end(
         handle.close()
 
 
-def _watch_statuses(kube_api: Any, ns: str, name: str, out: list[dict[str, Any]], stop: threading.Event) -> None:  # noqa: F811
+def _watch_statuses(
+    kube_api: Any, ns: str, name: str, out: list[dict[str, Any]], stop: threading.Event
+) -> None:
     from kubernetes import client, watch
 
     api = client.CustomObjectsApi(kube_api)
     w = watch.Watch()
-    for event in w.stream(api.list_namespaced_custom_object, "rewardplane.io", "v1alpha1", ns, "rewardmodels",
-                          field_selector=f"metadata.name={name}", timeout_seconds=180):  # fmt: skip
+    for event in w.stream(
+        api.list_namespaced_custom_object,
+        "rewardplane.io",
+        "v1alpha1",
+        ns,
+        "rewardmodels",
+        field_selector=f"metadata.name={name}",
+        timeout_seconds=180,
+    ):
         out.append(event["object"].get("status") or {})
         if stop.is_set():
             w.stop()
 
 
 def test_restarted_replica_is_marked_stale_restored_and_readmitted(
-    kube: Kube, operator: Any, node_agent: Any, ns: str, tiny_model_dir: Path, control_plane: Any,  # noqa: F811
-    kube_api: Any, tmp_path: Path,  # noqa: F811
+    kube: Kube,
+    operator: Any,
+    node_agent: Any,
+    ns: str,
+    tiny_model_dir: Path,
+    control_plane: Any,
+    kube_api: Any,
+    tmp_path: Path,
 ) -> None:
     persist = tmp_path / "persist"
-    name = make_model(kube, ns, node_agent.name, tiny_model_dir, replicas=2, weightSync={"persistDir": str(persist)})
+    name = make_model(
+        kube, ns, node_agent.name, tiny_model_dir, replicas=2, weightSync={"persistDir": str(persist)}
+    )
     logs = lambda: operator.logs() + "\n" + node_agent.log_tail()  # noqa: E731
     handle = RewardModelHandle(name, ns, kubeconfig=str(control_plane.kubeconfig))
     statuses: list[dict[str, Any]] = []
@@ -221,13 +300,23 @@ def test_restarted_replica_is_marked_stale_restored_and_readmitted(
     try:
         handle.wait_ready(SERVER_READY_S)
         model = perturbed(tiny_model_dir, seed=21)
-        handle.push_weights(model.state_dict(), 4, "full", bucket_bytes=1 << 16, timeout_s=60,
-                            trainer_host="127.0.0.1")  # fmt: skip
-        wait_for("version 4 persisted by both replicas", lambda: all(
-            (persist / f"{name}-{i}" / "version.json").exists()
-            and '"version": 4' in (persist / f"{name}-{i}" / "version.json").read_text() for i in range(2)), 20, logs)
+        handle.push_weights(
+            model.state_dict(), 4, "full", bucket_bytes=1 << 16, timeout_s=60, trainer_host="127.0.0.1"
+        )
+        wait_for(
+            "version 4 persisted by both replicas",
+            lambda: all(
+                (persist / f"{name}-{i}" / "version.json").exists()
+                and '"version": 4' in (persist / f"{name}-{i}" / "version.json").read_text()
+                for i in range(2)
+            ),
+            20,
+            logs,
+        )
 
-        watcher = threading.Thread(target=_watch_statuses, args=(kube_api, ns, name, statuses, stop), daemon=True)
+        watcher = threading.Thread(
+            target=_watch_statuses, args=(kube_api, ns, name, statuses, stop), daemon=True
+        )
         watcher.start()
         victim = pods_of(kube, ns, name)[f"{name}-1"]
         (container,) = victim["status"]["containerStatuses"]
@@ -235,12 +324,20 @@ def test_restarted_replica_is_marked_stale_restored_and_readmitted(
         os.kill(pid, 9)  # the node agent restarts the process: it comes back on base weights
 
         def stale_seen() -> bool:
-            return any(e.get("pod") == f"{name}-1" and e.get("state") == "stale" for s in statuses
-                       for e in s.get("endpoints") or [])  # fmt: skip
+            return any(
+                e.get("pod") == f"{name}-1" and e.get("state") == "stale"
+                for s in statuses
+                for e in s.get("endpoints") or []
+            )
 
         wait_for("the restarted replica marked stale", stale_seen, SERVER_READY_S, logs)
-        marked = next(s for s in statuses if any(e.get("pod") == f"{name}-1" and e.get("state") == "stale"
-                                                  for e in s.get("endpoints") or []))  # fmt: skip
+        marked = next(
+            s
+            for s in statuses
+            if any(
+                e.get("pod") == f"{name}-1" and e.get("state") == "stale" for e in s.get("endpoints") or []
+            )
+        )
         stale_ep = next(e for e in marked["endpoints"] if e["pod"] == f"{name}-1")
         assert not stale_ep["ready"] and stale_ep["weightsVersion"] == 0 and stale_ep["restarts"] >= 1
         assert [e["pod"] for e in marked["endpoints"] if e["ready"]] == [f"{name}-0"]  # out of the endpoints
@@ -256,7 +353,9 @@ def test_restarted_replica_is_marked_stale_restored_and_readmitted(
         restored, version = scores(urls[f"{name}-1"])
         assert version == 4 and close(restored, scores(urls[f"{name}-0"])[0])
         assert close(restored, logits(model, tiny_model_dir, TEXTS))
-        reasons = {e["reason"] for e in kube.list(core_path("events", ns)) if e["involvedObject"].get("name") == name}
+        reasons = {
+            e["reason"] for e in kube.list(core_path("events", ns)) if e["involvedObject"].get("name") == name
+        }
         assert {"ReplicaStale", "ReplicaRestored"} <= reasons
     finally:
         stop.set()

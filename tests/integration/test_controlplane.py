@@ -23,8 +23,12 @@ def _kubectl(control_plane: Any, *args: str) -> subprocess.CompletedProcess[str]
         if os.environ.get("CI", "").lower() not in ("", "0", "false", "no"):
             pytest.fail(str(exc))
         pytest.skip(str(exc))
-    return subprocess.run([kubectl, "--kubeconfig", str(control_plane.kubeconfig), *args],
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [kubectl, "--kubeconfig", str(control_plane.kubeconfig), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def test_kubectl_talks_to_the_control_plane(control_plane: Any) -> None:
@@ -44,19 +48,26 @@ CRD = {
         "group": "test.rewardplane.io",
         "scope": "Namespaced",
         "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
-        "versions": [{
-            "name": "v1",
-            "served": True,
-            "storage": True,
-            "subresources": {"status": {}},
-            "schema": {"openAPIV3Schema": {
-                "type": "object",
-                "properties": {
-                    "spec": {"type": "object", "properties": {"size": {"type": "integer", "minimum": 1}}},
-                    "status": {"type": "object", "properties": {"phase": {"type": "string"}}},
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "properties": {
+                            "spec": {
+                                "type": "object",
+                                "properties": {"size": {"type": "integer", "minimum": 1}},
+                            },
+                            "status": {"type": "object", "properties": {"phase": {"type": "string"}}},
+                        },
+                    }
                 },
-            }},
-        }],
+            }
+        ],
     },
 }
 
@@ -80,9 +91,16 @@ def test_custom_resources_work(kube_api: Any) -> None:
     # The served API may lag Established by a moment: retry the first create briefly.
     for attempt in range(50):
         try:
-            objs.create_namespaced_custom_object(*args, {"apiVersion": "test.rewardplane.io/v1",
-                                                         "kind": "Widget", "metadata": {"name": "w1"},
-                                                         "spec": {"size": 3}}, _request_timeout=10)
+            objs.create_namespaced_custom_object(
+                *args,
+                {
+                    "apiVersion": "test.rewardplane.io/v1",
+                    "kind": "Widget",
+                    "metadata": {"name": "w1"},
+                    "spec": {"size": 3},
+                },
+                _request_timeout=10,
+            )
             break
         except ApiException as exc:
             if exc.status != 404 or attempt == 49:
@@ -92,13 +110,25 @@ def test_custom_resources_work(kube_api: Any) -> None:
     assert got["spec"]["size"] == 3
     # schema validation is enforced
     with pytest.raises(ApiException) as bad:
-        objs.create_namespaced_custom_object(*args, {"apiVersion": "test.rewardplane.io/v1", "kind": "Widget",
-                                                     "metadata": {"name": "w2"}, "spec": {"size": 0}},
-                                             _request_timeout=10)
+        objs.create_namespaced_custom_object(
+            *args,
+            {
+                "apiVersion": "test.rewardplane.io/v1",
+                "kind": "Widget",
+                "metadata": {"name": "w2"},
+                "spec": {"size": 0},
+            },
+            _request_timeout=10,
+        )
     assert bad.value.status == 422
     # the status subresource takes patches
-    objs.patch_namespaced_custom_object_status(*args, "w1", {"status": {"phase": "Ready"}},
-                                               _content_type="application/merge-patch+json", _request_timeout=10)
+    objs.patch_namespaced_custom_object_status(
+        *args,
+        "w1",
+        {"status": {"phase": "Ready"}},
+        _content_type="application/merge-patch+json",
+        _request_timeout=10,
+    )
     assert objs.get_namespaced_custom_object(*args, "w1", _request_timeout=10)["status"]["phase"] == "Ready"
 
 

@@ -36,8 +36,15 @@ def _pod(name: str, node: str, command: list[str], **container: Any) -> dict[str
     }
 
 
-def _wait_pod(core: Any, ns: str, name: str, cond: Callable[[Any], bool], what: str,
-              agent: Any, timeout_s: float = WAIT_S) -> Any:
+def _wait_pod(
+    core: Any,
+    ns: str,
+    name: str,
+    cond: Callable[[Any], bool],
+    what: str,
+    agent: Any,
+    timeout_s: float = WAIT_S,
+) -> Any:
     deadline = time.monotonic() + timeout_s
     pod = None
     while time.monotonic() < deadline:
@@ -45,8 +52,10 @@ def _wait_pod(core: Any, ns: str, name: str, cond: Callable[[Any], bool], what: 
         if cond(pod):
             return pod
         time.sleep(0.2)
-    raise AssertionError(f"pod {ns}/{name} not {what} within {timeout_s}s; status: "
-                         f"{pod.status if pod else None}\nagent log:\n{agent.log_tail()}")
+    raise AssertionError(
+        f"pod {ns}/{name} not {what} within {timeout_s}s; status: "
+        f"{pod.status if pod else None}\nagent log:\n{agent.log_tail()}"
+    )
 
 
 def _ready(pod: Any) -> bool:
@@ -59,13 +68,18 @@ def _pid(pod: Any) -> int:
 
 
 @pytest.mark.cluster
-def test_http_server_pod_gets_its_own_ip_and_becomes_ready(kube_api: Any, node_agent: Any,
-                                                           k8s_namespace: str) -> None:
+def test_http_server_pod_gets_its_own_ip_and_becomes_ready(
+    kube_api: Any, node_agent: Any, k8s_namespace: str
+) -> None:
     core = _core(kube_api)
-    pod = _pod("web", node_agent.name, ["python", "-m", "http.server", "--bind", "$(POD_IP)", "8080"],
-               env=[{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-               ports=[{"name": "http", "containerPort": 8080}],
-               readinessProbe={"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1})
+    pod = _pod(
+        "web",
+        node_agent.name,
+        ["python", "-m", "http.server", "--bind", "$(POD_IP)", "8080"],
+        env=[{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+        ports=[{"name": "http", "containerPort": 8080}],
+        readinessProbe={"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1},
+    )
     core.create_namespaced_pod(k8s_namespace, pod, _request_timeout=10)
     got = _wait_pod(core, k8s_namespace, "web", _ready, "Ready", node_agent)
 
@@ -78,7 +92,12 @@ def test_http_server_pod_gets_its_own_ip_and_becomes_ready(kube_api: Any, node_a
     cs = got.status.container_statuses[0]
     assert cs.ready and cs.state.running is not None and cs.restart_count == 0
     types = {c.type: c.status for c in got.status.conditions}
-    assert types == {"PodScheduled": "True", "Initialized": "True", "ContainersReady": "True", "Ready": "True"}
+    assert types == {
+        "PodScheduled": "True",
+        "Initialized": "True",
+        "ContainersReady": "True",
+        "Ready": "True",
+    }
     with urllib.request.urlopen(f"http://{ip}:8080/", timeout=5) as resp:
         assert resp.status == 200
 
@@ -86,12 +105,19 @@ def test_http_server_pod_gets_its_own_ip_and_becomes_ready(kube_api: Any, node_a
 @pytest.mark.cluster
 def test_crashing_process_is_restarted(kube_api: Any, node_agent: Any, k8s_namespace: str) -> None:
     core = _core(kube_api)
-    core.create_namespaced_pod(k8s_namespace, _pod("crash", node_agent.name,
-                                                   ["python", "-c", "import sys; sys.exit(1)"]),
-                               _request_timeout=10)
-    got = _wait_pod(core, k8s_namespace, "crash",
-                    lambda p: bool(p.status.container_statuses) and p.status.container_statuses[0].restart_count > 0,
-                    "restarted", node_agent)
+    core.create_namespaced_pod(
+        k8s_namespace,
+        _pod("crash", node_agent.name, ["python", "-c", "import sys; sys.exit(1)"]),
+        _request_timeout=10,
+    )
+    got = _wait_pod(
+        core,
+        k8s_namespace,
+        "crash",
+        lambda p: bool(p.status.container_statuses) and p.status.container_statuses[0].restart_count > 0,
+        "restarted",
+        node_agent,
+    )
     cs = got.status.container_statuses[0]
     assert cs.last_state.terminated is not None and cs.last_state.terminated.exit_code == 1
     assert got.status.phase == "Running"  # restartPolicy Always keeps the pod Running
@@ -104,9 +130,11 @@ def test_deleting_the_pod_stops_the_process(kube_api: Any, node_agent: Any, k8s_
     from kubernetes.client.exceptions import ApiException
 
     core = _core(kube_api)
-    core.create_namespaced_pod(k8s_namespace, _pod("sleeper", node_agent.name,
-                                                   ["python", "-c", "import time; time.sleep(600)"]),
-                               _request_timeout=10)
+    core.create_namespaced_pod(
+        k8s_namespace,
+        _pod("sleeper", node_agent.name, ["python", "-c", "import time; time.sleep(600)"]),
+        _request_timeout=10,
+    )
     got = _wait_pod(core, k8s_namespace, "sleeper", _ready, "Ready", node_agent)
     pid = _pid(got)
     os.kill(pid, 0)  # the process runs on this machine
@@ -126,26 +154,46 @@ def test_deleting_the_pod_stops_the_process(kube_api: Any, node_agent: Any, k8s_
 
 
 @pytest.mark.cluster
-def test_secret_env_and_mounted_secret_reach_the_process(kube_api: Any, node_agent: Any,
-                                                         k8s_namespace: str, tmp_path: Path) -> None:
+def test_secret_env_and_mounted_secret_reach_the_process(
+    kube_api: Any, node_agent: Any, k8s_namespace: str, tmp_path: Path
+) -> None:
     core = _core(kube_api)
-    core.create_namespaced_secret(k8s_namespace, {
-        "metadata": {"name": "creds"},
-        "stringData": {"token": "s3cret-token", "config.json": '{"answer": 42}'},
-    }, _request_timeout=10)
+    core.create_namespaced_secret(
+        k8s_namespace,
+        {
+            "metadata": {"name": "creds"},
+            "stringData": {"token": "s3cret-token", "config.json": '{"answer": 42}'},
+        },
+        _request_timeout=10,
+    )
     out = tmp_path / "seen.txt"
-    script = ("import os, pathlib; "
-              "pathlib.Path(os.environ['OUT']).write_text("
-              "os.environ['TOKEN'] + '|' + open('/etc/creds/config.json').read() + '|' + os.environ['CFG'])")
-    pod = _pod("reader", node_agent.name, ["python", "-c", script], restartPolicy="Never",
-               env=[{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
-                    {"name": "OUT", "value": str(out)},
-                    {"name": "CFG", "value": "/etc/creds/config.json"}],
-               volumeMounts=[{"name": "creds", "mountPath": "/etc/creds", "readOnly": True}])
+    script = (
+        "import os, pathlib; "
+        "pathlib.Path(os.environ['OUT']).write_text("
+        "os.environ['TOKEN'] + '|' + open('/etc/creds/config.json').read() + '|' + os.environ['CFG'])"
+    )
+    pod = _pod(
+        "reader",
+        node_agent.name,
+        ["python", "-c", script],
+        restartPolicy="Never",
+        env=[
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
+            {"name": "OUT", "value": str(out)},
+            {"name": "CFG", "value": "/etc/creds/config.json"},
+        ],
+        volumeMounts=[{"name": "creds", "mountPath": "/etc/creds", "readOnly": True}],
+    )
     pod["spec"]["volumes"] = [{"name": "creds", "secret": {"secretName": "creds"}}]
     core.create_namespaced_pod(k8s_namespace, pod, _request_timeout=10)
-    got = _wait_pod(core, k8s_namespace, "reader", lambda p: p.status.phase in ("Succeeded", "Failed"),
-                    "finished", node_agent)
+    got = _wait_pod(
+        core,
+        k8s_namespace,
+        "reader",
+        lambda p: p.status.phase in ("Succeeded", "Failed"),
+        "finished",
+        node_agent,
+    )
     assert got.status.phase == "Succeeded", node_agent.log_tail()
     token, config, cfg_path = out.read_text().split("|")
     assert token == "s3cret-token"
@@ -185,18 +233,23 @@ def test_env_resolution_and_mount_rewriting(tmp_path: Path) -> None:
         "metadata": {"name": "p", "namespace": "ns", "uid": "u1"},
         "spec": {
             "nodeName": "n1",
-            "containers": [{
-                "name": "c",
-                "command": ["python3", "serve.py", "--token-file=/etc/rp/token", "--host", "$(POD_IP)"],
-                "env": [
-                    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-                    {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-                    {"name": "URL", "value": "http://$(POD_IP):8000"},
-                    {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "token"}}},
-                    {"name": "CACHE", "value": "/cache/models"},
-                ],
-                "volumeMounts": [{"name": "rp", "mountPath": "/etc/rp"}, {"name": "cache", "mountPath": "/cache"}],
-            }],
+            "containers": [
+                {
+                    "name": "c",
+                    "command": ["python3", "serve.py", "--token-file=/etc/rp/token", "--host", "$(POD_IP)"],
+                    "env": [
+                        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+                        {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                        {"name": "URL", "value": "http://$(POD_IP):8000"},
+                        {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "token"}}},
+                        {"name": "CACHE", "value": "/cache/models"},
+                    ],
+                    "volumeMounts": [
+                        {"name": "rp", "mountPath": "/etc/rp"},
+                        {"name": "cache", "mountPath": "/cache"},
+                    ],
+                }
+            ],
             "volumes": [{"name": "rp", "secret": {"secretName": "s"}}, {"name": "cache", "emptyDir": {}}],
         },
     }
@@ -204,7 +257,13 @@ def test_env_resolution_and_mount_rewriting(tmp_path: Path) -> None:
     vols = plan_volumes(pod, pod_dir=tmp_path, shared_dir=tmp_path / "shared", secrets=secrets, configmaps={})
     assert vols["rp"].files == {"token": b"abc"}
     plan = plan_process(pod, pod_ip="127.0.0.5", secrets=secrets, configmaps={}, volumes=vols, python="/py")
-    assert plan.argv == ["/py", "serve.py", f"--token-file={tmp_path}/volumes/rp/token", "--host", "127.0.0.5"]
+    assert plan.argv == [
+        "/py",
+        "serve.py",
+        f"--token-file={tmp_path}/volumes/rp/token",
+        "--host",
+        "127.0.0.5",
+    ]
     assert plan.env["URL"] == "http://127.0.0.5:8000"
     assert plan.env["NODE"] == "n1" and plan.env["TOKEN"] == "abc"
     assert plan.env["CACHE"] == f"{tmp_path}/volumes/cache/models"

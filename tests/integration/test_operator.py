@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,145 +14,42 @@ import httpx
 import pytest
 import yaml
 
-from rewardplane.operator.kube import Kube, KubeError, core_path, custom_path
-from rewardplane.sdk.protocol import Endpoints
-from tests.fixtures.cluster import control_plane, k8s_namespace, kube_api, node_agent  # noqa: F401
+from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
+from rewardplane.protocol import Endpoints
+from tests.fixtures.operator import (
+    SERVER_READY_S,
+    WAIT_S,
+    OperatorProcess,
+    condition,
+    get_rm,
+    kubectl_path,
+    pods_of,
+    reward_model,
+    start_operator,
+    stop_operator,
+    wait_for,
+)
 
 pytestmark = pytest.mark.cluster
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
-WAIT_S = 60.0
-SERVER_READY_S = 180.0  # a real server process loads torch and the model
-OPERATOR_START_S = 30.0
-OPERATOR_STOP_S = 20.0
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout_s: float = WAIT_S, logs: Callable[[], str] | None = None):
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.3)
-    pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})\n{logs() if logs else ''}")
-
-
-@pytest.fixture(scope="session")
-def kube(control_plane: Any) -> Iterator[Kube]:  # noqa: F811
-    client = Kube.from_environment(str(control_plane.kubeconfig))
-    for path in sorted((ROOT / "crds").glob("*.yaml")):
-        crd = yaml.safe_load(path.read_text())
-        if client.create(CRD_PATH, crd) is None:  # already there from an earlier session: refresh it
-            existing = client.get(f"{CRD_PATH}/{crd['metadata']['name']}")
-            crd["metadata"]["resourceVersion"] = existing["metadata"]["resourceVersion"]
-            client._call("PUT", f"{CRD_PATH}/{crd['metadata']['name']}", json=crd)
-
-    def established() -> bool:
-        for name in ("rewardmodels.rewardplane.io", "weightsyncs.rewardplane.io"):
-            crd = client.get(f"{CRD_PATH}/{name}") or {}
-            conds = (crd.get("status") or {}).get("conditions") or []
-            if not any(c["type"] == "Established" and c["status"] == "True" for c in conds):
-                return False
-        return True
-
-    wait_for("the CRDs to be Established", established)
-    yield client
-    client.close()
-
-
-class OperatorProcess:
-    def __init__(self, proc: subprocess.Popen[bytes], log_path: Path, metrics_port: int) -> None:
-        self.proc, self.log_path, self.metrics_port = proc, log_path, metrics_port
-
-    def logs(self, lines: int = 80) -> str:
-        text = self.log_path.read_text(errors="replace").splitlines()
-        return "operator log:\n" + "\n".join(text[-lines:])
-
-
-def start_operator(kubeconfig: Path, log_path: Path) -> OperatorProcess:
-    from tests.fixtures.servers import free_port
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "rewardplane.operator", "--kubeconfig", str(kubeconfig), "--delete-children",
-           "--metrics-port", str(port), "--resync-interval", "1"]  # fmt: skip
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    handle = OperatorProcess(proc, log_path, port)
-
-    def metrics_up() -> bool:
-        if proc.poll() is not None:
-            pytest.fail(f"operator exited with {proc.returncode}\n{handle.logs()}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for("the operator's /metrics", metrics_up, OPERATOR_START_S, handle.logs)
-    return handle
-
-
-def stop_operator(handle: OperatorProcess) -> None:
-    handle.proc.send_signal(signal.SIGINT)  # kopf stops cleanly on SIGINT/SIGTERM
-    try:
-        handle.proc.wait(timeout=OPERATOR_STOP_S)
-    except subprocess.TimeoutExpired:
-        handle.proc.kill()
-        handle.proc.wait(timeout=5)
-
-
-@pytest.fixture
-def operator(control_plane: Any, kube: Kube, tmp_path: Path) -> Iterator[OperatorProcess]:  # noqa: F811
-    handle = start_operator(control_plane.kubeconfig, tmp_path / "operator.log")
-    try:
-        yield handle
-    finally:
-        stop_operator(handle)
-
-
-@pytest.fixture
-def ns(kube: Kube, operator: OperatorProcess, k8s_namespace: str) -> Iterator[str]:  # noqa: F811
-    """A namespace whose RewardModels are deleted while the operator still runs (its finalizer
-    would otherwise keep them, and they would haunt later tests' operators)."""
-    yield k8s_namespace
-    for rm in kube.list(custom_path(k8s_namespace)):
-        kube.delete(custom_path(k8s_namespace, rm["metadata"]["name"]))
-    wait_for("the test's RewardModels deleted", lambda: not kube.list(custom_path(k8s_namespace)), 30, operator.logs)
-
-
-def reward_model(name: str, ns: str, **spec: Any) -> dict[str, Any]:
-    body = {"model": {"source": "/nonexistent/model"}, "engine": {"kind": "hf"}, "gpu": {"mode": "none"}}
-    body.update(spec)
-    return {"apiVersion": "rewardplane.io/v1alpha1", "kind": "RewardModel",
-            "metadata": {"name": name, "namespace": ns}, "spec": body}  # fmt: skip
-
-
-def get_rm(kube: Kube, ns: str, name: str) -> dict[str, Any]:
-    return kube.get(custom_path(ns, name)) or {}
-
-
-def condition(rm: dict[str, Any], ctype: str) -> dict[str, Any]:
-    return next((c for c in (rm.get("status") or {}).get("conditions") or [] if c["type"] == ctype), {})
-
-
-def pods_of(kube: Kube, ns: str, name: str) -> dict[str, dict[str, Any]]:
-    pods = kube.list(core_path("pods", ns), label_selector=f"rewardplane.io/model={name}")
-    return {p["metadata"]["name"]: p for p in pods if not p["metadata"].get("deletionTimestamp")}
 
 
 # ------------------------------------------------------------------ schema
 
 
-def test_invalid_fraction_is_refused_by_the_schema(kube: Kube, k8s_namespace: str) -> None:  # noqa: F811
-    body = reward_model("too-much", k8s_namespace, gpu={"mode": "shared", "node": "n", "deviceIds": [0],
-                                                         "memoryFraction": 1.5})  # fmt: skip
+def test_invalid_fraction_is_refused_by_the_schema(kube: Kube, k8s_namespace: str) -> None:
+    body = reward_model(
+        "too-much",
+        k8s_namespace,
+        gpu={"mode": "shared", "node": "n", "deviceIds": [0], "memoryFraction": 1.5},
+    )
     with pytest.raises(KubeError) as info:
         kube.create(custom_path(k8s_namespace), body)
     assert info.value.status == 422 and "memoryFraction" in str(info.value)
 
 
-def test_schema_defaults_are_applied(kube: Kube, k8s_namespace: str) -> None:  # noqa: F811
+def test_schema_defaults_are_applied(kube: Kube, k8s_namespace: str) -> None:
     body = reward_model("defaults", k8s_namespace)
     del body["spec"]["gpu"]
     created = kube.create(custom_path(k8s_namespace), body)
@@ -168,35 +62,58 @@ def test_schema_defaults_are_applied(kube: Kube, k8s_namespace: str) -> None:  #
 # ------------------------------------------------------------------ reconcile
 
 
-def test_pods_are_rendered_scaled_and_cleaned_up(kube: Kube, operator: OperatorProcess, node_agent: Any, ns: str) -> None:  # noqa: F811
+def test_pods_are_rendered_scaled_and_cleaned_up(
+    kube: Kube, operator: OperatorProcess, node_agent: Any, ns: str
+) -> None:
     body = reward_model("scorer", ns, replicas=1, gpu={"mode": "none", "node": node_agent.name})
     created = kube.create(custom_path(ns), body)
     assert created is not None
     wait_for("one pod", lambda: list(pods_of(kube, ns, "scorer")) == ["scorer-0"], logs=operator.logs)
     # Scale 1 → 3: replica i gets group port base + i and rank offset Σ tp of earlier replicas.
     kube.merge_patch(custom_path(ns, "scorer"), {"spec": {"replicas": 3}})
-    pods = wait_for("three pods", lambda: (p := pods_of(kube, ns, "scorer")) and len(p) == 3 and p, logs=operator.logs)
-    assert [pods[f"scorer-{i}"]["metadata"]["annotations"]["rewardplane.io/group-port"] for i in range(3)] == [
-        "51217", "51218", "51219"]
+    pods = wait_for(
+        "three pods", lambda: (p := pods_of(kube, ns, "scorer")) and len(p) == 3 and p, logs=operator.logs
+    )
+    assert [
+        pods[f"scorer-{i}"]["metadata"]["annotations"]["rewardplane.io/group-port"] for i in range(3)
+    ] == ["51217", "51218", "51219"]
     pod = pods["scorer-1"]
     assert pod["metadata"]["labels"]["rewardplane.io/replica"] == "1"
     owner = pod["metadata"]["ownerReferences"][0]
-    assert (owner["kind"], owner["name"], owner["uid"]) == ("RewardModel", "scorer", created["metadata"]["uid"])
+    assert (owner["kind"], owner["name"], owner["uid"]) == (
+        "RewardModel",
+        "scorer",
+        created["metadata"]["uid"],
+    )
     assert pod["spec"]["nodeName"] == node_agent.name
     args = pod["spec"]["containers"][0]["args"]
     assert args[args.index("--host") + 1] == "$(POD_IP)" and args[args.index("--engine") + 1] == "hf"
     assert kube.get(core_path("secrets", ns, "scorer-control-token")) is not None
     assert kube.get(core_path("services", ns, "scorer"))["spec"]["clusterIP"] == "None"
-    rm = wait_for("status endpoints", lambda: len((get_rm(kube, ns, "scorer").get("status") or {}).get("endpoints") or []) == 3
-                  and get_rm(kube, ns, "scorer"), logs=operator.logs)  # fmt: skip
-    assert rm["status"]["ready"] == "0/3" and rm["status"]["observedGeneration"] == rm["metadata"]["generation"]
+    rm = wait_for(
+        "status endpoints",
+        lambda: (
+            len((get_rm(kube, ns, "scorer").get("status") or {}).get("endpoints") or []) == 3
+            and get_rm(kube, ns, "scorer")
+        ),
+        logs=operator.logs,
+    )
+    assert (
+        rm["status"]["ready"] == "0/3" and rm["status"]["observedGeneration"] == rm["metadata"]["generation"]
+    )
     assert [e["rankOffset"] for e in sorted(rm["status"]["endpoints"], key=lambda e: e["pod"])] == [0, 1, 2]
 
     # Deleted pod → recreated.
     kube.delete(core_path("pods", ns, "scorer-0"))
-    wait_for("scorer-0 recreated", lambda: "scorer-0" in pods_of(kube, ns, "scorer")
-             and pods_of(kube, ns, "scorer")["scorer-0"]["metadata"]["uid"] != pods["scorer-0"]["metadata"]["uid"],
-             logs=operator.logs)  # fmt: skip
+    wait_for(
+        "scorer-0 recreated",
+        lambda: (
+            "scorer-0" in pods_of(kube, ns, "scorer")
+            and pods_of(kube, ns, "scorer")["scorer-0"]["metadata"]["uid"]
+            != pods["scorer-0"]["metadata"]["uid"]
+        ),
+        logs=operator.logs,
+    )
 
     # Scale 3 → 1, then change the spec → pods replaced.
     kube.merge_patch(custom_path(ns, "scorer"), {"spec": {"replicas": 1}})
@@ -213,30 +130,46 @@ def test_pods_are_rendered_scaled_and_cleaned_up(kube: Kube, operator: OperatorP
     # Delete → every child gone (no garbage collector here: the operator deletes them).
     kube.delete(custom_path(ns, "scorer"))
     wait_for("the RewardModel gone", lambda: kube.get(custom_path(ns, "scorer")) is None, logs=operator.logs)
-    wait_for("children gone", lambda: not kube.list(core_path("pods", ns), label_selector="rewardplane.io/model=scorer")
-             and kube.get(core_path("services", ns, "scorer")) is None
-             and kube.get(core_path("secrets", ns, "scorer-control-token")) is None, logs=operator.logs)  # fmt: skip
+    wait_for(
+        "children gone",
+        lambda: (
+            not kube.list(core_path("pods", ns), label_selector="rewardplane.io/model=scorer")
+            and kube.get(core_path("services", ns, "scorer")) is None
+            and kube.get(core_path("secrets", ns, "scorer-control-token")) is None
+        ),
+        logs=operator.logs,
+    )
 
 
 def test_overcommitted_device_ends_degraded_with_an_event(
-    kube: Kube, operator: OperatorProcess, node_agent: Any, ns: str  # noqa: F811
+    kube: Kube,
+    operator: OperatorProcess,
+    node_agent: Any,
+    ns: str,
 ) -> None:
     # Zero replicas still claims nothing; one replica on device 0 claims 0.6 of it.
     gpu = {"mode": "shared", "node": node_agent.name, "deviceIds": [0], "memoryFraction": 0.6}
     kube.create(custom_path(ns), reward_model("first", ns, gpu=gpu))
     wait_for("first placed", lambda: pods_of(kube, ns, "first"), logs=operator.logs)
     kube.create(custom_path(ns), reward_model("second", ns, gpu=gpu))
-    rm = wait_for("second refused", lambda: (r := get_rm(kube, ns, "second")).get("status", {}).get("phase") == "Failed"
-                  and r, logs=operator.logs)  # fmt: skip
+    rm = wait_for(
+        "second refused",
+        lambda: (r := get_rm(kube, ns, "second")).get("status", {}).get("phase") == "Failed" and r,
+        logs=operator.logs,
+    )
     degraded = condition(rm, "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "PlacementRefused"
     assert f"RewardModel {ns}/first 0.6" in degraded["message"] and "memoryFraction" in degraded["message"]
     assert not pods_of(kube, ns, "second")
 
     def warning_event() -> list[dict[str, Any]]:
-        return [e for e in kube.list(core_path("events", ns))
-                if e["involvedObject"].get("name") == "second" and e["type"] == "Warning"
-                and e["reason"] == "PlacementRefused"]  # fmt: skip
+        return [
+            e
+            for e in kube.list(core_path("events", ns))
+            if e["involvedObject"].get("name") == "second"
+            and e["type"] == "Warning"
+            and e["reason"] == "PlacementRefused"
+        ]
 
     events = wait_for("a Warning event on second", warning_event, logs=operator.logs)
     assert "over-committed" in events[0]["message"]
@@ -254,25 +187,39 @@ def test_operator_metrics(operator: OperatorProcess) -> None:
 
 @pytest.mark.slow
 def test_tiny_model_becomes_ready_with_endpoints(
-    kube: Kube, operator: OperatorProcess, node_agent: Any, ns: str, tiny_model_dir: Path,  # noqa: F811
-    control_plane: Any,  # noqa: F811
+    kube: Kube,
+    operator: OperatorProcess,
+    node_agent: Any,
+    ns: str,
+    tiny_model_dir: Path,
+    control_plane: Any,
 ) -> None:
     name = f"tiny-{uuid.uuid4().hex[:4]}"
     body = reward_model(name, ns, gpu={"mode": "none", "node": node_agent.name})
     body["spec"]["model"] = {"source": str(tiny_model_dir), "dtype": "float32"}
     kube.create(custom_path(ns), body)
-    rm = wait_for(f"{name} Ready", lambda: (r := get_rm(kube, ns, name)).get("status", {}).get("phase") == "Ready" and r,
-                  SERVER_READY_S, lambda: operator.logs() + "\n" + node_agent.log_tail())  # fmt: skip
+    rm = wait_for(
+        f"{name} Ready",
+        lambda: (r := get_rm(kube, ns, name)).get("status", {}).get("phase") == "Ready" and r,
+        SERVER_READY_S,
+        lambda: operator.logs() + "\n" + node_agent.log_tail(),
+    )
     (endpoint,) = rm["status"]["endpoints"]
     assert endpoint["ready"] and endpoint["weightsVersion"] == 0 and rm["status"]["readyReplicas"] == 1
     health = httpx.get(endpoint["url"] + Endpoints.HEALTH, timeout=5).json()
     assert health["type"] == "reward_model"
-    assert condition(rm, "Available")["status"] == "True" and condition(rm, "WeightsInSync")["status"] == "True"
+    assert (
+        condition(rm, "Available")["status"] == "True" and condition(rm, "WeightsInSync")["status"] == "True"
+    )
 
-    kubectl = _kubectl()
+    kubectl = kubectl_path()
     if kubectl:
-        table = subprocess.run([kubectl, "--kubeconfig", str(control_plane.kubeconfig), "get", "rm", "-n", ns],
-                               capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+        table = subprocess.run(
+            [kubectl, "--kubeconfig", str(control_plane.kubeconfig), "get", "rm", "-n", ns],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         header, row = table.splitlines()[:2]
         assert header.split() == ["NAME", "READY", "PHASE", "MODEL", "VERSION", "GPU-FRAC", "AGE"]
         assert row.split()[:6] == [name, "1/1", "Ready", str(tiny_model_dir), "0", "0.9"]
@@ -286,11 +233,19 @@ def test_tiny_model_becomes_ready_with_endpoints(
         pod = pods_of(kube, ns, name).get(f"{name}-0") or {}
         statuses = (pod.get("status") or {}).get("containerStatuses") or [{}]
         status = get_rm(kube, ns, name).get("status") or {}
-        return statuses[0].get("restartCount", 0) >= 1 and status.get("phase") == "Ready" and bool(
-            status.get("endpoints")) and status["endpoints"][0]["ready"]
+        return (
+            statuses[0].get("restartCount", 0) >= 1
+            and status.get("phase") == "Ready"
+            and bool(status.get("endpoints"))
+            and status["endpoints"][0]["ready"]
+        )
 
-    wait_for("the killed server restarted and Ready", restarted_and_ready, SERVER_READY_S,
-             lambda: operator.logs() + node_agent.log_tail())
+    wait_for(
+        "the killed server restarted and Ready",
+        restarted_and_ready,
+        SERVER_READY_S,
+        lambda: operator.logs() + node_agent.log_tail(),
+    )
 
     # A deleted Pod comes back, and the status follows it down and up again.
     old_uid = pods_of(kube, ns, name)[f"{name}-0"]["metadata"]["uid"]
@@ -299,39 +254,52 @@ def test_tiny_model_becomes_ready_with_endpoints(
     def ready_again() -> bool:
         pod = pods_of(kube, ns, name).get(f"{name}-0")
         status = get_rm(kube, ns, name).get("status") or {}
-        return bool(pod) and pod["metadata"]["uid"] != old_uid and status.get("phase") == "Ready" and (
-            status["endpoints"][0]["pod"] == f"{name}-0" and status["endpoints"][0]["ready"])
+        return (
+            bool(pod)
+            and pod["metadata"]["uid"] != old_uid
+            and status.get("phase") == "Ready"
+            and (status["endpoints"][0]["pod"] == f"{name}-0" and status["endpoints"][0]["ready"])
+        )
 
-    wait_for("the replaced pod Ready", ready_again, SERVER_READY_S, lambda: operator.logs() + node_agent.log_tail())
+    wait_for(
+        "the replaced pod Ready", ready_again, SERVER_READY_S, lambda: operator.logs() + node_agent.log_tail()
+    )
 
 
-def _kubectl() -> str | None:
-    candidates = [Path.home() / ".cache" / "rewardplane" / "bin" / "kubectl"]
-    return shutil.which("kubectl") if not candidates[0].exists() else str(candidates[0])
-
-
-def test_kubectl_explain_and_apply(kube: Kube, control_plane: Any, k8s_namespace: str, tmp_path: Path) -> None:  # noqa: F811
-    kubectl = _kubectl()
+def test_kubectl_explain_and_apply(
+    kube: Kube, control_plane: Any, k8s_namespace: str, tmp_path: Path
+) -> None:
+    kubectl = kubectl_path()
     if kubectl is None:
         pytest.skip("kubectl not installed (scripts/install-k8s-tools.sh installs it)")
     base = [kubectl, "--kubeconfig", str(control_plane.kubeconfig)]
 
     def explain() -> str:
         # The API server publishes a new CRD's OpenAPI schema a few seconds after it is Established.
-        out = subprocess.run([*base, "explain", "rewardmodel.spec.gpu.memoryFraction"],
-                             capture_output=True, text=True, timeout=30)  # fmt: skip
+        out = subprocess.run(
+            [*base, "explain", "rewardmodel.spec.gpu.memoryFraction"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return out.stdout if out.returncode == 0 else ""
 
     assert "gpu-memory-utilization" in wait_for("kubectl explain", explain, WAIT_S)
     manifest = tmp_path / "bad.yaml"
     bad = reward_model("bad-fraction", k8s_namespace, gpu={"mode": "exclusive", "memoryFraction": 1.5})
     manifest.write_text(yaml.safe_dump(bad))
-    applied = subprocess.run([*base, "apply", "-f", str(manifest)], capture_output=True, text=True, timeout=30)
+    applied = subprocess.run(
+        [*base, "apply", "-f", str(manifest)], capture_output=True, text=True, timeout=30
+    )
     assert applied.returncode != 0 and "memoryFraction" in applied.stderr
 
 
 def test_operator_runs_with_the_charts_rbac(
-    kube: Kube, control_plane: Any, node_agent: Any, k8s_namespace: str, tmp_path: Path  # noqa: F811
+    kube: Kube,
+    control_plane: Any,
+    node_agent: Any,
+    k8s_namespace: str,
+    tmp_path: Path,
 ) -> None:
     """Install the chart, then run the operator as its ServiceAccount: the ClusterRole must be enough."""
     helm = Path.home() / ".cache" / "rewardplane" / "bin" / "helm"
@@ -340,13 +308,21 @@ def test_operator_runs_with_the_charts_rbac(
         pytest.skip("helm not installed (scripts/install-k8s-tools.sh installs it)")
     ns, release = k8s_namespace, f"rp-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "KUBECONFIG": str(control_plane.kubeconfig)}
-    installed = subprocess.run([helm_bin, "install", release, str(ROOT / "charts" / "rewardplane"), "-n", ns,
-                                "--skip-crds"], capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    installed = subprocess.run(
+        [helm_bin, "install", release, str(ROOT / "charts" / "rewardplane"), "-n", ns, "--skip-crds"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert installed.returncode == 0, installed.stderr
     try:
         account = f"{release}-rewardplane"
-        token = kube._call("POST", core_path("serviceaccounts", ns, account) + "/token",
-                           json={"spec": {"expirationSeconds": 3600}})["status"]["token"]  # fmt: skip
+        token = kube._call(
+            "POST",
+            core_path("serviceaccounts", ns, account) + "/token",
+            json={"spec": {"expirationSeconds": 3600}},
+        )["status"]["token"]
         config = yaml.safe_load(control_plane.kubeconfig.read_text())
         for user in config["users"]:
             user["user"] = {"token": token}
@@ -354,12 +330,25 @@ def test_operator_runs_with_the_charts_rbac(
         kubeconfig.write_text(yaml.safe_dump(config))
         handle = start_operator(kubeconfig, tmp_path / "operator-sa.log")
         try:
-            kube.create(custom_path(ns), reward_model("rbac", ns, gpu={"mode": "none", "node": node_agent.name}))
-            wait_for("pod and status written as the ServiceAccount", lambda: pods_of(kube, ns, "rbac")
-                     and (get_rm(kube, ns, "rbac").get("status") or {}).get("phase"), logs=handle.logs)  # fmt: skip
+            kube.create(
+                custom_path(ns), reward_model("rbac", ns, gpu={"mode": "none", "node": node_agent.name})
+            )
+            wait_for(
+                "pod and status written as the ServiceAccount",
+                lambda: (
+                    pods_of(kube, ns, "rbac") and (get_rm(kube, ns, "rbac").get("status") or {}).get("phase")
+                ),
+                logs=handle.logs,
+            )
             kube.delete(custom_path(ns, "rbac"))
-            wait_for("cleanup as the ServiceAccount", lambda: kube.get(custom_path(ns, "rbac")) is None
-                     and kube.get(core_path("secrets", ns, "rbac-control-token")) is None, logs=handle.logs)  # fmt: skip
+            wait_for(
+                "cleanup as the ServiceAccount",
+                lambda: (
+                    kube.get(custom_path(ns, "rbac")) is None
+                    and kube.get(core_path("secrets", ns, "rbac-control-token")) is None
+                ),
+                logs=handle.logs,
+            )
             assert 'User "system:serviceaccount' not in handle.log_path.read_text(), "RBAC denied a call"
         finally:
             stop_operator(handle)

@@ -7,8 +7,8 @@ import time
 
 import httpx
 
-from rewardplane.sdk.naming import select_head
-from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
+from rewardplane.protocol import RewardModelTrainingMode as Mode
+from rewardplane.protocol.naming import select_head
 from tests.fixtures.models import TEXTS
 from tests.fixtures.trainer import logits, perturbed
 from tests.integration.test_weight_sync import TOKEN, close, served, sync_for

@@ -16,16 +16,18 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def one_label(tiny_model_dir, tmp_path_factory):
-    from tests.fixtures.servers import start_server
+    from rewardplane.testing.servers import start_server
 
-    h = start_server(tiny_model_dir, tmp_path_factory.mktemp("srv1"), max_items_per_request=32, max_model_len=64)
+    h = start_server(
+        tiny_model_dir, tmp_path_factory.mktemp("srv1"), max_items_per_request=32, max_model_len=64
+    )
     yield h
     h.stop()
 
 
 @pytest.fixture(scope="module")
 def three_labels(tiny_model_dir_3labels, tmp_path_factory):
-    from tests.fixtures.servers import start_server
+    from rewardplane.testing.servers import start_server
 
     h = start_server(tiny_model_dir_3labels, tmp_path_factory.mktemp("srv3"))
     yield h
@@ -33,7 +35,9 @@ def three_labels(tiny_model_dir_3labels, tmp_path_factory):
 
 
 def _close(a: list[float], b: list[float], tol: float = TOL) -> bool:
-    return len(a) == len(b) and all(math.isclose(x, y, abs_tol=tol, rel_tol=tol) for x, y in zip(a, b, strict=True))
+    return len(a) == len(b) and all(
+        math.isclose(x, y, abs_tol=tol, rel_tol=tol) for x, y in zip(a, b, strict=True)
+    )
 
 
 def test_health_and_info(one_label):
@@ -47,7 +51,9 @@ def test_health_and_info(one_label):
 @pytest.mark.parametrize("fixture_name", ["one_label", "three_labels"])
 def test_score_classify_pooling_equal_model_logits(request, fixture_name):
     h = request.getfixturevalue(fixture_name)
-    model_dir = request.getfixturevalue("tiny_model_dir" if fixture_name == "one_label" else "tiny_model_dir_3labels")
+    model_dir = request.getfixturevalue(
+        "tiny_model_dir" if fixture_name == "one_label" else "tiny_model_dir_3labels"
+    )
     expected = reference_logits(model_dir, TEXTS)
     nl = len(expected[0])
 
@@ -67,7 +73,9 @@ def test_score_classify_pooling_equal_model_logits(request, fixture_name):
             assert _close(d["score"], [math.exp(v) / z for v in e])
 
     # vLLM shapes: /classify reads data[-1]["probs"][-1] in the peer reward loop; raw by default
-    cls = httpx.post(f"{h.url}/classify", json={"model": "reward-model", "input": TEXTS, "activation": False}).json()
+    cls = httpx.post(
+        f"{h.url}/classify", json={"model": "reward-model", "input": TEXTS, "activation": False}
+    ).json()
     assert all(_close(d["probs"], e) for d, e in zip(cls["data"], expected, strict=True))
     assert cls["data"][0]["num_classes"] == nl
     cls_raw_default = httpx.post(f"{h.url}/classify", json={"input": TEXTS[0]}).json()
@@ -149,11 +157,19 @@ def test_truncate_keeps_the_end(one_label, tiny_model_dir):
 def test_metrics_exposed(one_label):
     httpx.post(f"{one_label.url}/score", json={"input": ["a"]})
     text = httpx.get(f"{one_label.url}/metrics").text
-    for name in ("rewardplane_requests_total", "rewardplane_request_seconds", "rewardplane_batch_items",
-                 "rewardplane_prompt_tokens_total", "rewardplane_errors_total", "rewardplane_weights_version"):
+    for name in (
+        "rewardplane_requests_total",
+        "rewardplane_request_seconds",
+        "rewardplane_batch_items",
+        "rewardplane_prompt_tokens_total",
+        "rewardplane_errors_total",
+        "rewardplane_weights_version",
+    ):
         assert name in text, name
 
 
 def test_control_plane_needs_a_token(one_label):
-    r = httpx.post(f"{one_label.url}/init_communicator", json={"host": "127.0.0.1", "port": 1, "world_size": 2})
+    r = httpx.post(
+        f"{one_label.url}/init_communicator", json={"host": "127.0.0.1", "port": 1, "world_size": 2}
+    )
     assert r.status_code == 403 and "REWARDPLANE_TOKEN" in r.json()["error"]

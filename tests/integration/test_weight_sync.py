@@ -11,12 +11,12 @@ import httpx
 import pytest
 import torch
 
+from rewardplane.protocol import RewardModelTrainingMode as Mode
+from rewardplane.protocol.naming import WeightValidationError, select_head
 from rewardplane.sdk.direct_sync import DirectWeightSync
-from rewardplane.sdk.naming import WeightValidationError, select_head
-from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
 from rewardplane.sdk.retry import RewardServerError
+from rewardplane.testing.servers import free_port
 from tests.fixtures.models import TEXTS
-from tests.fixtures.servers import free_port
 from tests.fixtures.trainer import load_model, logits, perturbed, run_dying_trainer, run_rank0_learners
 
 TOKEN = "secret"
@@ -25,18 +25,24 @@ TOL = 1e-4
 
 def served(h, texts=TEXTS):
     body = httpx.post(f"{h.url}/score", json={"input": texts, "normalize": False}, timeout=30).json()
-    return [d["score"] if isinstance(d["score"], list) else [d["score"]] for d in body["data"]], body["version"]
+    return [d["score"] if isinstance(d["score"], list) else [d["score"]] for d in body["data"]], body[
+        "version"
+    ]
 
 
 def close(a, b, tol=TOL):
-    return all(math.isclose(x, y, abs_tol=tol, rel_tol=tol) for ra, rb in zip(a, b, strict=True)
-               for x, y in zip(ra, rb, strict=True))
+    return all(
+        math.isclose(x, y, abs_tol=tol, rel_tol=tol)
+        for ra, rb in zip(a, b, strict=True)
+        for x, y in zip(ra, rb, strict=True)
+    )
 
 
 def sync_for(*handles, **kw):
     kw.setdefault("connect_timeout_s", 30)
-    return DirectWeightSync([h.url for h in handles], group_port=free_port(), token=TOKEN, trainer_host="127.0.0.1",
-                            **kw)
+    return DirectWeightSync(
+        [h.url for h in handles], group_port=free_port(), token=TOKEN, trainer_host="127.0.0.1", **kw
+    )
 
 
 @pytest.fixture
@@ -60,7 +66,9 @@ def test_full_push_scores_equal_trainer_and_version_served(server, tiny_model_di
         sync.sync(model2.state_dict(), version=6)
         assert close(served(server)[0], logits(model2, tiny_model_dir, TEXTS))
         # where the push's time went: the server's timeline, in order, on the trainer's clock
-        tasks = httpx.get(f"{server.url}/get_num_background_tasks", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        tasks = httpx.get(
+            f"{server.url}/get_num_background_tasks", headers={"Authorization": f"Bearer {TOKEN}"}
+        ).json()
         last = tasks["last_update"]
         assert (last["version"], last["ok"], last["mode"]) == (6, True, "full")
         ms = last["after_announce_ms"]
@@ -121,8 +129,16 @@ def test_lora_merged_push_then_fresh_adapters(server, tiny_model_dir):
     from rewardplane.sdk.lora import merge_sync_reinit
 
     base = load_model(tiny_model_dir)
-    peft_model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                 modules_to_save=["score"], task_type="SEQ_CLS"))
+    peft_model = get_peft_model(
+        base,
+        LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            modules_to_save=["score"],
+            task_type="SEQ_CLS",
+        ),
+    )
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():  # stand-in for training: non-zero adapters and a changed head
         for p in peft_model.parameters():
@@ -147,8 +163,9 @@ def test_adapter_sync_falls_back_to_full(server, tiny_model_dir):
 
     from rewardplane.sdk.lora import LoraSync
 
-    peft_model = get_peft_model(load_model(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj"],
-                                                                        task_type="SEQ_CLS"))
+    peft_model = get_peft_model(
+        load_model(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj"], task_type="SEQ_CLS")
+    )
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
             if "lora_B" in n:
@@ -168,7 +185,9 @@ def test_adapter_sync_falls_back_to_full(server, tiny_model_dir):
         assert close(served(server)[0], expected)
         strict = LoraSync(Client(), mode="adapter", fallback_to_full=False)
         with pytest.raises(RuntimeError, match="cannot take adapters"):
-            strict.sync(get_peft_model(load_model(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj"])), 2)
+            strict.sync(
+                get_peft_model(load_model(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj"])), 2
+            )
     finally:
         sync.close()
 
@@ -231,9 +250,11 @@ def test_bad_metadata_rejected_before_any_receive(server, tiny_model_dir):
     model = perturbed(tiny_model_dir, seed=7)
     auth = {"Authorization": f"Bearer {TOKEN}"}
     # the server checks every announced entry against its model and answers 400 before receiving
-    bad = [{"name": "score.weight", "dtype": "float32", "shape": [2, 64]},
-           {"name": "model.layers.99.mlp.up_proj.weight", "dtype": "float32", "shape": [3, 3]},
-           {"name": "model.norm.weight", "dtype": "int64", "shape": [64]}]
+    bad = [
+        {"name": "score.weight", "dtype": "float32", "shape": [2, 64]},
+        {"name": "model.layers.99.mlp.up_proj.weight", "dtype": "float32", "shape": [3, 3]},
+        {"name": "model.norm.weight", "dtype": "int64", "shape": [64]},
+    ]
     r = httpx.post(f"{server.url}/update_param_batch", json={"metadata": bad, "version": 1}, headers=auth)
     assert r.status_code == 400, r.text
     for needle in ("score.weight", "model.layers.99.mlp.up_proj.weight", "int64"):
@@ -245,7 +266,10 @@ def test_bad_metadata_rejected_before_any_receive(server, tiny_model_dir):
         bad_shape["score.weight"] = torch.zeros(2, bad_shape["score.weight"].shape[1])
         with pytest.raises(WeightValidationError, match="score.weight"):
             sync.sync(bad_shape, version=1)
-        unknown = {"score.weight": model.score.weight, "model.layers.99.mlp.up_proj.weight": torch.zeros(3, 3)}
+        unknown = {
+            "score.weight": model.score.weight,
+            "model.layers.99.mlp.up_proj.weight": torch.zeros(3, 3),
+        }
         with pytest.raises(WeightValidationError, match=r"model\.layers\.99"):
             sync.sync(unknown, version=1, training_mode=Mode.FULL)
         assert served(server)[1] == 0  # still the old version, still serving
@@ -264,14 +288,20 @@ def test_layout_announced_once_then_named_by_id(server, tiny_model_dir):
     re-sending and re-validating every entry); an id the server does not know is refused before
     anything starts, and the SDK then announces the metadata again."""
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    r = httpx.post(f"{server.url}/update_param_batch", json={"layout_id": "0123456789abcdef", "version": 1},
-                   headers=auth)
+    r = httpx.post(
+        f"{server.url}/update_param_batch", json={"layout_id": "0123456789abcdef", "version": 1}, headers=auth
+    )
     assert r.status_code == 409 and "announce the metadata again" in r.json()["error"], r.text
     meta = [{"name": "score.weight", "dtype": "float32", "shape": [1, 64]}]
-    r = httpx.post(f"{server.url}/update_param_batch", json={"metadata": meta, "layout_id": "0123456789abcdef"},
-                   headers=auth)
+    r = httpx.post(
+        f"{server.url}/update_param_batch",
+        json={"metadata": meta, "layout_id": "0123456789abcdef"},
+        headers=auth,
+    )
     assert r.status_code == 422 and "layout_id does not match" in r.text
-    assert httpx.get(f"{server.url}/get_num_background_tasks", headers=auth).json()["num_background_tasks"] == 0
+    assert (
+        httpx.get(f"{server.url}/get_num_background_tasks", headers=auth).json()["num_background_tasks"] == 0
+    )
 
     sync = sync_for(server, bucket_bytes=1 << 16)
     announces: list[dict] = []
@@ -302,10 +332,14 @@ def test_layout_announced_once_then_named_by_id(server, tiny_model_dir):
 @pytest.mark.parametrize("header", [None, "Bearer wrong", "Basic c2VjcmV0"])
 def test_control_plane_needs_the_right_token(server, header):
     headers = {"Authorization": header} if header else {}
-    for path, body in [("/init_communicator", {"host": "127.0.0.1", "port": 1, "world_size": 2}),
-                       ("/update_param_batch", {"metadata": [{"name": "score.weight", "dtype": "float32",
-                                                             "shape": [1, 64]}]}),
-                       ("/close_communicator", {})]:
+    for path, body in [
+        ("/init_communicator", {"host": "127.0.0.1", "port": 1, "world_size": 2}),
+        (
+            "/update_param_batch",
+            {"metadata": [{"name": "score.weight", "dtype": "float32", "shape": [1, 64]}]},
+        ),
+        ("/close_communicator", {}),
+    ]:
         r = httpx.post(f"{server.url}{path}", json=body, headers=headers)
         assert r.status_code == 401, (path, r.text)
         assert "token" in r.json()["error"]
@@ -321,9 +355,13 @@ def test_trainer_killed_mid_broadcast(server, tiny_model_dir, atomic):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # the server gives up within its group timeout (3 s here)
         state = httpx.get(f"{server.url}/runtime_version").json()
-        if state["state"] != "updating" and httpx.get(
-            f"{server.url}/get_num_background_tasks", headers={"Authorization": f"Bearer {TOKEN}"}
-        ).json()["num_background_tasks"] == 0:
+        if (
+            state["state"] != "updating"
+            and httpx.get(
+                f"{server.url}/get_num_background_tasks", headers={"Authorization": f"Bearer {TOKEN}"}
+            ).json()["num_background_tasks"]
+            == 0
+        ):
             break
         time.sleep(0.2)
     state = httpx.get(f"{server.url}/runtime_version").json()

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rewardplane.sdk.auth import auth_headers, resolve_token, token_matches
-from rewardplane.sdk.protocol import TOKEN_ENV, TOKEN_FILE_ENV
+from rewardplane.protocol import TOKEN_ENV, TOKEN_FILE_ENV
+from rewardplane.protocol.auth import auth_headers, resolve_token, token_matches
 
 
 def test_precedence(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Seed 004's deterministic contiguous chunking (pure, no sockets)."""
+"""Deterministic contiguous chunking (pure, no sockets)."""
 
 from __future__ import annotations
 
@@ -127,10 +127,15 @@ def test_client_request_plan() -> None:
         # A per-request cap cuts each server's chunk further, keeping order and server.
         client.max_items_per_request = 16
         assert client._plan(100) == [
-            (0, range(0, 16)), (0, range(16, 32)), (0, range(32, 34)),
-            (1, range(34, 50)), (1, range(50, 66)), (1, range(66, 68)),
-            (2, range(68, 84)), (2, range(84, 100)),
-        ]  # fmt: skip
+            (0, range(0, 16)),
+            (0, range(16, 32)),
+            (0, range(32, 34)),
+            (1, range(34, 50)),
+            (1, range(50, 66)),
+            (1, range(66, 68)),
+            (2, range(68, 84)),
+            (2, range(84, 100)),
+        ]
         assert client.group_ports == [51217, 51218, 51219]
     finally:
         client.close()

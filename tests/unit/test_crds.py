@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
+from rewardplane.api.spec import RewardModelSpec
 from rewardplane.operator.planning import ClusterView, NodeInfo, plan_reward_model, validate_spec
-from rewardplane.operator.spec import RewardModelSpec
 from rewardplane.operator.status import ProbeResult, compute_status
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,8 +45,19 @@ def schema_errors(value: Any, schema: dict[str, Any], path: str = "") -> list[st
     if schema.get("x-kubernetes-int-or-string"):
         return [] if isinstance(value, int | str) else [f"{path}: not int-or-string"]
     kind = schema.get("type")
-    checks = {"object": dict, "array": list, "string": str, "boolean": bool, "integer": int, "number": int | float}
-    if kind and not isinstance(value, checks[kind]) or (kind in ("integer", "number") and isinstance(value, bool)):
+    checks = {
+        "object": dict,
+        "array": list,
+        "string": str,
+        "boolean": bool,
+        "integer": int,
+        "number": int | float,
+    }
+    if (
+        kind
+        and not isinstance(value, checks[kind])
+        or (kind in ("integer", "number") and isinstance(value, bool))
+    ):
         return [f"{path}: expected {kind}, got {value!r}"]
     errors = []
     if "enum" in schema and value not in schema["enum"]:
@@ -124,13 +135,17 @@ def test_every_field_is_described_and_typed(schema: dict[str, Any]) -> None:
         if path in (".metadata",) or path.endswith(("{}", "[]")):  # kubectl explain shows the list's own
             continue
         assert node.get("description"), f"{path} has no description (kubectl explain shows nothing)"
-        assert node.get("type") or node.get("x-kubernetes-int-or-string"), f"{path} has no type (not structural)"
+        assert node.get("type") or node.get("x-kubernetes-int-or-string"), (
+            f"{path} has no type (not structural)"
+        )
         assert "x-kubernetes-validations" not in node, "CEL is not enforced on Kubernetes 1.20"
 
 
 @pytest.mark.parametrize("schema", [RM_SCHEMA, WS_SCHEMA], ids=["RewardModel", "WeightSync"])
 def test_kopf_status_is_preserved(schema: dict[str, Any]) -> None:
-    assert schema["properties"]["status"]["properties"]["kopf"]["x-kubernetes-preserve-unknown-fields"] is True
+    assert (
+        schema["properties"]["status"]["properties"]["kopf"]["x-kubernetes-preserve-unknown-fields"] is True
+    )
 
 
 def test_rewardmodel_bounds() -> None:
@@ -168,23 +183,37 @@ def test_crd_defaults_match_the_operators_defaults() -> None:
 def test_schema_refuses_what_the_issue_names() -> None:
     base = {"model": {"source": "x"}}
     assert schema_errors(base, RM_SCHEMA["properties"]["spec"]) == []
-    for bad in ({"gpu": {"memoryFraction": 1.5}}, {"gpu": {"memoryFraction": 0}}, {"replicas": -1},
-                {"ports": {"http": 70000}}, {"ports": {"group": 0}}, {"gpu": {"mode": "half"}}):  # fmt: skip
+    for bad in (
+        {"gpu": {"memoryFraction": 1.5}},
+        {"gpu": {"memoryFraction": 0}},
+        {"replicas": -1},
+        {"ports": {"http": 70000}},
+        {"ports": {"group": 0}},
+        {"gpu": {"mode": "half"}},
+    ):
         assert schema_errors({**base, **bad}, RM_SCHEMA["properties"]["spec"]), bad
         assert validate_spec({**base, **bad}), f"the operator must refuse {bad} too (no CEL on 1.20)"
 
 
 def test_operator_status_fits_the_status_schema() -> None:
     """kopf and our patches are pruned silently when a field is missing from the schema."""
-    body = {"metadata": {"name": "rm", "namespace": "d", "uid": "u", "generation": 2},
-            "spec": {"model": {"source": "x"}, "engine": {"kind": "hf"}, "gpu": {"mode": "none"}, "replicas": 2}}  # fmt: skip
+    body = {
+        "metadata": {"name": "rm", "namespace": "d", "uid": "u", "generation": 2},
+        "spec": {"model": {"source": "x"}, "engine": {"kind": "hf"}, "gpu": {"mode": "none"}, "replicas": 2},
+    }
     plan = plan_reward_model(body, ClusterView(nodes=(NodeInfo("n"),)))
     pods = [
-        {"metadata": {"name": f"rm-{i}", "labels": {"rewardplane.io/replica": str(i)},
-                      "annotations": {"rewardplane.io/group-port": "51217", "rewardplane.io/rank-offset": "0"}},
-         "spec": {"nodeName": "n"}, "status": {"podIP": "127.0.0.2", "conditions": [{"type": "Ready", "status": "True"}]}}
+        {
+            "metadata": {
+                "name": f"rm-{i}",
+                "labels": {"rewardplane.io/replica": str(i)},
+                "annotations": {"rewardplane.io/group-port": "51217", "rewardplane.io/rank-offset": "0"},
+            },
+            "spec": {"nodeName": "n"},
+            "status": {"podIP": "127.0.0.2", "conditions": [{"type": "Ready", "status": "True"}]},
+        }
         for i in range(2)
-    ]  # fmt: skip
+    ]
     status = compute_status(body, plan, pods, {"rm-0": ProbeResult(1, "serving")}, "2026-01-01T00:00:00Z")
     assert schema_errors(status, RM_SCHEMA["properties"]["status"], "status") == []
     failed = compute_status(body, None, pods, {}, "2026-01-01T00:00:00Z", errors=["x"])
@@ -199,8 +228,12 @@ EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
 
 def test_examples_exist() -> None:
     names = {p.name for p in EXAMPLE_FILES}
-    assert {"rewardmodel.yaml", "rewardmodel-exclusive-gpu.yaml", "rewardmodel-shared-gpu.yaml",
-            "rewardmodel-multi-replica.yaml"} <= names  # fmt: skip
+    assert {
+        "rewardmodel.yaml",
+        "rewardmodel-exclusive-gpu.yaml",
+        "rewardmodel-shared-gpu.yaml",
+        "rewardmodel-multi-replica.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", EXAMPLE_FILES, ids=lambda p: p.name)
@@ -216,7 +249,7 @@ def test_examples_are_valid(path: Path) -> None:
 def test_cpu_example_matches_the_tiny_model_script() -> None:
     doc = yaml.safe_load((EXAMPLES / "rewardmodel.yaml").read_text())
     spec = doc["spec"]
-    assert spec["model"]["source"] == "/tmp/rewardplane-tiny-rm"
+    assert spec["model"]["source"] == "file:///tmp/rewardplane-tiny-rm"  # where make_tiny_model.py writes
     assert (spec["engine"]["kind"], spec["gpu"]["mode"]) == ("hf", "none")
 
 
@@ -227,7 +260,9 @@ def test_chart_crds_are_the_repository_crds() -> None:
     chart_crds = sorted(p.name for p in (CHART / "crds").iterdir())
     assert chart_crds == sorted(p.name for p in CRDS.glob("*.yaml"))
     for name in chart_crds:
-        assert (CHART / "crds" / name).read_bytes() == (CRDS / name).read_bytes(), f"{name} drifted from crds/"
+        assert (CHART / "crds" / name).read_bytes() == (CRDS / name).read_bytes(), (
+            f"{name} drifted from crds/"
+        )
 
 
 def test_chart_rbac_covers_what_the_operator_touches() -> None:
@@ -235,7 +270,13 @@ def test_chart_rbac_covers_what_the_operator_touches() -> None:
     lines = (CHART / "templates" / "rbac.yaml").read_text().splitlines()
     text = "\n".join(line for line in lines if "{{" not in line)
     rules = next(d for d in yaml.safe_load_all(text) if d and d.get("kind") == "ClusterRole")["rules"]
-    granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    granted = {
+        (g, r, v)
+        for rule in rules
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
     needed = {("rewardplane.io", "rewardmodels", v) for v in ("get", "list", "watch", "patch")}
     needed |= {("rewardplane.io", "rewardmodels/status", "patch")}
     needed |= {("", "pods", v) for v in ("get", "list", "watch", "create", "delete")}
@@ -269,8 +310,10 @@ def test_helm_lint(helm: str) -> None:
 def test_helm_template_renders_the_operator(helm: str) -> None:
     result = subprocess.run(
         [helm, "template", "rp", str(CHART), "--namespace", "rewardplane-system", "--include-crds"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     docs = [d for d in yaml.safe_load_all(result.stdout) if d]
     kinds = sorted(d["kind"] for d in docs)
@@ -282,6 +325,8 @@ def test_helm_template_renders_the_operator(helm: str) -> None:
     assert "--all-namespaces" in container["args"]
     scoped = subprocess.run(
         [helm, "template", "rp", str(CHART), "--set", "operator.watchNamespace=team-a"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "--namespace=team-a" in scoped.stdout

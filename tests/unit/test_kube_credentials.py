@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from rewardplane.operator.kube import Kube
+from rewardplane.api.kube import Kube
 
 
 def test_missing_kubernetes_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

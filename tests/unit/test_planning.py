@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from rewardplane.api.spec import InvalidSpecError, parse_spec
 from rewardplane.operator.planning import (
     GPU_RESOURCE,
     OPERATOR_FLAGS,
@@ -38,7 +39,6 @@ from rewardplane.operator.render import (
     server_args,
 )
 from rewardplane.operator.rollout import pod_actions
-from rewardplane.operator.spec import InvalidSpecError, parse_spec
 from rewardplane.operator.status import (
     PHASE_DEGRADED,
     PHASE_FAILED,
@@ -49,7 +49,7 @@ from rewardplane.operator.status import (
     compute_status,
     transition_events,
 )
-from rewardplane.sdk.protocol import derive_ports
+from rewardplane.protocol import derive_ports
 
 NOW = "2026-11-26T00:00:00Z"
 
@@ -60,19 +60,29 @@ def rm(name: str = "rm", created: str = "2026-11-26T00:00:00Z", **spec: Any) -> 
     return {
         "apiVersion": "rewardplane.io/v1alpha1",
         "kind": "RewardModel",
-        "metadata": {"name": name, "namespace": "default", "uid": f"uid-{name}", "generation": 1,
-                     "creationTimestamp": created},
+        "metadata": {
+            "name": name,
+            "namespace": "default",
+            "uid": f"uid-{name}",
+            "generation": 1,
+            "creationTimestamp": created,
+        },
         "spec": body,
-    }  # fmt: skip
+    }
 
 
 def cpu_rm(name: str = "rm", **spec: Any) -> dict[str, Any]:
     return rm(name, **{"engine": {"kind": "hf"}, "gpu": {"mode": "none"}, **spec})
 
 
-def shared_rm(name: str, fraction: float, devices: list[int], created: str = "2026-11-26T00:00:00Z", **spec: Any):
+def shared_rm(
+    name: str, fraction: float, devices: list[int], created: str = "2026-11-26T00:00:00Z", **spec: Any
+):
     return rm(
-        name, created, gpu={"mode": "shared", "node": "gpu-1", "deviceIds": devices, "memoryFraction": fraction}, **spec
+        name,
+        created,
+        gpu={"mode": "shared", "node": "gpu-1", "deviceIds": devices, "memoryFraction": fraction},
+        **spec,
     )
 
 
@@ -134,7 +144,9 @@ def test_tensor_parallel_on_cpu_is_refused() -> None:
 
 
 def test_shared_needs_node_and_enough_devices() -> None:
-    errors = validate_spec(rm(replicas=2, tensorParallelSize=2, gpu={"mode": "shared", "deviceIds": [0, 1]})["spec"])
+    errors = validate_spec(
+        rm(replicas=2, tensorParallelSize=2, gpu={"mode": "shared", "deviceIds": [0, 1]})["spec"]
+    )
     assert any("spec.gpu.node is required" in e for e in errors)
     assert any("= 4 are needed" in e for e in errors)
 
@@ -176,7 +188,9 @@ def test_ports_follow_the_offset_convention() -> None:
 
 
 def test_ports_offset_from_custom_policy_ports() -> None:
-    spec = parse_spec({"model": {"source": "x"}, "ports": {"policyHttpPort": 9000, "policyGroupPort": 40000, "offset": 2}})
+    spec = parse_spec(
+        {"model": {"source": "x"}, "ports": {"policyHttpPort": 9000, "policyGroupPort": 40000, "offset": 2}}
+    )
     ports = model_ports(spec)
     assert (ports.http, ports.group) == (9002, 40002)
 
@@ -241,7 +255,9 @@ def test_exclusive_pinned_node_must_have_room() -> None:
 
 def test_exclusive_avoids_devices_pinned_by_shared_models() -> None:
     peer = shared_rm("colocated", 0.3, [0, 1, 2], replicas=3)
-    plan = plan_reward_model(rm("new", "2026-11-27T00:00:00Z", tensorParallelSize=2), ClusterView(nodes=NODES, peers=(peer,)))
+    plan = plan_reward_model(
+        rm("new", "2026-11-27T00:00:00Z", tensorParallelSize=2), ClusterView(nodes=NODES, peers=(peer,))
+    )
     assert plan.replicas[0].node == "gpu-2"
 
 
@@ -274,8 +290,13 @@ def test_unknown_pinned_node_lists_nodes() -> None:
 
 
 def test_shared_pins_node_and_device_slices() -> None:
-    plan = plan_reward_model(shared_rm("a", 0.3, [0, 1, 2, 3], replicas=2, tensorParallelSize=2), ClusterView(nodes=NODES))
-    assert [(r.node, r.device_ids, r.gpus) for r in plan.replicas] == [("gpu-1", (0, 1), 0), ("gpu-1", (2, 3), 0)]
+    plan = plan_reward_model(
+        shared_rm("a", 0.3, [0, 1, 2, 3], replicas=2, tensorParallelSize=2), ClusterView(nodes=NODES)
+    )
+    assert [(r.node, r.device_ids, r.gpus) for r in plan.replicas] == [
+        ("gpu-1", (0, 1), 0),
+        ("gpu-1", (2, 3), 0),
+    ]
 
 
 def test_shared_device_must_exist_on_node() -> None:
@@ -309,10 +330,17 @@ def test_overcommit_refuses_the_newer_model_only() -> None:
 
 
 def test_overcommit_against_node_declared_reservation() -> None:
-    node = node_info({
-        "metadata": {"name": "gpu-1", "annotations": {RESERVATIONS_ANNOTATION: '[{"device": 0, "fraction": 0.8, "owner": "vllm-policy"}]'}},
-        "status": {"capacity": {GPU_RESOURCE: "4"}},
-    })  # fmt: skip
+    node = node_info(
+        {
+            "metadata": {
+                "name": "gpu-1",
+                "annotations": {
+                    RESERVATIONS_ANNOTATION: '[{"device": 0, "fraction": 0.8, "owner": "vllm-policy"}]'
+                },
+            },
+            "status": {"capacity": {GPU_RESOURCE: "4"}},
+        }
+    )
     errors = errors_of(shared_rm("a", 0.3, [0]), ClusterView(nodes=(node,)))
     assert any("reservation vllm-policy 0.8" in e for e in errors)
 
@@ -334,23 +362,36 @@ def test_bad_reservation_annotation_is_reported() -> None:
         parse_reservations("n", "{oops")
     with pytest.raises(ValueError, match="fraction"):
         parse_reservations("n", '[{"device": 0, "fraction": 2}]')
-    node = node_info({"metadata": {"name": "gpu-1", "annotations": {RESERVATIONS_ANNOTATION: "[1]"}},
-                      "status": {"capacity": {GPU_RESOURCE: 1}}})  # fmt: skip
+    node = node_info(
+        {
+            "metadata": {"name": "gpu-1", "annotations": {RESERVATIONS_ANNOTATION: "[1]"}},
+            "status": {"capacity": {GPU_RESOURCE: 1}},
+        }
+    )
     assert node.reservation_error
     assert any("bad entry" in e for e in errors_of(shared_rm("a", 0.3, [0]), ClusterView(nodes=(node,))))
 
 
 def test_node_info_reads_gpus_and_readiness() -> None:
-    node = node_info({"metadata": {"name": "n"}, "status": {"allocatable": {GPU_RESOURCE: "2"},
-                      "conditions": [{"type": "Ready", "status": "False"}]}})  # fmt: skip
+    node = node_info(
+        {
+            "metadata": {"name": "n"},
+            "status": {
+                "allocatable": {GPU_RESOURCE: "2"},
+                "conditions": [{"type": "Ready", "status": "False"}],
+            },
+        }
+    )
     assert (node.gpus, node.ready) == (2, False)
 
 
 def test_gpus_in_use_excludes_own_and_finished_pods() -> None:
     def pod(model: str, node: str, gpus: int, phase: str = "Running") -> dict[str, Any]:
-        return {"metadata": {"namespace": "default", "labels": {LABEL_MODEL: model}},
-                "spec": {"nodeName": node, "containers": [{"resources": {"limits": {GPU_RESOURCE: gpus}}}]},
-                "status": {"phase": phase}}  # fmt: skip
+        return {
+            "metadata": {"namespace": "default", "labels": {LABEL_MODEL: model}},
+            "spec": {"nodeName": node, "containers": [{"resources": {"limits": {GPU_RESOURCE: gpus}}}]},
+            "status": {"phase": phase},
+        }
 
     pods = [pod("a", "n1", 2), pod("b", "n1", 1), pod("b", "n2", 4, "Failed")]
     assert gpus_in_use(pods, exclude_model=("default", "a")) == {"n1": 1}
@@ -390,14 +431,29 @@ def test_pod_identity_labels_owner_and_placement() -> None:
     plan = plan_reward_model(body, ClusterView(nodes=CPU_NODES))
     pod = render_pod(body, plan, plan.replicas[1])
     meta = pod["metadata"]
-    assert meta["name"] == "rm-1" and meta["labels"][LABEL_MODEL] == "rm" and meta["labels"][LABEL_REPLICA] == "1"
-    assert meta["ownerReferences"] == [{"apiVersion": "rewardplane.io/v1alpha1", "kind": "RewardModel", "name": "rm",
-                                        "uid": "uid-rm", "controller": True, "blockOwnerDeletion": True}]  # fmt: skip
+    assert (
+        meta["name"] == "rm-1"
+        and meta["labels"][LABEL_MODEL] == "rm"
+        and meta["labels"][LABEL_REPLICA] == "1"
+    )
+    assert meta["ownerReferences"] == [
+        {
+            "apiVersion": "rewardplane.io/v1alpha1",
+            "kind": "RewardModel",
+            "name": "rm",
+            "uid": "uid-rm",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     assert pod["spec"]["nodeName"] == "cpu-b"
     probe = _container(pod)["readinessProbe"]["httpGet"]
     assert probe == {"path": "/health", "port": 8001}
     assert pod["spec"]["volumes"][0]["secret"]["secretName"] == "rm-control-token"
-    assert {p["name"]: p["containerPort"] for p in _container(pod)["ports"]} == {"http": 8001, "nccl-group": 51218}
+    assert {p["name"]: p["containerPort"] for p in _container(pod)["ports"]} == {
+        "http": 8001,
+        "nccl-group": 51218,
+    }
 
 
 def test_exclusive_pod_requests_gpus_for_vllm() -> None:
@@ -417,11 +473,16 @@ def test_shared_pod_pins_devices_without_requesting_gpus() -> None:
     pod = render_pod(body, plan, plan.replicas[0])
     assert _env(pod)["CUDA_VISIBLE_DEVICES"] == "2,3" and _env(pod)["NVIDIA_VISIBLE_DEVICES"] == "2,3"
     assert "resources" not in _container(pod)
-    assert pod["spec"]["nodeName"] == "gpu-1" and _arg(_container(pod)["args"], "--gpu-memory-utilization") == "0.3"
+    assert (
+        pod["spec"]["nodeName"] == "gpu-1"
+        and _arg(_container(pod)["args"], "--gpu-memory-utilization") == "0.3"
+    )
 
 
 def test_extra_args_and_persist_dir() -> None:
-    body = cpu_rm(engine={"kind": "hf", "extraArgs": ["--foo", "1"]}, weightSync={"persistDir": "/var/lib/rm"})
+    body = cpu_rm(
+        engine={"kind": "hf", "extraArgs": ["--foo", "1"]}, weightSync={"persistDir": "/var/lib/rm"}
+    )
     plan = plan_reward_model(body, ClusterView(nodes=CPU_NODES))
     args = server_args(plan, plan.replicas[0])
     assert args[-2:] == ["--foo", "1"] and _arg(args, "--weights-dir") == "/var/lib/rm/rm-0"
@@ -430,7 +491,9 @@ def test_extra_args_and_persist_dir() -> None:
 
 
 def test_spec_hash_changes_with_the_spec_but_not_with_replicas_or_chosen_node() -> None:
-    def first_pod(body: dict[str, Any], cluster: ClusterView = ClusterView(nodes=CPU_NODES)) -> dict[str, Any]:
+    def first_pod(
+        body: dict[str, Any], cluster: ClusterView = ClusterView(nodes=CPU_NODES)
+    ) -> dict[str, Any]:
         plan = plan_reward_model(body, cluster)
         return render_pod(body, plan, plan.replicas[0])
 
@@ -465,13 +528,25 @@ def test_token_secret() -> None:
 # ---------------------------------------------------------------- status
 
 
-def _pod(name: str, index: int, ready: bool = True, ip: str | None = "127.0.0.5", **status: Any) -> dict[str, Any]:
+def _pod(
+    name: str, index: int, ready: bool = True, ip: str | None = "127.0.0.5", **status: Any
+) -> dict[str, Any]:
     return {
-        "metadata": {"name": name, "labels": {LABEL_REPLICA: str(index)},
-                     "annotations": {"rewardplane.io/group-port": str(51217 + index), "rewardplane.io/rank-offset": str(index)}},
+        "metadata": {
+            "name": name,
+            "labels": {LABEL_REPLICA: str(index)},
+            "annotations": {
+                "rewardplane.io/group-port": str(51217 + index),
+                "rewardplane.io/rank-offset": str(index),
+            },
+        },
         "spec": {"nodeName": "cpu-a"},
-        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}], **status},
-    }  # fmt: skip
+        "status": {
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+            **status,
+        },
+    }
 
 
 def _status(body: dict[str, Any], pods: list[dict[str, Any]], probes: dict[str, ProbeResult], **kw: Any):
@@ -489,9 +564,19 @@ def test_status_ready_with_endpoints() -> None:
     status = _status(body, [_pod("rm-0", 0), _pod("rm-1", 1, ip="127.0.0.6")], probes)
     assert status["phase"] == PHASE_READY and status["readyReplicas"] == 2 and status["ready"] == "2/2"
     assert status["weightsVersion"] == 3 and status["observedGeneration"] == 1
-    assert status["endpoints"][1] == {"replica": 1, "pod": "rm-1", "node": "cpu-a", "url": "http://127.0.0.6:8001",
-                                      "groupPort": 51218, "rankOffset": 1, "worldSize": 1, "state": "serving",
-                                      "ready": True, "weightsVersion": 3, "restarts": 0}  # fmt: skip
+    assert status["endpoints"][1] == {
+        "replica": 1,
+        "pod": "rm-1",
+        "node": "cpu-a",
+        "url": "http://127.0.0.6:8001",
+        "groupPort": 51218,
+        "rankOffset": 1,
+        "worldSize": 1,
+        "state": "serving",
+        "ready": True,
+        "weightsVersion": 3,
+        "restarts": 0,
+    }
     assert _cond(status, "Available")["status"] == "True" and _cond(status, "Degraded")["status"] == "False"
     assert _cond(status, "Progressing")["status"] == "False"
     assert all(c["observedGeneration"] == 1 for c in status["conditions"])
@@ -511,7 +596,10 @@ def test_status_stale_replica_is_taken_out_of_endpoints() -> None:
     status = _status(body, [_pod("rm-0", 0), _pod("rm-1", 1)], probes)
     assert status["weightsVersion"] == 4 and status["readyReplicas"] == 1
     assert [e["ready"] for e in status["endpoints"]] == [True, False]
-    assert _cond(status, "WeightsInSync")["status"] == "False" and "rm-1" in _cond(status, "WeightsInSync")["message"]
+    assert (
+        _cond(status, "WeightsInSync")["status"] == "False"
+        and "rm-1" in _cond(status, "WeightsInSync")["message"]
+    )
 
 
 def test_status_broken_server_is_degraded() -> None:
@@ -532,15 +620,28 @@ def test_status_outdated_pod_is_progressing() -> None:
 
 def test_status_of_refused_spec_and_events() -> None:
     body = cpu_rm()
-    failed = compute_status(body, None, [], {}, NOW, errors=["device 0 over-committed"], error_reason="PlacementRefused")
+    failed = compute_status(
+        body, None, [], {}, NOW, errors=["device 0 over-committed"], error_reason="PlacementRefused"
+    )
     assert failed["phase"] == PHASE_FAILED
     degraded = _cond(failed, "Degraded")
-    assert (degraded["status"], degraded["reason"], degraded["message"]) == ("True", "PlacementRefused", "device 0 over-committed")
+    assert (degraded["status"], degraded["reason"], degraded["message"]) == (
+        "True",
+        "PlacementRefused",
+        "device 0 over-committed",
+    )
     events = transition_events({}, failed)
     assert [(e.type, e.reason) for e in events] == [("Warning", "PlacementRefused")]
     body["status"] = failed
-    again = compute_status(body, None, [], {}, "2026-11-26T01:00:00Z", errors=["device 0 over-committed"],
-                           error_reason="PlacementRefused")  # fmt: skip
+    again = compute_status(
+        body,
+        None,
+        [],
+        {},
+        "2026-11-26T01:00:00Z",
+        errors=["device 0 over-committed"],
+        error_reason="PlacementRefused",
+    )
     assert transition_events(failed, again) == []  # no event storm while nothing changes
     assert _cond(again, "Degraded")["lastTransitionTime"] == NOW
 

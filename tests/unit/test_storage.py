@@ -31,7 +31,9 @@ def test_hub_id_downloads_into_a_cache_volume(source: str) -> None:
     assert d.volume == {"name": "hf-cache", "emptyDir": {}} and ("HF_HOME", HF_CACHE_DIR) in d.env
 
 
-@pytest.mark.parametrize("source", ["s3://bucket/rm", "pvc://", "pvc://c/../../etc", "file://relative", "a/b/c"])
+@pytest.mark.parametrize(
+    "source", ["s3://bucket/rm", "pvc://", "pvc://c/../../etc", "file://relative", "a/b/c"]
+)
 def test_bad_sources_are_refused_with_the_forms_that_work(source: str) -> None:
     with pytest.raises(InvalidSourceError):
         delivery(source)
@@ -40,10 +42,17 @@ def test_bad_sources_are_refused_with_the_forms_that_work(source: str) -> None:
 
 
 def _pod(source: str) -> dict:
-    rm = {"apiVersion": "rewardplane.io/v1alpha1", "kind": "RewardModel",
-          "metadata": {"name": "rm", "namespace": "ns", "uid": "u1"},
-          "spec": {"model": {"source": source}, "engine": {"kind": "hf"}, "gpu": {"mode": "none"},
-                   "resources": {"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}}}}  # fmt: skip
+    rm = {
+        "apiVersion": "rewardplane.io/v1alpha1",
+        "kind": "RewardModel",
+        "metadata": {"name": "rm", "namespace": "ns", "uid": "u1"},
+        "spec": {
+            "model": {"source": source},
+            "engine": {"kind": "hf"},
+            "gpu": {"mode": "none"},
+            "resources": {"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}},
+        },
+    }
     plan = plan_reward_model(rm, ClusterView(nodes=(NodeInfo(name="n1", gpus=0),)))
     return render_pod(rm, plan, plan.replicas[0])
 
@@ -52,12 +61,16 @@ def test_reward_pod_runs_non_root_with_probes_token_file_and_the_model_volume() 
     pod = _pod("pvc://models/rm")
     spec, [ctr] = pod["spec"], pod["spec"]["containers"]
     assert spec["securityContext"]["runAsUser"] == RUN_AS_USER and spec["securityContext"]["runAsNonRoot"]
-    assert ctr["securityContext"]["readOnlyRootFilesystem"] and ctr["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert ctr["securityContext"]["readOnlyRootFilesystem"] and ctr["securityContext"]["capabilities"][
+        "drop"
+    ] == ["ALL"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert ctr[probe]["httpGet"]["path"] == "/health"
     assert ctr["args"][ctr["args"].index("--model") + 1] == f"{MODEL_MOUNT_DIR}/rm"
     assert ctr["args"][ctr["args"].index("--token-file") + 1] == TOKEN_FILE
-    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in spec["volumes"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in spec[
+        "volumes"
+    ]
     assert ctr["resources"] == {"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}}
     # the server drains on SIGTERM within the pod's grace period
     timeout = float(ctr["args"][ctr["args"].index("--shutdown-timeout") + 1])

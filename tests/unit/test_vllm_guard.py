@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is not None, reason="vllm is installed here; the guard only matters without it"
+    importlib.util.find_spec("vllm") is not None,
+    reason="vllm is installed here; the guard only matters without it",
 )
 
 HINT = "pip install 'rewardplane[vllm]'"
@@ -30,8 +31,20 @@ def test_import_raises_actionable_import_error() -> None:
 def test_server_with_vllm_engine_exits_2_with_the_hint(tmp_path: Path) -> None:
     # The model folder is never read: the engine import fails first.
     proc = subprocess.run(
-        [sys.executable, "-m", "rewardplane.server", "--engine", "vllm", "--model", str(tmp_path), "--port", "1"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "rewardplane.server",
+            "--engine",
+            "vllm",
+            "--model",
+            str(tmp_path),
+            "--port",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
     assert HINT in proc.stderr

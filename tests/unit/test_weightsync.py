@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import pytest
 
+from rewardplane.api import weightsync as wsapi
 from rewardplane.operator import weightsync as wsm
 from rewardplane.operator.recovery import stale_replicas
 from rewardplane.operator.status import ProbeResult, compute_status
-from rewardplane.sdk.protocol import ParamMeta, check_metadata
-from rewardplane.sdk.protocol import RewardModelTrainingMode as Mode
+from rewardplane.protocol import ParamMeta, check_metadata
+from rewardplane.protocol import RewardModelTrainingMode as Mode
 
 
 def ws_body(**spec):
-    base = {"rewardModelRef": "rm", "version": 3, "rendezvous": {"address": "10.0.0.1", "port": 4000},
-            "manifestRef": {"configMapName": "rm-manifest", "sha256": "x"}}  # fmt: skip
+    base = {
+        "rewardModelRef": "rm",
+        "version": 3,
+        "rendezvous": {"address": "10.0.0.1", "port": 4000},
+        "manifestRef": {"configMapName": "rm-manifest", "sha256": "x"},
+    }
     base.update(spec)
     return {"metadata": {"name": "rm", "namespace": "ns", "generation": 7}, "spec": base}
 
 
 def test_parse_push_applies_the_models_defaults():
-    req = wsm.parse_push(ws_body(), {"weightSync": {"defaultTrainingMode": "head_only", "timeoutSeconds": 42}})
+    req = wsm.parse_push(
+        ws_body(), {"weightSync": {"defaultTrainingMode": "head_only", "timeoutSeconds": 42}}
+    )
     assert (req.version, req.training_mode, req.timeout_s, req.port) == (3, Mode.HEAD_ONLY, 42.0, 4000)
     assert req.group_id == "rm-g7" and req.manifest_key == "manifest.json"
     assert wsm.parse_push(ws_body(trainingMode="full", timeoutSeconds=5), {}).timeout_s == 5
@@ -44,18 +51,23 @@ def test_stale_and_duplicate_versions_are_refused():
 def test_current_version_counts_completed_pushes_and_history():
     rm = {"metadata": {"name": "rm"}, "status": {"weightsVersion": 2}}
     pushes = [
-        {"spec": {"rewardModelRef": "rm"}, "status": {"phase": "Failed", "version": 9,
-                                                      "history": [{"version": 5, "phase": "Completed"}]}},
+        {
+            "spec": {"rewardModelRef": "rm"},
+            "status": {"phase": "Failed", "version": 9, "history": [{"version": 5, "phase": "Completed"}]},
+        },
         {"spec": {"rewardModelRef": "other"}, "status": {"phase": "Completed", "version": 11}},
-    ]  # fmt: skip
+    ]
     assert wsm.completed_version(pushes, "rm") == 5
     assert wsm.current_version(rm, pushes) == 5
     assert wsm.current_version(rm, []) == 2
 
 
 def test_group_ranks_follow_replica_order_and_world_sizes():
-    cands = [wsm.Candidate(1, "rm-1", "u1", 2, 3, "serving"), wsm.Candidate(0, "rm-0", "u0", 1, 3, "serving"),
-             wsm.Candidate(2, "rm-2", "u2", 2, 3, "broken")]  # fmt: skip
+    cands = [
+        wsm.Candidate(1, "rm-1", "u1", 2, 3, "serving"),
+        wsm.Candidate(0, "rm-0", "u0", 1, 3, "serving"),
+        wsm.Candidate(2, "rm-2", "u2", 2, 3, "broken"),
+    ]
     plan = wsm.plan_group(cands, 3, Mode.HEAD_ONLY)
     assert [(t.pod, t.rank_offset) for t in plan.targets] == [("rm-0", 0), ("rm-1", 1), ("rm-2", 3)]
     assert plan.world_size == 6
@@ -73,29 +85,35 @@ def test_replicas_behind_join_only_full_pushes():
 
 def test_replica_outcome():
     assert wsm.replica_outcome(3, {"version": 3, "state": "serving"}, None) == ("Completed", None)
-    assert wsm.replica_outcome(3, {"version": 2, "state": "updating"}, {"num_background_tasks": 1}) == (None, None)
-    assert wsm.replica_outcome(3, {"version": 2, "state": "broken"},
-                               {"num_background_tasks": 0, "last_error": "peer died"}) == ("Failed", "peer died")
+    assert wsm.replica_outcome(3, {"version": 2, "state": "updating"}, {"num_background_tasks": 1}) == (
+        None,
+        None,
+    )
+    assert wsm.replica_outcome(
+        3, {"version": 2, "state": "broken"}, {"num_background_tasks": 0, "last_error": "peer died"}
+    ) == ("Failed", "peer died")
     assert wsm.replica_outcome(3, None, None) == (None, None)
 
 
 def test_manifest_round_trip_checks_the_hash_and_compresses_large_ones():
     metas = [ParamMeta(name=f"model.layers.{i}.weight", dtype="float32", shape=(4, 4)) for i in range(50)]
-    data, key, sha = wsm.encode_manifest(metas)
+    data, key, sha = wsapi.encode_manifest(metas)
     assert key == "manifest.json"
-    assert wsm.decode_manifest({"data": data}, key, sha) == metas
+    assert wsapi.decode_manifest({"data": data}, key, sha) == metas
     with pytest.raises(wsm.WeightSyncRefused) as info:
-        wsm.decode_manifest({"data": data}, key, "0" * 64)
+        wsapi.decode_manifest({"data": data}, key, "0" * 64)
     assert info.value.reason == "ManifestInvalid"
-    data, key, sha = wsm.encode_manifest(metas, compress_over=100)
+    data, key, sha = wsapi.encode_manifest(metas, compress_over=100)
     assert key == "manifest.json.gz"
-    assert wsm.decode_manifest({"binaryData": data}, key, sha) == metas
+    assert wsapi.decode_manifest({"binaryData": data}, key, sha) == metas
 
 
 def test_history_is_bounded_and_finish_clears_nothing_it_should_keep():
     history = [{"version": i, "phase": "Completed"} for i in range(10)]
     previous = {"version": 11, "trainingMode": "full", "worldSize": 3, "history": history}
-    patch = wsm.finish_status(previous, "Failed", "2026-01-01T00:00:00Z", 1.5, reason="Timeout", message="slow")
+    patch = wsm.finish_status(
+        previous, "Failed", "2026-01-01T00:00:00Z", 1.5, reason="Timeout", message="slow"
+    )
     assert len(patch["history"]) == 10 and patch["history"][-1]["version"] == 11
     assert patch["history"][-1]["reason"] == "Timeout" and patch["history"][0]["version"] == 1
     start = wsm.start_status(wsm.parse_push(ws_body(), {}), "t")
@@ -103,8 +121,10 @@ def test_history_is_bounded_and_finish_clears_nothing_it_should_keep():
 
 
 def _pod(name, uid, restarts=0):
-    return {"metadata": {"name": name, "uid": uid, "labels": {"rewardplane.io/replica": name[-1]}},
-            "status": {"containerStatuses": [{"restartCount": restarts}]}}  # fmt: skip
+    return {
+        "metadata": {"name": name, "uid": uid, "labels": {"rewardplane.io/replica": name[-1]}},
+        "status": {"containerStatuses": [{"restartCount": restarts}]},
+    }
 
 
 def test_only_restarted_replicas_behind_the_model_are_stale():
@@ -126,18 +146,38 @@ def test_only_restarted_replicas_behind_the_model_are_stale():
 
 def test_stale_endpoints_are_never_ready():
     body = {"metadata": {"name": "rm", "namespace": "d", "generation": 1}, "spec": {"replicas": 1}}
-    pod = {"metadata": {"name": "rm-0", "uid": "u", "labels": {"rewardplane.io/replica": "0"}},
-           "status": {"podIP": "127.0.0.2", "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
-    status = compute_status(body, None, [pod], {"rm-0": ProbeResult(0, "serving")}, "t", target_version=3,
-                            stale_pods={"rm-0"})  # fmt: skip
+    pod = {
+        "metadata": {"name": "rm-0", "uid": "u", "labels": {"rewardplane.io/replica": "0"}},
+        "status": {"podIP": "127.0.0.2", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    status = compute_status(
+        body, None, [pod], {"rm-0": ProbeResult(0, "serving")}, "t", target_version=3, stale_pods={"rm-0"}
+    )
     (ep,) = status["endpoints"]
-    assert ep["state"] == "stale" and not ep["ready"] and ep["podUid"] == "u" and status["weightsVersion"] == 3
+    assert (
+        ep["state"] == "stale" and not ep["ready"] and ep["podUid"] == "u" and status["weightsVersion"] == 3
+    )
 
 
 def test_sdk_checks_names_shapes_and_dtypes_before_sending():
-    served = {"score.weight": ParamMeta(name="score.weight", dtype="float32", shape=(1, 8)),
-              "ids": ParamMeta(name="ids", dtype="int64", shape=(3,))}  # fmt: skip
-    sent = [ParamMeta(name="score.weight", dtype="bfloat16", shape=(1, 8)),
-            ParamMeta(name="ids", dtype="float32", shape=(3,)), ParamMeta(name="nope", dtype="float32", shape=(1,))]
+    served = {
+        "score.weight": ParamMeta(name="score.weight", dtype="float32", shape=(1, 8)),
+        "ids": ParamMeta(name="ids", dtype="int64", shape=(3,)),
+    }
+    sent = [
+        ParamMeta(name="score.weight", dtype="bfloat16", shape=(1, 8)),
+        ParamMeta(name="ids", dtype="float32", shape=(3,)),
+        ParamMeta(name="nope", dtype="float32", shape=(1,)),
+    ]
     problems = check_metadata(sent, served)
     assert len(problems) == 2 and "dtype float32" in problems[0] and "unknown parameter 'nope'" in problems[1]
+
+
+def test_a_resumed_push_measures_its_duration_from_its_recorded_start():
+    from datetime import datetime, timezone
+
+    now = datetime(2026, 11, 26, 12, 0, 30, tzinfo=timezone.utc)
+    assert wsm.seconds_since("2026-11-26T12:00:00Z", now) == 30.0
+    assert wsm.seconds_since(None, now) == 0.0
+    assert wsm.seconds_since("not a time", now) == 0.0
+    assert wsm.seconds_since("2026-11-26T12:01:00Z", now) == 0.0  # clocks skewed: never negative

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rewardplane.sdk.protocol import MAX_LAYOUTS
+from rewardplane.protocol import MAX_LAYOUTS
 from rewardplane.server.worker_extension import HFWeightSyncWorker
 
 
@@ -36,5 +36,7 @@ def test_layout_cache_evicts_first_in_first_out() -> None:
     assert worker.rp_receive(None, 1 << 16, True, "layout-0").get("unknown_layout") is True
     assert "unknown_layout" not in worker.rp_receive(None, 1 << 16, True, "layout-1")  # a hit...
     worker.rp_receive(_meta(99), 1 << 16, True, "layout-new")
-    assert worker.rp_receive(None, 1 << 16, True, "layout-1").get("unknown_layout") is True  # ...kept no place
+    assert (
+        worker.rp_receive(None, 1 << 16, True, "layout-1").get("unknown_layout") is True
+    )  # ...kept no place
     assert "unknown_layout" not in worker.rp_receive(None, 1 << 16, True, "layout-2")

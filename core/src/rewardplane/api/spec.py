@@ -1,0 +1,131 @@
+"""The RewardModel spec as typed objects, with the defaults and checks of crds/rewardmodel.yaml.
+
+The CRD schema already refuses most bad values, but Kubernetes 1.20 enforces no CEL and an
+object written before a schema change may still carry old values, so the operator parses every
+spec itself and reports *all* problems at once, each naming the field and what to do.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rewardplane.protocol import DEFAULT_POLICY_GROUP_PORT, DEFAULT_POLICY_HTTP_PORT, DEFAULT_PORT_OFFSET
+
+DEFAULT_SERVER_IMAGE = "ghcr.io/rewardplane/reward-server:0.1.0"
+DEFAULT_MEMORY_FRACTION = 0.9
+
+
+class _Spec(BaseModel):
+    # camelCase on the wire (the CRD), snake_case in Python; unknown fields are ignored because the
+    # API server already prunes them and an old operator must not choke on a newer field.
+    model_config = ConfigDict(populate_by_name=True, extra="ignore", frozen=True)
+
+
+class GpuMode(str, Enum):
+    EXCLUSIVE = "exclusive"
+    SHARED = "shared"
+    NONE = "none"
+
+
+class EngineKind(str, Enum):
+    VLLM = "vllm"
+    HF = "hf"
+
+
+class ModelSpec(_Spec):
+    source: str = Field(min_length=1)
+    revision: str | None = None
+    served_name: str | None = Field(default=None, alias="servedName")
+    dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16|float16)$")
+    max_length: int | None = Field(default=None, ge=1, alias="maxLength")
+    num_labels: int = Field(default=1, ge=1, alias="numLabels")
+    pooling: str = Field(default="last", pattern="^(last|mean|cls)$")
+    normalize: bool = False
+
+
+class EngineSpec(_Spec):
+    kind: EngineKind = EngineKind.VLLM
+    image: str = DEFAULT_SERVER_IMAGE
+    image_pull_policy: str = Field(
+        default="IfNotPresent", pattern="^(Always|IfNotPresent|Never)$", alias="imagePullPolicy"
+    )
+    extra_args: tuple[str, ...] = Field(default=(), alias="extraArgs")
+
+
+class GpuSpec(_Spec):
+    mode: GpuMode = GpuMode.EXCLUSIVE
+    node: str | None = None
+    device_ids: tuple[int, ...] = Field(default=(), alias="deviceIds")
+    memory_fraction: float = Field(default=DEFAULT_MEMORY_FRACTION, gt=0, le=1, alias="memoryFraction")
+
+
+class PortsSpec(_Spec):
+    policy_http_port: int = Field(default=DEFAULT_POLICY_HTTP_PORT, alias="policyHttpPort")
+    policy_group_port: int = Field(default=DEFAULT_POLICY_GROUP_PORT, alias="policyGroupPort")
+    offset: int = DEFAULT_PORT_OFFSET
+    http: int | None = None
+    group: int | None = None
+
+
+class WeightSyncSpec(_Spec):
+    enabled: bool = True
+    default_training_mode: str = Field(
+        default="full", pattern="^(head_only|lora|full)$", alias="defaultTrainingMode"
+    )
+    timeout_seconds: int = Field(default=600, ge=1, alias="timeoutSeconds")
+    persist_dir: str | None = Field(default=None, alias="persistDir")
+
+
+class ResourcesSpec(_Spec):
+    limits: dict[str, int | str] = Field(default_factory=dict)
+    requests: dict[str, int | str] = Field(default_factory=dict)
+
+
+class RewardModelSpec(_Spec):
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    replicas: int = Field(default=1, ge=0)
+    tensor_parallel_size: int = Field(default=1, ge=1, alias="tensorParallelSize")
+    gpu: GpuSpec = Field(default_factory=GpuSpec)
+    ports: PortsSpec = Field(default_factory=PortsSpec)
+    weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec, alias="weightSync")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+
+    @property
+    def devices_needed(self) -> int:
+        """GPUs the whole model occupies (0 on CPU)."""
+        return 0 if self.gpu.mode is GpuMode.NONE else self.replicas * self.tensor_parallel_size
+
+
+class InvalidSpecError(ValueError):
+    """The spec cannot be served as written; ``errors`` lists every problem."""
+
+    def __init__(self, errors: list[str], reason: str = "InvalidSpec") -> None:
+        super().__init__("; ".join(errors))
+        self.errors = errors
+        self.reason = reason
+        """CamelCase reason for the Degraded condition: InvalidSpec or PlacementRefused."""
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    return "spec." + ".".join(str(p) for p in loc)
+
+
+def _pydantic_errors(exc: ValidationError) -> list[str]:
+    # by_alias locations give the camelCase names a user wrote in the manifest.
+    return [f"{_field_path(e['loc'])}: {e['msg']} (got {e.get('input')!r})" for e in exc.errors()]
+
+
+def parse_spec(spec: dict[str, Any]) -> RewardModelSpec:
+    """Parse a RewardModel ``spec`` dict, applying the CRD's defaults.
+
+    Raises InvalidSpecError with every type/range problem (not the cross-field ones: see
+    ``validate_spec``).
+    """
+    try:
+        return RewardModelSpec.model_validate(spec or {})
+    except ValidationError as exc:
+        raise InvalidSpecError(_pydantic_errors(exc)) from None

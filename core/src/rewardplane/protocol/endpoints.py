@@ -1,0 +1,37 @@
+"""Endpoint paths, headers and the environment variables that server and clients share."""
+
+from __future__ import annotations
+
+
+class Endpoints:
+    HEALTH = "/health"
+    SCORE = "/score"
+    CLASSIFY = "/classify"
+    POOLING = "/pooling"
+    RUNTIME_VERSION = "/runtime_version"
+    WORLD_SIZE = "/get_world_size"
+    METRICS = "/metrics"
+    MODEL_INFO = "/model_info"
+    # control plane (bearer token required)
+    INIT_COMMUNICATOR = "/init_communicator"
+    UPDATE_PARAM_BATCH = "/update_param_batch"
+    CLOSE_COMMUNICATOR = "/close_communicator"
+    NUM_BACKGROUND_TASKS = "/get_num_background_tasks"
+    PARAM_MANIFEST = "/param_manifest"
+    RESTORE_WEIGHTS = "/restore_weights"
+
+
+CONTROL_PLANE_PATHS = frozenset(
+    {
+        Endpoints.INIT_COMMUNICATOR,
+        Endpoints.UPDATE_PARAM_BATCH,
+        Endpoints.CLOSE_COMMUNICATOR,
+        Endpoints.NUM_BACKGROUND_TASKS,
+        Endpoints.PARAM_MANIFEST,
+        Endpoints.RESTORE_WEIGHTS,
+    }
+)
+
+VERSION_HEADER = "X-Rewardplane-Weights-Version"
+TOKEN_ENV = "REWARDPLANE_TOKEN"
+TOKEN_FILE_ENV = "REWARDPLANE_TOKEN_FILE"

@@ -1,0 +1,25 @@
+"""What a weight push carries and how a sequence is pooled: names shared by every layer."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class RewardModelTrainingMode(str, Enum):
+    """Which parameters a weight push carries."""
+
+    HEAD_ONLY = "head_only"
+    """Only the score/classifier head (backbone frozen)."""
+    LORA = "lora"
+    """LoRA-trained model, merged into the backbone before sync (merge → sync → reinit)."""
+    FULL = "full"
+    """Every parameter, backbone and head."""
+
+
+class PoolingType(str, Enum):
+    """How a sequence's hidden states become one vector for the head."""
+
+    LAST = "last"
+    MEAN = "mean"
+    CLS = "cls"
+    STEP = "step"  # per-step scores for process reward models; not served yet

@@ -1,0 +1,157 @@
+"""Scoring requests and answers: ``/score``, vLLM-shaped ``/classify`` and ``/pooling``, health and model info."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .modes import PoolingType
+
+Score = float | list[float]
+
+
+class ScoringRequest(BaseModel):
+    """Body of ``POST /score``. ``inputs`` travels as ``input`` (the seed's wire name).
+
+    ``normalize``: True applies the head's activation — sigmoid for one label, softmax over the
+    labels for several. False returns the raw head output (what reward-model training uses).
+    """
+
+    model_config = ConfigDict(populate_by_name=True, frozen=True, extra="forbid")
+
+    model: str = "reward-model"
+    inputs: list[str] = Field(alias="input")
+    pooling_type: PoolingType = PoolingType.LAST
+    normalize: bool = True
+    n_labels: int | None = Field(
+        default=None, ge=1, description="Expected number of labels; the server rejects a mismatch."
+    )
+    truncate: bool = Field(
+        default=False, description="Cut inputs longer than the server's max tokens instead of a 400."
+    )
+    return_hidden_states: bool = False
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _one_string_is_a_list(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_defaults=False)
+
+
+class ScoringResult(BaseModel):
+    index: int
+    score: Score
+    num_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ScoringResponse(BaseModel):
+    """Body of the ``/score`` reply. ``version`` is the weights version that scored every item."""
+
+    model: str
+    data: list[ScoringResult]
+    usage: Usage = Field(default_factory=Usage)
+    version: int = 0
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def scores(self) -> list[Score]:
+        return [d.score for d in sorted(self.data, key=lambda d: d.index)]
+
+
+# vLLM-shaped endpoints, so a vLLM client (or the peer reward loop of seeds 002/003) works unchanged.
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class ClassifyRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: PromptInput
+    use_activation: bool | None = None
+    activation: bool | None = None  # older vLLM name of use_activation
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+    def activation_requested(self) -> bool:
+        """Raw score unless the caller asks for the activation (a reward model wants raw scores)."""
+        if self.use_activation is not None:
+            return self.use_activation
+        return bool(self.activation)
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str | None = None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassifyResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: Usage
+    version: int = 0
+
+
+class PoolingRequest(ClassifyRequest):
+    encoding_format: Literal["float"] = "float"
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: str = "pooling"
+    data: list[float]
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[PoolingData]
+    usage: Usage
+    version: int = 0
+
+
+class HealthResponse(BaseModel):
+    status: str = "ok"
+    type: str = "reward_model"
+    version: int = 0
+    state: str = "serving"
+
+
+class RuntimeVersionResponse(BaseModel):
+    version: int
+    state: Literal["serving", "updating", "broken"] = "serving"
+    detail: str | None = None
+
+
+class WorldSizeResponse(BaseModel):
+    world_size: int
+
+
+class ModelInfo(BaseModel):
+    model: str
+    engine: str
+    num_labels: int
+    dtype: str
+    head_dtype: str
+    max_model_len: int
+    pooling_type: PoolingType
+    version: int
+
+
+class ErrorResponse(BaseModel):
+    error: str
+    detail: Any = None

@@ -1,0 +1,251 @@
+"""The weight-sync control plane and the data plane's bucket layout: parameter metadata,
+flat-bucket planning, layout ids, and the join / announce / restore requests."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import MutableMapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .modes import RewardModelTrainingMode
+
+# Element sizes, so the bucket layout can be computed without torch on either side.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+BUCKET_ALIGN = 256  # every tensor starts at a 256-byte offset inside a flat bucket
+DEFAULT_BUCKET_BYTES = (
+    1 << 30
+)  # 1 GiB: NCCL reaches the link's limit only with large flat buckets (docs/weight-sync.md)
+
+
+def canonical_dtype(dtype: str) -> str:
+    """``torch.bfloat16`` / ``bfloat16`` → ``bfloat16``; unknown names raise a clear error."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_ITEMSIZE:
+        raise ValueError(f"dtype {dtype!r} is not supported on the wire; use one of {sorted(DTYPE_ITEMSIZE)}")
+    return name
+
+
+class ParamMeta(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str = Field(min_length=1)
+    dtype: str
+    shape: tuple[int, ...]
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        return canonical_dtype(v)
+
+    @field_validator("shape")
+    @classmethod
+    def _shape(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if any(d < 0 for d in v):
+            raise ValueError(f"shape {v} has a negative dimension")
+        return v
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_ITEMSIZE[self.dtype]
+
+
+class BucketSlot(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    index: int  # position in the metadata list
+    offset: int  # byte offset inside the bucket
+    nbytes: int
+
+
+class Bucket(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    nbytes: int
+    slots: tuple[BucketSlot, ...]
+
+
+def _align(n: int) -> int:
+    return (n + BUCKET_ALIGN - 1) // BUCKET_ALIGN * BUCKET_ALIGN
+
+
+def plan_buckets(metadata: list[ParamMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+    """Pack parameters, in the given order, into flat byte buckets of at most ``bucket_bytes``.
+
+    Both sides compute the same plan from the announced metadata, so only bytes travel on the
+    data plane. A tensor larger than ``bucket_bytes`` gets a bucket of its own.
+    """
+    if bucket_bytes < BUCKET_ALIGN:
+        raise ValueError(f"bucket_bytes must be at least {BUCKET_ALIGN}, got {bucket_bytes}")
+    buckets: list[Bucket] = []
+    slots: list[BucketSlot] = []
+    used = 0
+    for i, meta in enumerate(metadata):
+        size = meta.nbytes
+        start = _align(used)
+        if slots and start + size > bucket_bytes:
+            buckets.append(Bucket(nbytes=used, slots=tuple(slots)))
+            slots, start = [], 0
+        slots.append(BucketSlot(index=i, offset=start, nbytes=size))
+        used = start + size
+    if slots:
+        buckets.append(Bucket(nbytes=used, slots=tuple(slots)))
+    return buckets
+
+
+_FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
+
+
+def check_metadata(metadata: list[ParamMeta], manifest: dict[str, ParamMeta]) -> list[str]:
+    """Everything wrong with an announced update against the served model's manifest.
+
+    Run by the server before any byte is received, and by the trainer before it broadcasts.
+    Floating dtypes may differ from the served ones (the server casts on receipt, e.g. an fp32
+    head next to a bf16 backbone); names and shapes must match.
+    """
+    problems: list[str] = []
+    for m in metadata:
+        served = manifest.get(m.name)
+        if served is None:
+            problems.append(f"unknown parameter {m.name!r}: the served model has no parameter of that name")
+            continue
+        if tuple(m.shape) != tuple(served.shape):
+            problems.append(
+                f"parameter {m.name!r} has shape {list(m.shape)}; the served model expects {list(served.shape)}"
+            )
+        if m.dtype != served.dtype and not (m.dtype in _FLOAT_DTYPES and served.dtype in _FLOAT_DTYPES):
+            problems.append(
+                f"parameter {m.name!r} has dtype {m.dtype}; the served model holds {served.dtype}"
+            )
+    return problems
+
+
+class InitCommunicatorRequest(BaseModel):
+    """Join the trainer's process group. The trainer hosts the TCPStore at host:port and is the
+    last rank; this server's workers take ranks ``rank_offset .. rank_offset + world_size_local - 1``."""
+
+    host: str
+    port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)
+    rank_offset: int = Field(default=0, ge=0)
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_s: float = Field(default=120.0, gt=0)
+    group_id: str | None = Field(default=None, description="Names the group; echoed in errors and logs.")
+
+    @model_validator(mode="after")
+    def _rank_fits(self) -> InitCommunicatorRequest:
+        if self.rank_offset >= self.world_size - 1:
+            raise ValueError(
+                f"rank_offset {self.rank_offset} leaves no room in world_size {self.world_size}: the "
+                "trainer takes the last rank, servers take ranks before it"
+            )
+        return self
+
+
+LAYOUT_ID_PATTERN = r"^[0-9a-f]{16}$"
+# Layouts a server (and each of its workers) keeps by id; a trainer alternates a few (full,
+# head_only, lora), and an older one is simply announced in full again.
+MAX_LAYOUTS = 16
+
+
+def remember_layout(cache: MutableMapping[str, Any], key: str, value: Any) -> None:
+    """Add ``key`` to a workers' layout cache: first in, first out, at most ``MAX_LAYOUTS``. The
+    server's control plane mirrors its workers' caches with the same call, so both evict alike."""
+    if key not in cache:
+        if len(cache) >= MAX_LAYOUTS:
+            cache.pop(next(iter(cache)))
+        cache[key] = value
+
+
+def layout_id(metadata: Sequence[ParamMeta], bucket_bytes: int) -> str:
+    """Names one push layout (parameters in order, dtypes, shapes, bucket size). A trainer re-sends
+    the same layout push after push; once a server has validated it, the trainer refers to it by
+    this id instead of re-sending and re-validating hundreds of entries on every push's critical
+    path."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(f"{bucket_bytes}\n".encode())
+    for m in metadata:
+        h.update(f"{m.name}\0{m.dtype}\0{','.join(str(d) for d in m.shape)}\n".encode())
+    return h.hexdigest()
+
+
+class UpdateParamBatchRequest(BaseModel):
+    """Announce one weight push. The server validates every entry against the served model and
+    answers 400 before any byte is broadcast; then it receives ``plan_buckets(metadata, bucket_bytes)``.
+
+    ``layout_id`` without ``metadata`` refers to a layout this server validated before (409 if it
+    does not know it: announce the metadata again)."""
+
+    metadata: list[ParamMeta] = Field(default_factory=list)
+    layout_id: str | None = Field(
+        default=None,
+        pattern=LAYOUT_ID_PATTERN,
+        description="layout_id(metadata, bucket_bytes) of an announced layout; with metadata, it must match it",
+    )
+    training_mode: RewardModelTrainingMode = RewardModelTrainingMode.FULL
+    version: int | None = Field(default=None, ge=0)
+    bucket_bytes: int = Field(default=DEFAULT_BUCKET_BYTES, ge=BUCKET_ALIGN)
+    atomic: bool = Field(
+        default=False,
+        description="Stage the whole update, then swap under the scoring lock (costs a copy of the "
+        "pushed parameters in memory). Otherwise weights are written in place while scoring waits.",
+    )
+    timeout_s: float = Field(default=600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _non_empty_unique(self) -> UpdateParamBatchRequest:
+        if not self.metadata:
+            if self.layout_id is None:
+                raise ValueError(
+                    "metadata is empty: announce at least one parameter (or name an announced layout by layout_id)"
+                )
+            return self
+        if self.layout_id is not None and self.layout_id != layout_id(self.metadata, self.bucket_bytes):
+            raise ValueError("layout_id does not match the announced metadata and bucket_bytes")
+        seen: set[str] = set()
+        for m in self.metadata:
+            if m.name in seen:
+                raise ValueError(f"parameter {m.name!r} is announced twice")
+            seen.add(m.name)
+        return self
+
+
+class StatusResponse(BaseModel):
+    status: str = "ok"
+    detail: Any = None
+
+
+class BackgroundTasksResponse(BaseModel):
+    num_background_tasks: int
+    last_error: str | None = None
+    # The last finished update's timeline (version, mode, ok, bytes, announced_at and
+    # after_announce_ms: event → ms after the announce reached the server; see control_plane).
+    # Where a push's time goes, without a profiler.
+    last_update: dict[str, Any] | None = None
+
+
+class RestoreWeightsRequest(BaseModel):
+    """Ask a restarted replica to load the weights it saved for ``version`` (the operator sends it)."""
+
+    version: int = Field(ge=1)
+    timeout_s: float = Field(default=300.0, gt=0)

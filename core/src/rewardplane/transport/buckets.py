@@ -1,0 +1,67 @@
+"""Flat byte buckets on both sides of the data plane, laid out by ``protocol.plan_buckets``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from rewardplane.protocol import Bucket, ParamMeta, canonical_dtype
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPES[canonical_dtype(name)]
+
+
+def meta_of(name: str, tensor: torch.Tensor) -> ParamMeta:
+    return ParamMeta(name=name, dtype=str(tensor.dtype), shape=tuple(tensor.shape))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def pack_bucket(
+    bucket: Bucket,
+    metadata: Sequence[ParamMeta],
+    tensors: Mapping[str, torch.Tensor],
+    device: torch.device,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Copy the bucket's tensors into one flat uint8 buffer (reusing ``out`` when large enough)."""
+    buf = (
+        out[: bucket.nbytes]
+        if out is not None and out.numel() >= bucket.nbytes
+        else torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    )
+    for slot in bucket.slots:
+        src = tensors[metadata[slot.index].name]
+        if src.device != device:
+            src = src.to(device, non_blocking=True)
+        buf[slot.offset : slot.offset + slot.nbytes].copy_(_as_bytes(src))
+    return buf
+
+
+def unpack_bucket(
+    bucket: Bucket, metadata: Sequence[ParamMeta], buf: torch.Tensor
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Views into a received bucket, with the announced dtype and shape (no copy)."""
+    for slot in bucket.slots:
+        meta = metadata[slot.index]
+        raw = buf[slot.offset : slot.offset + slot.nbytes]
+        yield meta.name, raw.view(torch_dtype(meta.dtype)).view(meta.shape)

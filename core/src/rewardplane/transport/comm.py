@@ -1,0 +1,223 @@
+"""The data plane: torch.distributed process groups made from a TCPStore, without the global
+default group (the trainer may use torch.distributed for its own DDP).
+
+NCCL on CUDA tensors, gloo on CPU — chosen automatically. The trainer hosts the store and takes
+the last rank; server workers take ranks from their rank offset.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["auto", "nccl", "gloo"]
+
+
+class TensorCommunicator(Protocol):
+    """What a weight transfer needs of a process group (``Communicator`` is the real one; the SDK
+    wraps it, e.g. to drive a progress bar)."""
+
+    device: torch.device
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
+
+    def wait_event(self, done: torch.cuda.Event) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def max_flag(self, value: int) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class CommunicatorError(RuntimeError):
+    pass
+
+
+def resolve_backend(backend: Backend, device: torch.device) -> Literal["nccl", "gloo"]:
+    if backend == "auto":
+        return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise CommunicatorError("backend nccl needs a CUDA device; use backend gloo (or auto) on CPU")
+    return backend
+
+
+def create_store(
+    host: str, port: int, *, is_master: bool, world_size: int | None, timeout_s: float
+) -> dist.TCPStore:
+    """A TCPStore; ``world_size`` None when the host does not know yet how many will join."""
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            world_size=world_size,
+            is_master=is_master,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except Exception as exc:  # the C++ errors say little; say what to check
+        role = "host the rendezvous on" if is_master else "reach the trainer's rendezvous at"
+        raise CommunicatorError(
+            f"could not {role} {host}:{port} within {timeout_s:.0f}s ({exc}); check that the address is "
+            "reachable from every server, the port is free on the trainer, and no firewall blocks it"
+        ) from exc
+
+
+class Communicator:
+    """One process group for weight pushes: broadcast of flat buckets, a status reduction, close."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        backend: Backend = "auto",
+        timeout_s: float = 120.0,
+        group_id: str = "default",
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        if device.type == "cuda" and device.index is None:  # NCCL needs a concrete device
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        self.backend = resolve_backend(backend, device)
+        prefixed = dist.PrefixStore(f"rewardplane/{group_id}/", store)
+        if self.backend == "nccl":
+            # On a collective timeout, abort the communicators but keep the process: a reward
+            # server must survive a trainer that died mid-push (the default tears it down).
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+            torch.cuda.set_device(device)
+            opts = dist.ProcessGroupNCCL.Options()
+            # Our own bounded waits (wait_event/synchronize) fire first and abort cleanly; the
+            # watchdog is the backstop.
+            opts._timeout = self.timeout * 2 + timedelta(seconds=10)
+            # Any: torch's stubs declare no collectives on the backend classes we call them on.
+            self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, self.timeout)
+        self._closed = False
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except Exception as exc:
+            self.abort()
+            raise CommunicatorError(
+                f"{what} failed on rank {self.rank}/{self.world_size} ({exc}); a peer probably died or "
+                f"timed out after {self.timeout.total_seconds():.0f}s"
+            ) from exc
+        if ok is False:
+            self.abort()
+            raise CommunicatorError(
+                f"{what} timed out after {self.timeout.total_seconds():.0f}s on rank {self.rank}"
+            )
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """Broadcast ``tensor`` from rank ``src``.
+
+        NCCL: enqueued, ordered on the current CUDA stream; the CPU does not wait, so packing and
+        loading of neighbouring buckets overlap with the transfer. Call ``synchronize`` (bounded)
+        before trusting the result on the CPU. gloo: returns when done (bounded by the timeout).
+        """
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        work = self.pg.broadcast([tensor], opts)
+        if self.backend == "nccl":
+            work.wait()  # stream-ordered only: no CPU block
+        else:
+            self._wait(work, "broadcast")
+
+    def synchronize(self) -> None:
+        """Wait (bounded) until the work enqueued on the current stream is done; abort on timeout,
+        so a dead peer cannot leave a collective hanging on the GPU."""
+        if self.backend != "nccl":
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        self.wait_event(done)
+
+    def wait_event(self, done: torch.cuda.Event) -> None:
+        """Bounded CPU wait for a CUDA event; aborts the group on timeout."""
+        start = time.monotonic()
+        deadline = start + self.timeout.total_seconds()
+        delay = 1e-5
+        while not done.query():
+            now = time.monotonic()
+            if now > deadline:
+                self.abort()
+                raise CommunicatorError(
+                    f"transfer did not finish within {self.timeout.total_seconds():.0f}s on rank {self.rank}; "
+                    "a peer probably died. The group was aborted; form a new one for the next push"
+                )
+            time.sleep(delay)
+            # Poll finely at first (these waits sit on every push's critical path: a 1 ms poll
+            # cost ~1 ms per wait), coarsely once the wait is clearly long.
+            delay = min(delay * 2, 5e-5 if now - start < 0.05 else 1e-3)
+
+    def max_flag(self, value: int) -> int:
+        """All ranks learn the largest value: a cheap way to agree that every rank succeeded."""
+        t = torch.tensor([value], dtype=torch.int32, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # stubs: the enum member, not the op
+        work = self.pg.allreduce([t], opts)
+        if self.backend == "nccl":
+            work.wait()
+            self.synchronize()
+        else:
+            self._wait(work, "status reduction")
+        return int(t.item())
+
+    def barrier(self) -> None:
+        self.max_flag(0)
+
+    def abort(self) -> None:
+        """Tear the group down so nothing stays blocked on a dead peer. Never a graceful shutdown
+        here: that waits for the pending (hung) collectives."""
+        if self._closed:
+            return
+        self._closed = True
+
+        def abort() -> None:
+            try:
+                self.pg.abort()
+            except Exception:  # the NCCL watchdog aborts the communicators after its timeout anyway
+                log.warning("aborting the process group failed", exc_info=True)
+
+        # ncclCommAbort can itself block on a wedged peer: never let it hold the caller forever.
+        t = threading.Thread(target=abort, name="pg-abort", daemon=True)
+        t.start()
+        t.join(timeout=10)
+
+    def close(self) -> None:
+        if self.backend == "nccl":
+            # A graceful NCCL shutdown waits for the peers to shut down too (a reward server's close
+            # hung until the trainer closed its side). Nothing is in flight at close: abort is local.
+            self.abort()
+            return
+        if not self._closed:
+            self._closed = True
+            shutdown = getattr(self.pg, "shutdown", None)
+            if shutdown is not None:
+                try:
+                    shutdown()
+                except Exception:
+                    log.debug("process group shutdown failed", exc_info=True)
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")

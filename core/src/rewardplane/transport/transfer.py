@@ -1,0 +1,197 @@
+"""Moving flat buckets over a ``Communicator``, on both sides of a push.
+
+On CUDA the transfer is pipelined with two bucket buffers: the trainer packs bucket k+1 on a side
+stream while bucket k is on the wire, and a server loads bucket k on a side stream while bucket
+k+1 arrives, so copies hide behind the link. On a server a buffer's reuse waits on the GPU for
+its last load, and the CPU runs up to ``RECEIVE_LOOKAHEAD`` buckets ahead (a bounded wait per
+bucket), so a slow ``load`` call (vLLM's loader is Python) does not stall the link or, with several
+replicas in one group, every other replica. A bounded ``synchronize`` at the end catches a dead
+peer. On CPU (gloo) it runs bucket by bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from rewardplane.protocol import Bucket, ParamMeta, plan_buckets
+
+from .buckets import pack_bucket, unpack_bucket
+from .comm import Communicator, TensorCommunicator
+
+Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+def _lookahead_from_env() -> int:
+    raw = os.environ.get("REWARDPLANE_RECEIVE_LOOKAHEAD", "4")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            f"REWARDPLANE_RECEIVE_LOOKAHEAD={raw!r}: give a whole number of buckets >= 1 (default 4)"
+        )
+    return value
+
+
+# How many buckets a server's CPU may enqueue ahead of the GPU's loads (the two buffers are
+# guarded on the GPU): enough to ride out a slow Python ``load`` call. 2 = wait on the CPU for
+# each buffer's previous load, the earlier behaviour; the same within run-to-run noise on 4x H100
+# (benchmarks/README.md).
+RECEIVE_LOOKAHEAD = _lookahead_from_env()
+
+
+@functools.cache
+def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """(transfer stream, copy stream) of a device, made once: pushes on one device never overlap,
+    and creating streams on every push sat on its critical path."""
+    return torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+
+def send_buckets(
+    comm: TensorCommunicator,
+    metadata: Sequence[ParamMeta],
+    tensors: Mapping[str, torch.Tensor],
+    bucket_bytes: int,
+    src: int,
+    plan: list[Bucket] | None = None,
+) -> int:
+    """Broadcast ``tensors`` (ordered as ``metadata``) from rank ``src``; returns bytes sent.
+
+    The receivers must have accepted the push (the announce) before: on CUDA everything is enqueued
+    and waited for here, bounded by the group's timeout. ``plan``: ``plan_buckets(metadata,
+    bucket_bytes)`` when the caller has it already.
+    """
+    plan = plan if plan is not None else plan_buckets(list(metadata), bucket_bytes)
+    device = comm.device
+    if device.type != "cuda":
+        buf: torch.Tensor | None = None
+        for bucket in plan:
+            buf = pack_bucket(bucket, metadata, tensors, device, out=buf)
+            comm.broadcast(buf[: bucket.nbytes], src)
+        return sum(b.nbytes for b in plan)
+    caller = torch.cuda.current_stream(device)
+    main, pack_stream = _streams(device)  # a wedged transfer must not block the caller's stream
+    main.wait_stream(caller)
+    pack_stream.wait_stream(caller)  # the parameters were produced on the caller's stream
+    largest = max(b.nbytes for b in plan)
+    bufs = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(min(2, len(plan)))]
+    free: list[torch.cuda.Event | None] = [None] * len(bufs)
+    with torch.cuda.stream(main):
+        for k, bucket in enumerate(plan):
+            i = k % len(bufs)
+            previous = free[i]
+            if previous is not None:
+                # at most two buckets in flight (a progress bar follows the link), and a dead peer
+                # is noticed here, within the timeout
+                comm.wait_event(previous)
+            with torch.cuda.stream(pack_stream):
+                pack_bucket(bucket, metadata, tensors, device, out=bufs[i])
+                packed = torch.cuda.Event()
+                packed.record(pack_stream)
+            main.wait_event(packed)
+            comm.broadcast(bufs[i][: bucket.nbytes], src)
+            done = torch.cuda.Event()
+            done.record(main)
+            free[i] = done
+        comm.synchronize()
+    caller.wait_stream(main)  # the caller may overwrite the parameters once this returns
+    return sum(b.nbytes for b in plan)
+
+
+@dataclass
+class Received:
+    bytes: int = 0
+    error: str | None = None
+    applied_any: bool = False
+    staged: list[tuple[Bucket, torch.Tensor]] = field(default_factory=list)
+    posted_at: float | None = None  # time.monotonic() when the first receive was posted
+
+
+def receive_buckets(
+    comm: Communicator,
+    metadata: Sequence[ParamMeta],
+    bucket_bytes: int,
+    src: int,
+    load: Loader | None,
+    out: Received | None = None,
+    plan: list[Bucket] | None = None,
+) -> Received:
+    """Receive every bucket; ``load`` each as it arrives, or stage them all when ``load`` is None.
+
+    A failing ``load`` does not stop the receive (the trainer's broadcast must not hang); its
+    error is returned. Communication failures raise ``CommunicatorError``; pass ``out`` to see,
+    after such a failure, whether weights may already have been written (``applied_any``).
+    """
+    metas = list(metadata)
+    plan = plan if plan is not None else plan_buckets(metas, bucket_bytes)
+    device = comm.device
+    out = out if out is not None else Received()
+
+    def apply(bucket: Bucket, buf: torch.Tensor) -> None:
+        if out.error is not None or load is None:
+            return
+        out.applied_any = True
+        try:
+            load(list(unpack_bucket(bucket, metas, buf)))
+        except Exception as exc:  # keep receiving; the caller reports it in the status reduction
+            out.error = f"loading parameters failed: {type(exc).__name__}: {exc}"
+
+    if load is None or device.type != "cuda":
+        reuse: torch.Tensor | None = None
+        for bucket in plan:
+            if load is None or reuse is None or reuse.numel() < bucket.nbytes:
+                reuse = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+            buf = reuse[: bucket.nbytes]
+            out.posted_at = out.posted_at or time.monotonic()
+            comm.broadcast(buf, src)
+            out.bytes += bucket.nbytes
+            if load is None:
+                out.staged.append((bucket, buf))
+            else:
+                apply(bucket, buf)
+        comm.synchronize()
+        return out
+
+    caller = torch.cuda.current_stream(device)
+    main, load_stream = _streams(device)  # a wedged transfer must not block the stream scoring uses
+    main.wait_stream(caller)
+    load_stream.wait_stream(caller)
+    largest = max(b.nbytes for b in plan)
+    bufs = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(min(2, len(plan)))]
+    loaded: list[torch.cuda.Event | None] = [None] * len(bufs)
+    history: list[torch.cuda.Event] = []
+    for k, bucket in enumerate(plan):
+        i = k % len(bufs)
+        buf = bufs[i][: bucket.nbytes]
+        if k >= RECEIVE_LOOKAHEAD:
+            # the CPU stays a few buckets ahead, no more: each bucket is bounded by the timeout
+            # (a dead trainer is noticed within it), not only the whole transfer
+            comm.wait_event(history[k - RECEIVE_LOOKAHEAD])
+        with torch.cuda.stream(main):
+            reused = loaded[i]
+            if reused is not None:
+                main.wait_event(reused)  # the buffer's previous bucket is loaded: on the GPU, not here
+            comm.broadcast(buf, src)
+            out.posted_at = out.posted_at or time.monotonic()
+            out.bytes += bucket.nbytes
+            arrived = torch.cuda.Event()
+            arrived.record(main)
+        with torch.cuda.stream(load_stream):
+            load_stream.wait_event(arrived)
+            apply(bucket, buf)  # enqueues the copies out of ``buf`` on this stream
+            done = torch.cuda.Event()
+            done.record(load_stream)
+        loaded[i] = done
+        history.append(done)
+    with torch.cuda.stream(main):
+        main.wait_stream(load_stream)
+        comm.synchronize()  # bounded: a dead trainer is noticed here, and the group aborted
+    caller.wait_stream(main)
+    return out

@@ -1,0 +1,115 @@
+"""Server configuration: one pydantic model, filled from the command line."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from rewardplane.protocol import DEFAULT_HTTP_PORT, PoolingType
+
+
+class ServerConfig(BaseModel):
+    model: str
+    engine: Literal["hf", "vllm"] = "hf"
+    host: str = "127.0.0.1"
+    port: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535)
+    served_model_name: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    head_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int | None = Field(default=None, ge=1)
+    max_items_per_request: int = Field(default=1024, ge=1)
+    max_batch_tokens: int = Field(default=16384, ge=1)
+    max_batch_items: int = Field(default=256, ge=1)
+    batch_wait_ms: float = Field(default=2.0, ge=0)
+    pooling: PoolingType = PoolingType.LAST
+    num_labels: int | None = Field(default=None, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    token: str | None = None
+    token_file: Path | None = None
+    weights_dir: Path | None = None
+    load_format: Literal["auto", "dummy"] = "auto"
+    log_level: str = "info"
+    shutdown_timeout_s: float = Field(default=20.0, ge=0)
+    extra_engine_args: list[str] = Field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or "reward-model"
+
+
+def parse_args(argv: list[str] | None = None) -> ServerConfig:
+    p = argparse.ArgumentParser(
+        prog="python -m rewardplane.server",
+        description="Reward-model server: scoring endpoints plus an authenticated weight-sync control plane.",
+    )
+    p.add_argument("--model", required=True, help="HF checkpoint folder (or id where a hub is reachable)")
+    p.add_argument(
+        "--engine", choices=["hf", "vllm"], default="hf", help="transformers (CPU/GPU) or vLLM (GPU)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="backbone dtype; auto = bfloat16 on CUDA, float32 on CPU",
+    )
+    p.add_argument(
+        "--head-dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="float32",
+        help="dtype of the score head (float32 like vLLM's pooling models; auto = backbone dtype)",
+    )
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--max-model-len", type=int, default=None, help="max tokens per input (default: the model's)"
+    )
+    p.add_argument("--max-items-per-request", type=int, default=1024)
+    p.add_argument(
+        "--max-batch-tokens", type=int, default=16384, help="padded-token budget of one micro-batch"
+    )
+    p.add_argument("--max-batch-items", type=int, default=256)
+    p.add_argument("--batch-wait-ms", type=float, default=2.0, help="how long a batch waits for company")
+    p.add_argument(
+        "--pooling", choices=[t.value for t in PoolingType if t != PoolingType.STEP], default="last"
+    )
+    p.add_argument("--num-labels", type=int, default=None, help="expected labels; start fails on a mismatch")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        help="control-plane bearer token file (else env REWARDPLANE_TOKEN / REWARDPLANE_TOKEN_FILE)",
+    )
+    p.add_argument(
+        "--weights-dir",
+        type=Path,
+        default=None,
+        help="where pushed weights are persisted, so a restarted replica can be restored",
+    )
+    p.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="dummy: random weights from the checkpoint's config (benchmarks; weights then come by push)",
+    )
+    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=20.0,
+        dest="shutdown_timeout_s",
+        help="on SIGTERM, seconds to let in-flight requests finish before closing (keep it below "
+        "the pod's termination grace period)",
+    )
+    args, extra = p.parse_known_args(argv)
+    if extra and args.engine != "vllm":
+        p.error(f"unknown arguments {extra} (extra engine arguments are passed only to --engine vllm)")
+    return ServerConfig(**{k: v for k, v in vars(args).items() if v is not None}, extra_engine_args=extra)

@@ -1,0 +1,228 @@
+"""The transformers engine: ``AutoModelForSequenceClassification`` on CPU or CUDA, with dynamic
+batching of concurrent requests (length-sorted micro-batches under a padded-token budget)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rewardplane.protocol import PoolingType
+
+from .batching import plan_micro_batches
+from .config import ServerConfig
+from .engine import EngineInfo
+from .errors import BadRequest
+from .locking import WeightsGuard
+from .metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for but torch sees no CUDA device; use --device cpu")
+    return torch.device(choice)
+
+
+def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[choice]
+
+
+@dataclass
+class _Pending:
+    prompts: list[list[int]]
+    pooling: PoolingType
+    future: asyncio.Future[tuple[list[list[float]], int]]
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+class HFEngine:
+    """Runs the model in a worker thread; one asyncio task forms batches from whatever is queued.
+
+    All items of one request are scored in one round, under one hold of the weights lock, so a
+    request never straddles a weight update.
+    """
+
+    def __init__(self, cfg: ServerConfig, metrics: ServerMetrics | None = None) -> None:
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+        self.cfg = cfg
+        self.metrics = metrics or ServerMetrics()
+        self.device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        if cfg.load_format == "dummy":  # random weights, built directly on the device (fast for large models)
+            with self.device:
+                model = AutoModelForSequenceClassification.from_config(
+                    AutoConfig.from_pretrained(cfg.model), dtype=dtype
+                )
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(cfg.model, dtype=dtype)
+        model.eval().requires_grad_(False)
+        self.model = model.to(self.device)
+        num_labels = int(model.config.num_labels)
+        if cfg.num_labels is not None and cfg.num_labels != num_labels:
+            raise ValueError(
+                f"--num-labels {cfg.num_labels} but the checkpoint {cfg.model} has {num_labels} labels; "
+                "fix the RewardModel's numLabels or the checkpoint"
+            )
+        if self.tokenizer.pad_token_id is None:
+            # Batching needs a pad id; padding is masked, so any id works.
+            self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
+        self.pad_id = int(self.tokenizer.pad_token_id or 0)
+
+        # Decoder reward models (Llama, Qwen2, Mistral, ...) have a base model plus a linear `score`
+        # head: pool the base model's hidden states ourselves (last/mean/cls) and run the head in
+        # its own dtype (fp32 by default, like vLLM). Other heads run through the model's forward.
+        self.head: torch.nn.Linear | None = getattr(model, "score", None)
+        self.base = getattr(model, model.base_model_prefix, None) if self.head is not None else None
+        if not isinstance(self.head, torch.nn.Linear) or self.base is None:
+            self.head, self.base = None, None
+        head_dtype = dtype
+        if self.head is not None and cfg.head_dtype != "auto":
+            head_dtype = _DTYPES[cfg.head_dtype]
+            self.head.to(head_dtype)
+        pooling_types = (
+            (PoolingType.LAST, PoolingType.MEAN, PoolingType.CLS)
+            if self.head is not None
+            else (PoolingType.LAST,)
+        )
+        max_len = cfg.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or 4096)
+        id2label = {int(k): str(v) for k, v in (getattr(model.config, "id2label", None) or {}).items()}
+        self.info = EngineInfo(
+            served_model_name=cfg.name,
+            engine="hf",
+            num_labels=num_labels,
+            dtype=str(dtype).removeprefix("torch."),
+            head_dtype=str(head_dtype).removeprefix("torch."),
+            max_model_len=max_len,
+            vocab_size=int(model.config.vocab_size),
+            pooling_types=pooling_types,
+            id2label=id2label,
+        )
+        self.guard = WeightsGuard()
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self._worker: asyncio.Task[None] | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._worker is None:
+            self._worker = asyncio.create_task(self._run(), name="hf-engine-batcher")
+
+    async def stop(self) -> None:
+        if self._worker is not None:
+            self._worker.cancel()
+            try:
+                await self._worker
+            except asyncio.CancelledError:
+                pass
+            self._worker = None
+
+    # ---- scoring ---------------------------------------------------------------------------
+    async def score(self, prompts: list[list[int]], pooling: PoolingType) -> tuple[list[list[float]], int]:
+        if pooling not in self.info.pooling_types:
+            raise BadRequest(
+                f"pooling {pooling.value!r} is not available for this model; "
+                f"use one of {[p.value for p in self.info.pooling_types]}"
+            )
+        if not prompts:
+            return [], self.guard.version
+        fut: asyncio.Future[tuple[list[list[float]], int]] = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Pending(prompts, pooling, fut))
+        return await fut
+
+    async def _run(self) -> None:
+        while True:
+            first = await self._queue.get()
+            if self.cfg.batch_wait_ms > 0:
+                await asyncio.sleep(self.cfg.batch_wait_ms / 1000)  # let concurrent requests join
+            round_ = [first]
+            while not self._queue.empty():
+                round_.append(self._queue.get_nowait())
+            round_ = [p for p in round_ if not p.future.done()]
+            if not round_:
+                continue
+            try:
+                async with self.guard.scoring() as version:
+                    results = await self._score_round(round_)
+            except Exception as exc:  # every waiting request learns why, none hangs
+                for p in round_:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+                continue
+            for p, rows in zip(round_, results, strict=True):
+                if not p.future.done():
+                    p.future.set_result((rows, version))
+
+    async def _score_round(self, round_: list[_Pending]) -> list[list[list[float]]]:
+        out: list[list[list[float]]] = [[[] for _ in p.prompts] for p in round_]
+        by_pooling: dict[PoolingType, list[tuple[int, int, list[int]]]] = {}
+        for ri, p in enumerate(round_):
+            for ii, ids in enumerate(p.prompts):
+                by_pooling.setdefault(p.pooling, []).append((ri, ii, ids))
+        for pooling, items in by_pooling.items():
+            plan = plan_micro_batches(
+                [len(ids) for _, _, ids in items],
+                max_tokens=self.cfg.max_batch_tokens,
+                max_items=self.cfg.max_batch_items,
+            )
+            for batch in plan:
+                ids_list = [items[i][2] for i in batch]
+                rows = await asyncio.to_thread(self.forward, ids_list, pooling)
+                self.metrics.batch_items.observe(len(batch))
+                self.metrics.batch_tokens.observe(len(batch) * max(len(x) for x in ids_list))
+                for i, row in zip(batch, rows, strict=True):
+                    ri, ii, _ = items[i]
+                    out[ri][ii] = row
+        return out
+
+    @torch.inference_mode()
+    def forward(
+        self, ids_list: list[list[int]], pooling: PoolingType = PoolingType.LAST
+    ) -> list[list[float]]:
+        """Raw head outputs for token-id prompts (right-padded batch)."""
+        lengths = torch.tensor([len(x) for x in ids_list], device=self.device)
+        width = int(lengths.max())
+        input_ids = torch.full((len(ids_list), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ids_list), width), dtype=torch.long)
+        for row, ids in enumerate(ids_list):
+            input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask[row, : len(ids)] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        if self.head is None:
+            logits = self.model(input_ids=input_ids, attention_mask=mask).logits
+        else:
+            hidden = self.base(input_ids=input_ids, attention_mask=mask).last_hidden_state
+            if pooling == PoolingType.LAST:
+                pooled = hidden[torch.arange(hidden.shape[0], device=self.device), lengths - 1]
+            elif pooling == PoolingType.MEAN:
+                m = mask.unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * m).sum(1) / m.sum(1)
+            else:  # CLS: the first token
+                pooled = hidden[:, 0]
+            logits = self.head(pooled.to(self.head.weight.dtype))
+        return logits.float().cpu().tolist()
+
+    # ---- weight sync -----------------------------------------------------------------------
+    def weight_sync_service(self, metrics: ServerMetrics) -> Any:
+        from .control_plane import WeightSyncService
+        from .worker_extension import HFWeightSyncWorker
+
+        worker = HFWeightSyncWorker(self.model, self.device)
+
+        async def call(method: str, *args: Any) -> list[Any]:
+            # The receive blocks on collectives: run it off the event loop so scoring and health go on.
+            return [await asyncio.to_thread(getattr(worker, method), *args)]
+
+        return WeightSyncService(self, call, worker.manifest(), metrics)

@@ -1,0 +1,467 @@
+"""The vLLM engine: a ``*ForSequenceClassification`` reward model on vLLM's pooling runner
+(``AsyncLLM``, token-id prompts, raw head outputs), with weight sync through the shared worker
+extension (``worker_extension_cls`` + ``collective_rpc``).
+
+Written against vLLM 0.24.0 (the version the reward-server image pins). Needs a CUDA GPU.
+
+Why the pieces look the way they do:
+
+- Scoring holds ``guard.scoring()`` around every encode call of one request, so a request is
+  scored by one weights version; vLLM batches concurrent requests itself (continuous batching),
+  so there is no batching queue here, unlike the transformers engine.
+- ``use_activation=False``: the endpoints apply the activation themselves when asked; a reward
+  model wants the raw head output.
+- The parameter manifest (pre-receive validation) uses the checkpoint's HF names, read from the
+  safetensors headers: vLLM's own parameter names are fused (``qkv_proj``, ``gate_up_proj``), and
+  its ``load_weights`` takes HF names and fuses/shards them itself.
+- vLLM keeps the score head in fp32 for pooling models by default (``head_dtype``); we set it
+  explicitly from ``--head-dtype`` (``hf_overrides``) so both engines hold the same head dtype.
+- The prefix cache is reset after every weight update: cached KV blocks were computed with the
+  old weights.
+- ``AsyncLLM`` is built in ``start()`` (inside the server's event loop: its ZMQ asyncio sockets
+  and output task belong to the loop that uses them); everything the app needs before that
+  (``info``, the manifest, the tokenizer) is derived from the checkpoint's config here. A warm-up
+  prompt is scored before the server reports healthy.
+- Batch limits: vLLM's offline (``LLM``) defaults for the card, not ``AsyncLLM``'s engine-context
+  ones (2048 tokens a step made the server 0.37x of offline); chunked prefill off (vLLM 0.24's
+  pooling + chunked prefill races; see ``build_engine_args``). Both yield to the user's flags.
+
+Extra vLLM engine arguments (``cfg.extra_engine_args``, i.e. unknown command-line flags with
+``--engine vllm``) are parsed with vLLM's own ``AsyncEngineArgs`` parser, so any
+``vllm serve`` engine flag works (``--enforce-eager``, ``--max-num-batched-tokens``,
+``--attention-backend``, ``--load-format dummy``, ...). Flags the server owns (model, dtype,
+max model length, memory fraction, TP size, pooling, worker extension) must be given through the
+server's own options; a conflicting value is an error, not silently overridden.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+try:  # import-guarded: the vLLM engine needs the `vllm` extra and a CUDA GPU
+    from vllm.config import PoolerConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.pooling_params import PoolingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.exceptions import EngineDeadError
+except ImportError as _exc:  # pragma: no cover - exercised where vllm is absent (CI)
+    raise ImportError(
+        "the vLLM engine (--engine vllm) needs the `vllm` package and a CUDA GPU: install it on a GPU "
+        "machine with `pip install 'rewardplane[vllm]'`, or use --engine hf (transformers, CPU or GPU). "
+        f"Import error: {_exc}"
+    ) from _exc
+
+import torch
+
+from rewardplane.protocol import ParamMeta, PoolingType
+from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, is_head_key
+
+from .config import ServerConfig
+from .engine import EngineInfo
+from .errors import BadRequest, ServerError, Unavailable
+from .locking import WeightsGuard
+from .metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "rewardplane.server.worker_extension.RewardWeightSyncExtension"
+
+# Bounds on waits for the engine (seconds). Overridable for very large models / slow links.
+SCORE_TIMEOUT_S = float(os.environ.get("REWARDPLANE_VLLM_SCORE_TIMEOUT_S", "600"))
+RPC_TIMEOUT_S = float(os.environ.get("REWARDPLANE_VLLM_RPC_TIMEOUT_S", "3600"))
+SHORT_RPC_TIMEOUT_S = 120.0
+RESET_CACHE_TIMEOUT_S = 120.0
+
+# safetensors header dtype codes → wire dtype names (rewardplane.protocol.DTYPE_ITEMSIZE)
+_ST_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
+_FLOAT_WIRE = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"}
+
+# Engine arguments the server sets from its own options: name → the server option to use instead.
+_OWNED_ARGS = {
+    "model": "--model",
+    "runner": "(the reward server always uses the pooling runner)",
+    "worker_extension_cls": "(the reward server installs its own weight-sync extension)",
+    "served_model_name": "--served-model-name",
+    "dtype": "--dtype",
+    "max_model_len": "--max-model-len",
+    "gpu_memory_utilization": "--gpu-memory-utilization",
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "pooler_config": "--pooling",
+}
+
+
+def _vllm_dtype(choice: str) -> str:
+    # "auto" means bf16 on CUDA, like the transformers engine (vLLM's own "auto" would follow the
+    # checkpoint and could differ between the two engines).
+    return "bfloat16" if choice == "auto" else choice
+
+
+def _head_dtype_override(choice: str) -> str:
+    # vLLM reads `head_dtype` from the HF config; "model" = the backbone dtype (our "auto").
+    return "model" if choice == "auto" else choice
+
+
+def parse_extra_engine_args(extra: list[str]) -> dict[str, Any]:
+    """The ``AsyncEngineArgs`` fields the user set explicitly in ``extra`` (vLLM's own parser).
+
+    Raises ``ValueError`` (→ the CLI exits 2 with the message) on unknown or invalid flags.
+    """
+    if not extra:
+        return {}
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="python -m rewardplane.server --engine vllm", add_help=False)
+    parser = AsyncEngineArgs.add_cli_args(parser)
+
+    def _error(message: str) -> None:  # argparse would sys.exit(2) without a useful context
+        raise ValueError(
+            f"invalid extra vLLM engine argument(s) {extra}: {message}. Unknown flags with --engine vllm are "
+            "passed to vLLM's engine; see `vllm serve --help` for the engine arguments"
+        )
+
+    parser.error = _error  # type: ignore[method-assign]
+    defaults = vars(parser.parse_args([]))
+    given = vars(parser.parse_args(list(extra)))
+    fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    return {k: v for k, v in given.items() if k in fields and v != defaults.get(k)}
+
+
+def build_engine_args(cfg: ServerConfig, max_model_len: int) -> AsyncEngineArgs:
+    """``AsyncEngineArgs`` from the server's options plus the user's extra vLLM flags."""
+    base: dict[str, Any] = {
+        "model": cfg.model,
+        "runner": "pooling",
+        "worker_extension_cls": WORKER_EXTENSION,
+        "served_model_name": cfg.name,
+        "dtype": _vllm_dtype(cfg.dtype),
+        "max_model_len": max_model_len,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "pooler_config": PoolerConfig(pooling_type=cfg.pooling.value.upper()),  # type: ignore[arg-type]
+        # Nothing here calls do_log_stats(); collecting unused stats only costs time per step.
+        "disable_log_stats": True,
+    }
+    owned = dict(_OWNED_ARGS)
+    load_format = getattr(cfg, "load_format", None)  # the server may own --load-format (e.g. dummy)
+    if load_format not in (None, "", "auto"):
+        base["load_format"] = load_format
+        owned["load_format"] = "--load-format"
+    user = parse_extra_engine_args(list(cfg.extra_engine_args))
+    for key, value in user.items():
+        if key in owned and value != base.get(key):
+            raise ValueError(
+                f"vLLM engine argument {key!r} is set by the reward server; use {owned[key]} instead of passing "
+                f"it as an extra engine argument"
+            )
+    for key in ("pipeline_parallel_size", "data_parallel_size"):
+        if int(user.get(key, 1) or 1) != 1:
+            raise ValueError(
+                f"{key} must be 1 with the reward server: weight sync ranks one worker per tensor-parallel "
+                "shard; run several replicas instead of data parallelism"
+            )
+    # vLLM picks its batch limits by usage context; AsyncLLM's (ENGINE_CONTEXT) falls back to 2048
+    # tokens / 128 sequences a step, which starves a scoring server (prefill only, no decode latency to
+    # protect): measured 0.37x of offline on a 0.4B model. Take the offline (LLM class) limits for this
+    # hardware unless the user set them.
+    tokens, seqs = _throughput_batch_limits(cfg.tensor_parallel_size, max_model_len)
+    base.setdefault("max_num_batched_tokens", tokens)
+    base.setdefault("max_num_seqs", seqs)
+    # Chunked prefill is off unless asked for (--enable-chunked-prefill): in vLLM 0.24 a pooling
+    # model's prompt split across steps can race with async scheduling (vllm-project/vllm#48901:
+    # wrong scores under torch.compile; #48214, #47971: crashes and silent stalls). Our scoring
+    # server stalled under load with chunked prefill on (benchmarks/README.md). A reward must be
+    # right; whole prompts per step cost little for prompts up to max_model_len.
+    base["enable_chunked_prefill"] = False
+    overrides = user.pop("hf_overrides", None) or {}
+    if not isinstance(overrides, dict):
+        raise ValueError("--hf-overrides must be a JSON object with the reward server")
+    overrides = dict(overrides)
+    overrides.setdefault("head_dtype", _head_dtype_override(cfg.head_dtype))
+    return AsyncEngineArgs(**{**base, **user, "hf_overrides": overrides})
+
+
+def _throughput_batch_limits(world_size: int, max_model_len: int) -> tuple[int, int]:
+    """vLLM's own defaults for offline (``LLM``) use on this hardware: (max_num_batched_tokens,
+    max_num_seqs); at least one full-length prompt per step (pooling runs without chunked prefill)."""
+    from vllm.usage.usage_lib import UsageContext
+
+    tokens, seqs = AsyncEngineArgs.get_batch_defaults(world_size)
+    t = int(tokens.get(UsageContext.LLM_CLASS, 8192))
+    return max(t, max_model_len), min(int(seqs.get(UsageContext.LLM_CLASS, 256)), max(t, max_model_len))
+
+
+def _checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    return sorted(model_dir.glob("*.safetensors"))
+
+
+def read_manifest(
+    model: str,
+    config: Any,
+    *,
+    dtype: str,
+    head_dtype: str,
+) -> dict[str, ParamMeta]:
+    """HF parameter names and shapes of the checkpoint, with the dtypes the server holds them in.
+
+    Read from the safetensors headers (no tensor is loaded). Without safetensors files (e.g.
+    ``--load-format dummy`` on a config-only folder, or ``.bin`` checkpoints) the names come from
+    the transformers model built on the meta device.
+    """
+
+    def served_dtype(name: str, stored: str) -> str:
+        if stored not in _FLOAT_WIRE:
+            return stored
+        return head_dtype if is_head_key(name, DEFAULT_HEAD_PATTERNS) else dtype
+
+    manifest: dict[str, ParamMeta] = {}
+    files = _checkpoint_files(Path(model)) if Path(model).is_dir() else []
+    if files:
+        from safetensors import safe_open
+
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    sl = f.get_slice(name)
+                    stored = _ST_DTYPES.get(str(sl.get_dtype()).upper())
+                    if stored is None:
+                        log.warning(
+                            "parameter %s has dtype %s, which cannot be pushed; left out of the manifest",
+                            name,
+                            sl.get_dtype(),
+                        )
+                        continue
+                    manifest[name] = ParamMeta(
+                        name=name,
+                        dtype=served_dtype(name, stored),
+                        shape=tuple(int(d) for d in sl.get_shape()),
+                    )
+        return manifest
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.device("meta"):
+        meta = AutoModelForSequenceClassification.from_config(config)
+    for name, p in meta.state_dict().items():
+        stored = str(p.dtype).removeprefix("torch.")
+        manifest[name] = ParamMeta(name=name, dtype=served_dtype(name, stored), shape=tuple(p.shape))
+    return manifest
+
+
+class VLLMEngine:
+    """``RewardEngine`` on vLLM's pooling runner (``AsyncLLM``)."""
+
+    def __init__(self, cfg: ServerConfig, metrics: ServerMetrics | None = None) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        if cfg.device == "cpu":
+            raise ValueError("--engine vllm runs on CUDA GPUs; use --engine hf for --device cpu")
+        if cfg.pooling == PoolingType.STEP:
+            raise ValueError("--pooling step is not served; use last, mean or cls")
+        self.cfg = cfg
+        self.metrics = metrics or ServerMetrics()
+        config = AutoConfig.from_pretrained(cfg.model)
+        num_labels = int(getattr(config, "num_labels", 1))
+        if cfg.num_labels is not None and cfg.num_labels != num_labels:
+            raise ValueError(
+                f"--num-labels {cfg.num_labels} but the checkpoint {cfg.model} has {num_labels} labels; "
+                "fix the RewardModel's numLabels or the checkpoint"
+            )
+        archs = list(getattr(config, "architectures", None) or [])
+        if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+            log.warning(
+                "architectures %s are not *ForSequenceClassification; vLLM will convert the model "
+                "to a classifier (--convert classify) and the head may be untrained",
+                archs,
+            )
+        # The same tokenizer as the transformers engine, so /score tokenizes texts identically.
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        max_len = cfg.max_model_len or int(getattr(config, "max_position_embeddings", 0) or 4096)
+        self.engine_args = build_engine_args(cfg, max_len)
+        dtype = _vllm_dtype(cfg.dtype)
+        # What vLLM will hold: the hf_overrides head_dtype (ours, or the user's --hf-overrides).
+        override = (self.engine_args.hf_overrides or {}).get("head_dtype")  # type: ignore[union-attr]
+        head_dtype = dtype if override in (None, "model") else str(override).removeprefix("torch.")
+        id2label = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
+        self.info = EngineInfo(
+            served_model_name=cfg.name,
+            engine="vllm",
+            num_labels=num_labels,
+            dtype=dtype,
+            head_dtype=head_dtype,
+            max_model_len=max_len,
+            vocab_size=int(config.vocab_size),
+            pooling_types=(cfg.pooling,),  # vLLM fixes the pooling method at start
+            id2label=id2label,
+            world_size=cfg.tensor_parallel_size,
+        )
+        self.manifest = read_manifest(cfg.model, config, dtype=dtype, head_dtype=head_dtype)
+        if not self.manifest:
+            raise ValueError(f"no parameters found in {cfg.model}: expected *.safetensors files or a config")
+        self.guard = WeightsGuard()
+        self.llm: AsyncLLM | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.llm is not None:
+            return
+        log.info("starting vLLM %s", self.engine_args)
+        try:
+            # Blocks the loop while vLLM loads and compiles (minutes); nothing is served yet.
+            self.llm = AsyncLLM.from_engine_args(self.engine_args)
+        except Exception as exc:
+            raise RuntimeError(
+                f"vLLM failed to start {self.cfg.model} ({type(exc).__name__}: {exc}); it needs a CUDA GPU with "
+                f"{self.cfg.gpu_memory_utilization:.0%} of its memory free (--gpu-memory-utilization) — see the "
+                "log above for vLLM's own reason"
+            ) from exc
+        # One tiny request before the server reports healthy: the first inference compiles a few
+        # Triton kernels (vLLM logs "JIT compilation during inference"), a stall the first real
+        # requests would otherwise pay. A failure here means the engine cannot score: fail the start.
+        try:
+            await asyncio.wait_for(
+                self._encode(self.llm, "rp-warmup", [min(1, self.info.vocab_size - 1)] * 16),
+                SHORT_RPC_TIMEOUT_S,
+            )
+        except Exception as exc:
+            raise RuntimeError(
+                f"vLLM started but could not score a warm-up prompt: {type(exc).__name__}: {exc}"
+            ) from exc
+        mc = self.llm.model_config
+        served_head = str(mc.head_dtype).removeprefix("torch.")
+        if served_head != self.info.head_dtype or int(mc.max_model_len) != self.info.max_model_len:
+            log.warning(
+                "vLLM holds head dtype %s / max_model_len %d; the server announced %s / %d",
+                served_head,
+                mc.max_model_len,
+                self.info.head_dtype,
+                self.info.max_model_len,
+            )
+
+    async def stop(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            await asyncio.to_thread(llm.shutdown)
+
+    def _require_llm(self) -> AsyncLLM:
+        if self.llm is None:
+            raise Unavailable(
+                "the vLLM engine is not started yet (or was stopped); retry once /health answers"
+            )
+        if self.llm.errored:
+            raise Unavailable(f"the vLLM engine died ({self.llm.dead_error}); restart this replica")
+        return self.llm
+
+    # ---- scoring ---------------------------------------------------------------------------
+    async def score(self, prompts: list[list[int]], pooling: PoolingType) -> tuple[list[list[float]], int]:
+        if pooling not in self.info.pooling_types:
+            raise BadRequest(
+                f"pooling {pooling.value!r} is not available on this server (vLLM fixes it at start); "
+                f"use {self.info.pooling_types[0].value!r} or restart the server with --pooling {pooling.value}"
+            )
+        if not prompts:
+            return [], self.guard.version
+        llm = self._require_llm()
+        base_id = uuid.uuid4().hex
+        async with self.guard.scoring() as version:
+            try:
+                rows = await asyncio.wait_for(
+                    asyncio.gather(
+                        *(self._encode(llm, f"rp-{base_id}-{i}", ids) for i, ids in enumerate(prompts))
+                    ),
+                    SCORE_TIMEOUT_S,
+                )
+            except TimeoutError as exc:  # wait_for cancelled the requests; vLLM aborts them
+                raise Unavailable(
+                    f"scoring {len(prompts)} input(s) took longer than {SCORE_TIMEOUT_S:.0f}s "
+                    "(REWARDPLANE_VLLM_SCORE_TIMEOUT_S); the replica is overloaded — retry or send fewer inputs"
+                ) from exc
+            except EngineDeadError as exc:
+                raise Unavailable(f"the vLLM engine died ({exc}); restart this replica") from exc
+            except ValueError as exc:  # vLLM's request validation (length, token ids, ...)
+                raise BadRequest(f"vLLM rejected the input: {exc}") from exc
+            except ServerError:
+                raise
+            except Exception as exc:
+                raise ServerError(f"vLLM failed to score the request: {type(exc).__name__}: {exc}") from exc
+        return list(rows), version
+
+    async def _encode(self, llm: AsyncLLM, request_id: str, ids: list[int]) -> list[float]:
+        # A fresh PoolingParams per request: vLLM fills defaults into it during validation.
+        params = PoolingParams(task="classify", use_activation=False)
+        final = None
+        async for out in llm.encode(_token_prompt(ids), params, request_id):
+            final = out
+        if final is None:
+            raise ServerError(f"vLLM returned no output for request {request_id}")
+        return [float(v) for v in final.outputs.data.float().reshape(-1).tolist()]
+
+    # ---- weight sync -----------------------------------------------------------------------
+    def weight_sync_service(self, metrics: ServerMetrics) -> Any:
+        from .control_plane import WeightSyncService
+
+        async def call(method: str, *args: Any) -> list[Any]:
+            llm = self._require_llm()
+            timeout = _rpc_timeout(method, args)
+            try:
+                results = await asyncio.wait_for(llm.collective_rpc(method, args=tuple(args)), timeout)
+            except TimeoutError as exc:
+                raise RuntimeError(
+                    f"worker call {method} did not finish within {timeout:.0f}s (REWARDPLANE_VLLM_RPC_TIMEOUT_S)"
+                ) from exc
+            return list(results)
+
+        async def reset_cache() -> None:
+            llm = self._require_llm()
+            # Called under the exclusive weights lock: none of our requests runs, so preempting
+            # "running" ones (reset_running_requests) only catches stragglers being aborted.
+            ok = await asyncio.wait_for(
+                llm.reset_prefix_cache(reset_running_requests=True), RESET_CACHE_TIMEOUT_S
+            )
+            if ok is False:
+                raise RuntimeError(
+                    "vLLM did not reset its prefix cache; cached blocks would hold old weights"
+                )
+
+        return WeightSyncService(self, call, self.manifest, metrics, reset_cache=reset_cache)
+
+
+def _token_prompt(ids: list[int]) -> Any:
+    """A token-id prompt in the form vLLM 0.24 takes without re-processing (``tokens_input``)."""
+    try:
+        from vllm.inputs import tokens_input
+    except ImportError:  # older layouts: the (deprecated there) raw prompt dict still works
+        from vllm.inputs import TokensPrompt
+
+        return TokensPrompt(prompt_token_ids=list(ids))
+    return tokens_input(list(ids))
+
+
+def _rpc_timeout(method: str, args: tuple[Any, ...]) -> float:
+    if method == "rp_init_communicator" and len(args) > 5:
+        return float(args[5]) + 60.0  # the worker's own rendezvous timeout, plus slack
+    if method in ("rp_receive", "rp_apply_staged"):
+        return RPC_TIMEOUT_S  # the worker's communicator bounds each collective; this is a backstop
+    return SHORT_RPC_TIMEOUT_S

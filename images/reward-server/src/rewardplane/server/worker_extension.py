@@ -1,0 +1,204 @@
+"""The weight-sync worker extension, shared by both engines.
+
+vLLM mixes this class into every GPU worker (``worker_extension_cls``) and reaches its methods
+with ``collective_rpc``; the transformers engine instantiates ``HFWeightSyncWorker`` directly. The
+methods are synchronous and run where the weights live; each returns plain data.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+
+from rewardplane.protocol import Bucket, ParamMeta, plan_buckets, remember_layout
+from rewardplane.transport.buckets import unpack_bucket
+from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.transfer import Received, receive_buckets
+
+log = logging.getLogger(__name__)
+
+# vLLM imports this module in its engine-core process (where the weights live): as in the API
+# server, `kill -USR1 <pid>` then prints every thread's stack — the way to see where a stuck engine
+# or weight update waits. Only where nobody else handles SIGUSR1.
+if (
+    threading.current_thread() is threading.main_thread()
+    and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+):
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
+class RewardWeightSyncExtension:
+    """Receive flat buckets from the trainer and load them. vLLM workers provide ``model_runner``,
+    ``device`` and ``rank``; other hosts override the ``rp_`` accessors."""
+
+    _rp_comm: Communicator | None = None
+    _rp_staged: list[tuple[Bucket, torch.Tensor]] | None = None
+
+    # ---- accessors (vLLM defaults) ------------------------------------------------------------
+    def rp_model(self) -> torch.nn.Module:
+        # get_model() unwraps vLLM's CUDA-graph wrappers; load_weights lives on the model itself.
+        return self.model_runner.get_model()  # type: ignore[attr-defined]
+
+    def rp_device(self) -> torch.device:
+        return torch.device(self.device)  # type: ignore[attr-defined]
+
+    def rp_local_rank(self) -> int:
+        return int(getattr(self, "rank", 0))
+
+    def rp_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        # vLLM's loader takes HF names and full tensors; it fuses q/k/v, gate/up and shards for TP.
+        self.rp_model().load_weights(weights=weights)
+
+    # ---- collective RPCs -----------------------------------------------------------------------
+    def rp_init_communicator(
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        rank_offset: int,
+        backend: str,
+        timeout_s: float,
+        group_id: str,
+    ) -> int:
+        self.rp_close_communicator()
+        rank = rank_offset + self.rp_local_rank()
+        store = create_store(host, port, is_master=False, world_size=world_size, timeout_s=timeout_s)
+        self._rp_comm = Communicator(
+            store,
+            rank=rank,
+            world_size=world_size,
+            device=self.rp_device(),
+            backend=backend,  # type: ignore[arg-type]
+            timeout_s=timeout_s,
+            group_id=group_id,
+        )
+        return rank
+
+    def rp_receive(
+        self,
+        metadata: list[dict[str, Any]] | None,
+        bucket_bytes: int,
+        apply: bool,
+        layout_key: str,
+    ) -> dict[str, Any]:
+        """Receive every bucket. ``apply``: load each as it arrives (streamed); else stage them all.
+
+        ``metadata`` may be None for a layout this worker received before (``layout_key``); if it
+        does not hold it, it answers ``unknown_layout`` at once, before posting any receive, and the
+        control plane calls again with the metadata.
+
+        A rank whose load fails keeps receiving (so the trainer's broadcast is not left hanging),
+        then reports failure in the final status reduction that every rank and the trainer join.
+        """
+        entered = time.monotonic()
+        layout = self._rp_layout(metadata, bucket_bytes, layout_key)
+        if layout is None:
+            return {
+                "ok": False,
+                "partial": False,
+                "bytes": 0,
+                "unknown_layout": True,
+                "error": f"layout {layout_key} is not cached in this worker; send its metadata",
+            }
+        metas, plan = layout
+        comm = self._rp_comm
+        if comm is None:
+            return {
+                "ok": False,
+                "partial": False,
+                "bytes": 0,
+                "error": "no communicator: call /init_communicator first",
+            }
+        src = comm.world_size - 1
+        got = Received()
+
+        def outcome(ok: bool, partial: bool, error: str | None) -> dict[str, Any]:
+            # monotonic stamps (one clock for every process of the host) for the update's timeline
+            times = {"worker_in": entered, "worker_posted": got.posted_at, "worker_out": time.monotonic()}
+            return {"ok": ok, "partial": partial, "bytes": got.bytes, "error": error, "times": times}
+
+        try:
+            receive_buckets(
+                comm, metas, bucket_bytes, src, self.rp_load if apply else None, out=got, plan=plan
+            )
+            if comm.max_flag(1 if got.error else 0) != 0 and got.error is None:
+                got.error = "another rank failed to load its part of the update"
+        except Exception as exc:  # communication failed: the trainer died or timed out
+            self.rp_close_communicator()
+            return outcome(False, apply and got.applied_any, str(exc))
+        if got.error is not None:
+            return outcome(False, got.applied_any, got.error)
+        self._rp_staged = None if apply else got.staged
+        return outcome(True, False, None)
+
+    def _rp_layout(
+        self,
+        metadata: list[dict[str, Any]] | None,
+        bucket_bytes: int,
+        layout_key: str,
+    ) -> tuple[list[ParamMeta], list[Bucket]] | None:
+        """Parsed metadata and bucket plan, cached by the layout's id (the control plane's, which
+        covers the bucket size): a trainer pushes the same layout again and again, and re-parsing
+        hundreds of entries sits on every push's critical path. None: not cached, no metadata.
+
+        Eviction is ``protocol.remember_layout``'s (first in, first out): ``control_plane`` mirrors
+        it to know which layouts it can name by id alone, so every worker of a replica decides alike."""
+        cache: dict[str, tuple[list[ParamMeta], list[Bucket]]] | None = getattr(self, "_rp_layouts", None)
+        if cache is None:
+            cache = self._rp_layouts = {}
+        hit = cache.get(layout_key)
+        if hit is None:
+            if metadata is None:
+                return None
+            metas = [ParamMeta(**m) for m in metadata]
+            hit = (metas, plan_buckets(metas, bucket_bytes))
+            remember_layout(cache, layout_key, hit)
+        return hit
+
+    def rp_apply_staged(self, metadata: list[dict[str, Any]]) -> None:
+        metas = [ParamMeta(**m) for m in metadata]  # staged updates are not on the fast path
+        staged, self._rp_staged = self._rp_staged or [], None
+        for bucket, buf in staged:
+            self.rp_load(list(unpack_bucket(bucket, metas, buf)))
+
+    def rp_drop_staged(self) -> None:
+        self._rp_staged = None
+
+    def rp_close_communicator(self) -> None:
+        if self._rp_comm is not None:
+            self._rp_comm.close()
+            self._rp_comm = None
+
+
+class HFWeightSyncWorker(RewardWeightSyncExtension):
+    """The extension hosted in the transformers engine's own process."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self._model = model
+        self._device = device
+        self._params = dict(model.named_parameters())
+
+    def rp_model(self) -> torch.nn.Module:
+        return self._model
+
+    def rp_device(self) -> torch.device:
+        return self._device
+
+    def rp_local_rank(self) -> int:
+        return 0
+
+    @torch.no_grad()
+    def rp_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in weights:
+            self._params[name].data.copy_(tensor)  # copy_ casts, e.g. a bf16 push into an fp32 head
+
+    def manifest(self) -> dict[str, ParamMeta]:
+        return {
+            n: ParamMeta(name=n, dtype=str(p.dtype), shape=tuple(p.shape)) for n, p in self._params.items()
+        }

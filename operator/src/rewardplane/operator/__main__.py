@@ -1,0 +1,93 @@
+"""``python -m rewardplane.operator``: run the operator standalone, with a /metrics endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rewardplane.operator", description=__doc__)
+    p.add_argument(
+        "--kubeconfig", help="kubeconfig to use (default: in-cluster, else $KUBECONFIG or ~/.kube/config)"
+    )
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("--namespace", "-n", help="watch only this namespace")
+    scope.add_argument(
+        "--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)"
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=9090, help="port of /metrics; 0 disables it (default 9090)"
+    )
+    p.add_argument("--liveness-port", type=int, default=0, help="port of kopf's /healthz; 0 disables it")
+    p.add_argument(
+        "--resync-interval",
+        type=float,
+        default=None,
+        help="seconds between periodic reconciles of each RewardModel (default 5)",
+    )
+    p.add_argument("--log-level", default=os.environ.get("REWARDPLANE_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--delete-children",
+        action="store_true",
+        help="delete a RewardModel's Pods, Service and Secret itself when it goes; only for a control "
+        "plane without a garbage collector (the node-agent dev cluster): owner references do it "
+        "everywhere else",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # One line per API call or per resync tick of every model would drown what matters.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if logging.getLogger().level > logging.DEBUG:
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    if args.resync_interval is not None:
+        if args.resync_interval <= 0:
+            print("--resync-interval must be > 0 seconds", file=sys.stderr)
+            return 2
+        # Read by the handlers module when it registers the timer, so set before importing it.
+        os.environ["REWARDPLANE_RESYNC_INTERVAL"] = str(args.resync_interval)
+
+    import kopf
+
+    from rewardplane.api.kube import Kube
+
+    from . import handlers, metrics  # noqa: F401  (importing registers the handlers)
+    from .reconcile import Reconciler
+    from .weightsync_driver import WeightSyncDriver
+
+    try:
+        kube = Kube.from_environment(args.kubeconfig)
+    except Exception as exc:  # config loaders raise several types; all mean the same to the user
+        print(
+            f"cannot load Kubernetes credentials ({exc}); pass --kubeconfig or set KUBECONFIG",
+            file=sys.stderr,
+        )
+        return 2
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+    reconciler = Reconciler(kube, namespace=args.namespace, delete_children=args.delete_children)
+    weightsyncs = WeightSyncDriver(
+        kube,
+        on_done=lambda key: reconciler.request(key, trigger="weightsync"),
+        stale_pods=reconciler.stale_pods,
+    )
+    kopf.run(
+        standalone=True,  # one operator, no peering objects needed
+        clusterwide=args.namespace is None,
+        namespaces=[args.namespace] if args.namespace else (),
+        memo=kopf.Memo(reconciler=reconciler, weightsyncs=weightsyncs),
+        liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""kopf handlers, kept thin: each one names a trigger and hands the object to the Reconciler.
+
+The Reconciler (``memo.reconciler``, set up by ``python -m rewardplane.operator``) reads the
+cluster, plans with the pure modules and applies the result. Handlers never raise for a bad spec
+(that ends in a Degraded condition and a Warning event) and API errors are retried by the resync
+timer, so neither makes kopf retry in a storm.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import kopf
+
+from rewardplane.api.names import FINALIZER, GROUP, LABEL_MODEL, VERSION, WS_PLURAL
+from rewardplane.api.names import RM_PLURAL as PLURAL
+
+from .status import pod_ready
+
+RESOURCE = (GROUP, VERSION, PLURAL)
+# How often every RewardModel is re-checked (recreate deleted Pods, refresh weights versions).
+RESYNC_INTERVAL_S = float(os.environ.get("REWARDPLANE_RESYNC_INTERVAL", "5"))
+EXECUTOR_THREADS = 16
+
+
+def _key(body: Any) -> tuple[str, str]:
+    return body["metadata"]["namespace"], body["metadata"]["name"]
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.finalizer = FINALIZER
+    settings.execution.max_workers = EXECUTOR_THREADS
+    settings.posting.level = logging.WARNING  # our own Events carry the transitions
+    settings.watching.server_timeout = 300  # re-list every 5 minutes at most
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 30
+    # A deleted RewardModel waits until its resync timer's current run returns; kopf re-checks only
+    # every 60 s by default, so a delete that lands mid-reconcile would take a minute.
+    settings.background.cancellation_polling = 0.5
+
+
+@kopf.on.login()
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    # One source of credentials for kopf and our own client: what --kubeconfig (or in-cluster) says.
+    return kopf.ConnectionInfo(**memo.reconciler.kube.connection_details())
+
+
+# ------------------------------------------------------------------------------ RewardModel
+
+
+@kopf.on.create(*RESOURCE, id="reconcile")
+@kopf.on.update(*RESOURCE, id="reconcile")
+@kopf.on.resume(*RESOURCE, id="reconcile")
+def reconcile_on_change(body: kopf.Body, memo: kopf.Memo, reason: str, **_: Any) -> None:
+    memo.reconciler.request(_key(body), trigger=str(reason))
+
+
+@kopf.timer(*RESOURCE, id="resync", interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S)
+def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    memo.reconciler.request(_key(body), trigger="timer")
+
+
+@kopf.on.delete(*RESOURCE, id="cleanup")
+def cleanup(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    memo.reconciler.cleanup(body)
+
+
+@kopf.on.event("v1", "pods", labels={LABEL_MODEL: kopf.PRESENT})
+def pod_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """React at once when a replica goes, comes or changes readiness, instead of at the next tick."""
+    meta = body["metadata"]
+    state = (
+        None
+        if type == "DELETED"
+        else (pod_ready(body), (body.get("status") or {}).get("podIP"), bool(meta.get("deletionTimestamp")))
+    )
+    if not memo.reconciler.pod_state_changed((meta["namespace"], meta["name"]), state):
+        return  # status heartbeats of an unchanged Pod: nothing to do
+    memo.reconciler.request((meta["namespace"], meta["labels"][LABEL_MODEL]), trigger="pod")
+
+
+# ------------------------------------------------------------------------------ WeightSync
+# A WeightSync asks for one push; the driver (memo.weightsyncs) runs it on a thread of its own,
+# drives each replica's control plane and writes the WeightSync's status.
+
+WS_RESOURCE = (GROUP, VERSION, WS_PLURAL)
+
+
+@kopf.on.create(*WS_RESOURCE, id="push")
+@kopf.on.update(*WS_RESOURCE, id="push", field="spec")
+def weightsync_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    memo.weightsyncs.request(_key(body))
+
+
+@kopf.on.resume(*WS_RESOURCE, id="resume")
+def weightsync_resumed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    # A push that was running when the operator stopped cannot be picked up again: mark it Failed.
+    memo.weightsyncs.request(_key(body), resumed=True)

@@ -1,0 +1,376 @@
+"""Read → plan → apply for one RewardModel, and cleanup on delete.
+
+Everything decided here comes from the pure modules (planning, render, status); this module only
+reads the cluster, creates/deletes children and writes status and Events. Reconciles of one model
+are coalesced: a request arriving while one runs makes it run once more, never twice at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+import httpx
+
+from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
+from rewardplane.api.names import API_VERSION, WS_PLURAL
+from rewardplane.api.names import RM_KIND as KIND
+from rewardplane.api.spec import InvalidSpecError
+from rewardplane.protocol import Endpoints, RestoreWeightsRequest
+from rewardplane.protocol.auth import auth_headers
+
+from . import metrics
+from .coalesce import Coalescer
+from .planning import ClusterView, Plan, gpus_in_use, node_info, plan_reward_model
+from .probes import probe_server
+from .recovery import Identity, identity, stale_replicas
+from .render import (
+    ANNOTATION_SPEC_HASH,
+    LABEL_MODEL,
+    TOKEN_KEY,
+    new_token,
+    render_children,
+    render_token_secret,
+    selector,
+    token_secret_name,
+)
+from .rollout import pod_actions
+from .status import Event, ProbeResult, compute_status, pod_ready, replica_index, transition_events
+from .weightsync import completed_version
+
+log = logging.getLogger("rewardplane.operator")
+
+COMPONENT = "rewardplane-operator"
+_EVENT_MESSAGE_LIMIT = 1024  # the API server refuses longer Event messages
+RESTORE_TIMEOUT_S = 300.0  # loading a persisted model from disk
+
+
+def _owned_by(obj: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
+    uid = owner["metadata"].get("uid")
+    return any(ref.get("uid") == uid for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+Key = tuple[str, str]  # (namespace, name)
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, namespace: str | None = None, *, delete_children: bool = False) -> None:
+        self.kube = kube
+        self.namespace = namespace  # None: the whole cluster
+        # A cluster with a garbage collector (every real one) deletes the owned children itself;
+        # only a control plane without a controller-manager (the node-agent dev cluster) needs us to.
+        self.delete_children = delete_children
+        self._http = httpx.Client()
+        self._guard = threading.Lock()
+        self._coalesce: Coalescer[Key] = Coalescer()
+        self._phases: dict[Key, str] = {}
+        self._pod_states: dict[Key, object] = {}
+        self._stale: dict[Key, set[str]] = {}
+        self._serving: dict[Key, dict[str, Identity]] = {}  # pod → identity last seen on the model's version
+        self._restore_failed: dict[Key, Identity] = {}  # (ns, pod) → identity a restore failed for
+
+    # ---------------------------------------------------------------- entry points
+
+    def request(self, key: Key, trigger: str) -> None:
+        """Reconcile ``key`` now, or once more right after the reconcile already running for it."""
+        self._coalesce.run(key, lambda: self._timed(key, trigger))
+
+    def _timed(self, key: Key, trigger: str) -> None:
+        started = time.perf_counter()
+        result = "ok"
+        try:
+            result = self.reconcile(key)
+        except (KubeError, httpx.HTTPError) as exc:
+            # Transient API trouble: log it; the periodic timer retries, so no retry storm here.
+            result = "error"
+            metrics.ERRORS.labels(stage="api").inc()
+            log.warning("reconcile of %s/%s failed, retrying on the next timer tick: %s", *key, exc)
+        finally:
+            metrics.DURATION.observe(time.perf_counter() - started)
+            metrics.RECONCILES.labels(trigger=trigger, result=result).inc()
+
+    def pod_state_changed(self, pod: Key, state: object | None) -> bool:
+        """Remember what matters of a Pod (None: deleted); True when it differs from last time."""
+        with self._guard:
+            before = self._pod_states.get(pod, ...)
+            if state is None:
+                self._pod_states.pop(pod, None)
+            else:
+                self._pod_states[pod] = state
+            return before != state
+
+    def stale_pods(self, key: Key) -> set[str]:
+        """Pods of the model that restarted onto older weights and wait for (or undergo) a restore."""
+        with self._guard:
+            return set(self._stale.get(key, ()))
+
+    def forget(self, key: Key) -> None:
+        self._phases.pop(key, None)
+        self._stale.pop(key, None)
+        self._serving.pop(key, None)
+        self._update_phase_gauge()
+
+    # ---------------------------------------------------------------- read
+
+    def _cluster_view(self, rm: Mapping[str, Any], own_pods: list[dict[str, Any]]) -> ClusterView:
+        meta = rm["metadata"]
+        key = (meta["namespace"], meta["name"])
+        nodes = tuple(node_info(n) for n in self.kube.list(core_path("nodes")))
+        # Device memory is a cluster-wide resource: every RewardModel counts, whatever its namespace.
+        try:
+            peers = self.kube.list(custom_path())
+            pods = self.kube.list(core_path("pods"), label_selector=LABEL_MODEL)
+        except KubeError as exc:
+            if exc.status != 403 or self.namespace is None:
+                raise
+            peers = self.kube.list(custom_path(self.namespace))
+            pods = self.kube.list(core_path("pods", self.namespace), label_selector=LABEL_MODEL)
+        peers = [p for p in peers if (p["metadata"]["namespace"], p["metadata"]["name"]) != key]
+        current = {
+            i: p["spec"]["nodeName"]
+            for p in own_pods
+            if (i := replica_index(p)) is not None
+            and p["spec"].get("nodeName")
+            and not p["metadata"].get("deletionTimestamp")
+        }
+        return ClusterView(
+            nodes=nodes,
+            peers=tuple(peers),
+            gpus_in_use=gpus_in_use(pods, exclude_model=key),
+            current_nodes=current,
+        )
+
+    def _probe(self, plan: Plan | None, pods: list[dict[str, Any]]) -> dict[str, ProbeResult]:
+        results: dict[str, ProbeResult] = {}
+        for pod in pods:
+            ip = (pod.get("status") or {}).get("podIP")
+            if plan is None or not ip or not pod_ready(pod):
+                continue
+            results[pod["metadata"]["name"]] = probe_server(self._http, f"http://{ip}:{plan.ports.http}")
+        return results
+
+    # ---------------------------------------------------------------- apply
+
+    def _ensure_secret(self, rm: Mapping[str, Any]) -> None:
+        ns, name = rm["metadata"]["namespace"], rm["metadata"]["name"]
+        # Created once: servers read the token at start, rotating it would lock everyone out.
+        if self.kube.get(core_path("secrets", ns, token_secret_name(name))) is None:
+            self.kube.create(core_path("secrets", ns), render_token_secret(rm, new_token()))
+
+    def _ensure_service(self, ns: str, service: dict[str, Any]) -> None:
+        path = core_path("services", ns, service["metadata"]["name"])
+        existing = self.kube.get(path)
+        if existing is None:
+            self.kube.create(core_path("services", ns), service)
+            return
+        # Ports follow the spec; the API server defaults other fields, so compare only what we own.
+        wanted = {k: service["spec"][k] for k in ("ports", "selector")}
+        if any(existing["spec"].get(k) != v for k, v in wanted.items()):
+            self.kube.merge_patch(path, {"spec": wanted})
+
+    def _apply_pods(self, ns: str, desired: list[dict[str, Any]], pods: list[dict[str, Any]]) -> None:
+        actions = pod_actions(desired, pods)
+        for name, why in actions.delete:
+            self._delete_pod(ns, name, why)
+        for pod in actions.create:
+            if self.kube.create(core_path("pods", ns), pod) is not None:
+                metrics.POD_ACTIONS.labels(action="create").inc()
+                log.info("created pod %s/%s on node %s", ns, pod["metadata"]["name"], pod["spec"]["nodeName"])
+
+    def _delete_pod(self, ns: str, name: str, why: str) -> None:
+        if self.kube.delete(core_path("pods", ns, name)):
+            metrics.POD_ACTIONS.labels(action="delete").inc()
+            log.info("deleted pod %s/%s (%s)", ns, name, why)
+
+    # ---------------------------------------------------------------- status and events
+
+    def _write_status(self, rm: Mapping[str, Any], status: dict[str, Any]) -> None:
+        previous = rm.get("status") or {}
+        key = (rm["metadata"]["namespace"], rm["metadata"]["name"])
+        self._phases[key] = status["phase"]
+        self._update_phase_gauge()
+        if all(previous.get(k) == v for k, v in status.items()):
+            return  # unchanged: no write, no watch event, no churn
+        self.kube.merge_patch(custom_path(key[0], key[1]) + "/status", {"status": status})
+        for event in transition_events(previous, status):
+            self._post_event(rm, event)
+
+    def _post_event(self, rm: Mapping[str, Any], event: Event) -> None:
+        meta = rm["metadata"]
+        stamp = now_rfc3339()
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid", ""),
+            },
+            "type": event.type,
+            "reason": event.reason,
+            "message": event.message[:_EVENT_MESSAGE_LIMIT],
+            "source": {"component": COMPONENT},
+            "reportingComponent": COMPONENT,
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
+            "count": 1,
+        }
+        try:
+            self.kube.create(core_path("events", meta["namespace"]), body)
+        except KubeError as exc:  # an Event is best effort; the status already says it all
+            log.warning(
+                "could not post event %s for %s/%s: %s", event.reason, meta["namespace"], meta["name"], exc
+            )
+        (log.warning if event.type == "Warning" else log.info)(
+            "%s/%s %s: %s", meta["namespace"], meta["name"], event.reason, event.message
+        )
+
+    def _update_phase_gauge(self) -> None:
+        counts: dict[str, int] = {}
+        for phase in self._phases.values():
+            counts[phase] = counts.get(phase, 0) + 1
+        for phase in ("Pending", "Progressing", "Ready", "Degraded", "Failed"):
+            metrics.MODELS.labels(phase=phase).set(counts.get(phase, 0))
+
+    # ---------------------------------------------------------------- the loop body
+
+    def reconcile(self, key: Key) -> str:
+        """One pass for one RewardModel; returns the metrics result label."""
+        ns, name = key
+        rm = self.kube.get(custom_path(ns, name))
+        if rm is None or rm["metadata"].get("deletionTimestamp"):
+            return "gone"  # the delete handler cleans up
+        pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
+        try:
+            plan = plan_reward_model(rm, self._cluster_view(rm, pods))
+        except InvalidSpecError as exc:
+            # Leave running children alone (a typo must not take a model down) and say what to fix.
+            status = compute_status(
+                rm, None, pods, {}, now_rfc3339(), errors=exc.errors, error_reason=exc.reason
+            )
+            self._write_status(rm, status)
+            return "invalid"
+        self._ensure_secret(rm)
+        desired, service = render_children(rm, plan)
+        self._ensure_service(ns, service)
+        self._apply_pods(ns, desired, pods)
+        pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
+        hashes = {p["metadata"]["name"]: p["metadata"]["annotations"][ANNOTATION_SPEC_HASH] for p in desired}
+        known = completed_version(self.kube.list(custom_path(ns, plural=WS_PLURAL)), name)
+        probes = self._probe(plan, pods)
+        target = max(
+            [
+                known or 0,
+                int((rm.get("status") or {}).get("weightsVersion") or 0),
+                *(p.version for p in probes.values() if p.version is not None and p.error is None),
+            ]
+        )
+        live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+        with self._guard:
+            stale, self._serving[key] = stale_replicas(live, probes, target, self._serving.get(key, {}))
+            newly = stale - self._stale.get(key, set())
+            self._stale[key] = stale
+        status = compute_status(
+            rm,
+            plan,
+            pods,
+            probes,
+            now_rfc3339(),
+            desired_hashes=hashes,
+            target_version=target,
+            stale_pods=stale,
+        )
+        self._write_status(rm, status)
+        for pod in sorted(newly):
+            self._post_event(
+                rm,
+                Event(
+                    "Warning",
+                    "ReplicaStale",
+                    f"{pod} restarted and serves weights version "
+                    f"{probes[pod].version} < {target}; left out of the endpoints until restored",
+                ),
+            )
+        if stale and self._restore(rm, plan, live, stale, target):
+            self._coalesce.mark_dirty(key)  # re-read the restored replicas right away
+        return "ok"
+
+    def _restore(
+        self, rm: Mapping[str, Any], plan: Plan, pods: list[dict[str, Any]], stale: set[str], target: int
+    ) -> bool:
+        """Ask each stale replica to load its persisted weights of ``target``; True if any did."""
+        ns, name = rm["metadata"]["namespace"], rm["metadata"]["name"]
+        secret = self.kube.get(core_path("secrets", ns, token_secret_name(name))) or {}
+        token = base64.b64decode((secret.get("data") or {}).get(TOKEN_KEY, "")).decode()
+        restored = False
+        for pod in pods:
+            pod_name = pod["metadata"]["name"]
+            if pod_name not in stale or self._restore_failed.get((ns, pod_name)) == identity(pod):
+                continue
+            url = f"http://{pod['status']['podIP']}:{plan.ports.http}{Endpoints.RESTORE_WEIGHTS}"
+            try:
+                resp = self._http.post(
+                    url,
+                    json=RestoreWeightsRequest(version=target).model_dump(),
+                    headers=auth_headers(token),
+                    timeout=httpx.Timeout(RESTORE_TIMEOUT_S, connect=3.0),
+                )
+                ok, detail = resp.status_code == 200, resp.text[:500]
+            except httpx.HTTPError as exc:
+                ok, detail = False, f"{type(exc).__name__}: {exc}"
+            if ok:
+                restored = True
+                metrics.POD_ACTIONS.labels(action="restore").inc()
+                self._post_event(
+                    rm, Event("Normal", "ReplicaRestored", f"{pod_name} restored to weights version {target}")
+                )
+            else:
+                self._restore_failed[(ns, pod_name)] = identity(pod)
+                self._post_event(
+                    rm,
+                    Event(
+                        "Warning",
+                        "RestoreFailed",
+                        f"{pod_name} could not be restored to version "
+                        f"{target}: {detail}; it stays out of the endpoints until a full push "
+                        "(or set spec.weightSync.persistDir)",
+                    ),
+                )
+        return restored
+
+    def cleanup(self, rm: Mapping[str, Any]) -> None:
+        """What garbage collection cannot do when a RewardModel goes (the reason for the finalizer).
+
+        Pods, Service and token Secret carry owner references, so the garbage collector deletes
+        them. GC follows owner references only: a WeightSync names its model in
+        ``spec.rewardModelRef``, and one created without an owner reference (by kubectl, or an
+        SDK older than this operator) would outlive the model, as would its manifest ConfigMap;
+        those are deleted here. Then the operator drops its in-memory state of the model (stale
+        replicas, restore bookkeeping), which no cluster object holds.
+        """
+        ns, name = rm["metadata"]["namespace"], rm["metadata"]["name"]
+        if self.delete_children:
+            for plural in ("pods", "services", "secrets"):
+                for child in self.kube.list(core_path(plural, ns), label_selector=selector(name)):
+                    self.kube.delete(core_path(plural, ns, child["metadata"]["name"]))
+        for cm in self.kube.list(core_path("configmaps", ns), label_selector=selector(name)):
+            if self.delete_children or not _owned_by(cm, rm):
+                self.kube.delete(core_path("configmaps", ns, cm["metadata"]["name"]))
+        for ws in self.kube.list(custom_path(ns, plural=WS_PLURAL)):  # the model's pushes go with it
+            if (ws.get("spec") or {}).get("rewardModelRef") == name and (
+                self.delete_children or not _owned_by(ws, rm)
+            ):
+                self.kube.delete(custom_path(ns, ws["metadata"]["name"], WS_PLURAL))
+        self.forget((ns, name))

@@ -1,0 +1,343 @@
+"""Pure rendering: a Plan → the Kubernetes objects that realise it (Pods, headless Service, token Secret).
+
+Children carry the labels ``rewardplane.io/model=<name>`` and ``rewardplane.io/replica=<i>`` and
+an owner reference to the RewardModel. Each Pod carries a hash of what it was rendered from, so
+the reconciler replaces a Pod when (and only when) its rendering changes.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+from rewardplane.api.names import (
+    ANNOTATION_GROUP_PORT,
+    ANNOTATION_RANK_OFFSET,
+    ANNOTATION_SPEC_HASH,
+    API_VERSION,
+    LABEL_COMPONENT,
+    LABEL_MANAGED_BY,
+    LABEL_MODEL,
+    LABEL_REPLICA,
+    TOKEN_KEY,
+    service_name,
+    token_secret_name,
+)
+from rewardplane.api.names import RM_KIND as KIND
+from rewardplane.api.spec import EngineKind, GpuMode
+from rewardplane.protocol import TOKEN_FILE_ENV, Endpoints
+
+from .planning import GPU_RESOURCE, Plan, ReplicaPlan
+from .storage import delivery
+
+CONTAINER_NAME = "reward-server"
+SERVER_COMMAND = ("python", "-m", "rewardplane.server")
+TOKEN_VOLUME = "control-token"
+TOKEN_MOUNT_DIR = "/var/run/rewardplane"
+TOKEN_FILE = f"{TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
+WEIGHTS_VOLUME = "persisted-weights"
+HTTP_PORT_NAME = "http"
+GROUP_PORT_NAME = "nccl-group"
+# Readiness: a server is only worth traffic after it loaded the model and answers /health.
+READINESS_PERIOD_S = 5
+READINESS_TIMEOUT_S = 3
+READINESS_FAILURES = 3
+# Loading a large model takes minutes: the startup probe allows up to 30 min before liveness
+# (a stuck event loop, or a broken replica: /health answers 503) may restart the container.
+STARTUP_PERIOD_S = 2
+STARTUP_FAILURES = 900
+LIVENESS_PERIOD_S = 10
+LIVENESS_TIMEOUT_S = 5
+LIVENESS_FAILURES = 6
+# SIGTERM: the server stops taking requests and drains in-flight ones (uvicorn's graceful
+# shutdown, bounded by --shutdown-timeout); the kubelet kills it after this grace period.
+TERMINATION_GRACE_S = 30
+SHUTDOWN_TIMEOUT_S = 20
+# The images run as this non-root user; volumes are made group-readable for it (fsGroup).
+RUN_AS_USER = 65532
+# The root filesystem is read-only: HOME and TMPDIR point at a per-pod scratch volume instead
+# (not /tmp: the node agent rewrites mount paths in args, and /tmp prefixes too many of them).
+SCRATCH_VOLUME = "scratch"
+SCRATCH_DIR = "/scratch"
+
+
+def model_labels(model_name: str) -> dict[str, str]:
+    return {LABEL_MODEL: model_name, LABEL_MANAGED_BY: "rewardplane"}
+
+
+def selector(model_name: str) -> str:
+    """Label selector matching every child of a RewardModel."""
+    return f"{LABEL_MODEL}={model_name}"
+
+
+def owner_reference(rm: Mapping[str, Any]) -> dict[str, Any]:
+    meta = rm["metadata"]
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(rm: Mapping[str, Any], name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": rm["metadata"].get("namespace", "default"),
+        "labels": labels,
+        "ownerReferences": [owner_reference(rm)],
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Pods
+# --------------------------------------------------------------------------------------------
+
+
+def server_args(plan: Plan, replica: ReplicaPlan) -> list[str]:
+    """Command-line arguments of ``python -m rewardplane.server`` for one replica."""
+    spec = plan.spec
+    on_gpu = spec.gpu.mode is not GpuMode.NONE
+    args = [
+        "--model",
+        delivery(spec.model.source).model_arg,
+        "--engine",
+        spec.engine.kind.value,
+        "--host",
+        "$(POD_IP)",  # expanded by the kubelet (or node agent) from the env below
+        "--port",
+        str(plan.ports.http),
+        "--served-model-name",
+        plan.served_name,
+        "--dtype",
+        spec.model.dtype,
+        "--device",
+        "cuda" if on_gpu else "cpu",
+        "--pooling",
+        spec.model.pooling,
+        "--num-labels",
+        str(spec.model.num_labels),
+        "--token-file",
+        TOKEN_FILE,
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
+    ]
+    if spec.model.max_length is not None:
+        args += ["--max-model-len", str(spec.model.max_length)]
+    if on_gpu:
+        args += ["--gpu-memory-utilization", f"{spec.gpu.memory_fraction:g}"]
+    if on_gpu or spec.engine.kind is EngineKind.VLLM:
+        args += ["--tensor-parallel-size", str(replica.world_size)]
+    if spec.weight_sync.persist_dir:
+        # One directory per replica: replicas on one node share the hostPath but never a file.
+        args += ["--weights-dir", f"{spec.weight_sync.persist_dir.rstrip('/')}/{replica.pod_name}"]
+    return args + list(spec.engine.extra_args)
+
+
+def _env(plan: Plan, replica: ReplicaPlan) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": TOKEN_FILE_ENV, "value": TOKEN_FILE},
+        {"name": "HOME", "value": SCRATCH_DIR},
+        {"name": "TMPDIR", "value": SCRATCH_DIR},
+    ]
+    env += [{"name": k, "value": v} for k, v in delivery(plan.spec.model.source).env]
+    if replica.device_ids:
+        # Shared mode pins devices itself: no nvidia.com/gpu request (the device plugin would hand
+        # out whole devices), so the visible-devices variables do the pinning.
+        ids = ",".join(str(d) for d in replica.device_ids)
+        env += [
+            {"name": "CUDA_VISIBLE_DEVICES", "value": ids},
+            {"name": "NVIDIA_VISIBLE_DEVICES", "value": ids},
+        ]
+    return env
+
+
+def _resources(plan: Plan, replica: ReplicaPlan) -> dict[str, Any]:
+    limits: dict[str, Any] = dict(plan.spec.resources.limits)
+    requests: dict[str, Any] = dict(plan.spec.resources.requests)
+    if replica.gpus:
+        limits[GPU_RESOURCE] = replica.gpus
+        requests.pop(GPU_RESOURCE, None)  # extended resources: limits alone are enough and must match
+    out: dict[str, Any] = {}
+    if limits:
+        out["limits"] = limits
+    if requests:
+        out["requests"] = requests
+    return out
+
+
+def spec_hash(pod: Mapping[str, Any], pinned_node: str | None) -> str:
+    """Hash of what a Pod was rendered from. The chosen node is left out unless the spec pins it:
+    a node joining the cluster must not move running replicas."""
+    spec = {k: v for k, v in pod["spec"].items() if k != "nodeName"}
+    payload = json.dumps(
+        {"spec": spec, "labels": pod["metadata"]["labels"], "node": pinned_node}, sort_keys=True
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _health_probe(plan: Plan, **timing: int) -> dict[str, Any]:
+    return {"httpGet": {"path": Endpoints.HEALTH, "port": plan.ports.http}, **timing}
+
+
+def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[str, Any]:
+    """The Pod of one replica, placed by the operator itself (``spec.nodeName``: no scheduler needed)."""
+    labels = {**model_labels(plan.name), LABEL_REPLICA: str(replica.index), LABEL_COMPONENT: "reward-server"}
+    model = delivery(plan.spec.model.source)
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": plan.spec.engine.image,
+        "imagePullPolicy": plan.spec.engine.image_pull_policy,
+        "command": list(SERVER_COMMAND),
+        "args": server_args(plan, replica),
+        "env": _env(plan, replica),
+        "ports": [
+            {"name": HTTP_PORT_NAME, "containerPort": plan.ports.http, "protocol": "TCP"},
+            {"name": GROUP_PORT_NAME, "containerPort": replica.group_port, "protocol": "TCP"},
+        ],
+        "startupProbe": _health_probe(
+            plan,
+            periodSeconds=STARTUP_PERIOD_S,
+            timeoutSeconds=READINESS_TIMEOUT_S,
+            failureThreshold=STARTUP_FAILURES,
+        ),
+        "readinessProbe": _health_probe(
+            plan,
+            periodSeconds=READINESS_PERIOD_S,
+            timeoutSeconds=READINESS_TIMEOUT_S,
+            failureThreshold=READINESS_FAILURES,
+        ),
+        "livenessProbe": _health_probe(
+            plan,
+            periodSeconds=LIVENESS_PERIOD_S,
+            timeoutSeconds=LIVENESS_TIMEOUT_S,
+            failureThreshold=LIVENESS_FAILURES,
+        ),
+        "volumeMounts": [
+            {"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT_DIR, "readOnly": True},
+            model.mount,
+            {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR},
+        ],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        # A crash shows its last log lines in the pod's status (and so in the model's conditions).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    resources = _resources(plan, replica)
+    if resources:
+        container["resources"] = resources
+    volumes: list[dict[str, Any]] = [
+        # Mode 0440 + fsGroup: the non-root server reads the token, nobody else on the node does.
+        {"name": TOKEN_VOLUME, "secret": {"secretName": token_secret_name(plan.name), "defaultMode": 0o440}},
+        model.volume,
+        {"name": SCRATCH_VOLUME, "emptyDir": {}},
+    ]
+    persist_dir = plan.spec.weight_sync.persist_dir
+    if persist_dir:
+        container["volumeMounts"].append({"name": WEIGHTS_VOLUME, "mountPath": persist_dir})
+        volumes.append(
+            {"name": WEIGHTS_VOLUME, "hostPath": {"path": persist_dir, "type": "DirectoryOrCreate"}}
+        )
+    pod: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            **_metadata(rm, replica.pod_name, labels),
+            "annotations": {
+                ANNOTATION_RANK_OFFSET: str(replica.rank_offset),
+                ANNOTATION_GROUP_PORT: str(replica.group_port),
+            },
+        },
+        "spec": {
+            "nodeName": replica.node,
+            # hostname + subdomain give each replica a stable DNS name through the headless Service.
+            "hostname": replica.pod_name,
+            "subdomain": service_name(plan.name),
+            "restartPolicy": "Always",
+            "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": RUN_AS_USER,
+                "runAsGroup": RUN_AS_USER,
+                "fsGroup": RUN_AS_USER,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
+    pod["metadata"]["annotations"][ANNOTATION_SPEC_HASH] = spec_hash(pod, plan.spec.gpu.node)
+    return pod
+
+
+def needs_replacement(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
+    """Whether a running Pod was rendered from a different spec than ``desired``."""
+    have = ((existing.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_SPEC_HASH)
+    return have != desired["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+
+
+# --------------------------------------------------------------------------------------------
+# Service and Secret
+# --------------------------------------------------------------------------------------------
+
+
+def render_service(rm: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
+    """Headless Service: stable per-replica DNS names (``<pod>.<model>``), no load balancing,
+    because the SDK spreads requests over ``status.endpoints`` itself."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(rm, service_name(plan.name), model_labels(plan.name)),
+        "spec": {
+            "clusterIP": "None",
+            "selector": {LABEL_MODEL: plan.name, LABEL_COMPONENT: "reward-server"},
+            "ports": [
+                {
+                    "name": HTTP_PORT_NAME,
+                    "port": plan.ports.http,
+                    "targetPort": plan.ports.http,
+                    "protocol": "TCP",
+                },
+                {
+                    "name": GROUP_PORT_NAME,
+                    "port": plan.ports.group,
+                    "targetPort": plan.ports.group,
+                    "protocol": "TCP",
+                },
+            ],
+            "publishNotReadyAddresses": False,
+        },
+    }
+
+
+def new_token() -> str:
+    """A fresh control-plane token (256 bits)."""
+    return secrets.token_urlsafe(32)
+
+
+def render_token_secret(rm: Mapping[str, Any], token: str) -> dict[str, Any]:
+    """The control-plane token Secret. Created once and never rotated by reconciles: running
+    servers read it at start, so a new token would lock the operator and trainers out."""
+    name = rm["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _metadata(rm, token_secret_name(name), model_labels(name)),
+        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def render_children(rm: Mapping[str, Any], plan: Plan) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Desired Pods (in replica order) and the Service; the Secret is separate (created once)."""
+    return [render_pod(rm, plan, r) for r in plan.replicas], render_service(rm, plan)

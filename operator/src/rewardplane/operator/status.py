@@ -1,0 +1,305 @@
+"""Pure status computation: Pods + server probes → RewardModel status, conditions and events.
+
+The handlers gather the facts (Pods of the model, each ready server's ``/health`` and
+``/runtime_version``) and write what ``compute_status`` returns; ``transition_events`` says which
+Kubernetes Events the change deserves, so an unchanged status posts nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rewardplane.api.names import (
+    ANNOTATION_GROUP_PORT,
+    ANNOTATION_RANK_OFFSET,
+    ANNOTATION_SPEC_HASH,
+    LABEL_REPLICA,
+    pod_name,
+)
+from rewardplane.api.status import (
+    CONDITION_TYPES,
+    DEGRADED,
+    PHASE_DEGRADED,
+    PHASE_FAILED,
+    PHASE_PENDING,
+    PHASE_PROGRESSING,
+    PHASE_READY,
+    STATE_BROKEN,
+    STATE_STALE,
+)
+
+from .planning import Plan
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What one server answered on /health and /runtime_version (error set when it did not)."""
+
+    version: int | None = None
+    state: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    if (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def pod_restarts(pod: Mapping[str, Any]) -> int:
+    return sum(
+        int(c.get("restartCount", 0)) for c in (pod.get("status") or {}).get("containerStatuses") or []
+    )
+
+
+def replica_index(pod: Mapping[str, Any]) -> int | None:
+    raw = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_REPLICA)
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
+def _endpoint(
+    pod: Mapping[str, Any], http_port: int, probe: ProbeResult | None, world_size: int
+) -> dict[str, Any]:
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    annotations = meta.get("annotations") or {}
+    ip = status.get("podIP")
+    ep: dict[str, Any] = {
+        "replica": replica_index(pod) or 0,
+        "pod": meta.get("name", ""),
+        "node": (pod.get("spec") or {}).get("nodeName", ""),
+        "url": f"http://{ip}:{http_port}" if ip else "",
+        "groupPort": int(annotations.get(ANNOTATION_GROUP_PORT, 0)),
+        "rankOffset": int(annotations.get(ANNOTATION_RANK_OFFSET, 0)),
+        "worldSize": world_size,
+        "state": (probe.state or "") if probe else "",
+        "ready": False,
+        "restarts": pod_restarts(pod),
+        "podUid": meta.get("uid", ""),
+    }
+    if probe is not None and probe.version is not None:
+        ep["weightsVersion"] = probe.version
+    return ep
+
+
+def _without_empty_strings(obj: dict[str, Any]) -> dict[str, Any]:
+    # The Debian-built 1.20 API server decodes "" in custom resources as null and then refuses it
+    # as "must be of type string"; an absent field means the same to readers.
+    return {k: v for k, v in obj.items() if v != ""}
+
+
+def _healthy(pod: Mapping[str, Any], probe: ProbeResult | None) -> bool:
+    return pod_ready(pod) and probe is not None and probe.error is None and probe.state != STATE_BROKEN
+
+
+def _condition(
+    previous: Sequence[Mapping[str, Any]],
+    ctype: str,
+    ok: bool,
+    reason: str,
+    message: str,
+    generation: int,
+    now: str,
+) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    before = next((c for c in previous if c.get("type") == ctype), None)
+    # lastTransitionTime moves only when the status flips, as Kubernetes conventions require.
+    since = before.get("lastTransitionTime") if before and before.get("status") == status else None
+    return _without_empty_strings(
+        {
+            "type": ctype,
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "observedGeneration": generation,
+            "lastTransitionTime": since or now,
+        }
+    )
+
+
+def compute_status(
+    rm: Mapping[str, Any],
+    plan: Plan | None,
+    pods: Sequence[Mapping[str, Any]],
+    probes: Mapping[str, ProbeResult],
+    now: str,
+    errors: Sequence[str] = (),
+    error_reason: str = "InvalidSpec",
+    desired_hashes: Mapping[str, str] | None = None,
+    target_version: int | None = None,
+    known_version: int | None = None,
+    stale_pods: Collection[str] = (),
+) -> dict[str, Any]:
+    """The full status of a RewardModel.
+
+    ``plan`` is None when the spec was refused (``errors``/``error_reason`` say why); existing Pods
+    are still reported, since the operator leaves them running. ``desired_hashes`` maps Pod name →
+    spec hash of its desired rendering (an outdated Pod counts as rolling out). ``target_version``
+    is the weights version replicas must serve; by default the newest one a healthy replica reports,
+    and never below ``known_version`` (the newest version a WeightSync completed): a replica that
+    restarted onto base weights must not pull the model's version down. ``stale_pods`` restarted onto
+    older weights and wait for a restore: state ``stale``, never ready.
+    """
+    meta = rm.get("metadata") or {}
+    previous = rm.get("status") or {}
+    generation = int(meta.get("generation") or 0)
+    prev_conditions = previous.get("conditions") or []
+    live = sorted(
+        (p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")),
+        key=lambda p: (replica_index(p) is None, replica_index(p) or 0),
+    )
+    desired = len(plan.replicas) if plan else int((rm.get("spec") or {}).get("replicas", 1) or 0)
+    http_port = plan.ports.http if plan else 0
+    world_size = plan.spec.tensor_parallel_size if plan else 1
+
+    healthy_names = {p["metadata"]["name"] for p in live if _healthy(p, probes.get(p["metadata"]["name"]))}
+    reported = [v for n in healthy_names if (v := probes[n].version) is not None]
+    if target_version is None:
+        target_version = max(reported) if reported else int(previous.get("weightsVersion") or 0)
+        if known_version is not None:
+            target_version = max(target_version, known_version)
+
+    endpoints = []
+    for pod in live:
+        name = pod["metadata"]["name"]
+        ep = _endpoint(pod, http_port, probes.get(name), world_size)
+        ep["ready"] = name in healthy_names and ep.get("weightsVersion") == target_version and bool(ep["url"])
+        if name in stale_pods:
+            ep["state"], ep["ready"] = STATE_STALE, False
+        endpoints.append(_without_empty_strings(ep))
+    ready = sum(1 for ep in endpoints if ep["ready"])
+
+    # What still has to change before the rollout is complete.
+    wanted = {pod_name(plan.name, r.index) for r in plan.replicas} if plan else set()
+    have = {p["metadata"]["name"] for p in live}
+    missing = sorted(wanted - have)
+    extra = sorted(have - wanted) if plan else []
+    desired_hashes = desired_hashes or {}
+    outdated = sorted(
+        name
+        for p in live
+        if (name := p["metadata"]["name"]) in desired_hashes
+        and (p["metadata"].get("annotations") or {}).get(ANNOTATION_SPEC_HASH) != desired_hashes[name]
+    )
+    not_ready = sorted(have - healthy_names)
+    stale = sorted(ep["pod"] for ep in endpoints if ep["pod"] in healthy_names and not ep["ready"])
+    broken = sorted(
+        p["metadata"]["name"]
+        for p in live
+        if (probes.get(p["metadata"]["name"]) or ProbeResult()).state == STATE_BROKEN
+        or (p.get("status") or {}).get("phase") == "Failed"
+        or (pod_restarts(p) > 0 and not pod_ready(p))
+    )
+
+    def conds(
+        available: tuple[bool, str, str],
+        progressing: tuple[bool, str, str],
+        in_sync: tuple[bool, str, str],
+        degraded: tuple[bool, str, str],
+    ) -> list[dict[str, Any]]:
+        return [
+            _condition(prev_conditions, t, *v, generation, now)
+            for t, v in zip(CONDITION_TYPES, (available, progressing, in_sync, degraded), strict=True)
+        ]
+
+    available = (
+        (ready > 0, "ReplicasReady", f"{ready}/{desired} replicas ready")
+        if desired
+        else (False, "ScaledToZero", "spec.replicas is 0")
+    )
+    in_sync = (
+        (True, "AllReplicasCurrent", f"every ready replica serves weights version {target_version}")
+        if not stale
+        else (False, "StaleReplicas", f"{', '.join(stale)} do not serve weights version {target_version}")
+    )
+    if errors:
+        message = "; ".join(errors)
+        conditions = conds(
+            available,
+            (False, error_reason, "reconcile stopped until the spec is fixed"),
+            in_sync,
+            (True, error_reason, message),
+        )
+        phase = PHASE_FAILED
+    else:
+        pending_work = [
+            *(f"creating {n}" for n in missing),
+            *(f"replacing {n}" for n in outdated),
+            *(f"removing {n}" for n in extra),
+            *(f"waiting for {n} to become ready" for n in not_ready if n not in broken),
+        ]
+        progressing = (
+            (True, "RollingOut", "; ".join(pending_work))
+            if pending_work
+            else (False, "RolloutComplete", f"{desired} replica(s) up to date")
+        )
+        degraded = (
+            (
+                True,
+                "ReplicasUnhealthy",
+                f"{', '.join(broken)} crashed or report a broken server; see `kubectl logs` of those pods",
+            )
+            if broken
+            else (False, "AsExpected", "no replica is broken")
+        )
+        conditions = conds(available, progressing, in_sync, degraded)
+        message = (degraded[2] if broken else progressing[2]) if (broken or pending_work) else available[2]
+        if broken:
+            phase = PHASE_DEGRADED
+        elif not pending_work and ready == desired:
+            phase = PHASE_READY
+        elif ready == 0:
+            phase = PHASE_PENDING
+        else:
+            phase = PHASE_PROGRESSING
+
+    return _without_empty_strings(
+        {
+            "phase": phase,
+            "ready": f"{ready}/{desired}",
+            "observedGeneration": generation,
+            "readyReplicas": ready,
+            "replicas": len(live),
+            "weightsVersion": target_version,
+            "message": message,
+            "conditions": conditions,
+            "endpoints": endpoints,
+        }
+    )
+
+
+def transition_events(previous: Mapping[str, Any], current: Mapping[str, Any]) -> list[Event]:
+    """Events worth posting for a status change (nothing when phase and Degraded message hold)."""
+    events: list[Event] = []
+    before_phase = previous.get("phase")
+    after_phase = current.get("phase")
+
+    def degraded(status: Mapping[str, Any]) -> Mapping[str, Any]:
+        return next((c for c in status.get("conditions") or [] if c.get("type") == DEGRADED), {})
+
+    after_degraded = degraded(current)
+    degraded_changed = after_degraded.get("status") == "True" and (
+        after_degraded.get("message") != degraded(previous).get("message")
+    )
+    if after_phase in (PHASE_DEGRADED, PHASE_FAILED) and (before_phase != after_phase or degraded_changed):
+        reason = str(after_degraded.get("reason") or after_phase)
+        events.append(
+            Event("Warning", reason, str(after_degraded.get("message") or f"RewardModel is {after_phase}"))
+        )
+    elif before_phase != after_phase:
+        events.append(
+            Event("Normal", str(after_phase), str(current.get("message") or f"RewardModel is {after_phase}"))
+        )
+    return events

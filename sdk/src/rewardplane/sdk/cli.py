@@ -1,0 +1,170 @@
+"""``rewardplane status | score | push``: a RewardModel from the command line, without writing Python.
+
+    rewardplane status NAME [-n NS]
+    rewardplane score NAME TEXT... [-n NS] [--raw]
+    rewardplane push NAME --from CHECKPOINT --version N --mode {head_only,lora,full} [-n NS]
+
+Credentials: ``--kubeconfig``, else in-cluster, else ``$KUBECONFIG`` / ``~/.kube/config``. Pushing
+reads the control-plane token from ``REWARDPLANE_TOKEN`` or the model's Secret.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rewardplane.protocol import RewardModelTrainingMode
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", help="the RewardModel")
+    p.add_argument("-n", "--namespace", default="default")
+    p.add_argument(
+        "--kubeconfig", default=None, help="kubeconfig (default: in-cluster, $KUBECONFIG, ~/.kube/config)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rewardplane", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    status = sub.add_parser("status", help="show a RewardModel's status, endpoints and last push")
+    _common(status)
+    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    score = sub.add_parser("score", help="score texts with a RewardModel's ready replicas")
+    _common(score)
+    score.add_argument("texts", nargs="+", metavar="TEXT")
+    score.add_argument("--raw", action="store_true", help="raw head outputs (no sigmoid/softmax)")
+    push = sub.add_parser("push", help="push a saved checkpoint into a RewardModel's servers")
+    _common(push)
+    push.add_argument(
+        "--from",
+        dest="checkpoint",
+        required=True,
+        type=Path,
+        help="a saved Hugging Face checkpoint folder (save_pretrained)",
+    )
+    push.add_argument("--version", type=int, required=True, help="new weights version (must increase)")
+    push.add_argument("--mode", choices=[m.value for m in RewardModelTrainingMode], default="full")
+    push.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole push (default 600)")
+    push.add_argument("--trainer-host", default=None, help="this machine's address as the replicas reach it")
+    push.add_argument("--bucket-bytes", type=int, default=None)
+    return p
+
+
+def _handle(args: argparse.Namespace) -> Any:
+    from .cluster import RewardModelHandle
+
+    return RewardModelHandle(args.name, args.namespace, kubeconfig=args.kubeconfig)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _handle(args) as handle:
+        rm = handle.get()
+        status = rm.get("status") or {}
+        ws = handle.weightsync()
+        if args.json:
+            print(json.dumps({"status": status, "weightsync": (ws or {}).get("status")}, indent=2))
+            return 0
+        print(
+            f"RewardModel {args.namespace}/{args.name}: {status.get('phase', 'Unknown')}  ready "
+            f"{status.get('ready', '?')}  weights version {status.get('weightsVersion', 0)}"
+        )
+        if status.get("message"):
+            print(f"  {status['message']}")
+        print(f"  {'REPLICA':<8} {'POD':<24} {'URL':<28} {'VERSION':<8} {'STATE':<10} READY")
+        for e in status.get("endpoints") or []:
+            print(
+                f"  {e.get('replica', 0):<8} {e.get('pod', ''):<24} {e.get('url', ''):<28} "
+                f"{e.get('weightsVersion', '-')!s:<8} {e.get('state', '') or '-':<10} {e.get('ready', False)}"
+            )
+        for c in status.get("conditions") or []:
+            print(f"  {c['type']}={c['status']} ({c.get('reason', '')}): {c.get('message', '')}")
+        wss = (ws or {}).get("status") or {}
+        if wss:
+            line = (
+                f"  last push: version {wss.get('version')} {wss.get('trainingMode', '')} {wss.get('phase')}"
+                f" in {wss.get('durationSeconds', '-')}s, world size {wss.get('worldSize', '-')}"
+            )
+            if wss.get("reason"):
+                line += f" ({wss['reason']}: {wss.get('message', '')})"
+            print(line)
+    return 0
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    from rewardplane.protocol import ScoringRequest
+
+    with _handle(args) as handle:
+        client = handle.client()
+        response, _ = client.score_sync(ScoringRequest(inputs=list(args.texts), normalize=not args.raw))
+        for text, score in zip(args.texts, response.scores, strict=True):
+            print(f"{json.dumps(score)}\t{text}")
+        print(f"(weights version {response.version})", file=sys.stderr)
+    return 0
+
+
+def load_checkpoint(path: Path, mode: RewardModelTrainingMode) -> dict[str, Any]:
+    """The parameters to push from a saved checkpoint: a PEFT adapter folder is merged first."""
+    import torch
+
+    from rewardplane.protocol.naming import select_head
+
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {path} is not a folder; pass what save_pretrained() wrote")
+    if (path / "adapter_config.json").exists():
+        from peft import AutoPeftModelForSequenceClassification
+
+        model = AutoPeftModelForSequenceClassification.from_pretrained(
+            path, dtype=torch.float32
+        ).merge_and_unload()
+    else:
+        from transformers import AutoModelForSequenceClassification
+
+        model = AutoModelForSequenceClassification.from_pretrained(path, dtype="auto")
+    state = model.state_dict()
+    return select_head(state) if mode is RewardModelTrainingMode.HEAD_ONLY else state
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    mode = RewardModelTrainingMode(args.mode)
+    params = load_checkpoint(args.checkpoint, mode)
+    kwargs: dict[str, Any] = {"timeout_s": args.timeout, "trainer_host": args.trainer_host}
+    if args.bucket_bytes:
+        kwargs["bucket_bytes"] = args.bucket_bytes
+    with _handle(args) as handle:
+        result = handle.push_weights(params, args.version, mode, **kwargs)
+    print(
+        f"pushed version {result.version} ({result.training_mode}, {result.bytes} bytes) to {result.replicas} "
+        f"replica(s) in {result.duration_s:.2f}s (transfer {result.transfer_s:.2f}s)"
+    )
+    return 0
+
+
+COMMANDS = {"status": cmd_status, "score": cmd_score, "push": cmd_push}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``argv[0]`` is the subcommand (``status``, ``score`` or ``push``)."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return COMMANDS[args.command](args)
+    except Exception as exc:  # one clear line, not a traceback, for expected failures
+        from rewardplane.protocol.naming import WeightValidationError
+
+        from .cluster import ClusterError, WeightSyncFailed
+
+        if isinstance(
+            exc, (ClusterError, WeightSyncFailed, WeightValidationError, FileNotFoundError, TimeoutError)
+        ):
+            print(f"rewardplane {args.command}: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

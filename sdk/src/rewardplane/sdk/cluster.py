@@ -1,0 +1,567 @@
+"""The trainer's handle on a RewardModel in a cluster: wait for it, score against its ready replicas,
+and push new weights through the operator (cluster mode).
+
+A push: prepare the parameters exactly like the publisher (normalise names, validate for the
+training mode, check them against the served manifest, so a bad name fails before anything
+moves) → store the manifest in a ConfigMap → host the rendezvous (TCPStore) → create or patch the
+model's ``WeightSync`` → the operator asks every replica to join (phase Rendezvous) and announces
+the update (phase Transferring) → broadcast the buckets as the last rank → agree on success in
+one status reduction → wait until the operator reports every replica on the new version
+(Completed), or raise with its reason (Failed).
+
+Needs the ``operator`` extra (kubernetes client, for its config loaders) and torch for pushes.
+Credentials: in-cluster, or a kubeconfig (argument, ``$KUBECONFIG``, ``~/.kube/config``). The
+control-plane token comes from ``REWARDPLANE_TOKEN`` or the model's token Secret (read access to
+``secrets`` needed then).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from rewardplane.api.names import (
+    API_VERSION,
+    LABEL_MODEL,
+    RM_PLURAL,
+    TOKEN_KEY,
+    WS_KIND,
+    WS_PLURAL,
+    core_path,
+    custom_path,
+    token_secret_name,
+)
+from rewardplane.protocol import (
+    DEFAULT_BUCKET_BYTES,
+    TOKEN_ENV,
+    Endpoints,
+    ParamMeta,
+    RewardModelTrainingMode,
+    check_metadata,
+    plan_buckets,
+)
+from rewardplane.protocol.auth import resolve_token
+from rewardplane.protocol.naming import (
+    DEFAULT_HEAD_PATTERNS,
+    WeightValidationError,
+    normalize_params,
+    validate_for_mode,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from rewardplane.api.kube import Kube
+    from rewardplane.transport.comm import Backend
+
+    from .client import VLLMRewardClient
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.02  # status polls during a push (one GET each; a push is short)
+
+
+class ClusterError(RuntimeError):
+    """Talking to the cluster failed, or the RewardModel is not in the state asked for."""
+
+
+class WeightSyncFailed(RuntimeError):
+    """The operator reported the push Failed; ``reason`` is its CamelCase reason."""
+
+    def __init__(
+        self, message: str, reason: str | None = None, status: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = dict(status or {})
+
+
+@dataclass(frozen=True)
+class ReplicaEndpoint:
+    """One replica as ``status.endpoints`` lists it."""
+
+    replica: int
+    pod: str
+    url: str
+    weights_version: int | None
+    state: str
+    ready: bool
+    rank_offset: int = 0
+    world_size: int = 1
+
+
+@dataclass(frozen=True)
+class PushResult:
+    version: int
+    training_mode: str
+    bytes: int
+    world_size: int
+    replicas: int
+    duration_s: float
+    """From the call until the operator reported Completed."""
+    transfer_s: float
+    """The broadcast and the status reduction, on the trainer."""
+    weightsync: dict[str, Any]
+
+
+def _crd_path(ns: str, plural: str, name: str | None = None) -> str:
+    return custom_path(ns, name, plural)
+
+
+def _core_path(ns: str, plural: str, name: str | None = None) -> str:
+    return core_path(plural, ns, name)
+
+
+class _ProgressComm:
+    """Wraps a Communicator to advance a progress bar by the bytes of each broadcast bucket."""
+
+    def __init__(self, comm: Any, bar: Any) -> None:
+        self._comm, self._bar = comm, bar
+        self.device = comm.device
+
+    def broadcast(self, tensor: Any, src: int) -> None:
+        self._comm.broadcast(tensor, src)
+        self._bar.update(int(tensor.numel() * tensor.element_size()))
+
+    def wait_event(self, done: Any) -> None:
+        self._comm.wait_event(done)
+
+    def synchronize(self) -> None:
+        self._comm.synchronize()
+
+    def max_flag(self, value: int) -> int:
+        return int(self._comm.max_flag(value))
+
+    def close(self) -> None:
+        self._comm.close()
+
+
+class RewardModelHandle:
+    """A RewardModel by name: readiness, endpoints, a scoring client, and cluster-mode pushes.
+
+    Args:
+        name, namespace: the RewardModel.
+        kubeconfig: path to a kubeconfig; default: in-cluster, else ``$KUBECONFIG`` / ``~/.kube/config``.
+        token: control-plane token; default ``REWARDPLANE_TOKEN``, else the model's token Secret.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        namespace: str = "default",
+        *,
+        kubeconfig: str | os.PathLike[str] | None = None,
+        token: str | None = None,
+        kube: Kube | None = None,
+    ) -> None:
+        from rewardplane.api.kube import Kube  # credentials from the kubernetes package's loaders
+
+        self.name, self.namespace = name, namespace
+        self._kube = kube or Kube.from_environment(str(kubeconfig) if kubeconfig is not None else None)
+        self._token = token
+        self._client: VLLMRewardClient | None = None
+        self._client_urls: tuple[str, ...] = ()
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- reading
+
+    def get(self) -> dict[str, Any]:
+        """The RewardModel object (raises ClusterError when it does not exist)."""
+        rm = self._kube.get(_crd_path(self.namespace, RM_PLURAL, self.name))
+        if rm is None:
+            raise ClusterError(
+                f"RewardModel {self.namespace}/{self.name} does not exist; `kubectl get rm -n "
+                f"{self.namespace}` lists the models"
+            )
+        return rm
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return dict(self.get().get("status") or {})
+
+    @property
+    def weights_version(self) -> int:
+        return int(self.status.get("weightsVersion") or 0)
+
+    def all_endpoints(self) -> list[ReplicaEndpoint]:
+        return [
+            ReplicaEndpoint(
+                replica=int(e.get("replica", 0)),
+                pod=e.get("pod", ""),
+                url=e.get("url", ""),
+                weights_version=e.get("weightsVersion"),
+                state=e.get("state", ""),
+                ready=bool(e.get("ready")),
+                rank_offset=int(e.get("rankOffset", 0)),
+                world_size=int(e.get("worldSize", 1)),
+            )
+            for e in self.status.get("endpoints") or []
+        ]
+
+    @property
+    def endpoints(self) -> list[ReplicaEndpoint]:
+        """The ready replicas (healthy, on the model's weights version), in replica order."""
+        return sorted((e for e in self.all_endpoints() if e.ready and e.url), key=lambda e: e.replica)
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self.endpoints]
+
+    def wait_ready(self, timeout_s: float = 300.0, *, min_replicas: int | None = None) -> dict[str, Any]:
+        """Wait until every desired replica (or ``min_replicas``) is ready; returns the status."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            rm = self.get()
+            status = rm.get("status") or {}
+            desired = int((rm.get("spec") or {}).get("replicas", 1))
+            want = desired if min_replicas is None else min_replicas
+            ready = len([e for e in status.get("endpoints") or [] if e.get("ready")])
+            if ready >= want and (min_replicas is not None or status.get("phase") == "Ready"):
+                return status
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"RewardModel {self.namespace}/{self.name} not ready after {timeout_s:.0f}s: phase "
+                    f"{status.get('phase')!r}, {ready}/{want} replicas ready ({status.get('message', 'no message')}); "
+                    "see `kubectl describe rm` and the pods' logs"
+                )
+            time.sleep(0.2)
+
+    def client(self, **kwargs: Any) -> VLLMRewardClient:
+        """A scoring client over the ready replicas; a new one when the set of ready replicas changed
+        since the last call (the old one is closed). ``kwargs`` go to VLLMRewardClient."""
+        from .client import VLLMRewardClient
+
+        urls = tuple(self.urls)
+        if not urls:
+            raise ClusterError(
+                f"RewardModel {self.namespace}/{self.name} has no ready replica; wait_ready() first"
+            )
+        with self._lock:
+            if self._client is None or urls != self._client_urls or kwargs:
+                old, self._client = self._client, None
+                if old is not None:
+                    old.close()
+                kwargs.setdefault("check_server", False)
+                self._client = VLLMRewardClient(endpoints=list(urls), token=self._token, **kwargs)
+                self._client_urls = urls
+            return self._client
+
+    def token(self) -> str:
+        """The control-plane token: explicit, ``REWARDPLANE_TOKEN``, or the model's Secret."""
+        if self._token:
+            return self._token
+        found = resolve_token(None, None)
+        if found:
+            return found
+        secret = self._kube.get(_core_path(self.namespace, "secrets", token_secret_name(self.name)))
+        raw = ((secret or {}).get("data") or {}).get(TOKEN_KEY)
+        if not raw:
+            raise ClusterError(
+                f"no control-plane token: set {TOKEN_ENV}, or allow reading Secret "
+                f"{self.namespace}/{token_secret_name(self.name)}"
+            )
+        self._token = base64.b64decode(raw).decode()
+        return self._token
+
+    def manifest(self) -> dict[str, ParamMeta]:
+        """The served parameters (names, dtypes, shapes) from the first ready replica."""
+        urls = self.urls or [e.url for e in self.all_endpoints() if e.url]
+        if not urls:
+            raise ClusterError(
+                f"RewardModel {self.namespace}/{self.name} has no replica to read the manifest from"
+            )
+        resp = httpx.get(
+            urls[0] + Endpoints.PARAM_MANIFEST,
+            headers={"Authorization": f"Bearer {self.token()}"},
+            timeout=30,
+        )
+        if resp.status_code != 200:
+            raise ClusterError(
+                f"{urls[0]}{Endpoints.PARAM_MANIFEST} answered {resp.status_code}: {resp.text[:300]}"
+            )
+        return {m["name"]: ParamMeta(**m) for m in resp.json()}
+
+    def weightsync(self) -> dict[str, Any] | None:
+        return self._kube.get(_crd_path(self.namespace, WS_PLURAL, self.name))
+
+    # ---------------------------------------------------------------- pushing
+
+    def prepare(
+        self,
+        params: Mapping[str, torch.Tensor],
+        training_mode: RewardModelTrainingMode | str,
+        *,
+        keep_lora: bool = False,
+        head_name_patterns: Sequence[str] | None = None,
+    ) -> tuple[list[ParamMeta], dict[str, torch.Tensor]]:
+        """Normalised, validated, deterministic-ordered parameters and their metadata (no I/O but the
+        manifest read); raises WeightValidationError before anything moves."""
+        from rewardplane.transport.buckets import meta_of
+
+        mode = RewardModelTrainingMode(training_mode)
+        manifest = self.manifest()
+        clean = normalize_params(params, served=set(manifest), keep_lora=keep_lora)
+        validate_for_mode(clean, mode, tuple(head_name_patterns or DEFAULT_HEAD_PATTERNS))
+        names = sorted(clean)
+        tensors = {n: clean[n].detach() for n in names}
+        metadata = [meta_of(n, tensors[n]) for n in names]
+        problems = check_metadata(metadata, manifest)
+        if problems:
+            raise WeightValidationError(
+                f"{len(problems)} parameter(s) do not fit the served model; nothing was sent: "
+                + "; ".join(problems[:10])
+                + (" …" if len(problems) > 10 else "")
+            )
+        return metadata, tensors
+
+    def _owner_references(self) -> list[dict[str, Any]]:
+        """The RewardModel as owner: garbage collection deletes the push objects with the model."""
+        meta = self.get()["metadata"]
+        return [{"apiVersion": API_VERSION, "kind": "RewardModel", "name": meta["name"], "uid": meta["uid"]}]
+
+    def _store_manifest(self, metadata: list[ParamMeta]) -> tuple[str, str, str]:
+        from rewardplane.api.weightsync import encode_manifest
+
+        data, key, sha = encode_manifest(metadata)
+        name = f"{self.name}-weightsync-manifest"
+        field = "binaryData" if key.endswith(".gz") else "data"
+        body = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": name,
+                "namespace": self.namespace,
+                "labels": {LABEL_MODEL: self.name},
+                "ownerReferences": self._owner_references(),
+            },
+            field: data,
+        }
+        if self._kube.create(_core_path(self.namespace, "configmaps"), body) is None:
+            other = "data" if field == "binaryData" else "binaryData"
+            self._kube.merge_patch(_core_path(self.namespace, "configmaps", name), {field: data, other: None})
+        return name, key, sha
+
+    def _request_push(self, spec: dict[str, Any]) -> int:
+        """Create or patch the model's WeightSync; returns the generation the operator must handle."""
+        path = _crd_path(self.namespace, WS_PLURAL, self.name)
+        body = {
+            "apiVersion": API_VERSION,
+            "kind": WS_KIND,
+            "metadata": {
+                "name": self.name,
+                "namespace": self.namespace,
+                "labels": {LABEL_MODEL: self.name},
+                "ownerReferences": self._owner_references(),
+            },
+            "spec": spec,
+        }
+        created = self._kube.create(_crd_path(self.namespace, WS_PLURAL), body)
+        if created is not None:
+            return int(created["metadata"].get("generation") or 1)
+        patched = self._kube.merge_patch(path, {"spec": spec})
+        return int(patched["metadata"]["generation"])
+
+    def _wait_phase(self, generation: int, phases: set[str], deadline: float, what: str) -> dict[str, Any]:
+        while True:
+            ws = self.weightsync() or {}
+            status = ws.get("status") or {}
+            if status.get("observedGeneration") == generation:
+                if status.get("phase") == "Failed":
+                    raise WeightSyncFailed(
+                        f"the operator failed the push of version {status.get('version')}: "
+                        f"{status.get('reason')}: {status.get('message')}",
+                        status.get("reason"),
+                        status,
+                    )
+                if status.get("phase") in phases:
+                    return ws
+            if time.monotonic() > deadline:
+                raise WeightSyncFailed(
+                    f"timed out waiting for {what} (WeightSync {self.namespace}/{self.name} is in phase "
+                    f"{status.get('phase')!r} for generation {status.get('observedGeneration')}, want {generation}); "
+                    "is the operator running? see its log",
+                    "Timeout",
+                    status,
+                )
+            time.sleep(POLL_S)
+
+    def push_weights(
+        self,
+        params: Mapping[str, torch.Tensor],
+        version: int,
+        training_mode: RewardModelTrainingMode | str = RewardModelTrainingMode.FULL,
+        *,
+        trainer_host: str | None = None,
+        timeout_s: float = 600.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        device: torch.device | str | None = None,
+        backend: Backend = "auto",
+        keep_lora: bool = False,
+        head_name_patterns: Sequence[str] | None = None,
+        progress: bool | None = None,
+    ) -> PushResult:
+        """Push ``params`` as ``version`` into every replica through the operator; returns when the
+        operator reports every replica serving it. Raises WeightValidationError (nothing moved),
+        WeightSyncFailed (the operator's reason), or TimeoutError-like WeightSyncFailed("Timeout")."""
+        import torch
+
+        from rewardplane.transport.comm import Communicator, create_store
+        from rewardplane.transport.transfer import send_buckets
+
+        from .publisher import local_address_towards
+
+        started = time.monotonic()
+        deadline = started + timeout_s
+        mode = RewardModelTrainingMode(training_mode)
+        metadata, tensors = self.prepare(
+            params, mode, keep_lora=keep_lora, head_name_patterns=head_name_patterns
+        )
+        first = next(iter(tensors.values()))
+        dev = torch.device(device) if device is not None else first.device
+        config_map, key, sha = self._store_manifest(metadata)
+
+        urls = self.urls or [e.url for e in self.all_endpoints() if e.url]
+        host = trainer_host or local_address_towards(urls[0])
+        # world_size None: the operator decides it from the ready replicas (status.worldSize).
+        store = create_store(host, 0, is_master=True, world_size=None, timeout_s=timeout_s)
+        generation = self._request_push(
+            {
+                "rewardModelRef": self.name,
+                "version": int(version),
+                "trainingMode": mode.value,
+                "rendezvous": {"address": host, "port": int(store.port)},
+                "manifestRef": {"configMapName": config_map, "key": key, "sha256": sha},
+                "bucketBytes": int(bucket_bytes),
+                "timeoutSeconds": max(1, int(timeout_s)),
+            }
+        )
+        ws = self._wait_phase(
+            generation, {"Rendezvous", "Transferring", "Completed"}, deadline, "the rendezvous"
+        )
+        status = ws["status"]
+        world = int(status["worldSize"])
+        comm_box: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                comm_box["comm"] = Communicator(
+                    store,
+                    rank=world - 1,
+                    world_size=world,
+                    device=dev,
+                    backend=backend,
+                    timeout_s=max(1.0, deadline - time.monotonic()),
+                    group_id=status["groupId"],
+                )
+            except Exception as exc:
+                comm_box["error"] = exc
+
+        joiner = threading.Thread(target=join, name="rewardplane-join", daemon=True)
+        joiner.start()
+        while joiner.is_alive():  # watch the operator meanwhile: a failed rendezvous must not hang us
+            joiner.join(POLL_S)
+            if joiner.is_alive():
+                self._raise_if_failed(generation, deadline)
+        if "error" in comm_box:
+            self._raise_if_failed(generation, deadline)
+            raise WeightSyncFailed(
+                f"joining the replicas' group failed: {comm_box['error']}", "RendezvousFailed"
+            )
+        comm = comm_box["comm"]
+        try:
+            self._wait_phase(
+                generation, {"Transferring", "Completed"}, deadline, "every replica to accept the announce"
+            )
+            transfer_start = time.monotonic()
+            total = sum(b.nbytes for b in plan_buckets(metadata, bucket_bytes))
+            bar = _progress_bar(total, progress, f"push v{version}")
+            try:
+                sender = _ProgressComm(comm, bar) if bar is not None else comm
+                sent = send_buckets(sender, metadata, tensors, bucket_bytes, world - 1)
+                failed = comm.max_flag(0)
+            finally:
+                if bar is not None:
+                    bar.close()
+            transfer_s = time.monotonic() - transfer_start
+        except BaseException:
+            comm.abort()  # replicas see the group fail at once instead of waiting for the timeout
+            raise
+        comm.close()
+        done = self._wait_phase(
+            generation, {"Completed"}, deadline, f"every replica to serve version {version}"
+        )
+        if failed:
+            log.warning("the status reduction reported a failure, but the operator reported Completed")
+        self._wait_model_version(int(version), min(deadline, time.monotonic() + 30))
+        s = done["status"]
+        return PushResult(
+            version=int(version),
+            training_mode=mode.value,
+            bytes=int(sent),
+            world_size=world,
+            replicas=len(s.get("replicas") or []),
+            duration_s=time.monotonic() - started,
+            transfer_s=transfer_s,
+            weightsync=done,
+        )
+
+    def _raise_if_failed(self, generation: int, deadline: float) -> None:
+        status = (self.weightsync() or {}).get("status") or {}
+        if status.get("observedGeneration") == generation and status.get("phase") == "Failed":
+            raise WeightSyncFailed(
+                f"the operator failed the push of version {status.get('version')}: "
+                f"{status.get('reason')}: {status.get('message')}",
+                status.get("reason"),
+                status,
+            )
+        if time.monotonic() > deadline:
+            raise WeightSyncFailed(
+                "timed out joining the replicas' process group; see the operator's log", "Timeout"
+            )
+
+    def _wait_model_version(self, version: int, deadline: float) -> None:
+        """Until the RewardModel's status (and so ``endpoints``) shows the new version; best effort."""
+        while time.monotonic() < deadline:
+            status = self.status
+            if int(status.get("weightsVersion") or 0) >= version and any(
+                e.get("ready") for e in status.get("endpoints") or []
+            ):
+                return
+            time.sleep(POLL_S)
+        log.warning(
+            "RewardModel %s/%s status does not show version %d yet", self.namespace, self.name, version
+        )
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        self._kube.close()
+
+    def __enter__(self) -> RewardModelHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _progress_bar(total: int, progress: bool | None, desc: str) -> Any:
+    """A tqdm bar over the bytes of a push, only when asked or when stderr is a terminal."""
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False)

@@ -1,0 +1,182 @@
+"""Direct mode (no operator): the trainer drives the servers' control plane itself.
+
+One process group spans every server (one broadcast serves them all), or, as an option, one group
+per server on the derived ports ``group_port + i``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from rewardplane.protocol import DEFAULT_BUCKET_BYTES, RewardModelTrainingMode, replica_group_ports
+from rewardplane.protocol.naming import WeightValidationError
+from rewardplane.transport.comm import Backend, Communicator, default_device
+
+from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards, open_trainer_group
+from .retry import RewardServerError
+
+
+class FanOutCommunicator:
+    """Several groups (one per server), each with the trainer as its last rank."""
+
+    def __init__(self, comms: Sequence[Communicator]) -> None:
+        self.comms = list(comms)
+        self.device = self.comms[0].device
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        for c in self.comms:
+            c.broadcast(tensor, c.world_size - 1)
+
+    def synchronize(self) -> None:
+        for c in self.comms:
+            c.synchronize()
+
+    def wait_event(self, done: torch.cuda.Event) -> None:
+        try:  # one CUDA event, whichever group's bounded wait watches it
+            self.comms[0].wait_event(done)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        for c in self.comms:
+            c.abort()
+
+    def max_flag(self, value: int) -> int:
+        return max(c.max_flag(value) for c in self.comms)
+
+    def close(self) -> None:
+        for c in self.comms:
+            c.close()
+
+
+class DirectWeightSync:
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        group_port: int,
+        group_ports: Sequence[int] | None = None,
+        token: str | None = None,
+        token_file: str | None = None,
+        trainer_host: str | None = None,
+        device: torch.device | str | int | None = None,
+        backend: Backend = "auto",
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 120.0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        atomic: bool = False,
+        per_server_groups: bool = False,
+        head_name_patterns: Sequence[str] | None = None,
+    ) -> None:
+        self.urls = list(urls)
+        self.group_port = group_port
+        self.group_ports = (
+            list(group_ports) if group_ports else replica_group_ports(group_port, len(self.urls))
+        )
+        if len(self.group_ports) != len(self.urls):
+            raise ValueError(
+                f"{len(self.urls)} servers but {len(self.group_ports)} group ports: give one per server"
+            )
+        self.token, self.token_file = token, token_file
+        self.trainer_host = trainer_host
+        if device is None:
+            self.device = default_device()
+        elif isinstance(device, int):
+            self.device = torch.device("cuda", device)
+        else:
+            self.device = torch.device(device)
+        self.backend: Backend = backend
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.bucket_bytes = bucket_bytes
+        self.atomic = atomic
+        self.per_server_groups = per_server_groups
+        self.head_name_patterns = head_name_patterns
+        self.control = HTTPControlPlane(self.urls, token=token, token_file=token_file, timeout_s=timeout_s)
+        self._publisher: RewardModelPublisher | None = None
+
+    def _control_for(self, urls: Sequence[str]) -> HTTPControlPlane:
+        return HTTPControlPlane(urls, token=self.token, token_file=self.token_file, timeout_s=self.timeout_s)
+
+    def open(self) -> RewardModelPublisher:
+        if self._publisher is not None:
+            return self._publisher
+        host = self.trainer_host or local_address_towards(self.urls[0])
+        comm: Communicator | FanOutCommunicator
+        if self.per_server_groups:
+            comms = []
+            for url, port in zip(self.urls, self.group_ports, strict=True):
+                ctl = self._control_for([url])
+                try:
+                    comms.append(
+                        open_trainer_group(
+                            ctl,
+                            host=host,
+                            port=port,
+                            device=self.device,
+                            backend=self.backend,
+                            timeout_s=self.connect_timeout_s,
+                        )
+                    )
+                finally:
+                    ctl.close()
+            comm, src = FanOutCommunicator(comms), -1
+        else:
+            comm = open_trainer_group(
+                self.control,
+                host=host,
+                port=self.group_port,
+                device=self.device,
+                backend=self.backend,
+                timeout_s=self.connect_timeout_s,
+            )
+            src = comm.world_size - 1
+        self._publisher = RewardModelPublisher(
+            self.control,
+            comm,
+            src,
+            head_name_patterns=self.head_name_patterns,
+            bucket_bytes=self.bucket_bytes,
+            atomic=self.atomic,
+        )
+        return self._publisher
+
+    def next_version(self) -> int:
+        return max(self.control.versions()) + 1
+
+    def sync(
+        self,
+        params: Mapping[str, torch.Tensor],
+        *,
+        version: int | None = None,
+        training_mode: RewardModelTrainingMode = RewardModelTrainingMode.FULL,
+        keep_lora: bool = False,
+    ) -> int:
+        publisher = self.open()
+        v = self.next_version() if version is None else version
+        try:
+            return publisher.publish(params, v, training_mode=training_mode, keep_lora=keep_lora)
+        except (WeightValidationError, RewardServerError) as exc:
+            if isinstance(exc, RewardServerError) and exc.retryable:
+                self.reset()
+            raise  # rejected before any byte moved: the group is intact
+        except Exception:
+            # A failed transfer leaves the group unusable on the servers; the next push re-forms it.
+            self.reset()
+            raise
+
+    def reset(self) -> None:
+        if self._publisher is not None:
+            try:
+                self._publisher.comm.close()
+            finally:
+                self._publisher = None
+
+    def close(self) -> None:
+        if self._publisher is not None:
+            self.control.close_communicator()
+        self.reset()
+        self.control.close()

@@ -1,0 +1,467 @@
+"""Trainer side of a weight push: a ``ControlPlane`` (HTTP) announces, a
+``TensorCommunicator`` (torch.distributed) moves the bytes, ``RewardModelPublisher`` ties them.
+
+A push: normalise names and validate for the training mode → announce to every server (each
+validates against its model and answers 400 before any byte moves) → broadcast flat buckets in
+deterministic order → agree on success in one status reduction → wait until every server serves
+the new version.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+import httpx
+import torch
+
+from rewardplane.protocol import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    Endpoints,
+    InitCommunicatorRequest,
+    ParamMeta,
+    RewardModelTrainingMode,
+    UpdateParamBatchRequest,
+    check_metadata,
+    layout_id,
+    plan_buckets,
+)
+from rewardplane.protocol.auth import resolve_token
+from rewardplane.protocol.naming import (
+    DEFAULT_HEAD_PATTERNS,
+    WeightValidationError,
+    normalize_params,
+    validate_for_mode,
+)
+from rewardplane.transport.buckets import meta_of
+from rewardplane.transport.comm import Backend, Communicator, TensorCommunicator, create_store
+from rewardplane.transport.transfer import send_buckets
+
+from .retry import RetryPolicy, call_with_retry, check_response
+
+log = logging.getLogger(__name__)
+
+
+# How long the early long-poll for a pushed version waits on the server (finalize_update polls on
+# after it, up to the control plane's timeout): long enough for a large push on a fast link.
+EARLY_WAIT_S = 10.0
+
+
+class WeightSyncError(RuntimeError):
+    """A push failed; the message says where and what to do."""
+
+
+# --------------------------------------------------------------------------------------------
+# Interfaces
+# --------------------------------------------------------------------------------------------
+
+
+class ControlPlane(Protocol):
+    def manifest(self) -> dict[str, ParamMeta] | None: ...
+
+    def announce_update_batch(
+        self,
+        metadata: list[ParamMeta],
+        *,
+        version: int,
+        training_mode: RewardModelTrainingMode,
+        bucket_bytes: int,
+        atomic: bool,
+    ) -> None: ...
+
+    def finalize_update(self, version: int) -> None: ...
+
+
+# --------------------------------------------------------------------------------------------
+# HTTP control plane over one or more servers
+# --------------------------------------------------------------------------------------------
+
+
+class HTTPControlPlane:
+    """Drives the control plane of every listed server (one process group spans them all)."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        token: str | None = None,
+        token_file: str | None = None,
+        timeout_s: float = 600.0,
+        http_timeout_s: float = 30.0,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        if not urls:
+            raise ValueError("no reward servers given: pass at least one base URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        token = resolve_token(token, token_file)
+        if token is None:
+            raise WeightSyncError(
+                "no control-plane token: set REWARDPLANE_TOKEN (or REWARDPLANE_TOKEN_FILE / token_file=) to the "
+                "token the reward servers were started with"
+            )
+        # The read timeout covers finalize's server-side wait (at most 30 s a request).
+        self._http = httpx.Client(
+            timeout=httpx.Timeout(max(http_timeout_s, 35.0), connect=min(http_timeout_s, 10.0)),
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        self._world_sizes: list[int] | None = None
+        self._manifest: dict[str, ParamMeta] | None = None
+        # Servers are driven concurrently: with sequential calls, the last replica joins a push
+        # (and reports it done) one HTTP round trip per replica later than the first.
+        self._pool = (
+            ThreadPoolExecutor(max_workers=min(32, len(self.urls)), thread_name_prefix="rp-control")
+            if len(self.urls) > 1
+            else None
+        )
+        self._metadata_json: tuple[list[ParamMeta], int, str, list[dict[str, Any]]] | None = None
+        # Layouts every server accepted since the group formed: later pushes name them by id.
+        self._announced: set[str] = set()
+        # A long-poll per server for the announced version, sent as soon as the announce is
+        # accepted: when the update commits, the answer is on its way (finalize_update takes it)
+        # instead of a request only then starting its trip. Bounded, so a failed push leaves
+        # nothing waiting for long.
+        self._waiters = ThreadPoolExecutor(
+            max_workers=min(32, len(self.urls)), thread_name_prefix="rp-finalize"
+        )
+        self._early: tuple[int, dict[str, Future[Any]]] | None = None
+
+    def _each(self, fn: Any) -> list[Any]:
+        """``fn(url)`` for every server, concurrently; the first error is raised after all answered."""
+        if self._pool is None:
+            return [fn(self.urls[0])]
+        return [f.result() for f in [self._pool.submit(fn, u) for u in self.urls]]
+
+    def _get(self, url: str, path: str) -> Any:
+        return call_with_retry(self.retry, lambda: self._http.get(url + path), url=url + path).json()
+
+    def _post(self, url: str, path: str, body: dict[str, Any]) -> Any:
+        try:
+            return check_response(self._http.post(url + path, json=body)).json()
+        except httpx.HTTPError as exc:
+            raise WeightSyncError(f"reward server {url} did not answer {path}: {exc}") from exc
+
+    def world_sizes(self) -> list[int]:
+        if self._world_sizes is None:
+            self._world_sizes = [int(self._get(u, Endpoints.WORLD_SIZE)["world_size"]) for u in self.urls]
+        return self._world_sizes
+
+    def versions(self) -> list[int]:
+        """The weights version each server serves now."""
+        return [int(self._get(u, Endpoints.RUNTIME_VERSION)["version"]) for u in self.urls]
+
+    def rank_offsets(self) -> list[int]:
+        """Replica i's workers start at Σ world sizes of the replicas before it."""
+        offsets, total = [], 0
+        for ws in self.world_sizes():
+            offsets.append(total)
+            total += ws
+        return offsets
+
+    def total_world_size(self) -> int:
+        """Every server worker plus the trainer (the last rank)."""
+        return sum(self.world_sizes()) + 1
+
+    def manifest(self) -> dict[str, ParamMeta]:
+        if self._manifest is None:
+            items = self._get(self.urls[0], Endpoints.PARAM_MANIFEST)
+            self._manifest = {m["name"]: ParamMeta(**m) for m in items}
+        return self._manifest
+
+    def init_communicator(
+        self, host: str, port: int, *, backend: Backend, timeout_s: float, group_id: str
+    ) -> None:
+        self._announced.clear()  # a new group may mean restarted servers: announce layouts in full again
+        world = self.total_world_size()
+        for url, offset in zip(self.urls, self.rank_offsets(), strict=True):
+            req = InitCommunicatorRequest(
+                host=host,
+                port=port,
+                world_size=world,
+                rank_offset=offset,
+                backend=backend,
+                timeout_s=timeout_s,
+                group_id=group_id,
+            )
+            self._post(url, Endpoints.INIT_COMMUNICATOR, req.model_dump(mode="json"))
+
+    def announce_update_batch(
+        self,
+        metadata: list[ParamMeta],
+        *,
+        version: int,
+        training_mode: RewardModelTrainingMode,
+        bucket_bytes: int,
+        atomic: bool,
+    ) -> None:
+        cached = self._metadata_json
+        if cached is None or cached[0] is not metadata or cached[1] != bucket_bytes:
+            # a publisher re-sends one layout: name and dump it once
+            cached = (
+                metadata,
+                bucket_bytes,
+                layout_id(metadata, bucket_bytes),
+                [m.model_dump(mode="json") for m in metadata],
+            )
+            self._metadata_json = cached
+        lid = cached[2]
+        body = UpdateParamBatchRequest.model_construct(
+            training_mode=training_mode,
+            version=version,
+            bucket_bytes=bucket_bytes,
+            atomic=atomic,
+            timeout_s=self.timeout_s,
+            layout_id=lid,
+        ).model_dump(mode="json", exclude={"metadata"})
+        known = lid in self._announced
+        if not known:
+            body["metadata"] = cached[3]
+        self._early = None
+        try:
+            self._each(lambda url: self._post(url, Endpoints.UPDATE_PARAM_BATCH, body))
+        except Exception:
+            self._announced.discard(lid)  # e.g. a server forgot it (409): the next push sends it again
+            raise
+        self._announced.add(lid)
+        query = f"{Endpoints.RUNTIME_VERSION}?wait_for_version={version}&timeout_s={EARLY_WAIT_S:.0f}"
+        self._early = (version, {u: self._waiters.submit(self._http.get, u + query) for u in self.urls})
+
+    def finalize_update(self, version: int) -> None:
+        """Wait (bounded) until every server reports ``version``; raise with the server's reason.
+
+        Each server holds the request until it serves the version (or fails), so this costs one
+        round trip per server rather than a polling loop."""
+        deadline = time.monotonic() + self.timeout_s
+        early = self._early[1] if self._early is not None and self._early[0] == version else {}
+        self._early = None
+
+        def answered_early(url: str) -> bool:
+            try:
+                state = early[url].result(timeout=EARLY_WAIT_S + 5).json()
+            except Exception:  # no early answer (e.g. connection trouble): the loop below decides
+                return False
+            return bool(state["version"] >= version and state["state"] == "serving")
+
+        def wait_for(url: str) -> None:
+            if url in early and answered_early(url):
+                return
+            while True:
+                wait_s = max(0.0, min(30.0, deadline - time.monotonic()))
+                state = self._get(
+                    url, f"{Endpoints.RUNTIME_VERSION}?wait_for_version={version}&timeout_s={wait_s:.3f}"
+                )
+                if state["version"] >= version and state["state"] == "serving":
+                    return
+                tasks = self._get(url, Endpoints.NUM_BACKGROUND_TASKS)
+                if tasks["num_background_tasks"] == 0 and tasks.get("last_error"):
+                    raise WeightSyncError(f"reward server {url} failed the update: {tasks['last_error']}")
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(
+                        f"server {url} did not report version {version} within {self.timeout_s:.0f}s "
+                        f"(it serves {state['version']}, state {state['state']!r})"
+                    )
+
+        self._each(wait_for)
+
+    def close_communicator(self) -> None:
+        def close(url: str) -> None:
+            try:
+                self._post(url, Endpoints.CLOSE_COMMUNICATOR, {})
+            except Exception as exc:  # closing is best effort; the group is discarded anyway
+                log.warning("closing the communicator on %s failed: %s", url, exc)
+
+        self._each(close)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
+
+def local_address_towards(url: str) -> str:
+    """This host's address as the server sees it (the route to the server's host)."""
+    host = httpx.URL(url).host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))  # UDP connect sends nothing; it only picks the route
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def open_trainer_group(
+    control: HTTPControlPlane,
+    *,
+    host: str,
+    port: int,
+    device: torch.device,
+    backend: Backend = "auto",
+    timeout_s: float = 120.0,
+    bind_host: str | None = None,
+) -> Communicator:
+    """Host the rendezvous, ask every server to join, and join as the last rank."""
+    world = control.total_world_size()
+    store = create_store(bind_host or host, port, is_master=True, world_size=world, timeout_s=timeout_s)
+    group_id = uuid.uuid4().hex[:12]
+    control.init_communicator(host, port, backend=backend, timeout_s=timeout_s, group_id=group_id)
+    return Communicator(
+        store,
+        rank=world - 1,
+        world_size=world,
+        device=device,
+        backend=backend,
+        timeout_s=timeout_s,
+        group_id=group_id,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The publisher
+# --------------------------------------------------------------------------------------------
+
+
+class RewardModelPublisher:
+    """Publish reward-model weights for a training mode."""
+
+    def __init__(
+        self,
+        control: ControlPlane,
+        comm: TensorCommunicator,
+        src_rank: int,
+        *,
+        head_name_patterns: Sequence[str] | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        atomic: bool = False,
+    ) -> None:
+        self.control = control
+        self.comm = comm
+        self.src_rank = src_rank
+        self.head_name_patterns = tuple(head_name_patterns or DEFAULT_HEAD_PATTERNS)
+        self.bucket_bytes = bucket_bytes
+        self.atomic = atomic
+        self.last_stats: dict[str, float] = {}
+        self._layout_cache: tuple[Any, list[tuple[str, str]], list[ParamMeta], list[Bucket]] | None = None
+
+    def prepare(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        training_mode: RewardModelTrainingMode,
+        *,
+        keep_lora: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """Normalised names → tensors, validated for the mode (and against the served manifest)."""
+        names, _, _ = self._layout(state_dict, training_mode, keep_lora)
+        return {server: state_dict[key] for server, key in names}
+
+    def _layout(
+        self, state_dict: Mapping[str, torch.Tensor], mode: RewardModelTrainingMode, keep_lora: bool
+    ) -> tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket]]:
+        """(server name, caller's key) in broadcast order, the metadata to announce, its buckets.
+
+        Cached by the names, shapes and dtypes: a trainer pushes the same layout every step, and
+        this work would otherwise sit on the critical path of every push."""
+        key = (mode, keep_lora, tuple((k, tuple(v.shape), v.dtype) for k, v in state_dict.items()))
+        if self._layout_cache is not None and self._layout_cache[0] == key:
+            return self._layout_cache[1], self._layout_cache[2], self._layout_cache[3]
+        manifest = self.control.manifest()
+        renamed = normalize_params(
+            {k: k for k in state_dict}, served=set(manifest) if manifest else None, keep_lora=keep_lora
+        )
+        validate_for_mode(renamed, mode, self.head_name_patterns)
+        order = [(server, renamed[server]) for server in sorted(renamed)]  # deterministic on both sides
+        metadata = [meta_of(server, state_dict[k]) for server, k in order]
+        if manifest:  # the server would answer 400: say so before anything moves
+            problems = check_metadata(metadata, manifest)
+            if problems:
+                raise WeightValidationError(
+                    f"{len(problems)} parameter(s) do not fit the served model: " + "; ".join(problems[:10])
+                )
+        plan = plan_buckets(metadata, self.bucket_bytes)
+        self._layout_cache = (key, order, metadata, plan)
+        return order, metadata, plan
+
+    def publish(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        training_mode: RewardModelTrainingMode = RewardModelTrainingMode.FULL,
+        keep_lora: bool = False,
+    ) -> int:
+        start = time.perf_counter()
+        started_at = time.monotonic()  # the servers' timelines use this clock too (same host)
+        mode = RewardModelTrainingMode(training_mode)
+        order, metadata, plan = self._layout(state_dict, mode, keep_lora)
+        tensors = {server: state_dict[k].detach() for server, k in order}
+        prepared = time.perf_counter()
+        # The announce first, on this thread: a refusal then costs nothing, and while the servers
+        # set up their receive (the longer part) this thread packs and enqueues the first buckets.
+        # (Announcing from a helper thread during packing was slower: it waited for the GIL.)
+        self.control.announce_update_batch(
+            metadata, version=version, training_mode=mode, bucket_bytes=self.bucket_bytes, atomic=self.atomic
+        )
+        announced = time.perf_counter()
+        total = send_buckets(self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, plan=plan)
+        synchronized = time.perf_counter()
+        if self.comm.max_flag(0) != 0:
+            raise WeightSyncError(
+                f"a reward server failed to load version {version}; see its log and /get_num_background_tasks"
+            )
+        sent = time.perf_counter()
+        self.control.finalize_update(version)
+        done = time.perf_counter()
+        # phases, and a timeline (seconds after the call) to set beside the servers' (last_update)
+        self.last_stats = {
+            "bytes": total,
+            "prepare_s": prepared - start,
+            "transfer_s": sent - prepared,
+            "finalize_s": done - sent,
+            "total_s": done - start,
+            "started_at": started_at,
+            "announced_at_s": announced - start,
+            "synchronized_at_s": synchronized - start,
+            "flagged_at_s": sent - start,
+        }
+        return version
+
+
+class Rank0OnlyPublisher:
+    """For multi-process learners: barrier → rank 0 pushes → barrier. Other ranks never
+    join the communicator; they learn rank 0's outcome, so a failed push fails every rank."""
+
+    def __init__(self, make_publisher: Any, *, group: Any = None) -> None:
+        self._make = make_publisher
+        self._group = group
+        self._publisher: RewardModelPublisher | None = None
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor] | None, version: int, **kwargs: Any) -> int:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise WeightSyncError("Rank0OnlyPublisher needs torch.distributed initialised (torchrun)")
+        rank = dist.get_rank(self._group)
+        dist.barrier(group=self._group)
+        outcome: list[Any] = [None]
+        if rank == 0:
+            try:
+                if self._publisher is None:
+                    self._publisher = self._make()
+                if state_dict is None:
+                    raise WeightSyncError("rank 0 must pass the state_dict to publish")
+                self._publisher.publish(state_dict, version, **kwargs)
+            except Exception as exc:
+                outcome[0] = f"{type(exc).__name__}: {exc}"
+        dist.broadcast_object_list(
+            outcome, src=dist.get_global_rank(self._group, 0) if self._group else 0, group=self._group
+        )
+        if outcome[0] is not None:
+            raise WeightSyncError(f"rank 0's weight push of version {version} failed: {outcome[0]}")
+        return version

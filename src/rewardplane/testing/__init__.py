@@ -1,0 +1,1 @@
+"""Helpers that start real rewardplane processes, shared by the tests, the benchmarks and the examples."""

@@ -1,0 +1,120 @@
+"""Real reward-server processes on loopback: start one, wait until it is healthy, stop it.
+
+Used by the test suite, the benchmarks and the examples."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    token: str | None = None
+    args: list[str] = field(default_factory=list)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+def launch_server(
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    token: str | None = None,
+    env_extra: dict[str, str] | None = None,
+    extra_args: list[str] | None = None,
+    **opts: Any,
+) -> ServerHandle:
+    """Start a server process and return at once (see ``wait_healthy``); ``opts`` become flags."""
+    port = int(opts.pop("port", 0)) or free_port()
+    host = str(opts.pop("host", "127.0.0.1"))
+    engine = str(opts.pop("engine", "hf"))
+    args = [
+        sys.executable,
+        "-m",
+        "rewardplane.server",
+        "--model",
+        str(model_dir),
+        "--engine",
+        engine,
+        "--host",
+        host,
+        "--port",
+        str(port),
+    ]
+    if engine == "hf":
+        args += ["--device", str(opts.pop("device", "cpu"))]
+    for key, value in opts.items():
+        flag = "--" + key.replace("_", "-")
+        args += [flag] if value is True else [flag, str(value)]
+    args += extra_args or []
+    env = dict(os.environ)
+    env.pop("REWARDPLANE_TOKEN_FILE", None)
+    if token is not None:
+        env["REWARDPLANE_TOKEN"] = token
+    else:
+        env.pop("REWARDPLANE_TOKEN", None)
+    env.setdefault("OMP_NUM_THREADS", "1")  # several servers share 2 cores in CI
+    env.update(env_extra or {})
+    log_path = log_dir / f"server-{port}.log"
+    with open(log_path, "wb") as logf:
+        proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return ServerHandle(
+        url=f"http://{host}:{port}", port=port, process=proc, log_path=log_path, token=token, args=args
+    )
+
+
+def wait_healthy(handle: ServerHandle, timeout_s: float = 120, poll_s: float = 0.2) -> ServerHandle:
+    """Wait (bounded) until ``/health`` answers 200; raise with the log's tail if the process dies."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if handle.process.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {handle.process.returncode} during start:\n{handle.log()[-6000:]}"
+            )
+        try:
+            if httpx.get(f"{handle.url}/health", timeout=2).status_code == 200:
+                return handle
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    handle.kill()
+    raise RuntimeError(f"server did not become healthy in {timeout_s:.0f}s:\n{handle.log()[-6000:]}")
+
+
+def start_server(
+    model_dir: Path, log_dir: Path, *, startup_timeout_s: float = 120, **kwargs: Any
+) -> ServerHandle:
+    return wait_healthy(launch_server(model_dir, log_dir, **kwargs), startup_timeout_s)
