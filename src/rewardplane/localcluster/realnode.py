@@ -410,15 +410,17 @@ class RealNode:
         lay = self.layout
         if not lay.root.exists():
             return []
+        # Controllers first, so that nothing recreates the pods being deleted.
+        first = ("kube-controller-manager", "kube-scheduler", "kube-proxy", "kubelet")
         steps: list[tuple[str, Callable[[], None]]] = [
+            ("stop kube-controller-manager", lambda: self._stop("kube-controller-manager")),
+            ("stop kube-scheduler", lambda: self._stop("kube-scheduler")),
             ("delete pods", self._delete_pods_through_api),
             ("stop kube-proxy", lambda: self._stop("kube-proxy")),
             ("stop kubelet", lambda: self._stop("kubelet")),
             ("kill containers", self._kill_containers),
         ]
-        steps += [
-            (f"stop {n}", lambda n=n: self._stop(n)) for n in COMPONENTS if n not in ("kube-proxy", "kubelet")
-        ]
+        steps += [(f"stop {n}", lambda n=n: self._stop(n)) for n in COMPONENTS if n not in first]
         steps += [
             ("stop leftover processes", self._stop_leftover_processes),
             ("unmount", self._unmount),
@@ -898,12 +900,13 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
                     body={"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 5},
                 )
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self._running_tasks():
             # controllers may recreate pods meanwhile; what counts is that none runs any more
-            done = self._ctr(["tasks", "ls", "-q"], check=False)
-            if done.returncode != 0 or not done.stdout.strip():
-                return
             time.sleep(0.5)
+
+    def _running_tasks(self) -> list[str]:
+        done = self._ctr(["tasks", "ls"], check=False)
+        return [line.split()[0] for line in done.stdout.splitlines()[1:] if "RUNNING" in line.split()[2:]]
 
     def _kill_containers(self) -> None:
         """Kill every container and sandbox left in the node's containerd, then remove them."""
