@@ -143,6 +143,7 @@ build() { # name target dockerfile
 build operator operator Dockerfile
 build reward-server reward-server images/reward-server/Dockerfile
 build trainer trainer images/reward-server/Dockerfile
-"$DOCKER" image prune -f >/dev/null
+# (No `docker image prune`: the untagged build stages are the layer cache that makes a rebuild
+# after a code change take seconds. `rm -rf ~/.cache/rewardplane/docker` reclaims the space.)
 echo "$TAG" >"$IMAGES/TAG"
 log "done: images in $IMAGES (tag $TAG)"

@@ -80,6 +80,10 @@ def build_tiny_reward_model(
         model.score.weight.normal_(0.0, head_std)
     model.to(getattr(torch, dtype)).save_pretrained(out)
     tokenizer.save_pretrained(out)
+    # safetensors writes its file owner-only (0600); a server in a container runs as another user
+    # (65532) and reads the model through a volume, so make every file world-readable.
+    for f in out.iterdir():
+        f.chmod(0o644)
     return out
 
 

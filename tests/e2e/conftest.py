@@ -6,6 +6,8 @@ control plane) in its own state dir under the cache, imports the images that
 ``scripts/build-images.sh`` built, and installs the operator with the Helm chart. The suite's
 last test brings it down and checks that nothing is left; the fixture brings it down anyway.
 
+REWARDPLANE_E2E_KEEP=1 leaves the cluster up after a failure, to look at it.
+
 Needs root, the binaries of ``scripts/install-k8s-tools.sh`` and the images. Where any is
 missing the suite is skipped, except under CI, where that fails the run.
 """
@@ -111,7 +113,9 @@ def real_cluster() -> Iterator[RealCluster]:
         yield RealCluster(node=node, kubeconfig=kubeconfig, api=api, volumes=volumes)
     finally:
         api.close()
-        if node.running():  # the suite's last test normally did this, and checked it
+        # The suite's last test normally brought it down (and checked it); REWARDPLANE_E2E_KEEP=1
+        # keeps a failed run's cluster for a look (KUBECONFIG=<state>/kubeconfig).
+        if node.running() and os.environ.get("REWARDPLANE_E2E_KEEP") != "1":
             node.down()
 
 

@@ -485,9 +485,15 @@ def test_extra_args_and_persist_dir() -> None:
     )
     plan = plan_reward_model(body, ClusterView(nodes=CPU_NODES))
     args = server_args(plan, plan.replicas[0])
-    assert args[-2:] == ["--foo", "1"] and _arg(args, "--weights-dir") == "/var/lib/rm/rm-0"
+    # the node's /var/lib/rm appears at a fixed path in the container, one directory per replica
+    assert args[-2:] == ["--foo", "1"] and _arg(args, "--weights-dir") == "/var/lib/rewardplane/weights/rm-0"
     pod = render_pod(body, plan, plan.replicas[0])
-    assert {"name": "persisted-weights", "mountPath": "/var/lib/rm"} in _container(pod)["volumeMounts"]
+    mount = {"name": "persisted-weights", "mountPath": "/var/lib/rewardplane/weights"}
+    assert mount in _container(pod)["volumeMounts"]
+    assert {
+        "name": "persisted-weights",
+        "hostPath": {"path": "/var/lib/rm", "type": "DirectoryOrCreate"},
+    } in pod["spec"]["volumes"]
 
 
 def test_spec_hash_changes_with_the_spec_but_not_with_replicas_or_chosen_node() -> None:

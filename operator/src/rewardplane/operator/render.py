@@ -40,6 +40,9 @@ TOKEN_VOLUME = "control-token"
 TOKEN_MOUNT_DIR = "/var/run/rewardplane"
 TOKEN_FILE = f"{TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
 WEIGHTS_VOLUME = "persisted-weights"
+# Where the node's persistDir appears in the container: a fixed path, since the node's own path
+# may lie under a directory the server's user cannot traverse there (e.g. /root).
+WEIGHTS_MOUNT_DIR = "/var/lib/rewardplane/weights"
 HTTP_PORT_NAME = "http"
 GROUP_PORT_NAME = "nccl-group"
 # Readiness: a server is only worth traffic after it loaded the model and answers /health.
@@ -136,7 +139,7 @@ def server_args(plan: Plan, replica: ReplicaPlan) -> list[str]:
         args += ["--tensor-parallel-size", str(replica.world_size)]
     if spec.weight_sync.persist_dir:
         # One directory per replica: replicas on one node share the hostPath but never a file.
-        args += ["--weights-dir", f"{spec.weight_sync.persist_dir.rstrip('/')}/{replica.pod_name}"]
+        args += ["--weights-dir", f"{WEIGHTS_MOUNT_DIR}/{replica.pod_name}"]
     return args + list(spec.engine.extra_args)
 
 
@@ -244,7 +247,7 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
     ]
     persist_dir = plan.spec.weight_sync.persist_dir
     if persist_dir:
-        container["volumeMounts"].append({"name": WEIGHTS_VOLUME, "mountPath": persist_dir})
+        container["volumeMounts"].append({"name": WEIGHTS_VOLUME, "mountPath": WEIGHTS_MOUNT_DIR})
         volumes.append(
             {"name": WEIGHTS_VOLUME, "hostPath": {"path": persist_dir, "type": "DirectoryOrCreate"}}
         )
