@@ -68,6 +68,7 @@ COMPONENTS = (
     "containerd",
 )
 STOP_GRACE_S = 15.0
+START_RETRIES = 2
 # Paths outside the state dir that the daemons create (kubelet 1.20 and libcni hard-code them);
 # removed by ``down`` when they did not exist before ``up``.
 HOST_PATHS = (
@@ -282,6 +283,8 @@ class RealNode:
     def __init__(self, state: Path | None = None, *, images: Path | None = None) -> None:
         self.layout = Layout((state or default_state_dir()).expanduser().resolve())
         self.images = images or images_dir()
+        self._started: dict[str, tuple[subprocess.Popen[bytes], list[str]]] = {}
+        self._retries: dict[str, int] = {}
 
     # -- public ---------------------------------------------------------------------------------
     @property
@@ -796,6 +799,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     def _start(self, name: str, cmd: list[str]) -> None:
         lay = self.layout
         with open(lay.log_file(name), "ab") as logf:
+            logf.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting {name}\n".encode())
+            logf.flush()
             proc = subprocess.Popen(
                 cmd,
                 stdout=logf,
@@ -805,6 +810,26 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
                 start_new_session=True,
             )
         lay.pid_file(name).write_text(f"{proc.pid}\n")
+        self._started[name] = (proc, cmd)
+
+    def _check_started(self) -> None:
+        """Every component started by this ``up`` still runs; one that died is started again (at
+        most ``START_RETRIES`` times: on a machine shared with busy test suites a daemon has been
+        seen killed at birth) and the error says how it ended."""
+        for name, (proc, cmd) in list(self._started.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            retries = self._retries.get(name, 0)
+            if retries >= START_RETRIES:
+                raise RealNodeError(
+                    f"{name} {how} while starting; last lines of {self.layout.log_file(name)}:\n"
+                    f"{log_tail(self.layout.log_file(name))}"
+                )
+            log.warning("%s %s while starting; starting it again", name, how)
+            self._retries[name] = retries + 1
+            self._start(name, cmd)
 
     def _stop(self, name: str) -> None:
         pid = _read_pid(self.layout, name)
@@ -817,16 +842,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     ) -> None:
         name = log_name or what
         while not ready():
-            pid_name = name if name in COMPONENTS else None
-            if (
-                pid_name
-                and self.layout.pid_file(pid_name).exists()
-                and _read_pid(self.layout, pid_name) is None
-            ):
-                raise RealNodeError(
-                    f"{pid_name} exited while starting; last lines of "
-                    f"{self.layout.log_file(pid_name)}:\n{log_tail(self.layout.log_file(pid_name))}"
-                )
+            self._check_started()
             if time.monotonic() > deadline:
                 raise RealNodeError(
                     f"timed out waiting for {what}; last lines of {self.layout.log_file(name)}:\n"
