@@ -148,9 +148,8 @@ def bench(
     from kubernetes import client
     from transformers import AutoModelForSequenceClassification
 
-    from rewardplane.sdk import RewardModelTrainingMode
+    from rewardplane.sdk import RewardModelTrainingMode, select_head
     from rewardplane.sdk.cluster import RewardModelHandle
-    from rewardplane.sdk.naming import select_head
 
     api = api_client_for(kubeconfig)
     custom, core = client.CustomObjectsApi(api), client.CoreV1Api(api)

@@ -104,6 +104,8 @@ def real_cluster() -> Iterator[RealCluster]:
         pytest.skip(why)
     state = cache_dir() / "realnode-e2e"
     node = realnode.RealNode(state)
+    if node.running():  # left up by an earlier run (REWARDPLANE_E2E_KEEP): start from scratch
+        node.down()
     kubeconfig = node.up(timeout_s=300)
     api = api_client_for(kubeconfig)
     try:

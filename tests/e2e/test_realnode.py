@@ -234,8 +234,7 @@ def test_score_from_the_host(real_cluster: RealCluster) -> None:
 def test_pushes_from_a_trainer_on_the_host(real_cluster: RealCluster) -> None:
     import torch
 
-    from rewardplane.sdk import RewardModelTrainingMode
-    from rewardplane.sdk.naming import select_head
+    from rewardplane.sdk import RewardModelTrainingMode, select_head
 
     model, tok = load_model(S.model_dir)
     with handle(real_cluster) as rm:
@@ -259,9 +258,8 @@ def test_pushes_from_a_trainer_on_the_host(real_cluster: RealCluster) -> None:
 TRAINER_SCRIPT = """
 import json, sys, torch
 from transformers import AutoModelForSequenceClassification
-from rewardplane.sdk import RewardModelTrainingMode
+from rewardplane.sdk import RewardModelTrainingMode, select_head
 from rewardplane.sdk.cluster import RewardModelHandle
-from rewardplane.sdk.naming import select_head
 
 name, texts = sys.argv[1], json.loads(sys.argv[2])
 rm = RewardModelHandle(name, "default")  # in-cluster credentials: the pod's ServiceAccount
@@ -355,13 +353,7 @@ def test_pushes_from_a_trainer_pod_over_the_pod_network(real_cluster: RealCluste
     logs = c.core.read_namespaced_pod_log("e2e-trainer", NS)  # through the kubelet
     assert phase == "Succeeded", logs[-3000:]
     result = json.loads(next(line for line in logs.splitlines() if line.startswith("RESULT "))[7:])
-    model, tok = load_model(S.model_dir)
-    import torch
-
-    with torch.no_grad():
-        model.score.weight.mul_(2.0)
-        for p in model.parameters():
-            p.add_(0.01)
+    model, tok = trainer_pod_model()
     S.expected = scores_of(model, tok, TEXTS)
     S.version += 2
     assert result["version"] == S.version
@@ -409,7 +401,21 @@ def test_killed_container_is_restarted_and_restored(real_cluster: RealCluster) -
         assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
 
 
+def trainer_pod_model() -> tuple[Any, Any]:
+    """The model the trainer Pod pushed last (what the replicas serve since)."""
+    import torch
+
+    model, tok = load_model(S.model_dir)
+    with torch.no_grad():
+        model.score.weight.mul_(2.0)
+        for p in model.parameters():
+            p.add_(0.01)
+    return model, tok
+
+
 def test_scale_1_3_1_and_sigterm_ends_replicas_fast(real_cluster: RealCluster) -> None:
+    from rewardplane.sdk import RewardModelTrainingMode
+
     c = real_cluster
 
     def scale(n: int) -> None:
@@ -424,6 +430,21 @@ def test_scale_1_3_1_and_sigterm_ends_replicas_fast(real_cluster: RealCluster) -
     # handles the signal itself (drains, then exits).
     assert time.monotonic() - started < 20, f"scaling down took {time.monotonic() - started:.0f} s"
     scale(3)
+
+    def new_replica_held_back() -> bool:
+        st = get_rm(c).get("status") or {}
+        eps = {e["pod"]: e for e in st.get("endpoints") or []}
+        # e2e-rm-1 was a replica before (its persisted weights restore it); e2e-rm-2 never served,
+        # so it has nothing to restore and stays out of the endpoints: no score from base weights
+        return len(eps) == 3 and eps[f"{RM}-2"].get("ready") is False and st.get("readyReplicas") == 2
+
+    wait_for("the restored replica in, the new one held back", new_replica_held_back, READY_TIMEOUT_S, 2)
+    model, tok = trainer_pod_model()
+    with handle(c) as rm:
+        assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
+        # a full push brings every replica, the new one too, to the version
+        S.version += 1
+        rm.push_weights(model.state_dict(), S.version, RewardModelTrainingMode.FULL, timeout_s=120)
     wait_for("3 replicas on the current version", lambda: ready_at(c, 3, S.version), READY_TIMEOUT_S, 2)
     with handle(c) as rm:
         assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)

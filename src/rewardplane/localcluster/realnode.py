@@ -300,6 +300,8 @@ class RealNode:
     def up(self, *, timeout_s: float = 180, import_images: bool = True) -> Path:
         """Start every component; return the admin kubeconfig once the Node is Ready."""
         if self.running():
+            if import_images:  # images built since: a tarball that did not change is skipped
+                self.import_images()
             return self.kubeconfig
         self._claim_machine()
         deadline = time.monotonic() + timeout_s

@@ -268,6 +268,8 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
             "subdomain": service_name(plan.name),
             "restartPolicy": "Always",
             "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+            # The server never calls the Kubernetes API: no credentials in its pod.
+            "automountServiceAccountToken": False,
             "securityContext": {
                 "runAsNonRoot": True,
                 "runAsUser": RUN_AS_USER,
