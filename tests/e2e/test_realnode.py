@@ -507,7 +507,7 @@ def test_helm_upgrade_then_uninstall_leaves_nothing(real_cluster: RealCluster) -
     ]
     assert "--log-level=DEBUG" in pod.spec.containers[0].args and pod.status.phase == "Running"
 
-    helm("uninstall", OPERATOR_RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait")
+    helm(c, "uninstall", OPERATOR_RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait")
     left = kubectl(
         c,
         "get",
