@@ -120,7 +120,7 @@ async def verl_compute_score(
     client = _shared_client(url, model)
     prompt = (extra_info or {}).get("prompt")
     if _is_chat(prompt):
-        chat = [*prompt, {"role": "assistant", "content": solution_str}]
+        chat = [*list(prompt or []), {"role": "assistant", "content": solution_str}]
         score = (await client.score_chats([chat], normalize=normalize))[0]
     else:
         text = (prompt if isinstance(prompt, str) else "") + solution_str
