@@ -100,6 +100,7 @@ def test_special_tokens_default_like_vllm() -> None:
         ({"input": "x", "truncate_prompt_tokens": -2}, "-1 (the model's max length) or >= 1"),
         ({"input": "x", "dimensions": 8}, "dimensions is not supported"),
         ({"input": "x", "encoding_format": "bf16"}, "encoding_format"),
+        ({"input": "x", "task": "token_classify"}, "per-token outputs are not available"),
     ],
 )
 def test_bad_vllm_requests_are_refused_with_a_reason(body: dict[str, object], needle: str) -> None:

@@ -65,6 +65,7 @@ class PooledRequest(BaseModel):
     activation: bool | None = None  # vLLM < 0.11.2
     softmax: bool | None = None  # older vLLM
     dimensions: int | None = None
+    task: str | None = None  # vLLM's /pooling task; only whole-sequence outputs are served
     user: str | None = None
 
     @model_validator(mode="after")
@@ -78,6 +79,11 @@ class PooledRequest(BaseModel):
             raise ValueError(f"truncate_prompt_tokens must be -1 (the model's max length) or >= 1, got {t}")
         if self.dimensions is not None:
             raise ValueError("dimensions is not supported: a reward model's output is its score head")
+        if self.task is not None and self.task not in ("classify", "embed", "score"):
+            raise ValueError(
+                f"task {self.task!r} is not served: this server returns one score vector per input "
+                "(task classify, embed or score); per-token outputs are not available"
+            )
         return self
 
     def activation_requested(self) -> bool:
