@@ -65,14 +65,16 @@ def test_operator_renders_aliases_and_the_crd_field_parses() -> None:
     plan = plan_reward_model(body, ClusterView(nodes=NODES))
     args = server_args(plan, plan.replicas[0])
     i = args.index("--model-alias")
-    assert args[i : i + 3] == ["--model-alias", "/ckpt/rm", "hub/rm"]
+    # the server loads a mounted path (/mnt/models), so the node path it came from is an alias too
+    assert args[i : i + 4] == ["--model-alias", "/ckpt/rm", "hub/rm", "/models/tiny"]
     assert "--model-alias" not in server_args(*_plan_without_aliases())
     errors = validate_spec(cpu_rm(engine={"kind": "hf", "extraArgs": ["--model-alias", "x"]})["spec"])
     assert len(errors) == 1 and "spec.model.aliases" in errors[0]
 
 
 def _plan_without_aliases():  # noqa: ANN202
-    plan = plan_reward_model(cpu_rm(), ClusterView(nodes=NODES))
+    # a hub id reaches the server as itself: nothing to alias
+    plan = plan_reward_model(cpu_rm(model={"source": "org/tiny"}), ClusterView(nodes=NODES))
     return plan, plan.replicas[0]
 
 

@@ -131,8 +131,13 @@ def server_args(plan: Plan, replica: ReplicaPlan) -> list[str]:
         "--shutdown-timeout",
         str(SHUTDOWN_TIMEOUT_S),
     ]
-    if spec.model.aliases:
-        args += ["--model-alias", *spec.model.aliases]
+    # Requests may name the model by its source; the server sees a mounted path instead of a
+    # pvc:// or file:// source, so the source itself becomes an alias.
+    aliases = list(spec.model.aliases)
+    if delivery(spec.model.source).model_arg != spec.model.source and spec.model.source not in aliases:
+        aliases.append(spec.model.source)
+    if aliases:
+        args += ["--model-alias", *aliases]
     if spec.model.max_length is not None:
         args += ["--max-model-len", str(spec.model.max_length)]
     if on_gpu:
