@@ -249,3 +249,18 @@ class RestoreWeightsRequest(BaseModel):
 
     version: int = Field(ge=1)
     timeout_s: float = Field(default=300.0, gt=0)
+
+
+class WorkerChecksums(BaseModel):
+    """One worker's live parameters: name → [sha256 of the bytes, dtype, shape], under the engine's own
+    names (vLLM's are fused and sharded per tensor-parallel rank)."""
+
+    rank: int
+    checksums: dict[str, tuple[str, str, list[int]]]
+
+
+class ParamChecksumsResponse(BaseModel):
+    """``GET /param_checksums``: what every worker holds, and the weights version it is."""
+
+    version: int
+    workers: list[WorkerChecksums]
