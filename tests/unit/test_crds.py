@@ -107,7 +107,7 @@ def walk(schema: dict[str, Any], path: str = ""):
     ("crd", "kind", "short", "columns"),
     [
         (RM_CRD, "RewardModel", "rm", ["Ready", "Phase", "Model", "Version", "GPU-Frac", "Age"]),
-        (WS_CRD, "WeightSync", "ws", ["Model", "Version", "Mode", "Phase", "Duration", "Age"]),
+        (WS_CRD, "WeightSync", "ws", ["Model", "Version", "Mode", "Phase", "Duration(s)", "Age"]),
     ],
 )
 def test_crd_identity(crd: dict[str, Any], kind: str, short: str, columns: list[str]) -> None:

@@ -100,10 +100,15 @@ class RewardModelSpec(_Spec):
         return 0 if self.gpu.mode is GpuMode.NONE else self.replicas * self.tensor_parallel_size
 
 
+INVALID_SPEC = "InvalidSpec"
+PLACEMENT_REFUSED = "PlacementRefused"
+"""The spec is valid but the cluster cannot place it now (retried: capacity may free up)."""
+
+
 class InvalidSpecError(ValueError):
     """The spec cannot be served as written; ``errors`` lists every problem."""
 
-    def __init__(self, errors: list[str], reason: str = "InvalidSpec") -> None:
+    def __init__(self, errors: list[str], reason: str = INVALID_SPEC) -> None:
         super().__init__("; ".join(errors))
         self.errors = errors
         self.reason = reason
