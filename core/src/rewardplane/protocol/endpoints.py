@@ -19,6 +19,7 @@ class Endpoints:
     NUM_BACKGROUND_TASKS = "/get_num_background_tasks"
     PARAM_MANIFEST = "/param_manifest"
     RESTORE_WEIGHTS = "/restore_weights"
+    SEND_WEIGHTS = "/send_weights"
 
 
 CONTROL_PLANE_PATHS = frozenset(
@@ -29,6 +30,7 @@ CONTROL_PLANE_PATHS = frozenset(
         Endpoints.NUM_BACKGROUND_TASKS,
         Endpoints.PARAM_MANIFEST,
         Endpoints.RESTORE_WEIGHTS,
+        Endpoints.SEND_WEIGHTS,
     }
 )
 

@@ -34,6 +34,7 @@ from .config import ServerConfig
 from .engine import RewardEngine
 from .errors import BadRequest, Conflict, ServerError, Unauthorized
 from .metrics import ServerMetrics
+from .peer import install_peer_send
 from .persistence import install_restore, persist_after_commit
 
 log = logging.getLogger(__name__)
@@ -375,3 +376,4 @@ def install_control_plane(
         return list(service.manifest.values())
 
     install_restore(app, service, cfg.weights_dir, auth)  # POST /restore_weights (persistence.py)
+    install_peer_send(app, service, auth)  # POST /send_weights (peer.py)

@@ -16,6 +16,7 @@ fused/sharded parameters, so there it needs a worker-extension hook (not yet).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -37,19 +38,46 @@ WEIGHTS_FILE = "pushed.safetensors"
 VERSION_FILE = "version.json"
 
 
+def base_fingerprint(manifest: Mapping[str, Any], params: Mapping[str, torch.Tensor] | None) -> str:
+    """Identifies the base model a server loaded: every parameter's name, dtype and shape, plus a
+    few values from each end of every parameter (cheap at any size, yet two checkpoints of one
+    architecture differ). Saved weights carry it, and are never restored onto another base."""
+    digest = hashlib.sha256()
+    for name in sorted(manifest):
+        meta = manifest[name]
+        digest.update(f"{name}:{meta.dtype}:{tuple(meta.shape)};".encode())
+        if params is not None and name in params:
+            flat = params[name].detach().reshape(-1)
+            sample = torch.cat([flat[:8], flat[-8:]]).to("cpu", torch.float64)
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 class WeightsStore:
     """The persisted union of pushed parameters in one directory (atomic file replacement)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, base: str = "") -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.base = base  # base_fingerprint of the model these weights were pushed onto
         self._lock = threading.Lock()
+
+    def _saved(self) -> dict[str, Any]:
+        try:
+            saved = json.loads((self.dir / VERSION_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        return saved if isinstance(saved, dict) else {}
 
     def saved_version(self) -> int | None:
         try:
-            return int(json.loads((self.dir / VERSION_FILE).read_text())["version"])
-        except (OSError, ValueError, KeyError):
+            return int(self._saved()["version"])
+        except (KeyError, TypeError, ValueError):
             return None
+
+    def saved_base(self) -> str | None:
+        base = self._saved().get("base")
+        return str(base) if base else None
 
     def save(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Merge ``tensors`` into the saved union and record ``version`` (latest value per name)."""
@@ -65,7 +93,9 @@ class WeightsStore:
             save_file(union, str(tmp), metadata={"version": str(version)})
             os.replace(tmp, path)  # the version file follows the weights, so it never names absent weights
             tmp_version = self.dir / (VERSION_FILE + ".tmp")
-            tmp_version.write_text(json.dumps({"version": version, "parameters": len(union)}))
+            tmp_version.write_text(
+                json.dumps({"version": version, "parameters": len(union), "base": self.base})
+            )
             os.replace(tmp_version, self.dir / VERSION_FILE)
 
     def load(self) -> tuple[int, dict[str, torch.Tensor]] | None:
@@ -79,7 +109,7 @@ class WeightsStore:
             return version, load_file(str(path))
 
 
-def _model_params(engine: Any) -> dict[str, torch.Tensor] | None:
+def model_params(engine: Any) -> dict[str, torch.Tensor] | None:
     model = getattr(engine, "model", None)
     if not isinstance(model, torch.nn.Module):
         return None
@@ -92,7 +122,7 @@ async def persist_after_commit(service: Any, names: list[str], version: int) -> 
     store: WeightsStore | None = getattr(service, "persistence", None)
     if store is None:
         return
-    params = _model_params(service.engine)
+    params = model_params(service.engine)
     if params is None:
         log.warning(
             "--weights-dir is set but engine %s cannot be snapshotted; pushed weights are not persisted",
@@ -131,6 +161,12 @@ async def restore(service: Any, version: int, timeout_s: float) -> int:
             "push the weights again"
         )
     saved, tensors = loaded
+    if store.saved_base() != store.base:
+        raise Conflict(
+            f"the weights saved in {store.dir} were pushed onto another base model (fingerprint "
+            f"{store.saved_base() or 'missing'}, this server loaded {store.base}); they are not restored "
+            "onto this one: push the weights again"
+        )
     if saved != version:
         raise Conflict(
             f"the persisted weights are version {saved}, not {version}; push version {version} again"
@@ -147,7 +183,11 @@ async def restore(service: Any, version: int, timeout_s: float) -> int:
 
 def install_restore(app: FastAPI, service: Any, weights_dir: Path | None, auth: list[Any]) -> None:
     """Attach the store to the weight-sync service and add ``POST /restore_weights`` (token-protected)."""
-    service.persistence = WeightsStore(weights_dir) if weights_dir is not None else None
+    service.persistence = (
+        WeightsStore(weights_dir, base_fingerprint(service.manifest, model_params(service.engine)))
+        if weights_dir is not None
+        else None
+    )
 
     @app.post(Endpoints.RESTORE_WEIGHTS, response_model=StatusResponse, dependencies=auth)
     async def restore_weights(req: RestoreWeightsRequest) -> StatusResponse:
