@@ -82,7 +82,21 @@ def _metadata(rm: Mapping[str, Any], name: str, labels: dict[str, str]) -> dict[
 # --------------------------------------------------------------------------------------------
 
 
-def server_args(plan: Plan, replica: ReplicaPlan) -> list[str]:
+def weights_dir(persist_dir: str, owner_uid: str, plan: Plan, replica: ReplicaPlan) -> str:
+    """Where one replica saves pushed weights: bound to the RewardModel's UID and its base model.
+
+    A RewardModel deleted and created again under the same name has a new UID, and a changed
+    ``spec.model`` (source, revision, labels) a new base key, so saved weights are never restored
+    onto another model; the directories of a deleted RewardModel are never read again (retired).
+    One directory per replica: replicas on one node share the hostPath but never a file.
+    """
+    model = plan.spec.model
+    base = json.dumps([model.source, model.revision, model.num_labels], separators=(",", ":"))
+    base_key = hashlib.sha256(base.encode()).hexdigest()[:12]
+    return f"{persist_dir.rstrip('/')}/{owner_uid}/{base_key}/{replica.pod_name}"
+
+
+def server_args(plan: Plan, replica: ReplicaPlan, owner_uid: str = "") -> list[str]:
     """Command-line arguments of ``python -m rewardplane.server`` for one replica."""
     spec = plan.spec
     on_gpu = spec.gpu.mode is not GpuMode.NONE
@@ -115,8 +129,7 @@ def server_args(plan: Plan, replica: ReplicaPlan) -> list[str]:
     if on_gpu or spec.engine.kind is EngineKind.VLLM:
         args += ["--tensor-parallel-size", str(replica.world_size)]
     if spec.weight_sync.persist_dir:
-        # One directory per replica: replicas on one node share the hostPath but never a file.
-        args += ["--weights-dir", f"{spec.weight_sync.persist_dir.rstrip('/')}/{replica.pod_name}"]
+        args += ["--weights-dir", weights_dir(spec.weight_sync.persist_dir, owner_uid, plan, replica)]
     return args + list(spec.engine.extra_args)
 
 
@@ -168,7 +181,7 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
         "image": plan.spec.engine.image,
         "imagePullPolicy": plan.spec.engine.image_pull_policy,
         "command": list(SERVER_COMMAND),
-        "args": server_args(plan, replica),
+        "args": server_args(plan, replica, rm["metadata"].get("uid", "")),
         "env": _env(replica),
         "ports": [
             {"name": HTTP_PORT_NAME, "containerPort": plan.ports.http, "protocol": "TCP"},
@@ -181,6 +194,9 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
             "failureThreshold": READINESS_FAILURES,
         },
         "volumeMounts": [{"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT_DIR, "readOnly": True}],
+        # The server prints a fatal start error last: the kubelet then makes it the termination
+        # message, which the operator puts in the Degraded condition and its Event.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     resources = _resources(plan, replica)
     if resources:
