@@ -22,7 +22,8 @@ from .status import pod_ready
 RESOURCE = (GROUP, VERSION, PLURAL)
 # How often every RewardModel is re-checked (recreate deleted Pods, refresh weights versions).
 RESYNC_INTERVAL_S = float(os.environ.get("REWARDPLANE_RESYNC_INTERVAL", "5"))
-EXECUTOR_THREADS = 16
+# Pushes run in handler threads for as long as a transfer lasts; reconciles need threads meanwhile.
+EXECUTOR_THREADS = 32
 
 
 def _key(body: Any) -> tuple[str, str]:
@@ -83,8 +84,8 @@ def pod_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) ->
 
 
 # ------------------------------------------------------------------------------ WeightSync
-# A WeightSync asks for one push; the driver (memo.weightsyncs) runs it on a thread of its own,
-# drives each replica's control plane and writes the WeightSync's status.
+# A WeightSync asks for one push; the driver (memo.weightsyncs) runs it in the handler: kopf
+# handles one object at a time, so a generation arriving during a push is handled right after it.
 
 WS_RESOURCE = (GROUP, VERSION, WS_PLURAL)
 
@@ -92,10 +93,11 @@ WS_RESOURCE = (GROUP, VERSION, WS_PLURAL)
 @kopf.on.create(*WS_RESOURCE, id="push")
 @kopf.on.update(*WS_RESOURCE, id="push", field="spec")
 def weightsync_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    memo.weightsyncs.request(_key(body))
+    memo.weightsyncs.handle(_key(body))
 
 
 @kopf.on.resume(*WS_RESOURCE, id="resume")
 def weightsync_resumed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    # A push that was running when the operator stopped cannot be picked up again: mark it Failed.
-    memo.weightsyncs.request(_key(body), resumed=True)
+    # A push that was running when the operator stopped cannot be picked up again (the trainer's
+    # group is gone with it): marked Failed with reason OperatorRestarted; the trainer pushes again.
+    memo.weightsyncs.handle(_key(body), resumed=True)
