@@ -4,6 +4,7 @@ and the reconciler's restore driven against ``FakeReplicas`` and an in-memory AP
 from __future__ import annotations
 
 import base64
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -263,13 +264,43 @@ def test_driver_resumed_push_fails_with_operator_restarted() -> None:
     kube, fake = cluster({"a": FakeReplica()})
     path = custom_path(NS, "rm", wsapi.WS_PLURAL)
     kube.merge_patch(
-        path + "/status", {"status": {"phase": "Transferring", "observedGeneration": 1, "version": 5}}
+        path + "/status", {"status": {"phase": "Rendezvous", "observedGeneration": 1, "version": 5}}
     )
     driver = WeightSyncDriver(kube, replicas=fake)  # type: ignore[arg-type]
-    driver.handle((NS, "rm"), resumed=True)
+    driver.handle((NS, "rm"))
     status = (kube.get(path) or {})["status"]
     assert (status["phase"], status["reason"]) == ("Failed", wsapi.OPERATOR_RESTARTED)
     assert fake.calls == []  # nothing was asked of the replicas
+
+
+def test_driver_resumed_transfer_is_followed_to_completion() -> None:
+    """The operator died while replicas received: the new one watches them land and completes it."""
+    kube, fake = cluster({"a": FakeReplica(), "b": FakeReplica()})
+    path = custom_path(NS, "rm", wsapi.WS_PLURAL)
+    entries = [
+        wsm.replica_entry(t, "Transferring")
+        for t in (wsm.Target(0, "rm-0", "http://a:8001", 1, 0), wsm.Target(1, "rm-1", "http://b:8001", 1, 1))
+    ]
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    kube.merge_patch(
+        path + "/status",
+        {
+            "status": {
+                "phase": "Transferring",
+                "observedGeneration": 1,
+                "version": 5,
+                "replicas": entries,
+                "startedAt": started,
+            }
+        },
+    )
+    fake.replicas["http://b:8001"].version = 5  # one landed while no operator watched
+    fake.replicas["http://a:8001"]._pending = 5  # the other is still receiving
+    clock = Clock()
+    WeightSyncDriver(kube, replicas=fake, clock=clock, sleep=clock.sleep).handle((NS, "rm"))  # type: ignore[arg-type]
+    status = (kube.get(path) or {})["status"]
+    assert status["phase"] == "Completed" and [r["phase"] for r in status["replicas"]] == ["Completed"] * 2
+    assert not any(call == "init_communicator" for call, _ in fake.calls)  # nothing was pushed again
 
 
 # ---------------------------------------------------------------- the reconciler's restore, in memory

@@ -139,3 +139,15 @@ def test_long_termination_messages_are_cut_to_their_end() -> None:
     text = replica_problem(_crashed("x" * 5000 + "\nthe real cause"), None)
     assert text.endswith("the real cause; 3 restart(s); restarts back off exponentially (CrashLoopBackOff)")
     assert len(text) < 500
+
+
+def test_without_a_termination_message_the_hint_says_where_the_log_is() -> None:
+    pod = _crashed(None)
+    pod["metadata"] |= {"namespace": "team", "uid": "0123456789abcdef"}
+    assert "kubectl logs -n team rm-0 --previous" in replica_problem(pod, None)
+    # The local node agent runs Pods as processes: kubectl logs cannot reach them; name the file.
+    pod["status"]["containerStatuses"][0]["containerID"] = "rewardplane-node://4242"
+    local = replica_problem(pod, None)
+    assert "kubectl logs" not in local and "pods/team_rm-0_01234567/reward-server.log" in local
+    # With the cause at hand there is nothing to look up.
+    assert "its log" not in replica_problem(_crashed("model not found at /m"), None)

@@ -79,6 +79,10 @@ class WeightSyncSpec(_Spec):
     persist_dir: str | None = Field(default=None, alias="persistDir")
 
 
+class NetworkPolicySpec(_Spec):
+    enabled: bool = True
+
+
 class ResourcesSpec(_Spec):
     limits: dict[str, int | str] = Field(default_factory=dict)
     requests: dict[str, int | str] = Field(default_factory=dict)
@@ -93,6 +97,7 @@ class RewardModelSpec(_Spec):
     ports: PortsSpec = Field(default_factory=PortsSpec)
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec, alias="weightSync")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec, alias="networkPolicy")
 
     @property
     def devices_needed(self) -> int:

@@ -21,19 +21,21 @@ import httpx
 from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
 from rewardplane.api.names import ANNOTATION_GROUP_PORT, API_VERSION, WS_PLURAL
 from rewardplane.api.names import RM_KIND as KIND
-from rewardplane.api.spec import InvalidSpecError
+from rewardplane.api.spec import GpuMode, InvalidSpecError
 from rewardplane.protocol import RestoreWeightsRequest
 
 from . import metrics
+from .cluster import ApiCluster, ClusterReader
 from .coalesce import Coalescer
-from .planning import ClusterView, Plan, gpus_in_use, node_info, plan_reward_model
+from .planning import ClusterView, Plan, gpus_in_use, plan_reward_model
 from .recovery import Identity, identity, restore_plan, stale_replicas
 from .render import (
     ANNOTATION_SPEC_HASH,
-    LABEL_MODEL,
     TOKEN_KEY,
+    network_policy_name,
     new_token,
     render_children,
+    render_network_policy,
     render_token_secret,
     selector,
     token_secret_name,
@@ -53,6 +55,12 @@ from .weightsync import completed_version
 
 log = logging.getLogger("rewardplane.operator")
 
+
+def network_policy_path(namespace: str, name: str | None = None) -> str:
+    path = f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies"
+    return path + (f"/{name}" if name else "")
+
+
 COMPONENT = "rewardplane-operator"
 _EVENT_MESSAGE_LIMIT = 1024  # the API server refuses longer Event messages
 RESTORE_TIMEOUT_S = 300.0  # loading saved weights from disk, or receiving them from a peer
@@ -71,6 +79,9 @@ class Reconciler:
         self.kube = kube
         self.namespace = namespace  # None: the whole cluster
         self.replicas: Replicas = replicas or HttpReplicas()
+        # kopf's indexes once the handlers attach them (cost per reconcile independent of the
+        # number of models); until then, and in tests without kopf, the API server itself.
+        self.cluster: ClusterReader | None = None
         self._guard = threading.Lock()
         self._coalesce: Coalescer[Key] = Coalescer()
         self._phases: dict[Key, str] = {}
@@ -128,17 +139,16 @@ class Reconciler:
     def _cluster_view(self, rm: Mapping[str, Any], own_pods: list[dict[str, Any]]) -> ClusterView:
         meta = rm["metadata"]
         key = (meta["namespace"], meta["name"])
-        nodes = tuple(node_info(n) for n in self.kube.list(core_path("nodes")))
-        # Device memory is a cluster-wide resource: every RewardModel counts, whatever its namespace.
-        try:
-            peers = self.kube.list(custom_path())
-            pods = self.kube.list(core_path("pods"), label_selector=LABEL_MODEL)
-        except KubeError as exc:
-            if exc.status != 403 or self.namespace is None:
-                raise
-            peers = self.kube.list(custom_path(self.namespace))
-            pods = self.kube.list(core_path("pods", self.namespace), label_selector=LABEL_MODEL)
-        peers = [p for p in peers if (p["metadata"]["namespace"], p["metadata"]["name"]) != key]
+        cluster = self.cluster or ApiCluster(self.kube, self.namespace)
+        on_cpu = ((rm.get("spec") or {}).get("gpu") or {}).get("mode") == GpuMode.NONE.value
+        # Device memory is a cluster-wide resource: every RewardModel and Pod counts, whatever its
+        # namespace; a model on CPU holds none, so its plan needs only the nodes.
+        peers = (
+            []
+            if on_cpu
+            else [p for p in cluster.models() if (p["metadata"]["namespace"], p["metadata"]["name"]) != key]
+        )
+        pods = [] if on_cpu else cluster.pods()
         current = {
             i: p["spec"]["nodeName"]
             for p in own_pods
@@ -147,7 +157,7 @@ class Reconciler:
             and not p["metadata"].get("deletionTimestamp")
         }
         return ClusterView(
-            nodes=nodes,
+            nodes=tuple(cluster.nodes()),
             peers=tuple(peers),
             gpus_in_use=gpus_in_use(pods, exclude_model=key),
             current_nodes=current,
@@ -180,6 +190,20 @@ class Reconciler:
         wanted = {k: service["spec"][k] for k in ("ports", "selector")}
         if any(existing["spec"].get(k) != v for k, v in wanted.items()):
             self.kube.merge_patch(path, {"spec": wanted})
+
+    def _ensure_network_policy(self, rm: Mapping[str, Any], plan: Plan) -> None:
+        ns, name = rm["metadata"]["namespace"], rm["metadata"]["name"]
+        path = network_policy_path(ns, network_policy_name(name))
+        existing = self.kube.get(path)
+        if not plan.spec.network_policy.enabled:
+            if existing is not None:
+                self.kube.delete(path)
+            return
+        policy = render_network_policy(rm, plan)
+        if existing is None:
+            self.kube.create(network_policy_path(ns), policy)
+        elif existing.get("spec") != policy["spec"]:
+            self.kube.merge_patch(path, {"spec": policy["spec"]})
 
     def _apply_pods(self, ns: str, desired: list[dict[str, Any]], pods: list[dict[str, Any]]) -> None:
         actions = pod_actions(desired, pods)
@@ -269,10 +293,12 @@ class Reconciler:
         self._ensure_secret(rm)
         desired, service = render_children(rm, plan)
         self._ensure_service(ns, service)
+        self._ensure_network_policy(rm, plan)
         self._apply_pods(ns, desired, pods)
         pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
         hashes = {p["metadata"]["name"]: p["metadata"]["annotations"][ANNOTATION_SPEC_HASH] for p in desired}
-        known = completed_version(self.kube.list(custom_path(ns, plural=WS_PLURAL)), name)
+        cluster = self.cluster or ApiCluster(self.kube, self.namespace)
+        known = completed_version(cluster.weightsyncs(ns, name), name)
         probes = self._probe(plan, pods)
         target = max(
             [
@@ -455,6 +481,7 @@ class Reconciler:
         for plural in ("pods", "services", "secrets", "configmaps"):
             for child in self.kube.list(core_path(plural, ns), label_selector=selector(name)):
                 self.kube.delete(core_path(plural, ns, child["metadata"]["name"]))
+        self.kube.delete(network_policy_path(ns, network_policy_name(name)))
         for ws in self.kube.list(custom_path(ns, plural=WS_PLURAL)):  # the model's pushes go with it
             if (ws.get("spec") or {}).get("rewardModelRef") == name:
                 self.kube.delete(custom_path(ns, ws["metadata"]["name"], WS_PLURAL))

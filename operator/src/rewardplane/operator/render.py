@@ -23,6 +23,7 @@ from rewardplane.api.names import (
     LABEL_MANAGED_BY,
     LABEL_MODEL,
     LABEL_REPLICA,
+    LABEL_TRAINER_OF,
     TOKEN_KEY,
     service_name,
     token_secret_name,
@@ -39,6 +40,10 @@ TOKEN_VOLUME = "control-token"
 TOKEN_MOUNT_DIR = "/var/run/rewardplane"
 TOKEN_FILE = f"{TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
 WEIGHTS_VOLUME = "persisted-weights"
+# The root filesystem is read-only: temporary files and caches (HOME) go to an emptyDir here.
+SCRATCH_VOLUME = "scratch"
+SCRATCH_DIR = "/rewardplane-scratch"
+NON_ROOT_UID = 65532
 HTTP_PORT_NAME = "http"
 GROUP_PORT_NAME = "nccl-group"
 # Readiness: a server is only worth traffic after it loaded the model and answers /health.
@@ -137,6 +142,8 @@ def _env(replica: ReplicaPlan) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": TOKEN_FILE_ENV, "value": TOKEN_FILE},
+        {"name": "TMPDIR", "value": SCRATCH_DIR},
+        {"name": "HOME", "value": SCRATCH_DIR},
     ]
     if replica.device_ids:
         # Shared mode pins devices itself: no nvidia.com/gpu request (the device plugin would hand
@@ -161,6 +168,21 @@ def _resources(plan: Plan, replica: ReplicaPlan) -> dict[str, Any]:
     if requests:
         out["requests"] = requests
     return out
+
+
+def security_context(plan: Plan) -> dict[str, Any]:
+    """Least privilege for the server container: no privilege escalation, no capabilities, a
+    read-only root filesystem (scratch space is an emptyDir), and a non-root user, except with
+    ``persistDir``: the kubelet creates that hostPath owned by root, so only root can write there."""
+    ctx: dict[str, Any] = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    if not plan.spec.weight_sync.persist_dir:
+        ctx |= {"runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID}
+    return ctx
 
 
 def spec_hash(pod: Mapping[str, Any], pinned_node: str | None) -> str:
@@ -193,7 +215,11 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
             "timeoutSeconds": READINESS_TIMEOUT_S,
             "failureThreshold": READINESS_FAILURES,
         },
-        "volumeMounts": [{"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT_DIR, "readOnly": True}],
+        "volumeMounts": [
+            {"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT_DIR, "readOnly": True},
+            {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR},
+        ],
+        "securityContext": security_context(plan),
         # The server prints a fatal start error last: the kubelet then makes it the termination
         # message, which the operator puts in the Degraded condition and its Event.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -202,7 +228,8 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
     if resources:
         container["resources"] = resources
     volumes: list[dict[str, Any]] = [
-        {"name": TOKEN_VOLUME, "secret": {"secretName": token_secret_name(plan.name)}}
+        {"name": TOKEN_VOLUME, "secret": {"secretName": token_secret_name(plan.name)}},
+        {"name": SCRATCH_VOLUME, "emptyDir": {}},
     ]
     persist_dir = plan.spec.weight_sync.persist_dir
     if persist_dir:
@@ -274,6 +301,37 @@ def render_service(rm: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
     }
 
 
+def render_network_policy(rm: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
+    """Who may reach a model's servers: anyone on the HTTP port (scoring; the control-plane routes
+    on that port also need the bearer token), and only the model's trainers (Pods labelled
+    ``rewardplane.io/trainer-of=<model>``) and its own replicas (peer restore) on every other port:
+    the group port and the ephemeral ports gloo and NCCL connect ranks over."""
+    http_only = [{"port": plan.ports.http, "protocol": "TCP"}]
+    own = {LABEL_MODEL: plan.name, LABEL_COMPONENT: "reward-server"}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(rm, network_policy_name(plan.name), model_labels(plan.name)),
+        "spec": {
+            "podSelector": {"matchLabels": own},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": http_only},
+                {
+                    "from": [
+                        {"podSelector": {"matchLabels": {LABEL_TRAINER_OF: plan.name}}},
+                        {"podSelector": {"matchLabels": own}},
+                    ]
+                },
+            ],
+        },
+    }
+
+
+def network_policy_name(model_name: str) -> str:
+    return f"{model_name}-servers"
+
+
 def new_token() -> str:
     """A fresh control-plane token (256 bits)."""
     return secrets.token_urlsafe(32)
@@ -293,5 +351,6 @@ def render_token_secret(rm: Mapping[str, Any], token: str) -> dict[str, Any]:
 
 
 def render_children(rm: Mapping[str, Any], plan: Plan) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Desired Pods (in replica order) and the Service; the Secret is separate (created once)."""
+    """Desired Pods (in replica order) and the Service; the Secret is separate (created once), and
+    so is the NetworkPolicy (``render_network_policy``)."""
     return [render_pod(rm, plan, r) for r in plan.replicas], render_service(rm, plan)

@@ -107,10 +107,31 @@ def replica_problem(pod: Mapping[str, Any], probe: ProbeResult | None) -> str:
             parts.append(f"{restarts} restart(s)")
         if waiting.get("reason") == "CrashLoopBackOff":
             parts.append("restarts back off exponentially (CrashLoopBackOff)")
+        if not (terminated or {}).get("message"):
+            parts.append(
+                log_hint(pod, str(cs.get("name") or "reward-server"), str(cs.get("containerID") or ""))
+            )
         return "; ".join(parts)
     if (pod.get("status") or {}).get("phase") == "Failed":
         return f"{name}: the Pod failed ({(pod.get('status') or {}).get('reason') or 'no reason given'})"
     return f"{name}: restarted {restarts} time(s) and is not ready"
+
+
+LOCAL_NODE_CONTAINER_PREFIX = "rewardplane-node://"
+"""containerID prefix of Pods run by the local node agent (processes, no kubelet API)."""
+
+
+def log_hint(pod: Mapping[str, Any], container: str, container_id: str) -> str:
+    """Where the server's log is: ``kubectl logs`` on a kubelet; on the local node agent, which
+    has no kubelet API, the file it writes."""
+    meta = pod.get("metadata") or {}
+    ns, name, uid = meta.get("namespace", "default"), meta.get("name", ""), str(meta.get("uid", ""))
+    if container_id.startswith(LOCAL_NODE_CONTAINER_PREFIX):
+        return (
+            f"its log: <node agent state dir>/pods/{ns}_{name}_{uid[:8]}/{container}.log "
+            "(`rewardplane dev up`: ~/.cache/rewardplane/dev/node/pods/...)"
+        )
+    return f"its log: kubectl logs -n {ns} {name} --previous"
 
 
 def restore_failed_message(pod: str, target: int, detail: str, persist_dir: str | None) -> str:

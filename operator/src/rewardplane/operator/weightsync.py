@@ -25,6 +25,7 @@ from rewardplane.api.weightsync import (
     STALE_VERSION,
     TERMINAL,
     TIMEOUT,
+    TRANSFERRING,
     WeightSyncRefused,
 )
 from rewardplane.protocol import ParamMeta, RewardModelTrainingMode, plan_buckets
@@ -104,6 +105,41 @@ def interrupted(ws: Mapping[str, Any]) -> bool:
     """The current generation was started but never finished (the operator restarted mid-push)."""
     status = ws.get("status") or {}
     return not needs_push(ws) and bool(status.get("phase")) and status.get("phase") not in TERMINAL
+
+
+def resumable_transfer(ws: Mapping[str, Any], now: float, elapsed_s: float) -> Transfer | None:
+    """The transfer an operator that restarted mid-push can follow to its end, or None.
+
+    Once a push is Transferring, every target accepted the announce and the trainer broadcasts to
+    them directly: the operator's part is only to watch the replicas reach the version, which a
+    new operator can do from the status (targets, timeout, start time). Earlier phases cannot be
+    resumed: the trainer's group needs the announces the dead operator never sent.
+    """
+    status, spec = ws.get("status") or {}, ws.get("spec") or {}
+    if not interrupted(ws) or status.get("phase") != TRANSFERRING:
+        return None
+    targets = []
+    for r in status.get("replicas") or []:
+        try:
+            targets.append(
+                Target(
+                    int(r["replica"]), str(r["pod"]), str(r["url"]), int(r["worldSize"]), int(r["rankOffset"])
+                )
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+    version = status.get("version") or spec.get("version")
+    if not targets or not isinstance(version, int):
+        return None
+    timeout_s = float(spec.get("timeoutSeconds") or 600)
+    return Transfer(
+        version=version,
+        timeout_s=timeout_s,
+        nbytes=int(status.get("bytes") or 0),
+        targets=tuple(targets),
+        announced=now - elapsed_s,
+        deadline=now - elapsed_s + timeout_s,
+    )
 
 
 def current_version(rm: Mapping[str, Any], weightsyncs: Sequence[Mapping[str, Any]]) -> int:

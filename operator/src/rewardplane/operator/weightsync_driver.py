@@ -84,19 +84,29 @@ class WeightSyncDriver:
 
     # ---------------------------------------------------------------- entry point
 
-    def handle(self, key: Key, *, resumed: bool = False) -> None:
+    def handle(self, key: Key) -> None:
+        """Start the push the WeightSync asks for, or finish one an earlier operator left open.
+
+        kopf runs this for one object at a time and a push runs inside it, so a WeightSync found
+        started but unfinished here was left by an operator that died (whichever kopf handler
+        brings it: a resumed create, or the resume handler)."""
         ns, name = key
         ws = self.kube.get(custom_path(ns, name, wsapi.WS_PLURAL))
         if ws is None:
             return
-        if resumed and wsm.interrupted(ws):
+        if wsm.interrupted(ws):
             started = self._started(ws)
+            transfer = wsm.resumable_transfer(ws, self._clock(), self._clock() - started)
+            if transfer is not None:
+                log.info("WeightSync %s/%s: resuming the transfer the operator was following", ns, name)
+                self._follow(ws, transfer, started)
+                return
             self._finish(
                 ws,
                 wsm.FAILED,
                 started,
                 reason=wsapi.OPERATOR_RESTARTED,
-                message="the operator restarted during this push; the trainer must push again",
+                message="the operator restarted before every replica accepted this push; the trainer must push again",
             )
             return
         if not wsm.needs_push(ws):
@@ -318,6 +328,12 @@ class WeightSyncDriver:
             announced=self._clock(),
             deadline=deadline,
         )
+        # Recorded before the transfer, so an operator that restarts meanwhile can follow it.
+        self._patch_status(ws, {"bytes": transfer.nbytes})
+        self._follow(ws, transfer, started)
+
+    def _follow(self, ws: Mapping[str, Any], transfer: wsm.Transfer, started: float) -> None:
+        """Poll the replicas until ``step`` says how the transfer ended, then close the push."""
         observations: dict[str, wsm.Observation] = {}
         while True:
             transfer, polls, outcome = wsm.step(transfer, observations, self._clock())
@@ -325,7 +341,7 @@ class WeightSyncDriver:
                 break
             if observations:
                 self._sleep(POLL_S)
-            observations = {t.pod: self._observe(t.url, req.version) for t in polls}
+            observations = {t.pod: self._observe(t.url, transfer.version) for t in polls}
         self._finish(
             ws,
             outcome.phase,
