@@ -277,7 +277,7 @@ OPERATOR_USES = {
     ("", "services"): {"get", "list", "create", "patch", "delete"},  # the headless Service
     ("", "secrets"): {"get", "list", "create", "delete"},  # the control-plane token
     ("", "configmaps"): {"get", "list", "delete"},  # WeightSync manifests (written by trainers)
-    ("", "nodes"): {"list"},  # placement: GPUs and reservations
+    ("", "nodes"): {"list", "watch"},  # placement: GPUs and reservations (kopf index)
     ("", "events"): {"create"},
     ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},  # per model
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},  # kopf

@@ -115,7 +115,7 @@ def test_restore_plan_leaves_replicas_with_a_restore_in_flight_alone() -> None:
 
 
 def test_restore_from_peer_ranks_receivers_after_each_other_and_the_source_last() -> None:
-    fake = FakeReplicas({"src": FakeReplica(version=3), "a": FakeReplica(), "b": FakeReplica()})
+    fake = FakeReplicas({"src": FakeReplica(version=3), "a": FakeReplica(), "b": FakeReplica()}, token="t")
     restore_from_peer(
         fake,
         "t",
@@ -333,7 +333,9 @@ def test_reconciler_brings_a_new_replica_to_the_models_version_from_a_peer() -> 
         {"http://10.0.0.10:8001": FakeReplica(version=3), "http://10.0.0.11:8001": FakeReplica()}
     )
     reconciler = Reconciler(kube, replicas=fake)  # type: ignore[arg-type]
-    reconciler.reconcile((NS, "rm"))  # creates the Pods
+    reconciler.reconcile((NS, "rm"))  # creates the Pods and the token Secret
+    secret = kube.get(core_path("secrets", NS, "rm-control-token")) or {}
+    fake.token = base64.b64decode(secret["data"]["token"]).decode()  # what the servers were given
     for i in range(2):
         path = core_path("pods", NS, f"rm-{i}")
         kube.merge_patch(

@@ -42,14 +42,30 @@ class FakeReplica:
     _last_error: str | None = None
 
 
+# The calls a real server answers only with the bearer token.
+CONTROL_PLANE_CALLS = frozenset(
+    {
+        "background_tasks",
+        "manifest",
+        "init_communicator",
+        "update_param_batch",
+        "restore_weights",
+        "send_weights",
+    }
+)
+
+
 class FakeReplicas:
-    def __init__(self, replicas: Mapping[str, FakeReplica] | None = None) -> None:
+    def __init__(self, replicas: Mapping[str, FakeReplica] | None = None, token: str = "tok") -> None:
         self.replicas: dict[str, FakeReplica] = dict(replicas or {})
+        self.token = token  # what the control-plane calls must carry, as a real server checks
         self.calls: list[tuple[str, str]] = []
         self.manifest_of: list[ParamMeta] = [ParamMeta(name="score.weight", dtype="float32", shape=(1, 4))]
 
-    def _get(self, call: str, url: str) -> FakeReplica:
+    def _get(self, call: str, url: str, token: str | None = None) -> FakeReplica:
         self.calls.append((call, url))
+        if call in CONTROL_PLANE_CALLS and token != self.token:
+            raise ReplicaError(f"{url}/{call} answered 401: wrong bearer token")
         r = self.replicas.get(url)
         if r is None or not r.answers:
             raise ReplicaError(f"{url} did not answer: ConnectError")
@@ -79,25 +95,25 @@ class FakeReplicas:
     def world_size(self, url: str) -> int:
         return self._get("world_size", url).world_size
 
-    def background_tasks(self, url: str) -> Mapping[str, Any]:
-        r = self._get("background_tasks", url)
+    def background_tasks(self, url: str, token: str) -> Mapping[str, Any]:
+        r = self._get("background_tasks", url, token)
         return {"num_background_tasks": 1 if r._pending is not None else 0, "last_error": r._last_error}
 
     def manifest(self, url: str, token: str) -> list[ParamMeta]:
-        self._get("manifest", url)
+        self._get("manifest", url, token)
         return list(self.manifest_of)
 
     def init_communicator(self, url: str, token: str, req: InitCommunicatorRequest) -> None:
-        self._get("init_communicator", url)
+        self._get("init_communicator", url, token)
 
     def update_param_batch(
         self, url: str, token: str, req: UpdateParamBatchRequest, timeout_s: float
     ) -> None:
-        r = self._get("update_param_batch", url)
+        r = self._get("update_param_batch", url, token)
         r._pending, r._polls, r._last_error = req.version, 0, None
 
     def restore_weights(self, url: str, token: str, req: RestoreWeightsRequest) -> None:
-        r = self._get("restore_weights", url)
+        r = self._get("restore_weights", url, token)
         if r.saved_version != req.version:
             raise ReplicaError(
                 f"{url}/restore_weights answered 409: no saved weights of version {req.version}"
@@ -105,7 +121,7 @@ class FakeReplicas:
         r.version = req.version
 
     def send_weights(self, url: str, token: str, req: SendWeightsRequest) -> None:
-        r = self._get("send_weights", url)
+        r = self._get("send_weights", url, token)
         if r.version != req.version:
             raise ReplicaError(
                 f"{url}/send_weights answered 409: serves version {r.version}, not {req.version}"

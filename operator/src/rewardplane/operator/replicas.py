@@ -48,7 +48,7 @@ class Replicas(Protocol):
 
     def world_size(self, url: str) -> int: ...
 
-    def background_tasks(self, url: str) -> Mapping[str, Any]: ...
+    def background_tasks(self, url: str, token: str) -> Mapping[str, Any]: ...
 
     def manifest(self, url: str, token: str) -> list[ParamMeta]: ...
 
@@ -132,10 +132,9 @@ class HttpReplicas:
         except (TypeError, KeyError, ValueError) as exc:
             raise ReplicaError(f"{url}{Endpoints.WORLD_SIZE} answered {body!r}") from exc
 
-    def background_tasks(self, url: str) -> Mapping[str, Any]:
-        return BackgroundTasksResponse.model_validate(
-            self._get(url, Endpoints.NUM_BACKGROUND_TASKS)
-        ).model_dump()
+    def background_tasks(self, url: str, token: str) -> Mapping[str, Any]:
+        body = self._get(url, Endpoints.NUM_BACKGROUND_TASKS, token)
+        return BackgroundTasksResponse.model_validate(body).model_dump()
 
     def manifest(self, url: str, token: str) -> list[ParamMeta]:
         body = self._get(url, Endpoints.PARAM_MANIFEST, token)

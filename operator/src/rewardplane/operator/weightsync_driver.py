@@ -99,7 +99,8 @@ class WeightSyncDriver:
             transfer = wsm.resumable_transfer(ws, self._clock(), self._clock() - started)
             if transfer is not None:
                 log.info("WeightSync %s/%s: resuming the transfer the operator was following", ns, name)
-                self._follow(ws, transfer, started)
+                model = str((ws.get("spec") or {}).get("rewardModelRef") or "")
+                self._follow(ws, transfer, model_token(self.kube, ns, model), started)
                 return
             self._finish(
                 ws,
@@ -253,7 +254,7 @@ class WeightSyncDriver:
                 message=f"the operator failed during this push ({type(exc).__name__}: {exc}); push again",
             )
 
-    def _observe(self, url: str, version: int) -> wsm.Observation:
+    def _observe(self, url: str, token: str, version: int) -> wsm.Observation:
         """One poll of a replica; what it did not answer stays None (the step waits for it)."""
         try:
             runtime = self.replicas.runtime(url)
@@ -263,7 +264,7 @@ class WeightSyncDriver:
         if int(runtime.get("version", -1)) >= version:
             return wsm.Observation(runtime)
         try:
-            return wsm.Observation(runtime, self.replicas.background_tasks(url))
+            return wsm.Observation(runtime, self.replicas.background_tasks(url, token))
         except ReplicaError as exc:
             log.debug("polling %s: %s", url, exc)
             return wsm.Observation(runtime)
@@ -330,9 +331,9 @@ class WeightSyncDriver:
         )
         # Recorded before the transfer, so an operator that restarts meanwhile can follow it.
         self._patch_status(ws, {"bytes": transfer.nbytes})
-        self._follow(ws, transfer, started)
+        self._follow(ws, transfer, token, started)
 
-    def _follow(self, ws: Mapping[str, Any], transfer: wsm.Transfer, started: float) -> None:
+    def _follow(self, ws: Mapping[str, Any], transfer: wsm.Transfer, token: str, started: float) -> None:
         """Poll the replicas until ``step`` says how the transfer ended, then close the push."""
         observations: dict[str, wsm.Observation] = {}
         while True:
@@ -341,7 +342,7 @@ class WeightSyncDriver:
                 break
             if observations:
                 self._sleep(POLL_S)
-            observations = {t.pod: self._observe(t.url, transfer.version) for t in polls}
+            observations = {t.pod: self._observe(t.url, token, transfer.version) for t in polls}
         self._finish(
             ws,
             outcome.phase,
