@@ -72,3 +72,26 @@ def test_with_persist_dir_the_server_keeps_root_to_write_the_hostpath() -> None:
     plan = plan_reward_model(body, ClusterView(nodes=CPU_NODES))
     ctx = _container(render_pod(body, plan, plan.replicas[0]))["securityContext"]
     assert ctx["readOnlyRootFilesystem"] and "runAsNonRoot" not in ctx
+
+
+def test_reconciler_keeps_the_policy_as_rendered_and_removes_it_when_disabled() -> None:
+    from rewardplane.api.names import custom_path
+    from rewardplane.operator.reconcile import Reconciler, network_policy_path
+    from rewardplane.testing.kube import MemoryKube
+    from rewardplane.testing.replicas import FakeReplicas
+
+    kube = MemoryKube()
+    kube.put("/api/v1/nodes", {"metadata": {"name": "cpu-a"}})
+    body = cpu_rm()
+    kube.put(custom_path("default"), body)
+    reconciler = Reconciler(kube, replicas=FakeReplicas())  # type: ignore[arg-type]
+    reconciler.reconcile(("default", "rm"))
+    path = network_policy_path("default", "rm-servers")
+    policy = kube.get(path)
+    assert policy is not None and policy["spec"]["podSelector"]["matchLabels"][LABEL_MODEL] == "rm"
+    kube.merge_patch(path, {"spec": {"ingress": [{}]}})  # someone opened it up by hand
+    reconciler.reconcile(("default", "rm"))
+    assert (kube.get(path) or {})["spec"] == policy["spec"]  # put back as rendered
+    kube.merge_patch(custom_path("default", "rm"), {"spec": {"networkPolicy": {"enabled": False}}})
+    reconciler.reconcile(("default", "rm"))
+    assert kube.get(path) is None
