@@ -27,6 +27,7 @@ class Endpoints:
     PARAM_MANIFEST = "/param_manifest"
     RESTORE_WEIGHTS = "/restore_weights"
     PARAM_CHECKSUMS = "/param_checksums"
+    SEND_WEIGHTS = "/send_weights"
 
 
 CONTROL_PLANE_PATHS = frozenset(
@@ -38,6 +39,7 @@ CONTROL_PLANE_PATHS = frozenset(
         Endpoints.PARAM_MANIFEST,
         Endpoints.RESTORE_WEIGHTS,
         Endpoints.PARAM_CHECKSUMS,
+        Endpoints.SEND_WEIGHTS,
     }
 )
 

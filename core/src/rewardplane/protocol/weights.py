@@ -264,3 +264,19 @@ class ParamChecksumsResponse(BaseModel):
 
     version: int
     workers: list[WorkerChecksums]
+
+
+class SendWeightsRequest(BaseModel):
+    """Ask a replica that serves ``version`` to send its weights to joining peers (peer restore).
+
+    The sender hosts the rendezvous on ``port`` and takes the last rank of a group of
+    ``world_size``; the receivers join it with ``/init_communicator`` (host: the sender) and
+    accept a full push of the sender's parameter manifest with ``/update_param_batch``.
+    """
+
+    port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)
+    version: int = Field(ge=1, description="The version the sender must serve; refused (409) otherwise.")
+    bucket_bytes: int = Field(default=DEFAULT_BUCKET_BYTES, ge=BUCKET_ALIGN)
+    timeout_s: float = Field(default=300.0, gt=0)
+    group_id: str | None = None

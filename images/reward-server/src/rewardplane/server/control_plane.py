@@ -35,6 +35,7 @@ from .config import ServerConfig
 from .engine import RewardEngine
 from .errors import BadRequest, Conflict, ServerError, Unauthorized
 from .metrics import ServerMetrics
+from .peer import install_peer_send
 from .persistence import install_restore, persist_after_commit, prepare_workers
 
 log = logging.getLogger(__name__)
@@ -384,3 +385,4 @@ def install_control_plane(
         return ParamChecksumsResponse(version=version, workers=workers)
 
     install_restore(app, service, cfg.weights_dir, auth)  # POST /restore_weights (persistence.py)
+    install_peer_send(app, service, auth)  # POST /send_weights (peer.py)

@@ -21,6 +21,7 @@ the device — so neither costs GPU memory beyond one parameter, within vLLM's m
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -42,19 +43,46 @@ WEIGHTS_FILE = "pushed.safetensors"
 VERSION_FILE = "version.json"
 
 
+def base_fingerprint(manifest: Mapping[str, Any], params: Mapping[str, torch.Tensor] | None) -> str:
+    """Identifies the base model a server loaded: every parameter's name, dtype and shape, plus a
+    few values from each end of every parameter (cheap at any size, yet two checkpoints of one
+    architecture differ). Saved weights carry it, and are never restored onto another base."""
+    digest = hashlib.sha256()
+    for name in sorted(manifest):
+        meta = manifest[name]
+        digest.update(f"{name}:{meta.dtype}:{tuple(meta.shape)};".encode())
+        if params is not None and name in params:
+            flat = params[name].detach().reshape(-1)
+            sample = torch.cat([flat[:8], flat[-8:]]).to("cpu", torch.float64)
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 class WeightsStore:
     """The persisted union of pushed parameters in one directory (atomic file replacement)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, base: str = "") -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.base = base  # base_fingerprint of the model these weights were pushed onto
         self._lock = threading.Lock()
+
+    def _saved(self) -> dict[str, Any]:
+        try:
+            saved = json.loads((self.dir / VERSION_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+        return saved if isinstance(saved, dict) else {}
 
     def saved_version(self) -> int | None:
         try:
-            return int(json.loads((self.dir / VERSION_FILE).read_text())["version"])
-        except (OSError, ValueError, KeyError):
+            return int(self._saved()["version"])
+        except (KeyError, TypeError, ValueError):
             return None
+
+    def saved_base(self) -> str | None:
+        base = self._saved().get("base")
+        return str(base) if base else None
 
     def save(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Merge ``tensors`` into the saved union and record ``version`` (latest value per name)."""
@@ -70,7 +98,9 @@ class WeightsStore:
             save_file(union, str(tmp), metadata={"version": str(version)})
             os.replace(tmp, path)  # the version file follows the weights, so it never names absent weights
             tmp_version = self.dir / (VERSION_FILE + ".tmp")
-            tmp_version.write_text(json.dumps({"version": version, "parameters": len(union)}))
+            tmp_version.write_text(
+                json.dumps({"version": version, "parameters": len(union), "base": self.base})
+            )
             os.replace(tmp_version, self.dir / VERSION_FILE)
 
     def load(self) -> tuple[int, dict[str, torch.Tensor]] | None:
@@ -93,8 +123,15 @@ async def prepare_workers(service: Any) -> None:
     store: WeightsStore | None = getattr(service, "persistence", None)
     if store is None or getattr(service, "_persistence_ready", False):
         return
-    await service.call("rp_persist_to", str(store.dir))
+    await service.call("rp_persist_to", str(store.dir), store.base)
     service._persistence_ready = True
+
+
+def model_params(engine: Any) -> dict[str, torch.Tensor] | None:
+    model = getattr(engine, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        return None
+    return dict(model.named_parameters())
 
 
 async def persist_after_commit(service: Any, names: list[str], version: int) -> None:
@@ -143,6 +180,12 @@ async def restore(service: Any, version: int, timeout_s: float) -> int:
             f"no persisted weights in {store.dir}: nothing was pushed to this replica's directory yet; "
             "push the weights again"
         )
+    if store.saved_base() != store.base:
+        raise Conflict(
+            f"the weights saved in {store.dir} were pushed onto another base model (fingerprint "
+            f"{store.saved_base() or 'missing'}, this server loaded {store.base}); they are not restored "
+            "onto this one: push the weights again"
+        )
     if saved != version:
         raise Conflict(
             f"the persisted weights are version {saved}, not {version}; push version {version} again"
@@ -167,7 +210,11 @@ async def restore(service: Any, version: int, timeout_s: float) -> int:
 
 def install_restore(app: FastAPI, service: Any, weights_dir: Path | None, auth: list[Any]) -> None:
     """Attach the store to the weight-sync service and add ``POST /restore_weights`` (token-protected)."""
-    service.persistence = WeightsStore(weights_dir) if weights_dir is not None else None
+    service.persistence = (
+        WeightsStore(weights_dir, base_fingerprint(service.manifest, model_params(service.engine)))
+        if weights_dir is not None
+        else None
+    )
 
     @app.post(Endpoints.RESTORE_WEIGHTS, response_model=StatusResponse, dependencies=auth)
     async def restore_weights(req: RestoreWeightsRequest) -> StatusResponse:

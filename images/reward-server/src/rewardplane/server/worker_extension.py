@@ -187,9 +187,10 @@ class RewardWeightSyncExtension:
             self._rp_comm = None
 
     # ---- persistence (the server's --weights-dir) ----------------------------------------------
-    def rp_persist_to(self, directory: str) -> None:
-        """From now on keep host copies of loaded weights and persist them into ``directory``."""
-        self._rp_store = WeightsStore(Path(directory))
+    def rp_persist_to(self, directory: str, base: str = "") -> None:
+        """From now on keep host copies of loaded weights and persist them into ``directory``;
+        ``base`` is the fingerprint of the base model they are pushed onto (saved with them)."""
+        self._rp_store = WeightsStore(Path(directory), base)
 
     def _rp_keeps(self) -> bool:
         return self._rp_store is not None and self.rp_local_rank() == 0
