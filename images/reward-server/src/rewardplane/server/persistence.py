@@ -9,27 +9,21 @@ Cost: each update copies the pushed parameters to host memory under the update l
 host copy of the pushed bytes; scoring waits for it) and writes them to disk in a background thread
 (disk I/O of the union of pushed parameters, e.g. the whole model for full pushes: ~2 bytes/param
 in bf16). A head_only push after a full one rewrites the union (read + write). Disk space: one copy
-of the union per replica. Engines: the transformers engine (``engine.model``); vLLM workers hold
-fused/sharded parameters, so there it needs a worker-extension hook (not yet).
+of the union per replica. The snapshot is the worker extension's ``rp_snapshot`` (through the
+engine's ``WeightSyncPort``; the control plane calls it): the transformers engine has it; vLLM
+workers hold fused/sharded parameters, so they answer None and nothing is persisted there (yet).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
-from fastapi import FastAPI
-
-from rewardplane.protocol import Endpoints, RestoreWeightsRequest, StatusResponse
-
-from .errors import Conflict
 
 log = logging.getLogger(__name__)
 
@@ -77,79 +71,3 @@ class WeightsStore:
             if version is None or not path.exists():
                 return None
             return version, load_file(str(path))
-
-
-def _model_params(engine: Any) -> dict[str, torch.Tensor] | None:
-    model = getattr(engine, "model", None)
-    if not isinstance(model, torch.nn.Module):
-        return None
-    return dict(model.named_parameters())
-
-
-async def persist_after_commit(service: Any, names: list[str], version: int) -> None:
-    """The hook after ``guard.commit(version)``: snapshot the pushed parameters (still under the update
-    lock, so the snapshot is exactly this version), then write them off the event loop."""
-    store: WeightsStore | None = getattr(service, "persistence", None)
-    if store is None:
-        return
-    params = _model_params(service.engine)
-    if params is None:
-        log.warning(
-            "--weights-dir is set but engine %s cannot be snapshotted; pushed weights are not persisted",
-            type(service.engine).__name__,
-        )
-        return
-    with torch.no_grad():
-        snapshot = {n: params[n].detach().to("cpu", copy=True) for n in names if n in params}
-
-    def write() -> None:
-        try:
-            store.save(version, snapshot)
-            log.info("persisted version %d (%d parameters) in %s", version, len(snapshot), store.dir)
-        except Exception:
-            log.exception("persisting version %d failed; a restart cannot be restored to it", version)
-
-    task = asyncio.ensure_future(asyncio.to_thread(write))
-    service.tasks.add(task)
-    task.add_done_callback(service.tasks.discard)
-
-
-async def restore(service: Any, version: int, timeout_s: float) -> int:
-    """Load the persisted state for ``version`` and commit it; returns the parameters restored."""
-    store: WeightsStore | None = getattr(service, "persistence", None)
-    if store is None:
-        raise Conflict(
-            "this server persists no weights: start it with --weights-dir (RewardModel "
-            "spec.weightSync.persistDir) to make restores possible"
-        )
-    if service._busy():
-        raise Conflict("a weight update is in progress; restore after it finishes")
-    loaded = await asyncio.to_thread(store.load)
-    if loaded is None:
-        raise Conflict(
-            f"no persisted weights in {store.dir}: nothing was pushed to this replica's directory yet; "
-            "push the weights again"
-        )
-    saved, tensors = loaded
-    if saved != version:
-        raise Conflict(
-            f"the persisted weights are version {saved}, not {version}; push version {version} again"
-        )
-    guard = service.engine.guard
-    async with guard.updating(timeout_s=timeout_s):
-        await service.call("rp_load", list(tensors.items()))
-        await service._reset_cache()
-        guard.commit(version)
-    service.metrics.weights_version.set(guard.version)
-    log.info("restored persisted weights version %d (%d parameters)", version, len(tensors))
-    return len(tensors)
-
-
-def install_restore(app: FastAPI, service: Any, weights_dir: Path | None, auth: list[Any]) -> None:
-    """Attach the store to the weight-sync service and add ``POST /restore_weights`` (token-protected)."""
-    service.persistence = WeightsStore(weights_dir) if weights_dir is not None else None
-
-    @app.post(Endpoints.RESTORE_WEIGHTS, response_model=StatusResponse, dependencies=auth)
-    async def restore_weights(req: RestoreWeightsRequest) -> StatusResponse:
-        count = await restore(service, req.version, req.timeout_s)
-        return StatusResponse(detail={"version": req.version, "parameters": count})

@@ -170,6 +170,11 @@ class RewardWeightSyncExtension:
     def rp_drop_staged(self) -> None:
         self._rp_staged = None
 
+    def rp_snapshot(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """Host copies of the named parameters as served, for ``--weights-dir``; None where the
+        served parameters are not the pushed ones (vLLM fuses q/k/v and gate/up, and shards for TP)."""
+        return None
+
     def rp_close_communicator(self) -> None:
         if self._rp_comm is not None:
             self._rp_comm.close()
@@ -197,6 +202,10 @@ class HFWeightSyncWorker(RewardWeightSyncExtension):
     def rp_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in weights:
             self._params[name].data.copy_(tensor)  # copy_ casts, e.g. a bf16 push into an fp32 head
+
+    @torch.no_grad()
+    def rp_snapshot(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        return {n: self._params[n].detach().to("cpu", copy=True) for n in names if n in self._params}
 
     def manifest(self) -> dict[str, ParamMeta]:
         return {
