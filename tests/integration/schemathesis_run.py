@@ -20,7 +20,9 @@ def main(model_dir: str, work_dir: str, max_examples: str) -> int:
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True, timeout=10)
     work = Path(work_dir)
     server = start_server(Path(model_dir), work, token=TOKEN, max_items_per_request=32, max_model_len=64)
-    env = dict(os.environ, SCHEMATHESIS_HOOKS="tests.integration.schemathesis_hooks")
+    root = Path(__file__).resolve().parents[2]  # the hooks module is imported from the repository root
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, SCHEMATHESIS_HOOKS="tests.integration.schemathesis_hooks", PYTHONPATH=path)
     try:
         return subprocess.run(
             [
@@ -51,6 +53,7 @@ def main(model_dir: str, work_dir: str, max_examples: str) -> int:
                 str(work / "report"),
             ],
             env=env,
+            cwd=work,  # schemathesis keeps its example database in the working directory
             timeout=900,
         ).returncode
     finally:
