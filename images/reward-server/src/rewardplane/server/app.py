@@ -31,6 +31,7 @@ from .threads import tokenizer_pool
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+UNMATCHED = "<unmatched>"  # the endpoint label of requests to paths the server does not have
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -76,6 +77,8 @@ class ObserveMiddleware:
             if not started:
                 await error_response(500, "internal server error; see the server log")(scope, receive, send)
             return
+        if status == 404:
+            path = UNMATCHED  # one label for every unknown path: a scanner must not grow the registry
         if path != Endpoints.METRICS:
             self.metrics.requests.labels(path, str(status)).inc()
             self.metrics.latency.labels(path).observe(time.perf_counter() - start)
@@ -166,7 +169,8 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Starlette's own answers (404 unknown path, 405 wrong method, 413 from BodyLimitMiddleware)
-        metrics.errors.labels(request.url.path, str(exc.status_code)).inc()
+        label = UNMATCHED if exc.status_code == 404 else request.url.path
+        metrics.errors.labels(label, str(exc.status_code)).inc()
         hint = {404: f"no endpoint {request.url.path}; see /docs for the endpoints"}.get(exc.status_code)
         response = error_response(exc.status_code, hint or str(exc.detail))
         for key, value in (exc.headers or {}).items():
