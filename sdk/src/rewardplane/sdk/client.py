@@ -40,6 +40,7 @@ from rewardplane.protocol import (
     DEFAULT_GROUP_PORT,
     DEFAULT_HTTP_PORT,
     VERSION_HEADER,
+    ClassifyResponse,
     Endpoints,
     RewardModelTrainingMode,
     RuntimeVersionResponse,
@@ -526,6 +527,43 @@ class VLLMRewardClient:
     def score_sync(self, request: ScoringRequest) -> tuple[ScoringResponse, dict[str, Any]]:
         """Blocking :meth:`score`."""
         return self._run_sync(self.score(request))
+
+    async def score_chats(
+        self, chats: Sequence[Sequence[Mapping[str, Any]]], *, normalize: bool = True
+    ) -> list[Score]:
+        """Scores of chats (lists of ``{"role", "content"}`` messages, the answer last), each rendered
+        through the model's chat template by the server: one ``/classify`` request per chat
+        (vLLM's chat shape), spread round robin over the servers, in input order.
+        ``normalize=False`` returns the raw head output."""
+        self._check_open()
+
+        async def one(chat: Sequence[Mapping[str, Any]]) -> Score:
+            payload = {
+                "model": self.model_name,
+                "messages": [dict(m) for m in chat],
+                "use_activation": normalize,
+            }
+            resp, url, _ = await self._request(
+                "POST", next(self._round_robin), Endpoints.CLASSIFY, json=payload
+            )
+            try:
+                probs = ClassifyResponse.model_validate(resp.json()).data[0].probs
+            except (ValueError, ValidationError, IndexError) as exc:
+                raise RewardClientError(
+                    f"reward server {url} sent an unreadable /classify reply ({exc}); is it a rewardplane "
+                    "server of a compatible version?"
+                ) from exc
+            return probs[0] if len(probs) == 1 else probs
+
+        return await _gather_or_cancel([one(c) for c in chats])
+
+    def score_chats_sync(
+        self, chats: Sequence[Sequence[Mapping[str, Any]]], *, normalize: bool = True
+    ) -> list[Score]:
+        """Blocking :meth:`score_chats`."""
+        if len(chats) == 0:
+            return []
+        return self._run_sync(self.score_chats(chats, normalize=normalize))
 
     # ------------------------------------------------------------------------------------------
     # Versions

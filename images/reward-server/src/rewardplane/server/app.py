@@ -1,5 +1,5 @@
-"""The FastAPI application: the engine's scoring routes (open), the weight-sync control plane
-and persistence (token), built once from the engine and its ``WeightSyncPort``; one error shape
+"""The FastAPI application: the engine's scoring routes and the drop-in compatibility routes
+(open), the weight-sync control plane and persistence (token), built once from the engine and its ``WeightSyncPort``; one error shape
 for every answer that is not a success (``errors.py``); a request-size limit before any parsing."""
 
 from __future__ import annotations
@@ -19,13 +19,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rewardplane.protocol import Endpoints
 
+from .compat_routes import compat_router
 from .control_plane import WeightSyncService
 from .engine import RewardEngine
 from .errors import ServerError, error_response
 from .inputs import Limits
 from .metrics import ServerMetrics
+from .model_names import ModelNames
 from .persistence import WeightsStore
 from .routes import control_router, persistence_router, scoring_router
+from .service import ScoringService
 from .threads import tokenizer_pool
 
 log = logging.getLogger(__name__)
@@ -129,6 +132,7 @@ def build_app(
     limits: Limits,
     metrics: ServerMetrics,
     token: str | None = None,
+    names: ModelNames | None = None,
     weights_dir: Path | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
@@ -140,6 +144,9 @@ def build_app(
         store=WeightsStore(weights_dir) if weights_dir is not None else None,
     )
     tokenizers = tokenizer_pool()
+    scoring = ScoringService(
+        engine, limits, metrics, names or ModelNames.of(engine.info.served_model_name), tokenizers
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -184,13 +191,8 @@ def build_app(
     app.add_middleware(ObserveMiddleware, metrics=metrics)  # outermost: it sees every answer
 
     routers = [
-        scoring_router(
-            engine,
-            limits=limits,
-            metrics=metrics,
-            tokenizer_pool=tokenizers,
-            update_failed=service.failed_idle,
-        ),
+        scoring_router(scoring, update_failed=service.failed_idle),
+        compat_router(scoring),  # vLLM / OpenAI / OpenRLHF shapes, root and /v1
         control_router(service, token),
         persistence_router(service, token),
     ]

@@ -31,6 +31,7 @@ def create_engine(cfg: ServerConfig, metrics: ServerMetrics) -> RewardEngine:
 
 def build_server_app(cfg: ServerConfig) -> FastAPI:
     from .app import build_app
+    from .model_names import ModelNames
 
     token = resolve_token(cfg.token, cfg.token_file)  # before the model loads: a bad token file fails fast
     metrics = ServerMetrics()
@@ -40,6 +41,7 @@ def build_server_app(cfg: ServerConfig) -> FastAPI:
         engine,
         limits=limits,
         metrics=metrics,
+        names=ModelNames.of(cfg.name, cfg.model, cfg.model_aliases),
         token=token,
         weights_dir=cfg.weights_dir,
         max_request_bytes=cfg.max_request_bytes,

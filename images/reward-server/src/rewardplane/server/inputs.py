@@ -29,11 +29,40 @@ def limits_for(max_items: int, max_tokens: int, max_input_bytes: int | None = No
     return Limits(max_items, max_tokens, max_input_bytes or BYTES_PER_TOKEN * max_tokens)
 
 
-def tokenize_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+def tokenize_texts(tokenizer: Any, texts: list[str], *, add_special_tokens: bool = True) -> list[list[int]]:
     if not texts:
         return []
-    encoded = tokenizer(texts, add_special_tokens=True, truncation=False)["input_ids"]
+    encoded = tokenizer(texts, add_special_tokens=add_special_tokens, truncation=False)["input_ids"]
     return [list(ids) for ids in encoded]
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = False,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """One chat as text, through the model's chat template (or the request's own template)."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise BadRequest(
+            "this model's tokenizer has no chat template, so 'messages' cannot be rendered: send the "
+            "rendered text as 'input', or pass a 'chat_template'"
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            **(chat_template_kwargs or {}),
+        )
+    except Exception as exc:  # jinja2 and transformers raise many types; all mean "bad messages"
+        raise BadRequest(f"the chat template could not render these messages: {exc}") from exc
+    return str(text)
 
 
 def check_items(n: int, limits: Limits) -> None:

@@ -6,13 +6,10 @@ contract clients and conformance checks can rely on; every error body is ``Error
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import time
-import uuid
 from collections.abc import Callable, Coroutine
-from concurrent.futures import Executor
 from typing import Any
 
 import pydantic_core
@@ -23,19 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from rewardplane.protocol import (
     VERSION_HEADER,
     BackgroundTasksResponse,
-    ClassificationData,
-    ClassifyRequest,
-    ClassifyResponse,
     Endpoints,
     ErrorResponse,
     HealthResponse,
     InitCommunicatorRequest,
     ModelInfo,
     ParamMeta,
-    PoolingData,
-    PoolingRequest,
-    PoolingResponse,
-    PoolingType,
     RestoreWeightsRequest,
     RuntimeVersionResponse,
     ScoringRequest,
@@ -48,19 +38,9 @@ from rewardplane.protocol import (
 )
 
 from .control_plane import WeightSyncService
-from .engine import RewardEngine
 from .errors import BadRequest, Forbidden, Unauthorized
-from .inputs import (
-    Limits,
-    apply_length_limit,
-    bound_texts,
-    check_items,
-    check_token_ids,
-    split_prompt_input,
-    tokenize_texts,
-)
-from .metrics import ServerMetrics
-from .scoring import activation, to_score
+from .scoring import to_score
+from .service import ScoringService
 
 _ERROR_DESCRIPTIONS = {
     400: "The request is well-formed but cannot be served as asked (the message says what to change).",
@@ -103,6 +83,10 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[code]} for code in codes}
 
 
+# What every scoring route can answer besides 200 (bad request, too large, schema, replica not serving).
+SCORING_ERRORS = errors(400, 413, 422, 503)
+
+
 def require_token(token: str | None) -> Callable[[Request], None]:
     """The control plane's router dependency: ``Authorization: Bearer <token>``."""
 
@@ -123,41 +107,12 @@ def require_token(token: str | None) -> Callable[[Request], None]:
     return check
 
 
-def scoring_router(
-    engine: RewardEngine,
-    *,
-    limits: Limits,
-    metrics: ServerMetrics,
-    tokenizer_pool: Executor,
-    update_failed: Callable[[], bool],
-) -> APIRouter:
-    """Scoring, health and information. ``update_failed``: the last weight update failed and none
-    runs (a trainer waiting on ``/runtime_version`` learns it at once)."""
+def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]) -> APIRouter:
+    """``/score``, health and information (vLLM's shapes are in ``compat_routes``).
+    ``update_failed``: the last weight update failed and none runs (a trainer waiting on
+    ``/runtime_version`` learns it at once)."""
     router = APIRouter(route_class=JSONRoute)
-    info = engine.info
-
-    def check_model(name: str | None) -> None:
-        # Accept the served name or the generic default; anything else is a client mistake.
-        if name not in (None, "", info.served_model_name, "reward-model"):
-            raise BadRequest(
-                f"model {name!r} is not served here; this server serves {info.served_model_name!r}"
-            )
-
-    async def tokenize(texts: list[str], truncate: bool) -> list[list[int]]:
-        check_items(len(texts), limits)
-        texts = bound_texts(texts, limits, truncate=truncate)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(tokenizer_pool, tokenize_texts, engine.tokenizer, texts)
-
-    async def run(
-        prompts: list[list[int]], pooling: PoolingType, truncate: bool
-    ) -> tuple[list[list[float]], int, list[list[int]]]:
-        check_items(len(prompts), limits)
-        prompts = apply_length_limit(prompts, limits, truncate=truncate)
-        rows, version = await engine.score(prompts, pooling)
-        metrics.items.inc(len(prompts))
-        metrics.tokens.inc(sum(len(p) for p in prompts))
-        return rows, version, prompts
+    engine, metrics, info = scoring.engine, scoring.metrics, scoring.info
 
     @router.get(
         Endpoints.HEALTH,
@@ -218,11 +173,9 @@ def scoring_router(
         metrics.weights_version.set(engine.guard.version)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    scoring_errors = errors(400, 413, 422, 503)
-
-    @router.post(Endpoints.SCORE, response_model=ScoringResponse, responses=scoring_errors)
+    @router.post(Endpoints.SCORE, response_model=ScoringResponse, responses=SCORING_ERRORS)
     async def score(req: ScoringRequest, response: Response) -> ScoringResponse:
-        check_model(req.model)
+        scoring.check_model(req.model)
         if req.n_labels is not None and req.n_labels != info.num_labels:
             raise BadRequest(
                 f"n_labels {req.n_labels} does not match the served model, which has {info.num_labels} "
@@ -235,8 +188,8 @@ def scoring_router(
                 f"pooling_type {req.pooling_type.value!r} is not available for this model; "
                 f"use one of {[p.value for p in info.pooling_types]}"
             )
-        ids = await tokenize(list(req.inputs), req.truncate)
-        rows, version, prompts = await run(ids, req.pooling_type, req.truncate)
+        ids = await scoring.tokenize(list(req.inputs), truncate=req.truncate)
+        rows, version, prompts = await scoring.run(ids, req.pooling_type, req.truncate)
         response.headers[VERSION_HEADER] = str(version)
         ntok = sum(len(p) for p in prompts)
         return ScoringResponse(
@@ -247,60 +200,7 @@ def scoring_router(
             ],
             usage=Usage(prompt_tokens=ntok, total_tokens=ntok),
             version=version,
-        )
-
-    async def pooled(req: ClassifyRequest) -> tuple[list[list[float]], int, int]:
-        check_model(req.model)
-        truncate = req.truncate_prompt_tokens is not None
-        if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < 1:
-            raise BadRequest("truncate_prompt_tokens must be >= 1")
-        texts, prompts = split_prompt_input(req.input)
-        if texts is not None:
-            prompts = await tokenize(texts, truncate)
-        else:
-            assert prompts is not None
-            check_items(len(prompts), limits)
-            check_token_ids(prompts, info.vocab_size)
-        if req.truncate_prompt_tokens is not None:
-            prompts = [p[-req.truncate_prompt_tokens :] for p in prompts]
-        rows, version, prompts = await run(prompts, info.pooling_types[0], truncate)
-        if req.activation_requested():
-            rows = [activation(r) for r in rows]
-        return rows, version, sum(len(p) for p in prompts)
-
-    @router.post(Endpoints.CLASSIFY, response_model=ClassifyResponse, responses=scoring_errors)
-    async def classify(req: ClassifyRequest, response: Response) -> ClassifyResponse:
-        rows, version, ntok = await pooled(req)
-        response.headers[VERSION_HEADER] = str(version)
-        data = [
-            ClassificationData(
-                index=i,
-                label=info.id2label.get(max(range(len(r)), key=r.__getitem__)),
-                probs=r,
-                num_classes=len(r),
-            )
-            for i, r in enumerate(rows)
-        ]
-        return ClassifyResponse(
-            id=f"classify-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=info.served_model_name,
-            data=data,
-            usage=Usage(prompt_tokens=ntok, total_tokens=ntok),
-            version=version,
-        )
-
-    @router.post(Endpoints.POOLING, response_model=PoolingResponse, responses=scoring_errors)
-    async def pooling(req: PoolingRequest, response: Response) -> PoolingResponse:
-        rows, version, ntok = await pooled(req)
-        response.headers[VERSION_HEADER] = str(version)
-        return PoolingResponse(
-            id=f"pool-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=info.served_model_name,
-            data=[PoolingData(index=i, data=r) for i, r in enumerate(rows)],
-            usage=Usage(prompt_tokens=ntok, total_tokens=ntok),
-            version=version,
+            metadata={"version": version},
         )
 
     return router
