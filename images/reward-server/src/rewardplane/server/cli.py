@@ -7,11 +7,17 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rewardplane.protocol.auth import resolve_token
 
 from .config import ServerConfig, parse_args
 from .engine import RewardEngine
-from .inputs import Limits
+from .inputs import limits_for
 from .metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 def create_engine(cfg: ServerConfig, metrics: ServerMetrics) -> RewardEngine:
@@ -35,20 +41,22 @@ def check_model_source(source: str) -> None:
         raise ValueError(problem)
 
 
-def build_server_app(cfg: ServerConfig):  # -> FastAPI
+def build_server_app(cfg: ServerConfig) -> FastAPI:
     from .app import build_app
-    from .control_plane import install_control_plane
     from .model_names import ModelNames
 
+    token = resolve_token(cfg.token, cfg.token_file)  # before the model loads: a bad token file fails fast
     metrics = ServerMetrics()
     engine = create_engine(cfg, metrics)
-    limits = Limits(max_items=cfg.max_items_per_request, max_tokens=engine.info.max_model_len)
+    limits = limits_for(cfg.max_items_per_request, engine.info.max_model_len, cfg.max_input_bytes)
     return build_app(
         engine,
         limits=limits,
         metrics=metrics,
         names=ModelNames.of(cfg.name, cfg.model, cfg.model_aliases),
-        control_plane=lambda app: install_control_plane(app, engine, cfg, metrics),
+        token=token,
+        weights_dir=cfg.weights_dir,
+        max_request_bytes=cfg.max_request_bytes,
     )
 
 
@@ -86,5 +94,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level.lower(), access_log=False)
+    # On SIGTERM uvicorn stops accepting, waits at most --graceful-shutdown-s for requests in
+    # flight (a long-poll on /runtime_version may hold 300 s), then stops the engine. Control-plane
+    # waits run on daemon threads (threads.py), so nothing else can keep the process alive.
+    uvicorn.run(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level=cfg.log_level.lower(),
+        access_log=False,
+        timeout_graceful_shutdown=cfg.graceful_shutdown_s,
+    )
     return 0

@@ -17,35 +17,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 import torch
-from fastapi import FastAPI
 
-from rewardplane.protocol import Endpoints, SendWeightsRequest, StatusResponse
+from rewardplane.protocol import SendWeightsRequest
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.transfer import send_buckets
 
+from .control_plane import WeightSyncService
 from .errors import Conflict
-from .persistence import model_params
 
 log = logging.getLogger(__name__)
 
 
-async def send_weights(service: Any, req: SendWeightsRequest) -> None:
+async def send_weights(service: WeightSyncService, req: SendWeightsRequest) -> None:
     """Check that this server can send ``req.version`` now, then send it in the background."""
-    guard = service.engine.guard
+    guard = service.guard
     if guard.state != "serving" or guard.version != req.version:
         raise Conflict(
             f"this replica serves version {guard.version} ({guard.state}), not {req.version}; "
             "ask a replica that serves the requested version"
         )
-    if service._busy():
+    if service.busy():
         raise Conflict("a weight update is in progress; send after it finishes")
-    params = model_params(service.engine)
+    found = await service.port.call_workers("rp_named_parameters")
+    params = found[0] if len(found) == 1 else None
     if params is None:
         raise Conflict(
-            f"engine {type(service.engine).__name__} cannot send its weights to peers; "
+            "this engine's parameters live in other processes (vLLM's workers), so it cannot send them to peers; "
             "restore the replica from saved weights or push the full weights again"
         )
     metadata = list(service.manifest.values())
@@ -89,12 +88,3 @@ async def send_weights(service: Any, req: SendWeightsRequest) -> None:
 
     # Counted as the running update: a push or restore arriving meanwhile is refused (409).
     service._update_task = service._spawn(guarded(), f"send-v{req.version}")
-
-
-def install_peer_send(app: FastAPI, service: Any, auth: list[Any]) -> None:
-    """Add ``POST /send_weights`` (token-protected)."""
-
-    @app.post(Endpoints.SEND_WEIGHTS, response_model=StatusResponse, dependencies=auth)
-    async def send(req: SendWeightsRequest) -> StatusResponse:
-        await send_weights(service, req)
-        return StatusResponse(detail={"version": req.version, "rank": req.world_size - 1})

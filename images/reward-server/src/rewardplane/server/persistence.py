@@ -16,11 +16,13 @@ parameters, so the copies are taken while the update is loaded, under the HF nam
 (the replica's first worker keeps them: every tensor-parallel worker receives every full tensor), and
 a restore goes through the engine's own ``load_weights`` in every worker, one parameter at a time on
 the device — so neither costs GPU memory beyond one parameter, within vLLM's memory fraction.
+
+This module is the store; ``control_plane.WeightSyncService`` drives it (``_persist``, ``restore``)
+and ``routes.persistence_router`` serves ``POST /restore_weights``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -31,11 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fastapi import FastAPI
-
-from rewardplane.protocol import Endpoints, RestoreWeightsRequest, StatusResponse
-
-from .errors import Conflict
 
 log = logging.getLogger(__name__)
 
@@ -115,108 +112,3 @@ class WeightsStore:
 
 
 PERSIST_WAIT_S = 3600.0  # bound on one background write (the union of a large model, on a slow disk)
-
-
-async def prepare_workers(service: Any) -> None:
-    """Tell the workers where to persist (once; the vLLM engine's workers exist only after start).
-    Before a receive, so the first worker keeps host copies of what it loads."""
-    store: WeightsStore | None = getattr(service, "persistence", None)
-    if store is None or getattr(service, "_persistence_ready", False):
-        return
-    await service.call("rp_persist_to", str(store.dir), store.base)
-    service._persistence_ready = True
-
-
-def model_params(engine: Any) -> dict[str, torch.Tensor] | None:
-    model = getattr(engine, "model", None)
-    if not isinstance(model, torch.nn.Module):
-        return None
-    return dict(model.named_parameters())
-
-
-async def persist_after_commit(service: Any, names: list[str], version: int) -> None:
-    """The hook after ``guard.commit(version)``: the workers hold host copies (HF names, full
-    tensors) of what this update loaded; the replica's first worker merges them into the saved union
-    in a background thread. A tracked task waits for that write, so ``/get_num_background_tasks``
-    counts it (bounded by ``PERSIST_WAIT_S``)."""
-    if getattr(service, "persistence", None) is None:
-        return
-    writes = await service.call("rp_persist", version)
-    if not any(writes):
-        log.warning("version %d: no worker kept the pushed weights; it is not persisted", version)
-        return
-
-    async def wait_written() -> None:
-        deadline = asyncio.get_running_loop().time() + PERSIST_WAIT_S
-        while any(await service.call("rp_persist_pending")):
-            if asyncio.get_running_loop().time() > deadline:
-                log.error(
-                    "persisting version %d took over %.0fs; still running in the workers",
-                    version,
-                    PERSIST_WAIT_S,
-                )
-                return
-            await asyncio.sleep(0.05)
-
-    task = asyncio.ensure_future(wait_written())
-    service.tasks.add(task)
-    task.add_done_callback(service.tasks.discard)
-
-
-async def restore(service: Any, version: int, timeout_s: float) -> int:
-    """Load the persisted state for ``version`` in every worker (through the engine's own loader, one
-    parameter at a time on the device) and commit it; returns the parameters restored."""
-    store: WeightsStore | None = getattr(service, "persistence", None)
-    if store is None:
-        raise Conflict(
-            "this server persists no weights: start it with --weights-dir (RewardModel "
-            "spec.weightSync.persistDir) to make restores possible"
-        )
-    if service._busy():
-        raise Conflict("a weight update is in progress; restore after it finishes")
-    saved = store.saved_version()
-    if saved is None:
-        raise Conflict(
-            f"no persisted weights in {store.dir}: nothing was pushed to this replica's directory yet; "
-            "push the weights again"
-        )
-    if store.saved_base() != store.base:
-        raise Conflict(
-            f"the weights saved in {store.dir} were pushed onto another base model (fingerprint "
-            f"{store.saved_base() or 'missing'}, this server loaded {store.base}); they are not restored "
-            "onto this one: push the weights again"
-        )
-    if saved != version:
-        raise Conflict(
-            f"the persisted weights are version {saved}, not {version}; push version {version} again"
-        )
-    await prepare_workers(service)
-    guard = service.engine.guard
-    async with guard.updating(timeout_s=timeout_s):
-        try:
-            counts = await service.call("rp_restore", version)
-        except LookupError as exc:  # the store changed between the check and the load
-            raise Conflict(f"{exc}; push version {version} again") from exc
-        except Exception as exc:  # some parameters may be loaded: never serve a mix
-            guard.mark_broken(f"restoring version {version} failed part-way: {exc}")
-            raise
-        await service._reset_cache()
-        guard.commit(version)
-    service.metrics.weights_version.set(guard.version)
-    count = max(counts, default=0)
-    log.info("restored persisted weights version %d (%d parameters)", version, count)
-    return int(count)
-
-
-def install_restore(app: FastAPI, service: Any, weights_dir: Path | None, auth: list[Any]) -> None:
-    """Attach the store to the weight-sync service and add ``POST /restore_weights`` (token-protected)."""
-    service.persistence = (
-        WeightsStore(weights_dir, base_fingerprint(service.manifest, model_params(service.engine)))
-        if weights_dir is not None
-        else None
-    )
-
-    @app.post(Endpoints.RESTORE_WEIGHTS, response_model=StatusResponse, dependencies=auth)
-    async def restore_weights(req: RestoreWeightsRequest) -> StatusResponse:
-        count = await restore(service, req.version, req.timeout_s)
-        return StatusResponse(detail={"version": req.version, "parameters": count})

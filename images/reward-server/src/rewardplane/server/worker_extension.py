@@ -181,6 +181,12 @@ class RewardWeightSyncExtension:
     def rp_drop_staged(self) -> None:
         self._rp_staged = None
 
+    def rp_named_parameters(self) -> dict[str, torch.Tensor] | None:
+        """The live parameters under their pushed names, for a peer send and the base fingerprint;
+        None where they are not (vLLM fuses q/k/v and gate/up, shards for TP, and its tensors cannot
+        travel back over its RPC)."""
+        return None
+
     def rp_close_communicator(self) -> None:
         if self._rp_comm is not None:
             self._rp_comm.close()
@@ -279,6 +285,9 @@ class HFWeightSyncWorker(RewardWeightSyncExtension):
     def rp_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in weights:
             self._params[name].data.copy_(tensor)  # copy_ casts, e.g. a bf16 push into an fp32 head
+
+    def rp_named_parameters(self) -> dict[str, torch.Tensor] | None:
+        return self._params  # in this process: read in place, never copied
 
     def manifest(self) -> dict[str, ParamMeta]:
         return {
