@@ -169,3 +169,13 @@ def test_blocking_and_async_clients_agree(server: ServerHandle) -> None:
             return await client.score_batch(texts, normalize=False)
 
     assert asyncio.run(main()) == pytest.approx(blocking, rel=1e-5, abs=1e-6)
+
+
+def test_a_blocking_client_is_refused_with_a_clear_error(server: ServerHandle) -> None:
+    with RewardClient(server.url) as client:
+        with pytest.raises(
+            TypeError, match="needs an async scoring client.*RewardClient is the blocking one"
+        ):
+            RewardModelScorer(client)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="RewardLoop.add_reward_model needs an async scoring client"):
+            RewardLoop(client).add_reward_model()  # type: ignore[arg-type]

@@ -33,7 +33,7 @@ from rewardplane.protocol import Score
 from ._aio import gather_or_cancel
 from ._credit import Reduction, reduce_score
 from ._exceptions import CreditAssignmentError, RewardFunctionError
-from ._scorer import AsyncScoringClient
+from ._scorer import AsyncScoringClient, check_async_client
 
 
 @dataclass
@@ -172,6 +172,7 @@ class RewardLoop:
         """Add the reward model's score of each sample as a component (batched requests)."""
         if self.client is None:
             raise ValueError("add_reward_model needs a scoring client: RewardLoop(client=...)")
+        check_async_client(self.client, "RewardLoop.add_reward_model")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if self._rm is not None:

@@ -8,6 +8,7 @@ has come back, so a failed batch leaves no rollout half scored.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, get_args
 
@@ -23,6 +24,17 @@ class AsyncScoringClient(Protocol):
     (``AsyncRewardClient`` and ``VLLMRewardClient`` have it)."""
 
     async def score_batch(self, inputs: Sequence[str], *, normalize: bool = True) -> list[Score]: ...
+
+
+def check_async_client(client: object, who: str) -> None:
+    """Refuse, at construction, a client whose ``score_batch`` cannot be awaited."""
+    method = getattr(client, "score_batch", None)
+    if not callable(method) or not inspect.iscoroutinefunction(method):
+        raise TypeError(
+            f"{who} needs an async scoring client, but {type(client).__name__}.score_batch is "
+            f"{'missing' if method is None else 'not async'}; pass an AsyncRewardClient or a "
+            "VLLMRewardClient (a RewardClient is the blocking one)"
+        )
 
 
 def rollout_text(rollout: Rollout) -> str:
@@ -96,11 +108,7 @@ class RewardModelScorer:
             raise ValueError(f"score_level must be 'sequence' or 'step', got {score_level!r}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if not callable(getattr(client, "score_batch", None)):
-            raise TypeError(
-                f"{type(client).__name__} has no score_batch method; pass an AsyncRewardClient or "
-                "VLLMRewardClient (or an object with async score_batch(inputs, normalize=...))"
-            )
+        check_async_client(client, "RewardModelScorer")
         self.client = client
         self.score_key = score_key
         self.score_level: ScoreLevel = score_level
