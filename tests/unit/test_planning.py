@@ -168,7 +168,11 @@ def test_extra_args_must_not_override_operator_flags(arg: str) -> None:
 
 
 def test_render_sets_every_operator_flag_it_guards() -> None:
-    body = rm(model={"source": "x", "maxLength": 8}, tensorParallelSize=2, weightSync={"persistDir": "/w"})
+    body = rm(
+        model={"source": "x", "maxLength": 8, "aliases": ["y"]},
+        tensorParallelSize=2,
+        weightSync={"persistDir": "/w"},
+    )
     plan = plan_reward_model(body, ClusterView(nodes=NODES))
     flags = {a for a in server_args(plan, plan.replicas[0]) if a.startswith("--")}
     assert flags == set(OPERATOR_FLAGS)

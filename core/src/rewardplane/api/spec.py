@@ -39,6 +39,8 @@ class ModelSpec(_Spec):
     source: str = Field(min_length=1)
     revision: str | None = None
     served_name: str | None = Field(default=None, alias="servedName")
+    # More names requests may carry as `model` (the served name and the source are always accepted).
+    aliases: tuple[str, ...] = ()
     dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16|float16)$")
     max_length: int | None = Field(default=None, ge=1, alias="maxLength")
     num_labels: int = Field(default=1, ge=1, alias="numLabels")

@@ -12,6 +12,13 @@ class Endpoints:
     WORLD_SIZE = "/get_world_size"
     METRICS = "/metrics"
     MODEL_INFO = "/model_info"
+    # drop-in routes of other servers (compat): served at the root and under V1_PREFIX
+    EMBEDDINGS = "/embeddings"
+    MODELS = "/models"
+    TOKENIZE = "/tokenize"
+    DETOKENIZE = "/detokenize"
+    GET_REWARD = "/get_reward"  # OpenRLHF's remote reward model
+    V1_PREFIX = "/v1"
     # control plane (bearer token required)
     INIT_COMMUNICATOR = "/init_communicator"
     UPDATE_PARAM_BATCH = "/update_param_batch"

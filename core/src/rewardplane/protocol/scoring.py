@@ -1,10 +1,10 @@
-"""Scoring requests and answers: ``/score``, vLLM-shaped ``/classify`` and ``/pooling``, health and model info."""
+"""Scoring requests and answers: ``/score``, health and model info (the vLLM shapes are in ``compat``)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
 
 from .modes import PoolingType
 
@@ -12,7 +12,8 @@ Score = float | list[float]
 
 
 class ScoringRequest(BaseModel):
-    """Body of ``POST /score``. ``inputs`` travels as ``input`` (the seed's wire name).
+    """Body of ``POST /score``. ``inputs`` travels as ``input`` (the seed's wire name); the server
+    also accepts ``inputs`` (Ludic's client spells it so).
 
     ``normalize``: True applies the head's activation — sigmoid for one label, softmax over the
     labels for several. False returns the raw head output (what reward-model training uses).
@@ -53,7 +54,11 @@ class Usage(BaseModel):
 
 
 class ScoringResponse(BaseModel):
-    """Body of the ``/score`` reply. ``version`` is the weights version that scored every item."""
+    """Body of the ``/score`` reply. ``version`` is the weights version that scored every item.
+
+    ``scores`` (the scores in input order) is sent next to ``data`` and the server repeats the
+    version in ``metadata["version"]``: the shape Ludic's reward-model client reads.
+    """
 
     model: str
     data: list[ScoringResult]
@@ -61,67 +66,10 @@ class ScoringResponse(BaseModel):
     version: int = 0
     metadata: dict[str, Any] = Field(default_factory=dict)
 
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def scores(self) -> list[Score]:
         return [d.score for d in sorted(self.data, key=lambda d: d.index)]
-
-
-# vLLM-shaped endpoints, so a vLLM client (or the peer reward loop of seeds 002/003) works unchanged.
-PromptInput = str | list[str] | list[int] | list[list[int]]
-
-
-class ClassifyRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    input: PromptInput
-    use_activation: bool | None = None
-    activation: bool | None = None  # older vLLM name of use_activation
-    truncate_prompt_tokens: int | None = None
-    user: str | None = None
-
-    def activation_requested(self) -> bool:
-        """Raw score unless the caller asks for the activation (a reward model wants raw scores)."""
-        if self.use_activation is not None:
-            return self.use_activation
-        return bool(self.activation)
-
-
-class ClassificationData(BaseModel):
-    index: int
-    label: str | None = None
-    probs: list[float]
-    num_classes: int
-
-
-class ClassifyResponse(BaseModel):
-    id: str
-    object: str = "list"
-    created: int
-    model: str
-    data: list[ClassificationData]
-    usage: Usage
-    version: int = 0
-
-
-class PoolingRequest(ClassifyRequest):
-    encoding_format: Literal["float"] = "float"
-
-
-class PoolingData(BaseModel):
-    index: int
-    object: str = "pooling"
-    data: list[float]
-
-
-class PoolingResponse(BaseModel):
-    id: str
-    object: str = "list"
-    created: int
-    model: str
-    data: list[PoolingData]
-    usage: Usage
-    version: int = 0
 
 
 class HealthResponse(BaseModel):

@@ -215,6 +215,7 @@ OPERATOR_FLAGS = {
     "--host": "(the Pod IP)",
     "--port": "spec.ports",
     "--served-model-name": "spec.model.servedName",
+    "--model-alias": "spec.model.aliases",
     "--dtype": "spec.model.dtype",
     "--device": "spec.gpu.mode",
     "--pooling": "spec.model.pooling",

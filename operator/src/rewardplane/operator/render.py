@@ -108,6 +108,8 @@ def server_args(plan: Plan, replica: ReplicaPlan) -> list[str]:
         "--token-file",
         TOKEN_FILE,
     ]
+    if spec.model.aliases:
+        args += ["--model-alias", *spec.model.aliases]
     if spec.model.max_length is not None:
         args += ["--max-model-len", str(spec.model.max_length)]
     if on_gpu:

@@ -12,6 +12,10 @@ One client talks to one or several reward servers (replicas of one model):
   server; 4xx is never retried and raises :class:`~rewardplane.sdk.RewardServerError` with the
   server's message.
 
+Chats (lists of ``{"role", "content"}`` messages) are scored with ``score_chats``: one
+``/classify`` request per chat (vLLM's chat shape), round robin over the servers, rendered
+through the model's chat template by the server.
+
 Every scoring reply carries the weights version that produced it; the per-chunk versions are kept
 in ``info["versions"]`` and ``ScoringResponse.metadata["versions"]``.
 """
@@ -25,10 +29,10 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import tenacity
@@ -36,6 +40,7 @@ from pydantic import ValidationError
 
 from rewardplane.protocol import (
     VERSION_HEADER,
+    ClassifyResponse,
     Endpoints,
     RuntimeVersionResponse,
     Score,
@@ -57,6 +62,8 @@ logger = logging.getLogger("rewardplane.sdk.client")
 CONNECT_TIMEOUT_CAP_S = 10.0
 HEALTH_POLL_INTERVAL_S = 0.5
 HEALTH_PROBE_TIMEOUT_S = 5.0
+
+T = TypeVar("T")
 
 ScoreInfo = dict[str, Any]
 """Transport details of one ``score`` call: ``versions``, ``chunks`` (start, stop, endpoint,
@@ -258,6 +265,20 @@ class BaseRewardClient:
             "elapsed_s": time.monotonic() - start,
         }
         return response, info
+
+    def _chat_payload(self, chat: Sequence[Mapping[str, Any]], normalize: bool) -> dict[str, Any]:
+        return {"model": self.model_name, "messages": [dict(m) for m in chat], "use_activation": normalize}
+
+    @staticmethod
+    def _parse_classify(resp: httpx.Response, url: str) -> Score:
+        try:
+            probs = ClassifyResponse.model_validate(resp.json()).data[0].probs
+        except (ValueError, ValidationError, IndexError) as exc:
+            raise RewardClientError(
+                f"reward server {url} sent an unreadable /classify reply ({exc}); is it a rewardplane "
+                "server of a compatible version?"
+            ) from exc
+        return probs[0] if len(probs) == 1 else probs
 
     @staticmethod
     def _parse_runtime_version(resp: httpx.Response, url: str) -> RuntimeVersionResponse:
@@ -466,6 +487,24 @@ class AsyncRewardClient(BaseRewardClient):
         response, _ = await self.score(self._batch_request(inputs, normalize, n_labels, truncate))
         return response.scores
 
+    async def score_chats(
+        self, chats: Sequence[Sequence[Mapping[str, Any]]], *, normalize: bool = True
+    ) -> list[Score]:
+        """Scores of chats (lists of ``{"role", "content"}`` messages, the answer last), each
+        rendered through the model's chat template by the server: one ``/classify`` request per
+        chat, spread round robin over the servers, in input order. ``normalize=False`` returns the
+        raw head output."""
+        self._check_open()
+
+        async def one(chat: Sequence[Mapping[str, Any]]) -> Score:
+            payload = self._chat_payload(chat, normalize)
+            resp, url, _ = await self._request(
+                "POST", next(self._round_robin), Endpoints.CLASSIFY, json=payload
+            )
+            return self._parse_classify(resp, url)
+
+        return await gather_or_cancel([one(c) for c in chats])
+
     async def get_runtime_versions(self) -> dict[str, RuntimeVersionResponse]:
         """``/runtime_version`` of every endpoint (version and state), asked concurrently."""
         self._check_open()
@@ -536,7 +575,9 @@ class RewardClient(BaseRewardClient):
                 self._http = httpx.Client(timeout=self._timeout, limits=limits, headers=self.headers)
             return self._http
 
-    def _fan_out(self, calls: Sequence[Callable[[], _Piece]]) -> list[_Piece]:
+    def _fan_out(self, calls: Sequence[Callable[[], T]]) -> list[T]:
+        if not calls:
+            return []
         if len(calls) == 1:
             return [calls[0]()]
         with self._lock:
@@ -609,6 +650,25 @@ class RewardClient(BaseRewardClient):
             return []
         response, _ = self.score(self._batch_request(inputs, normalize, n_labels, truncate))
         return response.scores
+
+    def score_chats(
+        self, chats: Sequence[Sequence[Mapping[str, Any]]], *, normalize: bool = True
+    ) -> list[Score]:
+        """Scores of chats in order (as :meth:`AsyncRewardClient.score_chats`), sent concurrently
+        from the client's thread pool."""
+        self._check_open()
+
+        def one(chat: Sequence[Mapping[str, Any]]) -> Callable[[], Score]:
+            def call() -> Score:
+                payload = self._chat_payload(chat, normalize)
+                resp, url, _ = self._request(
+                    "POST", next(self._round_robin), Endpoints.CLASSIFY, json=payload
+                )
+                return self._parse_classify(resp, url)
+
+            return call
+
+        return self._fan_out([one(c) for c in chats])
 
     def get_runtime_versions(self) -> dict[str, RuntimeVersionResponse]:
         """``/runtime_version`` of every endpoint (version and state)."""

@@ -200,6 +200,12 @@ class VLLMRewardClient(AsyncRewardClient):
         """Blocking :meth:`score_batch`; usable from plain code and from inside a running loop."""
         return self.blocking().score_batch(inputs, normalize=normalize, n_labels=n_labels, truncate=truncate)
 
+    def score_chats_sync(
+        self, chats: Sequence[Sequence[Mapping[str, Any]]], *, normalize: bool = True
+    ) -> list[Score]:
+        """Blocking :meth:`score_chats`."""
+        return self.blocking().score_chats(chats, normalize=normalize)
+
     def get_model_version_sync(self) -> int:
         """Blocking :meth:`get_model_version`."""
         return self.blocking().get_model_version()

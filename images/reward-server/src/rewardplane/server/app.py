@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Query, Request, Response
@@ -16,17 +15,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rewardplane.protocol import (
     VERSION_HEADER,
-    ClassificationData,
-    ClassifyRequest,
-    ClassifyResponse,
     Endpoints,
     ErrorResponse,
     HealthResponse,
     ModelInfo,
-    PoolingData,
-    PoolingRequest,
-    PoolingResponse,
-    PoolingType,
     RuntimeVersionResponse,
     ScoringRequest,
     ScoringResponse,
@@ -35,11 +27,14 @@ from rewardplane.protocol import (
     WorldSizeResponse,
 )
 
+from .compat_routes import compat_router
 from .engine import RewardEngine
 from .errors import BadRequest, ServerError
-from .inputs import Limits, apply_length_limit, check_items, normalize_prompt_input, tokenize_texts
+from .inputs import Limits, check_items, tokenize_texts
 from .metrics import ServerMetrics
-from .scoring import activation, to_score
+from .model_names import ModelNames
+from .scoring import to_score
+from .service import ScoringService
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +98,7 @@ def build_app(
     *,
     limits: Limits,
     metrics: ServerMetrics,
+    names: ModelNames | None = None,
     control_plane: Callable[[FastAPI], None] | None = None,
 ) -> FastAPI:
     @contextlib.asynccontextmanager
@@ -134,22 +130,8 @@ def build_app(
 
     app.add_middleware(ObserveMiddleware, metrics=metrics)
 
-    def check_model(name: str | None) -> None:
-        # Accept the served name or the generic default; anything else is a client mistake.
-        if name not in (None, "", info.served_model_name, "reward-model"):
-            raise BadRequest(
-                f"model {name!r} is not served here; this server serves {info.served_model_name!r}"
-            )
-
-    async def run(
-        prompts: list[list[int]], pooling: PoolingType, truncate: bool
-    ) -> tuple[list[list[float]], int, list[list[int]]]:
-        check_items(len(prompts), limits)
-        prompts = apply_length_limit(prompts, limits, truncate=truncate)
-        rows, version = await engine.score(prompts, pooling)
-        metrics.items.inc(len(prompts))
-        metrics.tokens.inc(sum(len(p) for p in prompts))
-        return rows, version, prompts
+    service = ScoringService(engine, limits, metrics, names or ModelNames.of(info.served_model_name))
+    check_model, run = service.check_model, service.run
 
     @app.get(Endpoints.HEALTH, response_model=HealthResponse)
     async def health(response: Response) -> HealthResponse:
@@ -230,55 +212,10 @@ def build_app(
             ],
             usage=Usage(prompt_tokens=ntok, total_tokens=ntok),
             version=version,
+            metadata={"version": version},
         )
 
-    async def pooled(req: ClassifyRequest) -> tuple[list[list[float]], int, int]:
-        check_model(req.model)
-        prompts = normalize_prompt_input(req.input, engine.tokenizer, info.vocab_size)
-        truncate = req.truncate_prompt_tokens is not None
-        if truncate:
-            if req.truncate_prompt_tokens is None or req.truncate_prompt_tokens < 1:
-                raise BadRequest("truncate_prompt_tokens must be >= 1")
-            prompts = [p[-req.truncate_prompt_tokens :] for p in prompts]
-        rows, version, prompts = await run(prompts, info.pooling_types[0], truncate)
-        if req.activation_requested():
-            rows = [activation(r) for r in rows]
-        return rows, version, sum(len(p) for p in prompts)
-
-    @app.post(Endpoints.CLASSIFY, response_model=ClassifyResponse)
-    async def classify(req: ClassifyRequest, response: Response) -> ClassifyResponse:
-        rows, version, ntok = await pooled(req)
-        response.headers[VERSION_HEADER] = str(version)
-        data = [
-            ClassificationData(
-                index=i,
-                label=info.id2label.get(max(range(len(r)), key=r.__getitem__)),
-                probs=r,
-                num_classes=len(r),
-            )
-            for i, r in enumerate(rows)
-        ]
-        return ClassifyResponse(
-            id=f"classify-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=info.served_model_name,
-            data=data,
-            usage=Usage(prompt_tokens=ntok, total_tokens=ntok),
-            version=version,
-        )
-
-    @app.post(Endpoints.POOLING, response_model=PoolingResponse)
-    async def pooling(req: PoolingRequest, response: Response) -> PoolingResponse:
-        rows, version, ntok = await pooled(req)
-        response.headers[VERSION_HEADER] = str(version)
-        return PoolingResponse(
-            id=f"pool-{uuid.uuid4().hex}",
-            created=int(time.time()),
-            model=info.served_model_name,
-            data=[PoolingData(index=i, data=r) for i, r in enumerate(rows)],
-            usage=Usage(prompt_tokens=ntok, total_tokens=ntok),
-            version=version,
-        )
+    app.include_router(compat_router(service))  # vLLM / OpenAI / OpenRLHF shapes, root and /v1
 
     if control_plane is not None:
         control_plane(app)

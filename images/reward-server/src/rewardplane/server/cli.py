@@ -26,6 +26,7 @@ def create_engine(cfg: ServerConfig, metrics: ServerMetrics) -> RewardEngine:
 def build_server_app(cfg: ServerConfig):  # -> FastAPI
     from .app import build_app
     from .control_plane import install_control_plane
+    from .model_names import ModelNames
 
     metrics = ServerMetrics()
     engine = create_engine(cfg, metrics)
@@ -34,6 +35,7 @@ def build_server_app(cfg: ServerConfig):  # -> FastAPI
         engine,
         limits=limits,
         metrics=metrics,
+        names=ModelNames.of(cfg.name, cfg.model, cfg.model_aliases),
         control_plane=lambda app: install_control_plane(app, engine, cfg, metrics),
     )
 

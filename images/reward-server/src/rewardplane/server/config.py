@@ -17,6 +17,7 @@ class ServerConfig(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535)
     served_model_name: str | None = None
+    model_aliases: list[str] = Field(default_factory=list)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     head_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -52,7 +53,20 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT)
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients send as `model`; the first is the one answers carry (as in vLLM)",
+    )
+    p.add_argument(
+        "--model-alias",
+        dest="model_aliases",
+        action="extend",
+        nargs="+",
+        default=None,
+        help="more names this server answers to (requests may also name the --model path or id)",
+    )
     p.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
@@ -103,4 +117,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     args, extra = p.parse_known_args(argv)
     if extra and args.engine != "vllm":
         p.error(f"unknown arguments {extra} (extra engine arguments are passed only to --engine vllm)")
+    served = args.served_model_name or []
+    if any(not n.strip() for n in [*served, *(args.model_aliases or [])]):
+        p.error("--served-model-name and --model-alias take non-empty names")
+    args.served_model_name = served[0] if served else None
+    args.model_aliases = served[1:] + (args.model_aliases or [])
     return ServerConfig(**{k: v for k, v in vars(args).items() if v is not None}, extra_engine_args=extra)

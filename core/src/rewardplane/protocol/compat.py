@@ -1,0 +1,261 @@
+"""Request and answer shapes of the RL frameworks and inference servers that rewardplane stands in for.
+
+- vLLM's pooling API (``/classify``, ``/pooling``, ``/v1/embeddings``, ``/v1/models``, ``/tokenize``,
+  ``/detokenize``): what vLLM clients, the ``openai`` package and verl's reward loop send.
+- OpenRLHF's remote reward model (``POST /get_reward``).
+
+rewardplane's own ``/score`` (with the Ludic spelling ``inputs``) is in ``scoring``. Unknown fields
+are accepted on the vLLM shapes: vLLM clients send fields that do not change a reward model's
+answer (``priority``, ``request_id``, ``user``), and refusing them would break drop-in use.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .scoring import Score, Usage
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+# One chat message as the model's chat template reads it (role, content, and whatever else it uses).
+ChatMessage = dict[str, Any]
+EncodingFormat = Literal["float", "base64"]
+
+
+def encode_base64_floats(values: Sequence[float]) -> str:
+    """vLLM's and OpenAI's ``encoding_format: base64``: little-endian float32 bytes, base64."""
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+
+
+def decode_base64_floats(data: str) -> list[float]:
+    raw = base64.b64decode(data)
+    if len(raw) % 4:
+        raise ValueError(f"base64 float32 data has {len(raw)} bytes, not a multiple of 4")
+    return list(struct.unpack(f"<{len(raw) // 4}f", raw))
+
+
+class PooledRequest(BaseModel):
+    """Fields common to vLLM's pooling-family requests (classify, pooling, embeddings).
+
+    Either ``input`` (text, texts, token ids) or ``messages`` (one chat, rendered through the
+    model's chat template). ``add_special_tokens`` defaults as in vLLM: true for ``input`` (the
+    tokenizer adds BOS), false for ``messages`` (the template writes its own). The activation is
+    off unless asked for (``use_activation``; older vLLM names ``activation`` and ``softmax``): a
+    reward model's raw score is what RL training uses.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: PromptInput | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    truncate_prompt_tokens: int | None = Field(
+        default=None, description="Keep the last k tokens of each input; -1 = the model's max length."
+    )
+    use_activation: bool | None = None
+    activation: bool | None = None  # vLLM < 0.11.2
+    softmax: bool | None = None  # older vLLM
+    dimensions: int | None = None
+    task: str | None = None  # vLLM's /pooling task; only whole-sequence outputs are served
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> PooledRequest:
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("send exactly one of 'input' (text or token ids) and 'messages' (a chat)")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty: send at least one chat message")
+        t = self.truncate_prompt_tokens
+        if t is not None and t != -1 and t < 1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 (the model's max length) or >= 1, got {t}")
+        if self.dimensions is not None:
+            raise ValueError("dimensions is not supported: a reward model's output is its score head")
+        if self.task is not None and self.task not in ("classify", "embed", "score"):
+            raise ValueError(
+                f"task {self.task!r} is not served: this server returns one score vector per input "
+                "(task classify, embed or score); per-token outputs are not available"
+            )
+        return self
+
+    def activation_requested(self) -> bool:
+        """Raw score unless the caller asks for the activation (sigmoid / softmax)."""
+        for flag in (self.use_activation, self.activation, self.softmax):
+            if flag is not None:
+                return flag
+        return False
+
+    def special_tokens(self) -> bool:
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
+
+
+class ClassifyRequest(PooledRequest):
+    """``POST /classify`` (vLLM)."""
+
+
+class PoolingRequest(PooledRequest):
+    """``POST /pooling`` (vLLM)."""
+
+    encoding_format: EncodingFormat = "float"
+
+
+class EmbeddingRequest(PooledRequest):
+    """``POST /v1/embeddings`` (OpenAI / vLLM / SGLang). For a reward model each input's embedding is
+    its score vector (one value per label), so ``embedding[-1]`` is the score — what verl reads on
+    its SGLang path."""
+
+    encoding_format: EncodingFormat = "float"
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str | None = None
+    probs: list[float]
+    num_classes: int
+
+
+class ClassifyResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: Usage
+    version: int = 0
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: str = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[PoolingData]
+    usage: Usage
+    version: int = 0
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: str = "embedding"
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: Usage
+    version: int = 0
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "rewardplane"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM): ``prompt`` or ``messages``; defaults as in ``PooledRequest``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of 'prompt' (text) and 'messages' (a chat)")
+        return self
+
+    def special_tokens(self) -> bool:
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class GetRewardRequest(BaseModel):
+    """OpenRLHF's remote reward model: ``{"query": [...], "prompts"?, "labels"?}``.
+
+    ``query`` is the whole decoded sequence (prompt and response, special tokens included), so it is
+    tokenized without adding special tokens, as OpenRLHF's own ``serve_rm`` does. ``prompts`` and
+    ``labels`` are accepted and unused: a reward model scores the sequence.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    query: list[str]
+    prompts: list[Any] | None = None
+    labels: list[Any] | None = None
+    add_special_tokens: bool = False
+    truncate: bool = Field(
+        default=False, description="Cut inputs longer than the server's max tokens instead of a 400."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_query_is_a_list(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("query"), str):
+            return {**data, "query": [data["query"]]}
+        return data
+
+
+class GetRewardResponse(BaseModel):
+    """OpenRLHF reads ``rewards`` (and ``scores``, ``extra_logs``); raw head outputs, in query order."""
+
+    rewards: list[Score]
+    scores: list[Score]
+    extra_logs: dict[str, list[Any]] = Field(default_factory=dict)
+    version: int = 0
