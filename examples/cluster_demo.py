@@ -18,6 +18,28 @@ from rewardplane.sdk.cluster import RewardModelHandle
 TEXTS = ["The answer is clear, correct and kind.", "no idea lol", "Here is a careful step-by-step proof."]
 
 
+def wait_ready_saying_why(rm: RewardModelHandle, timeout_s: float) -> None:
+    """wait_ready, printing what is awaited and each change of the model's status meanwhile."""
+    print(
+        f"waiting up to {timeout_s:.0f}s for RewardModel {rm.namespace}/{rm.name}: every replica ready "
+        "and serving the model's weights version",
+        flush=True,
+    )
+    deadline, last = time.monotonic() + timeout_s, ""
+    while True:
+        try:
+            rm.wait_ready(timeout_s=max(0.0, min(5.0, deadline - time.monotonic())))
+            return
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+        status = rm.get().get("status") or {}
+        line = f"  {status.get('phase', 'Pending')} {status.get('ready', '?')}: {status.get('message', 'no status yet')}"
+        if line != last:
+            print(line, flush=True)
+            last = line
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--name", default="tiny-rm")
@@ -26,7 +48,7 @@ def main() -> int:
     args = ap.parse_args()
 
     rm = RewardModelHandle(args.name, args.namespace)
-    rm.wait_ready(timeout_s=300)
+    wait_ready_saying_why(rm, 300)
     print(f"ready: {[e.url for e in rm.get_endpoints()]}")
     client = rm.client()
     before = client.score_batch_sync(TEXTS, normalize=False)

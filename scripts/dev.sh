@@ -19,11 +19,14 @@ kubectl get rm
 python examples/cluster_demo.py --name tiny-rm
 kubectl get rm
 kubectl get ws
+# Printed so that they work as printed in a new shell: the tools are not on the user's PATH.
 cat <<MSG
 
-The local cluster is still running:
+The local cluster is still running. In your shell:
   export KUBECONFIG=$KUBECONFIG
+  export PATH="${REWARDPLANE_CACHE:-$HOME/.cache/rewardplane}/bin:$PWD/.venv/bin:\$PATH"   # kubectl, helm, rewardplane
   kubectl get rm,ws,pods
   rewardplane status tiny-rm
+  ls $HOME/.cache/rewardplane/dev/node/pods/default_tiny-rm-0_*/reward-server.log   # a server's log
   rewardplane dev down        # stop it
 MSG

@@ -252,6 +252,11 @@ def test_cluster_push_end_to_end(
         want = logits(saved, tiny_model_dir, TEXTS[:3])
         got = [[float(line.split("\t")[0])] for line in captured.out.strip().splitlines()]
         assert close(got, want) and "weights version 4" in captured.err
+        # Without a flag, `rewardplane score` scores as the RewardModel says (spec.model.normalize).
+        kube.merge_patch(custom_path(ns, name), {"spec": {"model": {"normalize": True}}})
+        assert rewardplane_cli(["score", name, *base, *TEXTS[:3]]) == 0
+        got = [[float(line.split("\t")[0])] for line in capsys.readouterr().out.strip().splitlines()]
+        assert close(got, [[1 / (1 + math.exp(-w[0]))] for w in want])
         assert rewardplane_cli(["push", name, *base, "--from", str(checkpoint), "--version", "2"]) == 1
         assert "StaleVersion" in capsys.readouterr().err
     finally:
@@ -306,8 +311,7 @@ def test_restarted_replica_is_marked_stale_restored_and_readmitted(
         wait_for(
             "version 4 persisted by both replicas",
             lambda: all(
-                (persist / f"{name}-{i}" / "version.json").exists()
-                and '"version": 4' in (persist / f"{name}-{i}" / "version.json").read_text()
+                any('"version": 4' in p.read_text() for p in persist.glob(f"*/*/{name}-{i}/version.json"))
                 for i in range(2)
             ),
             20,

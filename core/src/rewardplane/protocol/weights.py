@@ -249,3 +249,34 @@ class RestoreWeightsRequest(BaseModel):
 
     version: int = Field(ge=1)
     timeout_s: float = Field(default=300.0, gt=0)
+
+
+class WorkerChecksums(BaseModel):
+    """One worker's live parameters: name → [sha256 of the bytes, dtype, shape], under the engine's own
+    names (vLLM's are fused and sharded per tensor-parallel rank)."""
+
+    rank: int
+    checksums: dict[str, tuple[str, str, list[int]]]
+
+
+class ParamChecksumsResponse(BaseModel):
+    """``GET /param_checksums``: what every worker holds, and the weights version it is."""
+
+    version: int
+    workers: list[WorkerChecksums]
+
+
+class SendWeightsRequest(BaseModel):
+    """Ask a replica that serves ``version`` to send its weights to joining peers (peer restore).
+
+    The sender hosts the rendezvous on ``port`` and takes the last rank of a group of
+    ``world_size``; the receivers join it with ``/init_communicator`` (host: the sender) and
+    accept a full push of the sender's parameter manifest with ``/update_param_batch``.
+    """
+
+    port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)
+    version: int = Field(ge=1, description="The version the sender must serve; refused (409) otherwise.")
+    bucket_bytes: int = Field(default=DEFAULT_BUCKET_BYTES, ge=BUCKET_ALIGN)
+    timeout_s: float = Field(default=300.0, gt=0)
+    group_id: str | None = None

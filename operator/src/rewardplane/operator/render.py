@@ -23,6 +23,7 @@ from rewardplane.api.names import (
     LABEL_MANAGED_BY,
     LABEL_MODEL,
     LABEL_REPLICA,
+    LABEL_TRAINER_OF,
     TOKEN_KEY,
     service_name,
     token_secret_name,
@@ -39,6 +40,10 @@ TOKEN_VOLUME = "control-token"
 TOKEN_MOUNT_DIR = "/var/run/rewardplane"
 TOKEN_FILE = f"{TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
 WEIGHTS_VOLUME = "persisted-weights"
+# The root filesystem is read-only: temporary files and caches (HOME) go to an emptyDir here.
+SCRATCH_VOLUME = "scratch"
+SCRATCH_DIR = "/rewardplane-scratch"
+NON_ROOT_UID = 65532
 HTTP_PORT_NAME = "http"
 GROUP_PORT_NAME = "nccl-group"
 # Readiness: a server is only worth traffic after it loaded the model and answers /health.
@@ -82,7 +87,21 @@ def _metadata(rm: Mapping[str, Any], name: str, labels: dict[str, str]) -> dict[
 # --------------------------------------------------------------------------------------------
 
 
-def server_args(plan: Plan, replica: ReplicaPlan) -> list[str]:
+def weights_dir(persist_dir: str, owner_uid: str, plan: Plan, replica: ReplicaPlan) -> str:
+    """Where one replica saves pushed weights: bound to the RewardModel's UID and its base model.
+
+    A RewardModel deleted and created again under the same name has a new UID, and a changed
+    ``spec.model`` (source, revision, labels) a new base key, so saved weights are never restored
+    onto another model; the directories of a deleted RewardModel are never read again (retired).
+    One directory per replica: replicas on one node share the hostPath but never a file.
+    """
+    model = plan.spec.model
+    base = json.dumps([model.source, model.revision, model.num_labels], separators=(",", ":"))
+    base_key = hashlib.sha256(base.encode()).hexdigest()[:12]
+    return f"{persist_dir.rstrip('/')}/{owner_uid}/{base_key}/{replica.pod_name}"
+
+
+def server_args(plan: Plan, replica: ReplicaPlan, owner_uid: str = "") -> list[str]:
     """Command-line arguments of ``python -m rewardplane.server`` for one replica."""
     spec = plan.spec
     on_gpu = spec.gpu.mode is not GpuMode.NONE
@@ -117,8 +136,7 @@ def server_args(plan: Plan, replica: ReplicaPlan) -> list[str]:
     if on_gpu or spec.engine.kind is EngineKind.VLLM:
         args += ["--tensor-parallel-size", str(replica.world_size)]
     if spec.weight_sync.persist_dir:
-        # One directory per replica: replicas on one node share the hostPath but never a file.
-        args += ["--weights-dir", f"{spec.weight_sync.persist_dir.rstrip('/')}/{replica.pod_name}"]
+        args += ["--weights-dir", weights_dir(spec.weight_sync.persist_dir, owner_uid, plan, replica)]
     return args + list(spec.engine.extra_args)
 
 
@@ -126,6 +144,8 @@ def _env(replica: ReplicaPlan) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": TOKEN_FILE_ENV, "value": TOKEN_FILE},
+        {"name": "TMPDIR", "value": SCRATCH_DIR},
+        {"name": "HOME", "value": SCRATCH_DIR},
     ]
     if replica.device_ids:
         # Shared mode pins devices itself: no nvidia.com/gpu request (the device plugin would hand
@@ -152,6 +172,21 @@ def _resources(plan: Plan, replica: ReplicaPlan) -> dict[str, Any]:
     return out
 
 
+def security_context(plan: Plan) -> dict[str, Any]:
+    """Least privilege for the server container: no privilege escalation, no capabilities, a
+    read-only root filesystem (scratch space is an emptyDir), and a non-root user, except with
+    ``persistDir``: the kubelet creates that hostPath owned by root, so only root can write there."""
+    ctx: dict[str, Any] = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    if not plan.spec.weight_sync.persist_dir:
+        ctx |= {"runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID}
+    return ctx
+
+
 def spec_hash(pod: Mapping[str, Any], pinned_node: str | None) -> str:
     """Hash of what a Pod was rendered from. The chosen node is left out unless the spec pins it:
     a node joining the cluster must not move running replicas."""
@@ -170,7 +205,7 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
         "image": plan.spec.engine.image,
         "imagePullPolicy": plan.spec.engine.image_pull_policy,
         "command": list(SERVER_COMMAND),
-        "args": server_args(plan, replica),
+        "args": server_args(plan, replica, rm["metadata"].get("uid", "")),
         "env": _env(replica),
         "ports": [
             {"name": HTTP_PORT_NAME, "containerPort": plan.ports.http, "protocol": "TCP"},
@@ -182,13 +217,21 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
             "timeoutSeconds": READINESS_TIMEOUT_S,
             "failureThreshold": READINESS_FAILURES,
         },
-        "volumeMounts": [{"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT_DIR, "readOnly": True}],
+        "volumeMounts": [
+            {"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT_DIR, "readOnly": True},
+            {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR},
+        ],
+        "securityContext": security_context(plan),
+        # The server prints a fatal start error last: the kubelet then makes it the termination
+        # message, which the operator puts in the Degraded condition and its Event.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     resources = _resources(plan, replica)
     if resources:
         container["resources"] = resources
     volumes: list[dict[str, Any]] = [
-        {"name": TOKEN_VOLUME, "secret": {"secretName": token_secret_name(plan.name)}}
+        {"name": TOKEN_VOLUME, "secret": {"secretName": token_secret_name(plan.name)}},
+        {"name": SCRATCH_VOLUME, "emptyDir": {}},
     ]
     persist_dir = plan.spec.weight_sync.persist_dir
     if persist_dir:
@@ -260,6 +303,37 @@ def render_service(rm: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
     }
 
 
+def render_network_policy(rm: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
+    """Who may reach a model's servers: anyone on the HTTP port (scoring; the control-plane routes
+    on that port also need the bearer token), and only the model's trainers (Pods labelled
+    ``rewardplane.io/trainer-of=<model>``) and its own replicas (peer restore) on every other port:
+    the group port and the ephemeral ports gloo and NCCL connect ranks over."""
+    http_only = [{"port": plan.ports.http, "protocol": "TCP"}]
+    own = {LABEL_MODEL: plan.name, LABEL_COMPONENT: "reward-server"}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(rm, network_policy_name(plan.name), model_labels(plan.name)),
+        "spec": {
+            "podSelector": {"matchLabels": own},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": http_only},
+                {
+                    "from": [
+                        {"podSelector": {"matchLabels": {LABEL_TRAINER_OF: plan.name}}},
+                        {"podSelector": {"matchLabels": own}},
+                    ]
+                },
+            ],
+        },
+    }
+
+
+def network_policy_name(model_name: str) -> str:
+    return f"{model_name}-servers"
+
+
 def new_token() -> str:
     """A fresh control-plane token (256 bits)."""
     return secrets.token_urlsafe(32)
@@ -279,5 +353,6 @@ def render_token_secret(rm: Mapping[str, Any], token: str) -> dict[str, Any]:
 
 
 def render_children(rm: Mapping[str, Any], plan: Plan) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Desired Pods (in replica order) and the Service; the Secret is separate (created once)."""
+    """Desired Pods (in replica order) and the Service; the Secret is separate (created once), and
+    so is the NetworkPolicy (``render_network_policy``)."""
     return [render_pod(rm, plan, r) for r in plan.replicas], render_service(rm, plan)

@@ -6,6 +6,7 @@ import faulthandler
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from .config import ServerConfig, parse_args
 from .engine import RewardEngine
@@ -14,13 +15,24 @@ from .metrics import ServerMetrics
 
 
 def create_engine(cfg: ServerConfig, metrics: ServerMetrics) -> RewardEngine:
+    # The engine's import first (a missing extra is the first thing to fix), then the model path:
+    # either error is printed last by main, so it becomes the Pod's termination message
+    # (FallbackToLogsOnError) and the operator's status names it.
     if cfg.engine == "vllm":
         from .vllm_engine import VLLMEngine  # import-guarded: needs the `vllm` extra
 
+        check_model_source(cfg.model)
         return VLLMEngine(cfg, metrics)
     from .hf_engine import HFEngine
 
+    check_model_source(cfg.model)
     return HFEngine(cfg, metrics)
+
+
+def check_model_source(source: str) -> None:
+    problem = model_source_problem(source)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def build_server_app(cfg: ServerConfig):  # -> FastAPI
@@ -38,6 +50,28 @@ def build_server_app(cfg: ServerConfig):  # -> FastAPI
         names=ModelNames.of(cfg.name, cfg.model, cfg.model_aliases),
         control_plane=lambda app: install_control_plane(app, engine, cfg, metrics),
     )
+
+
+def model_source_problem(source: str) -> str | None:
+    """Why ``--model`` cannot be loaded, when that is clear before loading anything: a path that
+    does not exist, or a folder that is not a checkpoint. (A hub id is left to the loader; without
+    this check a missing path shows up as a Hugging Face hub error about an invalid repo id.)"""
+    # Hub ids are "name" or "org/name"; anything absolute, relative-marked or deeper is a path.
+    looks_like_path = source.startswith(("/", "./", "../", "~")) or source.count("/") > 1
+    path = Path(source).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").exists():
+            return (
+                f"model not found at {source}: the folder has no config.json (not a Hugging Face "
+                "checkpoint); point --model (RewardModel spec.model.source) at the checkpoint folder"
+            )
+        return None
+    if looks_like_path:
+        return (
+            f"model not found at {source}: no such file or directory; fix --model (RewardModel "
+            "spec.model.source) or mount the volume that holds the checkpoint"
+        )
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from rewardplane.protocol import (
     BackgroundTasksResponse,
     Endpoints,
     InitCommunicatorRequest,
+    ParamChecksumsResponse,
     ParamMeta,
     StatusResponse,
     UpdateParamBatchRequest,
@@ -34,7 +35,8 @@ from .config import ServerConfig
 from .engine import RewardEngine
 from .errors import BadRequest, Conflict, ServerError, Unauthorized
 from .metrics import ServerMetrics
-from .persistence import install_restore, persist_after_commit
+from .peer import install_peer_send
+from .persistence import install_restore, persist_after_commit, prepare_workers
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +207,7 @@ class WeightSyncService:
         stamps: dict[str, float | None] = {"task": start}
         result: dict[str, Any] = {"ok": False, "error": "not started", "partial": False, "bytes": 0}
         try:
+            await prepare_workers(self)  # once: the workers keep what they load when --weights-dir is set
             if req.atomic:
                 # Stage while the old weights keep serving, then swap under the exclusive lock.
                 result = _merge(await self._receive(layout, False))
@@ -374,4 +377,12 @@ def install_control_plane(
     async def param_manifest() -> list[ParamMeta]:
         return list(service.manifest.values())
 
+    @app.get(Endpoints.PARAM_CHECKSUMS, response_model=ParamChecksumsResponse, dependencies=auth)
+    async def param_checksums() -> ParamChecksumsResponse:
+        # under the scoring side of the lock: no update runs while the weights are hashed
+        async with engine.guard.scoring() as version:
+            workers = await service.call("rp_param_checksums")
+        return ParamChecksumsResponse(version=version, workers=workers)
+
     install_restore(app, service, cfg.weights_dir, auth)  # POST /restore_weights (persistence.py)
+    install_peer_send(app, service, auth)  # POST /send_weights (peer.py)
