@@ -251,7 +251,7 @@ def bench_push(kube: Kube, kubeconfig: Path, tmp: Path, args: argparse.Namespace
     )
     handle = RewardModelHandle(name, NAMESPACE, kubeconfig=str(kubeconfig))
     handle.wait_ready(300)
-    urls, token = handle.urls, handle.token()
+    urls, token = handle.get_urls(), handle.token()
     version = 0
     out: dict[str, Any] = {
         "replicas": args.push_replicas,
@@ -277,7 +277,7 @@ def bench_push(kube: Kube, kubeconfig: Path, tmp: Path, args: argparse.Namespace
                 sync.close()
             direct.append(time.perf_counter() - started)
             # The operator's next push must be newer than what direct mode pushed.
-            wait("the model status to follow", lambda v=version: handle.weights_version >= v, 30)
+            wait("the model status to follow", lambda v=version: handle.get_weights_version() >= v, 30)
         out[mode] = {
             "operator_p50_s": _p50(via_operator),
             "direct_p50_s": _p50(direct),

@@ -49,15 +49,15 @@ def main() -> int:
 
     rm = RewardModelHandle(args.name, args.namespace)
     wait_ready_saying_why(rm, 300)
-    print(f"ready: {[e.url for e in rm.endpoints]}")
+    print(f"ready: {[e.url for e in rm.get_endpoints()]}")
     client = rm.client()
     before = client.score_batch_sync(TEXTS, normalize=False)
-    print(f"scores at version {rm.weights_version}: {[round(s, 4) for s in before]}")
+    print(f"scores at version {rm.get_weights_version()}: {[round(s, 4) for s in before]}")
 
     trainer = AutoModelForSequenceClassification.from_pretrained(args.model, dtype=torch.float32)
     with torch.no_grad():  # stand-in for a training step on the head
         trainer.score.weight.mul_(-1.0)
-    version = rm.weights_version + 1
+    version = rm.get_weights_version() + 1
     start = time.perf_counter()
     result = rm.push_weights(select_head(trainer.state_dict()), version, RewardModelTrainingMode.HEAD_ONLY)
     print(
@@ -65,7 +65,7 @@ def main() -> int:
         f"{1000 * (time.perf_counter() - start):.0f} ms"
     )
     after = rm.client().score_batch_sync(TEXTS, normalize=False)  # the handle owns its client
-    print(f"scores at version {rm.weights_version}: {[round(s, 4) for s in after]}")
+    print(f"scores at version {rm.get_weights_version()}: {[round(s, 4) for s in after]}")
     if not all(abs(a + b) < 1e-3 for a, b in zip(after, before, strict=True)):
         print("the served scores do not reflect the push")
         return 1

@@ -66,27 +66,28 @@ def _handle(args: argparse.Namespace) -> Any:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from rewardplane.api.status import RewardModelStatus
+
     with _handle(args) as handle:
         rm = handle.get()
-        status = rm.get("status") or {}
+        raw = rm.get("status") or {}
         ws = handle.weightsync()
         if args.json:
-            print(json.dumps({"status": status, "weightsync": (ws or {}).get("status")}, indent=2))
+            print(json.dumps({"status": raw, "weightsync": (ws or {}).get("status")}, indent=2))
             return 0
+        status = RewardModelStatus.model_validate(raw)
         print(
-            f"RewardModel {args.namespace}/{args.name}: {status.get('phase', 'Unknown')}  ready "
-            f"{status.get('ready', '?')}  weights version {status.get('weightsVersion', 0)}"
+            f"RewardModel {args.namespace}/{args.name}: {status.phase}  ready "
+            f"{status.ready_replicas}/{status.replicas}  weights version {status.weights_version}"
         )
-        if status.get("message"):
-            print(f"  {status['message']}")
+        if status.message:
+            print(f"  {status.message}")
         print(f"  {'REPLICA':<8} {'POD':<24} {'URL':<28} {'VERSION':<8} {'STATE':<10} READY")
-        for e in status.get("endpoints") or []:
-            print(
-                f"  {e.get('replica', 0):<8} {e.get('pod', ''):<24} {e.get('url', ''):<28} "
-                f"{e.get('weightsVersion', '-')!s:<8} {e.get('state', '') or '-':<10} {e.get('ready', False)}"
-            )
-        for c in status.get("conditions") or []:
-            print(f"  {c['type']}={c['status']} ({c.get('reason', '')}): {c.get('message', '')}")
+        for e in status.endpoints:
+            version = "-" if e.weights_version is None else str(e.weights_version)
+            print(f"  {e.replica:<8} {e.pod:<24} {e.url:<28} {version:<8} {e.state or '-':<10} {e.ready}")
+        for c in status.conditions:
+            print(f"  {c.type}={c.status} ({c.reason}): {c.message}")
         wss = (ws or {}).get("status") or {}
         if wss:
             line = (
