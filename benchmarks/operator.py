@@ -14,9 +14,15 @@ operator, not model loading.
    replicas' control plane itself, a fresh group per push like the operator's), head-only and full;
    p50 of each and the ratio operator/direct.
 
+4. scale (``--scale N``): N RewardModels (1 replica each, default 1000) reconciled, then the steady
+   state over ``--window`` seconds with the operator's default resync period: the operator's CPU
+   (cores, from /proc utime+stime), its RSS, and apply → pods created p50 at that scale; each
+   against the same figure measured first on the empty cluster (the ratio).
+
 Usage:
 
     python benchmarks/operator.py [--runs 20] [--replicas 3] [--models 100] [--json out.json]
+    python benchmarks/operator.py --scale 1000 [--window 90] [--runs 20]
     python benchmarks/operator.py --push [--push-runs 10] [--push-replicas 2] [--hidden 256] [--layers 4]
 """
 
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -148,22 +155,63 @@ def bench_many(kube: Kube, count: int, operator_pid: int) -> dict[str, Any]:
     created = time.perf_counter() - started
 
     def all_reconciled() -> bool:
-        items = kube.list(custom_path(NAMESPACE))
+        try:
+            items = kube.list(custom_path(NAMESPACE))
+            pods = kube.list(core_path("pods", NAMESPACE), label_selector="rewardplane.io/model")
+        except httpx.TimeoutException:  # a loaded API server: ask again at the next poll
+            return False
         done = [
             m
             for m in items
             if m["metadata"]["name"].startswith("many-") and (m.get("status") or {}).get("phase")
         ]
-        pods = kube.list(core_path("pods", NAMESPACE), label_selector="rewardplane.io/model")
         return len(done) == count and len(pods) >= count
 
-    wait(f"{count} models reconciled", all_reconciled, 600, poll_s=0.2)
+    # Listing every model and Pod is itself heavy at 1000: poll rarely, not to load the server.
+    wait(f"{count} models reconciled", all_reconciled, 900, poll_s=0.2 if count <= 100 else 5.0)
     elapsed = time.perf_counter() - started
     return {
         "models": count,
         "create_calls_s": created,
         "all_reconciled_s": elapsed,
         "operator_rss_mib": rss_mib(operator_pid),
+    }
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def steady_cpu(pid: int, window_s: float) -> float:
+    """Cores the process used on average over ``window_s`` seconds."""
+    before, started = cpu_seconds(pid), time.monotonic()
+    time.sleep(window_s)
+    return (cpu_seconds(pid) - before) / (time.monotonic() - started)
+
+
+def bench_scale(kube: Kube, count: int, operator_pid: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Baseline on the empty cluster, then ``count`` models: steady CPU, RSS, apply p50."""
+    empty = {
+        "cpu_cores": steady_cpu(operator_pid, min(args.window, 30)),
+        "rss_mib": rss_mib(operator_pid),
+        "apply": bench_apply(kube, args.runs, 1),
+    }
+    many = bench_many(kube, count, operator_pid)
+    time.sleep(5)  # the creation burst's stragglers
+    loaded = {
+        "cpu_cores": steady_cpu(operator_pid, args.window),
+        "rss_mib": rss_mib(operator_pid),
+        "apply": bench_apply(kube, args.runs, 1),
+    }
+    return {
+        "models": count,
+        "window_s": args.window,
+        "create_all": many,
+        "empty": empty,
+        "loaded": loaded,
+        "apply_p50_ratio": loaded["apply"]["p50_s"] / empty["apply"]["p50_s"],
     }
 
 
@@ -203,7 +251,7 @@ def bench_push(kube: Kube, kubeconfig: Path, tmp: Path, args: argparse.Namespace
     )
     handle = RewardModelHandle(name, NAMESPACE, kubeconfig=str(kubeconfig))
     handle.wait_ready(300)
-    urls, token = handle.urls, handle.token()
+    urls, token = handle.get_urls(), handle.token()
     version = 0
     out: dict[str, Any] = {
         "replicas": args.push_replicas,
@@ -229,7 +277,7 @@ def bench_push(kube: Kube, kubeconfig: Path, tmp: Path, args: argparse.Namespace
                 sync.close()
             direct.append(time.perf_counter() - started)
             # The operator's next push must be newer than what direct mode pushed.
-            wait("the model status to follow", lambda v=version: handle.weights_version >= v, 30)
+            wait("the model status to follow", lambda v=version: handle.get_weights_version() >= v, 30)
         out[mode] = {
             "operator_p50_s": _p50(via_operator),
             "direct_p50_s": _p50(direct),
@@ -321,6 +369,8 @@ def main() -> int:
     p.add_argument("--push-replicas", type=int, default=2)
     p.add_argument("--hidden", type=int, default=256, help="hidden size of the pushed tiny model")
     p.add_argument("--layers", type=int, default=4, help="layers of the pushed tiny model")
+    p.add_argument("--scale", type=int, default=0, help="steady state with this many RewardModels instead")
+    p.add_argument("--window", type=float, default=90.0, help="seconds of steady state measured (--scale)")
     args = p.parse_args()
     if args.push:
         results = run_push(args)
@@ -358,10 +408,20 @@ def main() -> int:
         )
         try:
             time.sleep(2)  # kopf starts its watches
-            results = {
-                "apply": bench_apply(kube, args.runs, args.replicas),
-                "many": bench_many(kube, args.models, operator.pid),
-            }
+            if args.scale:
+                results = {"scale": bench_scale(kube, args.scale, operator.pid, args)}
+                sc = results["scale"]
+                print(
+                    f"{sc['models']} models: operator CPU {sc['loaded']['cpu_cores']:.3f} cores "
+                    f"(empty {sc['empty']['cpu_cores']:.3f}), RSS {sc['loaded']['rss_mib']:.0f} MiB "
+                    f"(empty {sc['empty']['rss_mib']:.0f}), apply→pods p50 {sc['loaded']['apply']['p50_s']:.3f} s "
+                    f"(empty {sc['empty']['apply']['p50_s']:.3f} s, ratio {sc['apply_p50_ratio']:.2f}x)"
+                )
+            else:
+                results = {
+                    "apply": bench_apply(kube, args.runs, args.replicas),
+                    "many": bench_many(kube, args.models, operator.pid),
+                }
             results["operator"] = reconcile_stats(metrics_port)
         finally:
             operator.terminate()

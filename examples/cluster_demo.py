@@ -18,6 +18,28 @@ from rewardplane.sdk.cluster import RewardModelHandle
 TEXTS = ["The answer is clear, correct and kind.", "no idea lol", "Here is a careful step-by-step proof."]
 
 
+def wait_ready_saying_why(rm: RewardModelHandle, timeout_s: float) -> None:
+    """wait_ready, printing what is awaited and each change of the model's status meanwhile."""
+    print(
+        f"waiting up to {timeout_s:.0f}s for RewardModel {rm.namespace}/{rm.name}: every replica ready "
+        "and serving the model's weights version",
+        flush=True,
+    )
+    deadline, last = time.monotonic() + timeout_s, ""
+    while True:
+        try:
+            rm.wait_ready(timeout_s=max(0.0, min(5.0, deadline - time.monotonic())))
+            return
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise
+        status = rm.get().get("status") or {}
+        line = f"  {status.get('phase', 'Pending')} {status.get('ready', '?')}: {status.get('message', 'no status yet')}"
+        if line != last:
+            print(line, flush=True)
+            last = line
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--name", default="tiny-rm")
@@ -26,16 +48,16 @@ def main() -> int:
     args = ap.parse_args()
 
     rm = RewardModelHandle(args.name, args.namespace)
-    rm.wait_ready(timeout_s=300)
-    print(f"ready: {[e.url for e in rm.endpoints]}")
+    wait_ready_saying_why(rm, 300)
+    print(f"ready: {[e.url for e in rm.get_endpoints()]}")
     client = rm.client()
     before = client.score_batch_sync(TEXTS, normalize=False)
-    print(f"scores at version {rm.weights_version}: {[round(s, 4) for s in before]}")
+    print(f"scores at version {rm.get_weights_version()}: {[round(s, 4) for s in before]}")
 
     trainer = AutoModelForSequenceClassification.from_pretrained(args.model, dtype=torch.float32)
     with torch.no_grad():  # stand-in for a training step on the head
         trainer.score.weight.mul_(-1.0)
-    version = rm.weights_version + 1
+    version = rm.get_weights_version() + 1
     start = time.perf_counter()
     result = rm.push_weights(select_head(trainer.state_dict()), version, RewardModelTrainingMode.HEAD_ONLY)
     print(
@@ -43,7 +65,7 @@ def main() -> int:
         f"{1000 * (time.perf_counter() - start):.0f} ms"
     )
     after = rm.client().score_batch_sync(TEXTS, normalize=False)  # the handle owns its client
-    print(f"scores at version {rm.weights_version}: {[round(s, 4) for s in after]}")
+    print(f"scores at version {rm.get_weights_version()}: {[round(s, 4) for s in after]}")
     if not all(abs(a + b) < 1e-3 for a, b in zip(after, before, strict=True)):
         print("the served scores do not reflect the push")
         return 1

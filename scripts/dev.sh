@@ -26,11 +26,14 @@ python examples/cluster_demo.py --name tiny-rm
 kubectl get rm
 kubectl get ws
 kubectl get pods -o wide
+# Printed so that they work as printed in a new shell: the tools are not on the user's PATH.
 cat <<MSG
 
-The local cluster is still running:
+The local cluster is still running. In your shell:
   export KUBECONFIG=$KUBECONFIG
+  export PATH="${REWARDPLANE_CACHE:-$HOME/.cache/rewardplane}/bin:$PWD/.venv/bin:\$PATH"   # kubectl, helm, rewardplane
   kubectl get rm,ws,pods
   rewardplane status tiny-rm
+  kubectl logs tiny-rm-0      # a server's log (kubectl logs works on the real node)
   rewardplane dev down --node $NODE        # stop it (leaves nothing behind)
 MSG

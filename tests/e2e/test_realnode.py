@@ -215,9 +215,10 @@ def test_rewardmodel_from_a_volume_becomes_ready(real_cluster: RealCluster) -> N
         assert (
             ctr.readiness_probe.http_get.path == "/health" and ctr.liveness_probe.http_get.path == "/health"
         )
-        assert (
-            pod.spec.security_context.run_as_user == RUN_AS and ctr.security_context.read_only_root_filesystem
-        )
+        # least privilege (with persistDir the server runs as root: the hostPath is root's)
+        assert ctr.security_context.read_only_root_filesystem and ctr.security_context.capabilities.drop == [
+            "ALL"
+        ]
         secret_volumes = [v for v in pod.spec.volumes if v.secret is not None]
         assert [v.secret.secret_name for v in secret_volumes] == [f"{RM}-control-token"]
         assert "--token-file" in ctr.args and pod.status.pod_ip.startswith("10.244.0.")

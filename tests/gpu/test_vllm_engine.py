@@ -28,6 +28,7 @@ from tests.gpu.vllm_support import (
     TOKEN,
     Trainer,
     assert_close,
+    assert_same_parameters,
     check_after_push,
     device_count,
     fill_prefix_cache,
@@ -35,8 +36,10 @@ from tests.gpu.vllm_support import (
     post,
     reference_scores,
     served,
+    server_checksums,
     start_vllm_server,
     stop,
+    vllm_llama_checksums,
     wait_ready,
 )
 
@@ -269,6 +272,10 @@ def test_push_lora_merged(trainer: Trainer) -> None:
     fresh = merge_sync_reinit(peft_model, push)
     trainer.model = fresh.merge_and_unload()  # fresh adapters have B = 0: the same function
     check_after_push(trainer, 2, before, "lora (merged)")
+    # bit for bit: every live parameter of the worker against the trainer's merged weights
+    version, got = server_checksums(trainer.url)
+    assert version == 2
+    assert_same_parameters(got, vllm_llama_checksums(trainer.model.state_dict()), "lora (merged)")
 
 
 @pytest.mark.gpus(2)
@@ -284,6 +291,33 @@ def test_push_full(trainer: Trainer) -> None:
             p.mul_(1.0 + 0.1 * torch.randn_like(p))
     assert trainer.sync.sync(trainer.model.state_dict(), version=3, training_mode=Mode.FULL) == 3
     check_after_push(trainer, 3, before, "full")
+    version, got = server_checksums(trainer.url)
+    assert version == 3
+    assert_same_parameters(got, vllm_llama_checksums(trainer.model.state_dict()), "full")
+
+
+@pytest.mark.gpus(3)
+def test_pushed_server_equals_a_server_loaded_from_disk(trainer: Trainer, tmp_path: Path) -> None:
+    """The server that got version 3 by a push against one that loads the same weights from disk
+    (vLLM's own loader): the same bytes in every parameter, and scores within the run-to-run noise
+    of the disk server (the same texts scored alone and in one batch)."""
+    trainer.model.save_pretrained(tmp_path / "v3")
+    trainer.tokenizer.save_pretrained(tmp_path / "v3")
+    disk = wait_ready(start_vllm_server(tmp_path / "v3", tmp_path, gpu=2))
+    try:
+        assert server_checksums(disk.url)[1] == server_checksums(trainer.url)[1]
+        batched, _ = served(disk.url)
+        alone = [served(disk.url, [t])[0][0] for t in TEXTS]
+        noise = max(abs(a[0] - b[0]) for a, b in zip(batched, alone, strict=True))
+        pushed, version = served(trainer.url)
+        assert version == 3
+        diff = max(abs(a[0] - b[0]) for a, b in zip(pushed, batched, strict=True))
+        print(f"push vs disk: max abs diff {diff:.6f}; disk run to run (alone vs batched): {noise:.6f}")
+        assert diff <= noise + 1e-6, (
+            f"push vs disk differ by {diff}, more than the disk server's noise {noise}"
+        )
+    finally:
+        stop(disk)
 
 
 @pytest.mark.gpus(2)

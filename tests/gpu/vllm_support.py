@@ -56,9 +56,15 @@ def device_count() -> int:
 
 
 def start_vllm_server(
-    model_dir: Path, log_dir: Path, *, gpu: int, gpu_memory_utilization: float = 0.3
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    gpu: int | str,
+    gpu_memory_utilization: float = 0.3,
+    **opts: Any,
 ) -> ServerHandle:
-    """Start (do not wait): the server runs on one GPU, seen as its device 0."""
+    """Start (do not wait): the server runs on the GPU(s) named (``"0,1"`` with
+    ``tensor_parallel_size=2``), seen as its devices 0...; ``opts`` become server flags."""
     return launch_server(
         model_dir,
         log_dir,
@@ -68,6 +74,7 @@ def start_vllm_server(
         max_model_len=1024,
         extra_args=shlex.split(os.environ.get("RP_VLLM_SERVER_ARGS", "")),
         env_extra={"CUDA_VISIBLE_DEVICES": str(gpu), "VLLM_USE_FLASHINFER_SAMPLER": "0"},
+        **opts,
     )
 
 
@@ -176,3 +183,77 @@ def check_after_push(t: Trainer, version: int, before_repeated: float, what: str
     # REPEATED is TEXTS[0]: its prefix was cached under the old weights; a stale cache would
     # have left its score off the trainer's, and unchanged.
     assert abs(got[0][0] - before_repeated) > 1e-3, f"{what}: the repeated prompt's score did not change"
+
+
+# ---- exact checks: every live parameter's bytes ---------------------------------------------
+
+# vLLM's Llama fuses these HF parameters (its `stacked_params_mapping`), in this order.
+_FUSED = {
+    ".q_proj.": ".qkv_proj.",
+    ".k_proj.": ".qkv_proj.",
+    ".v_proj.": ".qkv_proj.",
+    ".gate_proj.": ".gate_up_proj.",
+    ".up_proj.": ".gate_up_proj.",
+}
+_COLUMN = (".qkv_proj.", ".gate_up_proj.", "embed_tokens.")  # split along dim 0 across TP ranks
+_ROW = (".o_proj.", ".down_proj.")  # split along dim 1
+
+
+def server_checksums(url: str) -> tuple[int, dict[int, dict[str, tuple[str, str, list[int]]]]]:
+    """(version, {tensor-parallel rank: name → (sha256, dtype, shape)}) from ``GET /param_checksums``."""
+    r = httpx.get(f"{url}/param_checksums", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300)
+    assert r.status_code == 200, f"/param_checksums answered {r.status_code}: {r.text[:2000]}"
+    body = r.json()
+    return body["version"], {
+        w["rank"]: {n: tuple(v) for n, v in w["checksums"].items()} for w in body["workers"]
+    }
+
+
+def vllm_llama_checksums(
+    state: dict[str, Any], *, tp_size: int = 1
+) -> dict[int, dict[str, tuple[str, str, list[int]]]]:
+    """What a vLLM Llama sequence classifier's workers hold after loading ``state`` (HF names): q/k/v
+    and gate/up fused, column- and row-parallel layers split across ``tp_size`` ranks (each part of a
+    fused parameter split on its own), the rest replicated. Per rank: name → (sha256, dtype, shape)."""
+    import torch
+
+    from rewardplane.transport.checksums import digests
+
+    fused: dict[str, list[Any]] = {}
+    for name, t in state.items():
+        target = next((name.replace(k, v) for k, v in _FUSED.items() if k in name), name)
+        fused.setdefault(target, []).append(t.detach())
+    out: dict[int, dict[str, tuple[str, str, list[int]]]] = {}
+    for rank in range(tp_size):
+        shards = []
+        for name, parts in fused.items():
+            if any(c in name for c in _COLUMN):
+                t = torch.cat([p.chunk(tp_size, dim=0)[rank] for p in parts], dim=0)
+            elif any(r in name for r in _ROW) and parts[0].dim() == 2:
+                t = torch.cat([p.chunk(tp_size, dim=1)[rank] for p in parts], dim=0)
+            else:
+                t = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+            shards.append((name, t))
+        out[rank] = digests(shards)
+    return out
+
+
+def assert_same_parameters(
+    got: dict[int, dict[str, tuple[str, str, list[int]]]],
+    want: dict[int, dict[str, tuple[str, str, list[int]]]],
+    what: str,
+) -> None:
+    """Every expected parameter on every rank, bit for bit (``lm_head`` is not used by a pooling
+    model and never pushed: left out)."""
+    assert sorted(got) == sorted(want), f"{what}: ranks {sorted(got)}, expected {sorted(want)}"
+    for rank in want:
+        g = {n: v for n, v in got[rank].items() if not n.startswith("lm_head.")}
+        missing = sorted(set(want[rank]) - set(g))
+        extra = sorted(set(g) - set(want[rank]))
+        assert not missing and not extra, (
+            f"{what}, rank {rank}: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
+        diff = [n for n in want[rank] if tuple(g[n]) != tuple(want[rank][n])]
+        assert diff == [], (
+            f"{what}, rank {rank}: {len(diff)} of {len(want[rank])} parameters differ: {diff[:5]}"
+        )

@@ -111,7 +111,7 @@ def test_cluster_push_end_to_end(
     handle = RewardModelHandle(name, ns, kubeconfig=str(control_plane.kubeconfig))
     try:
         handle.wait_ready(SERVER_READY_S)
-        assert len(handle.endpoints) == 2
+        assert len(handle.get_endpoints()) == 2
 
         # head_only: one broadcast into both replicas.
         head_model = perturbed(tiny_model_dir, seed=3, head_only=True)
@@ -138,7 +138,7 @@ def test_cluster_push_end_to_end(
         assert get_rm(kube, ns, name)["status"]["weightsVersion"] == 2
         every_replica_scores_like(handle, full_model, tiny_model_dir, 2)
         client = handle.client()
-        assert sorted(client.endpoints) == sorted(e.url for e in handle.endpoints)
+        assert sorted(client.endpoints) == sorted(e.url for e in handle.get_endpoints())
         assert handle.client() is client  # same replicas: the same client
         via_client = client.score_batch_sync(TEXTS, normalize=False)
         assert close(
@@ -202,7 +202,7 @@ def test_cluster_push_end_to_end(
         )
         wait_for(
             "both replicas ready on version 3",
-            lambda: len(handle.endpoints) == 2 and handle.weights_version == 3,
+            lambda: len(handle.get_endpoints()) == 2 and handle.get_weights_version() == 3,
             30,
             logs,
         )
@@ -252,6 +252,11 @@ def test_cluster_push_end_to_end(
         want = logits(saved, tiny_model_dir, TEXTS[:3])
         got = [[float(line.split("\t")[0])] for line in captured.out.strip().splitlines()]
         assert close(got, want) and "weights version 4" in captured.err
+        # Without a flag, `rewardplane score` scores as the RewardModel says (spec.model.normalize).
+        kube.merge_patch(custom_path(ns, name), {"spec": {"model": {"normalize": True}}})
+        assert rewardplane_cli(["score", name, *base, *TEXTS[:3]]) == 0
+        got = [[float(line.split("\t")[0])] for line in capsys.readouterr().out.strip().splitlines()]
+        assert close(got, [[1 / (1 + math.exp(-w[0]))] for w in want])
         assert rewardplane_cli(["push", name, *base, "--from", str(checkpoint), "--version", "2"]) == 1
         assert "StaleVersion" in capsys.readouterr().err
     finally:
@@ -306,8 +311,7 @@ def test_restarted_replica_is_marked_stale_restored_and_readmitted(
         wait_for(
             "version 4 persisted by both replicas",
             lambda: all(
-                (persist / f"{name}-{i}" / "version.json").exists()
-                and '"version": 4' in (persist / f"{name}-{i}" / "version.json").read_text()
+                any('"version": 4' in p.read_text() for p in persist.glob(f"*/*/{name}-{i}/version.json"))
                 for i in range(2)
             ),
             20,
@@ -348,8 +352,8 @@ def test_restarted_replica_is_marked_stale_restored_and_readmitted(
             return len(eps) == 2 and all(e.ready and e.weights_version == 4 for e in eps)
 
         wait_for("the replica restored to 4 and back in the endpoints", readmitted, 60, logs)
-        assert [e.pod for e in handle.endpoints] == [f"{name}-0", f"{name}-1"]
-        urls = {e.pod: e.url for e in handle.endpoints}
+        assert [e.pod for e in handle.get_endpoints()] == [f"{name}-0", f"{name}-1"]
+        urls = {e.pod: e.url for e in handle.get_endpoints()}
         restored, version = scores(urls[f"{name}-1"])
         assert version == 4 and close(restored, scores(urls[f"{name}-0"])[0])
         assert close(restored, logits(model, tiny_model_dir, TEXTS))

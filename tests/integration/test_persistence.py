@@ -9,6 +9,7 @@ import httpx
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode
 from rewardplane.protocol.naming import select_head
+from rewardplane.tinymodel import build_tiny_reward_model
 from tests.fixtures.models import TEXTS
 from tests.fixtures.trainer import logits, perturbed
 from tests.integration.test_weight_sync import TOKEN, close, served, sync_for
@@ -58,3 +59,27 @@ def test_restore_without_weights_dir_says_how_to_enable_it(server_factory, tiny_
     server = server_factory(tiny_model_dir, token=TOKEN)
     resp = httpx.post(f"{server.url}/restore_weights", json={"version": 1}, headers=AUTH, timeout=30)
     assert resp.status_code == 409 and "--weights-dir" in resp.json()["error"]
+
+
+def test_saved_weights_are_never_restored_onto_another_base_model(server_factory, tiny_model_dir, tmp_path):
+    """Weights pushed onto one base model, saved, then offered to a server that loaded another
+    checkpoint of the same architecture (e.g. spec.model.source changed in place): refused."""
+    weights = tmp_path / "weights"
+    server = server_factory(tiny_model_dir, token=TOKEN, weights_dir=weights)
+    head = perturbed(tiny_model_dir, seed=31, head_only=True)
+    sync = sync_for(server, bucket_bytes=1 << 16)
+    try:
+        sync.sync(select_head(head.state_dict()), version=1, training_mode=Mode.HEAD_ONLY)
+    finally:
+        sync.close()
+    deadline = time.monotonic() + 10
+    while not (weights / "version.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.kill()
+
+    other_base = build_tiny_reward_model(tmp_path / "other-base", num_labels=1, seed=7)
+    other = server_factory(other_base, token=TOKEN, weights_dir=weights)
+    resp = httpx.post(f"{other.url}/restore_weights", json={"version": 1}, headers=AUTH, timeout=30)
+    assert resp.status_code == 409, resp.text
+    assert "another base model" in resp.json()["error"] and "push the weights again" in resp.json()["error"]
+    assert served(other)[1] == 0  # still the base weights it loaded, nothing mixed in

@@ -48,3 +48,17 @@ def test_counts_latency_and_turns_errors_into_500() -> None:
     assert _sample(metrics, "rewardplane_requests_total", endpoint="/boom", status="500") == 1
     assert _sample(metrics, "rewardplane_errors_total", endpoint="/boom", kind="internal") == 1
     assert _sample(metrics, "rewardplane_request_seconds_count", endpoint="/ok") == 2
+
+
+def test_unknown_paths_share_one_label() -> None:
+    metrics = ServerMetrics()
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=_app(metrics))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            for i in range(50):
+                assert (await client.get(f"/scan/{i}")).status_code == 404
+
+    asyncio.run(run())
+    assert _sample(metrics, "rewardplane_requests_total", endpoint="<unmatched>", status="404") == 50
+    assert _sample(metrics, "rewardplane_requests_total", endpoint="/scan/0", status="404") == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import re
 from typing import Any
 
 import pytest
@@ -488,16 +489,31 @@ def test_extra_args_and_persist_dir() -> None:
         engine={"kind": "hf", "extraArgs": ["--foo", "1"]}, weightSync={"persistDir": "/var/lib/rm"}
     )
     plan = plan_reward_model(body, ClusterView(nodes=CPU_NODES))
-    args = server_args(plan, plan.replicas[0])
-    # the node's /var/lib/rm appears at a fixed path in the container, one directory per replica
-    assert args[-2:] == ["--foo", "1"] and _arg(args, "--weights-dir") == "/var/lib/rewardplane/weights/rm-0"
+    args = server_args(plan, plan.replicas[0], "uid-rm")
+    assert args[-2:] == ["--foo", "1"]
+    assert re.fullmatch(r"/var/lib/rm/uid-rm/[0-9a-f]{12}/rm-0", _arg(args, "--weights-dir"))
     pod = render_pod(body, plan, plan.replicas[0])
-    mount = {"name": "persisted-weights", "mountPath": "/var/lib/rewardplane/weights"}
-    assert mount in _container(pod)["volumeMounts"]
-    assert {
-        "name": "persisted-weights",
-        "hostPath": {"path": "/var/lib/rm", "type": "DirectoryOrCreate"},
-    } in pod["spec"]["volumes"]
+    assert {"name": "persisted-weights", "mountPath": "/var/lib/rm"} in _container(pod)["volumeMounts"]
+    assert _arg(_container(pod)["args"], "--weights-dir") == _arg(args, "--weights-dir")
+
+
+def test_saved_weights_are_bound_to_the_model_uid_and_base_model() -> None:
+    """A RewardModel recreated under the same name, or pointed at another base model, never finds
+    the weights saved for the earlier one: its replicas save and restore in another directory."""
+
+    def weights_dir_of(body: dict[str, Any]) -> str:
+        plan = plan_reward_model(body, ClusterView(nodes=CPU_NODES))
+        return _arg(_container(render_pod(body, plan, plan.replicas[0]))["args"], "--weights-dir")
+
+    sync = {"persistDir": "/var/lib/rm"}
+    first = weights_dir_of(cpu_rm(weightSync=sync))
+    assert weights_dir_of(cpu_rm(weightSync=sync)) == first  # the same model keeps its directory
+    recreated = cpu_rm(weightSync=sync)
+    recreated["metadata"]["uid"] = "uid-other"
+    other_base = cpu_rm(weightSync=sync, model={"source": "/models/other"})
+    other_revision = cpu_rm(weightSync=sync, model={"source": "/models/tiny", "revision": "v2"})
+    dirs = {first, weights_dir_of(recreated), weights_dir_of(other_base), weights_dir_of(other_revision)}
+    assert len(dirs) == 4
 
 
 def test_spec_hash_changes_with_the_spec_but_not_with_replicas_or_chosen_node() -> None:

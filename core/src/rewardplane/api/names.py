@@ -18,6 +18,8 @@ WS_PLURAL = "weightsyncs"
 # Labels and annotations on a RewardModel's children.
 LABEL_MODEL = f"{GROUP}/model"
 LABEL_REPLICA = f"{GROUP}/replica"
+# On a trainer's Pod: the RewardModel it pushes weights to (its NetworkPolicy lets such Pods in).
+LABEL_TRAINER_OF = f"{GROUP}/trainer-of"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"

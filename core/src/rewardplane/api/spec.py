@@ -81,6 +81,10 @@ class WeightSyncSpec(_Spec):
     persist_dir: str | None = Field(default=None, alias="persistDir")
 
 
+class NetworkPolicySpec(_Spec):
+    enabled: bool = True
+
+
 class ResourcesSpec(_Spec):
     limits: dict[str, int | str] = Field(default_factory=dict)
     requests: dict[str, int | str] = Field(default_factory=dict)
@@ -95,6 +99,7 @@ class RewardModelSpec(_Spec):
     ports: PortsSpec = Field(default_factory=PortsSpec)
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec, alias="weightSync")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec, alias="networkPolicy")
 
     @property
     def devices_needed(self) -> int:
@@ -102,10 +107,15 @@ class RewardModelSpec(_Spec):
         return 0 if self.gpu.mode is GpuMode.NONE else self.replicas * self.tensor_parallel_size
 
 
+INVALID_SPEC = "InvalidSpec"
+PLACEMENT_REFUSED = "PlacementRefused"
+"""The spec is valid but the cluster cannot place it now (retried: capacity may free up)."""
+
+
 class InvalidSpecError(ValueError):
     """The spec cannot be served as written; ``errors`` lists every problem."""
 
-    def __init__(self, errors: list[str], reason: str = "InvalidSpec") -> None:
+    def __init__(self, errors: list[str], reason: str = INVALID_SPEC) -> None:
         super().__init__("; ".join(errors))
         self.errors = errors
         self.reason = reason

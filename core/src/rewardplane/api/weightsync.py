@@ -43,6 +43,7 @@ REPLICA_REFUSED = "ReplicaRefused"
 REPLICA_FAILED = "ReplicaFailed"
 TIMEOUT = "Timeout"
 OPERATOR_RESTARTED = "OperatorRestarted"
+OPERATOR_ERROR = "OperatorError"
 SUPERSEDED = "Superseded"
 
 

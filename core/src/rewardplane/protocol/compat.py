@@ -14,13 +14,14 @@ from __future__ import annotations
 import base64
 import struct
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, WithJsonSchema, model_validator
 
 from .scoring import Score, Usage
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+# Request fields are strict, as in ``scoring``: the OpenAPI document says what the server takes.
+PromptInput = str | list[str] | list[StrictInt] | list[list[StrictInt]]
 # One chat message as the model's chat template reads it (role, content, and whatever else it uses).
 ChatMessage = dict[str, Any]
 EncodingFormat = Literal["float", "base64"]
@@ -53,18 +54,18 @@ class PooledRequest(BaseModel):
     model: str | None = None
     input: PromptInput | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = False
-    continue_final_message: bool = False
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = False
+    continue_final_message: StrictBool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    truncate_prompt_tokens: int | None = Field(
+    truncate_prompt_tokens: StrictInt | None = Field(
         default=None, description="Keep the last k tokens of each input; -1 = the model's max length."
     )
-    use_activation: bool | None = None
-    activation: bool | None = None  # vLLM < 0.11.2
-    softmax: bool | None = None  # older vLLM
-    dimensions: int | None = None
+    use_activation: StrictBool | None = None
+    activation: StrictBool | None = None  # vLLM < 0.11.2
+    softmax: StrictBool | None = None  # older vLLM
+    dimensions: StrictInt | None = None
     task: str | None = None  # vLLM's /pooling task; only whole-sequence outputs are served
     user: str | None = None
 
@@ -189,12 +190,12 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool = False
-    continue_final_message: bool = False
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool = False
+    continue_final_message: StrictBool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    return_token_strs: bool = False
+    return_token_strs: StrictBool = False
 
     @model_validator(mode="after")
     def _check(self) -> TokenizeRequest:
@@ -219,7 +220,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class DetokenizeResponse(BaseModel):
@@ -236,11 +237,15 @@ class GetRewardRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    query: list[str]
+    query: Annotated[
+        list[str],
+        # one string is taken as a list of one (the validator below)
+        WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}),
+    ]
     prompts: list[Any] | None = None
     labels: list[Any] | None = None
-    add_special_tokens: bool = False
-    truncate: bool = Field(
+    add_special_tokens: StrictBool = False
+    truncate: StrictBool = Field(
         default=False, description="Cut inputs longer than the server's max tokens instead of a 400."
     )
 

@@ -26,6 +26,8 @@ class Endpoints:
     NUM_BACKGROUND_TASKS = "/get_num_background_tasks"
     PARAM_MANIFEST = "/param_manifest"
     RESTORE_WEIGHTS = "/restore_weights"
+    PARAM_CHECKSUMS = "/param_checksums"
+    SEND_WEIGHTS = "/send_weights"
 
 
 CONTROL_PLANE_PATHS = frozenset(
@@ -36,6 +38,8 @@ CONTROL_PLANE_PATHS = frozenset(
         Endpoints.NUM_BACKGROUND_TASKS,
         Endpoints.PARAM_MANIFEST,
         Endpoints.RESTORE_WEIGHTS,
+        Endpoints.PARAM_CHECKSUMS,
+        Endpoints.SEND_WEIGHTS,
     }
 )
 

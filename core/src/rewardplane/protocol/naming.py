@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
+from .errors import RewardplaneError
 from .modes import RewardModelTrainingMode
 
 T = TypeVar("T")
@@ -21,7 +22,7 @@ DEFAULT_HEAD_PATTERNS: tuple[str, ...] = ("score.", "classifier.", "lm_head.")
 _LORA_KEY = re.compile(r"(^|\.)lora_(A|B|embedding_A|embedding_B|magnitude_vector)(\.|$)")
 
 
-class WeightValidationError(ValueError):
+class WeightValidationError(RewardplaneError, ValueError):
     """The parameters do not fit the training mode; nothing was sent."""
 
 

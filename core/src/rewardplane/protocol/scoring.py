@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    WithJsonSchema,
+    computed_field,
+    field_validator,
+)
 
 from .modes import PoolingType
 
 Score = float | list[float]
+
+# Request fields are strict (no "1" for 1, no 1 for true): what the OpenAPI document says is what
+# the server takes, so a client's type mistake is a 422 rather than a silent coercion.
 
 
 class ScoringRequest(BaseModel):
@@ -22,16 +34,20 @@ class ScoringRequest(BaseModel):
     model_config = ConfigDict(populate_by_name=True, frozen=True, extra="forbid")
 
     model: str = "reward-model"
-    inputs: list[str] = Field(alias="input")
+    inputs: Annotated[
+        list[str],
+        # one string is taken as a list of one (the validator below)
+        WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}),
+    ] = Field(alias="input")
     pooling_type: PoolingType = PoolingType.LAST
-    normalize: bool = True
-    n_labels: int | None = Field(
+    normalize: StrictBool = True
+    n_labels: StrictInt | None = Field(
         default=None, ge=1, description="Expected number of labels; the server rejects a mismatch."
     )
-    truncate: bool = Field(
+    truncate: StrictBool = Field(
         default=False, description="Cut inputs longer than the server's max tokens instead of a 400."
     )
-    return_hidden_states: bool = False
+    return_hidden_states: StrictBool = False
 
     @field_validator("inputs", mode="before")
     @classmethod

@@ -8,7 +8,16 @@ import math
 from collections.abc import MutableMapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from .modes import RewardModelTrainingMode
 
@@ -47,7 +56,7 @@ class ParamMeta(BaseModel):
 
     name: str = Field(min_length=1)
     dtype: str
-    shape: tuple[int, ...]
+    shape: tuple[StrictInt, ...]
 
     @field_validator("dtype")
     @classmethod
@@ -145,11 +154,12 @@ class InitCommunicatorRequest(BaseModel):
     last rank; this server's workers take ranks ``rank_offset .. rank_offset + world_size_local - 1``."""
 
     host: str
-    port: int = Field(ge=1, le=65535)
-    world_size: int = Field(ge=2)
-    rank_offset: int = Field(default=0, ge=0)
+    port: StrictInt = Field(ge=1, le=65535)
+    world_size: StrictInt = Field(ge=2)
+    rank_offset: StrictInt = Field(default=0, ge=0)
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    timeout_s: float = Field(default=120.0, gt=0)
+    # A server waits on one join at a time: until this passes, a second join is answered 409.
+    timeout_s: StrictFloat = Field(default=120.0, gt=0)
     group_id: str | None = Field(default=None, description="Names the group; echoed in errors and logs.")
 
     @model_validator(mode="after")
@@ -203,14 +213,14 @@ class UpdateParamBatchRequest(BaseModel):
         description="layout_id(metadata, bucket_bytes) of an announced layout; with metadata, it must match it",
     )
     training_mode: RewardModelTrainingMode = RewardModelTrainingMode.FULL
-    version: int | None = Field(default=None, ge=0)
-    bucket_bytes: int = Field(default=DEFAULT_BUCKET_BYTES, ge=BUCKET_ALIGN)
-    atomic: bool = Field(
+    version: StrictInt | None = Field(default=None, ge=0)
+    bucket_bytes: StrictInt = Field(default=DEFAULT_BUCKET_BYTES, ge=BUCKET_ALIGN)
+    atomic: StrictBool = Field(
         default=False,
         description="Stage the whole update, then swap under the scoring lock (costs a copy of the "
         "pushed parameters in memory). Otherwise weights are written in place while scoring waits.",
     )
-    timeout_s: float = Field(default=600.0, gt=0)
+    timeout_s: StrictFloat = Field(default=600.0, gt=0)
 
     @model_validator(mode="after")
     def _non_empty_unique(self) -> UpdateParamBatchRequest:
@@ -247,5 +257,36 @@ class BackgroundTasksResponse(BaseModel):
 class RestoreWeightsRequest(BaseModel):
     """Ask a restarted replica to load the weights it saved for ``version`` (the operator sends it)."""
 
-    version: int = Field(ge=1)
+    version: StrictInt = Field(ge=1)
+    timeout_s: StrictFloat = Field(default=300.0, gt=0)
+
+
+class WorkerChecksums(BaseModel):
+    """One worker's live parameters: name → [sha256 of the bytes, dtype, shape], under the engine's own
+    names (vLLM's are fused and sharded per tensor-parallel rank)."""
+
+    rank: int
+    checksums: dict[str, tuple[str, str, list[int]]]
+
+
+class ParamChecksumsResponse(BaseModel):
+    """``GET /param_checksums``: what every worker holds, and the weights version it is."""
+
+    version: int
+    workers: list[WorkerChecksums]
+
+
+class SendWeightsRequest(BaseModel):
+    """Ask a replica that serves ``version`` to send its weights to joining peers (peer restore).
+
+    The sender hosts the rendezvous on ``port`` and takes the last rank of a group of
+    ``world_size``; the receivers join it with ``/init_communicator`` (host: the sender) and
+    accept a full push of the sender's parameter manifest with ``/update_param_batch``.
+    """
+
+    port: int = Field(ge=1, le=65535)
+    world_size: int = Field(ge=2)
+    version: int = Field(ge=1, description="The version the sender must serve; refused (409) otherwise.")
+    bucket_bytes: int = Field(default=DEFAULT_BUCKET_BYTES, ge=BUCKET_ALIGN)
     timeout_s: float = Field(default=300.0, gt=0)
+    group_id: str | None = None

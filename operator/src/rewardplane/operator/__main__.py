@@ -26,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--resync-interval",
         type=float,
         default=None,
-        help="seconds between periodic reconciles of each RewardModel (default 5)",
+        help="seconds between periodic reconciles of each RewardModel besides its events (default 30)",
     )
     p.add_argument("--log-level", default=os.environ.get("REWARDPLANE_LOG_LEVEL", "INFO"))
     p.add_argument(

@@ -17,12 +17,18 @@ import kopf
 from rewardplane.api.names import FINALIZER, GROUP, LABEL_MODEL, VERSION, WS_PLURAL
 from rewardplane.api.names import RM_PLURAL as PLURAL
 
+from .cluster import IndexedCluster, plain
+from .planning import NodeInfo, node_info
 from .status import pod_ready
 
 RESOURCE = (GROUP, VERSION, PLURAL)
-# How often every RewardModel is re-checked (recreate deleted Pods, refresh weights versions).
-RESYNC_INTERVAL_S = float(os.environ.get("REWARDPLANE_RESYNC_INTERVAL", "5"))
-EXECUTOR_THREADS = 16
+# How often every RewardModel is re-checked besides its events (spec changes, Pod changes, pushes
+# finished): catches what no event announces (a server that turned broken, an API error to retry).
+# Every resync costs a GET, a Pod list and a probe per ready replica, so it sets the operator's
+# steady-state load: 1000 models at 30 s is ~33 reconciles per second (benchmarks/README.md).
+RESYNC_INTERVAL_S = float(os.environ.get("REWARDPLANE_RESYNC_INTERVAL", "30"))
+# Pushes run in handler threads for as long as a transfer lasts; reconciles need threads meanwhile.
+EXECUTOR_THREADS = 32
 
 
 def _key(body: Any) -> tuple[str, str]:
@@ -48,18 +54,52 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     return kopf.ConnectionInfo(**memo.reconciler.kube.connection_details())
 
 
+# ------------------------------------------------------------------------------ indexes
+# What reconciles read about the rest of the cluster, kept in memory by kopf's watches (see
+# cluster.py): a reconcile then costs the same whatever the number of models.
+
+
+@kopf.index("v1", "nodes")
+def nodes_by_name(name: str, body: kopf.Body, **_: Any) -> dict[str, NodeInfo]:
+    return {name: node_info(plain(body))}
+
+
+@kopf.index(*RESOURCE)
+def models_by_key(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    return {(namespace or "", name): plain(body)}
+
+
+@kopf.index("v1", "pods", labels={LABEL_MODEL: kopf.PRESENT})
+def pods_by_model(
+    namespace: str | None, labels: kopf.Labels, body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], Any]:
+    return {(namespace or "", labels[LABEL_MODEL]): plain(body)}
+
+
+def _attach(memo: kopf.Memo, kwargs: dict[str, Any]) -> None:
+    if memo.reconciler.cluster is None:
+        memo.reconciler.cluster = IndexedCluster(
+            kwargs["nodes_by_name"],
+            kwargs["models_by_key"],
+            kwargs["pods_by_model"],
+            kwargs["weightsyncs_by_model"],
+        )
+
+
 # ------------------------------------------------------------------------------ RewardModel
 
 
 @kopf.on.create(*RESOURCE, id="reconcile")
 @kopf.on.update(*RESOURCE, id="reconcile")
 @kopf.on.resume(*RESOURCE, id="reconcile")
-def reconcile_on_change(body: kopf.Body, memo: kopf.Memo, reason: str, **_: Any) -> None:
+def reconcile_on_change(body: kopf.Body, memo: kopf.Memo, reason: str, **kwargs: Any) -> None:
+    _attach(memo, kwargs)
     memo.reconciler.request(_key(body), trigger=str(reason))
 
 
 @kopf.timer(*RESOURCE, id="resync", interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S)
-def resync(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+def resync(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    _attach(memo, kwargs)
     memo.reconciler.request(_key(body), trigger="timer")
 
 
@@ -69,7 +109,7 @@ def cleanup(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.event("v1", "pods", labels={LABEL_MODEL: kopf.PRESENT})
-def pod_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+def pod_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **kwargs: Any) -> None:
     """React at once when a replica goes, comes or changes readiness, instead of at the next tick."""
     meta = body["metadata"]
     state = (
@@ -79,23 +119,34 @@ def pod_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) ->
     )
     if not memo.reconciler.pod_state_changed((meta["namespace"], meta["name"]), state):
         return  # status heartbeats of an unchanged Pod: nothing to do
+    _attach(memo, kwargs)
     memo.reconciler.request((meta["namespace"], meta["labels"][LABEL_MODEL]), trigger="pod")
 
 
 # ------------------------------------------------------------------------------ WeightSync
-# A WeightSync asks for one push; the driver (memo.weightsyncs) runs it on a thread of its own,
-# drives each replica's control plane and writes the WeightSync's status.
+# A WeightSync asks for one push; the driver (memo.weightsyncs) runs it in the handler: kopf
+# handles one object at a time, so a generation arriving during a push is handled right after it.
 
 WS_RESOURCE = (GROUP, VERSION, WS_PLURAL)
 
 
+@kopf.index(*WS_RESOURCE)
+def weightsyncs_by_model(
+    namespace: str | None, spec: kopf.Spec, body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], Any]:
+    return {(namespace or "", str(spec.get("rewardModelRef", ""))): plain(body)}
+
+
 @kopf.on.create(*WS_RESOURCE, id="push")
 @kopf.on.update(*WS_RESOURCE, id="push", field="spec")
-def weightsync_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    memo.weightsyncs.request(_key(body))
+def weightsync_changed(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    _attach(memo, kwargs)
+    memo.weightsyncs.handle(_key(body))
 
 
 @kopf.on.resume(*WS_RESOURCE, id="resume")
-def weightsync_resumed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    # A push that was running when the operator stopped cannot be picked up again: mark it Failed.
-    memo.weightsyncs.request(_key(body), resumed=True)
+def weightsync_resumed(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    _attach(memo, kwargs)
+    # A push that was running when the operator stopped cannot be picked up again (the trainer's
+    # group is gone with it): marked Failed with reason OperatorRestarted; the trainer pushes again.
+    memo.weightsyncs.handle(_key(body))

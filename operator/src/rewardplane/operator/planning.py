@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rewardplane.api.names import LABEL_MODEL, RESERVATIONS_ANNOTATION, pod_name
-from rewardplane.api.spec import EngineKind, GpuMode, InvalidSpecError, RewardModelSpec, parse_spec
+from rewardplane.api.spec import (
+    PLACEMENT_REFUSED,
+    EngineKind,
+    GpuMode,
+    InvalidSpecError,
+    RewardModelSpec,
+    parse_spec,
+)
 from rewardplane.protocol import RewardModelPorts, derive_ports
 
 from .storage import InvalidSourceError, delivery
@@ -227,7 +234,6 @@ OPERATOR_FLAGS = {
     "--tensor-parallel-size": "spec.tensorParallelSize",
     "--token-file": "(the control-token Secret)",
     "--weights-dir": "spec.weightSync.persistDir",
-    "--shutdown-timeout": "(the pod's termination grace period)",
 }
 
 
@@ -521,7 +527,7 @@ def plan_reward_model(rm: Mapping[str, Any], cluster: ClusterView) -> Plan:
     else:
         nodes, errors = _place_nodes(spec, cluster)
     if errors:
-        raise InvalidSpecError(errors, reason="PlacementRefused")
+        raise InvalidSpecError(errors, reason=PLACEMENT_REFUSED)
 
     replicas = tuple(
         ReplicaPlan(

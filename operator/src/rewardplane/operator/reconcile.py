@@ -11,6 +11,7 @@ import base64
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
@@ -18,36 +19,52 @@ from typing import Any
 import httpx
 
 from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
-from rewardplane.api.names import API_VERSION, WS_PLURAL
+from rewardplane.api.names import ANNOTATION_GROUP_PORT, API_VERSION, WS_PLURAL
 from rewardplane.api.names import RM_KIND as KIND
-from rewardplane.api.spec import InvalidSpecError
-from rewardplane.protocol import Endpoints, RestoreWeightsRequest
-from rewardplane.protocol.auth import auth_headers
+from rewardplane.api.spec import GpuMode, InvalidSpecError
+from rewardplane.protocol import RestoreWeightsRequest
 
 from . import metrics
+from .cluster import ApiCluster, ClusterReader
 from .coalesce import Coalescer
-from .planning import ClusterView, Plan, gpus_in_use, node_info, plan_reward_model
-from .probes import probe_server
-from .recovery import Identity, identity, stale_replicas
+from .planning import ClusterView, Plan, gpus_in_use, plan_reward_model
+from .recovery import Identity, identity, restore_plan, stale_replicas
 from .render import (
     ANNOTATION_SPEC_HASH,
-    LABEL_MODEL,
     TOKEN_KEY,
+    network_policy_name,
     new_token,
     render_children,
+    render_network_policy,
     render_token_secret,
     selector,
     token_secret_name,
 )
+from .replicas import HttpReplicas, Receiver, ReplicaError, Replicas, restore_from_peer
 from .rollout import pod_actions
-from .status import Event, ProbeResult, compute_status, pod_ready, replica_index, transition_events
+from .status import (
+    Event,
+    ProbeResult,
+    compute_status,
+    pod_ready,
+    replica_index,
+    restore_failed_message,
+    transition_events,
+)
 from .weightsync import completed_version
 
 log = logging.getLogger("rewardplane.operator")
 
+
+def network_policy_path(namespace: str, name: str | None = None) -> str:
+    path = f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies"
+    return path + (f"/{name}" if name else "")
+
+
 COMPONENT = "rewardplane-operator"
 _EVENT_MESSAGE_LIMIT = 1024  # the API server refuses longer Event messages
-RESTORE_TIMEOUT_S = 300.0  # loading a persisted model from disk
+RESTORE_TIMEOUT_S = 300.0  # loading saved weights from disk, or receiving them from a peer
+PEER_RETRY_S = 30.0  # after a peer restore could not start
 
 
 def _owned_by(obj: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
@@ -63,20 +80,33 @@ Key = tuple[str, str]  # (namespace, name)
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, namespace: str | None = None, *, delete_children: bool = False) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        namespace: str | None = None,
+        replicas: Replicas | None = None,
+        *,
+        delete_children: bool = False,
+    ) -> None:
         self.kube = kube
         self.namespace = namespace  # None: the whole cluster
         # A cluster with a garbage collector (every real one) deletes the owned children itself;
         # only a control plane without a controller-manager (the node-agent dev cluster) needs us to.
         self.delete_children = delete_children
-        self._http = httpx.Client()
+        self.replicas: Replicas = replicas or HttpReplicas()
+        # kopf's indexes once the handlers attach them (cost per reconcile independent of the
+        # number of models); until then, and in tests without kopf, the API server itself.
+        self.cluster: ClusterReader | None = None
         self._guard = threading.Lock()
         self._coalesce: Coalescer[Key] = Coalescer()
         self._phases: dict[Key, str] = {}
         self._pod_states: dict[Key, object] = {}
         self._stale: dict[Key, set[str]] = {}
         self._serving: dict[Key, dict[str, Identity]] = {}  # pod → identity last seen on the model's version
-        self._restore_failed: dict[Key, Identity] = {}  # (ns, pod) → identity a restore failed for
+        self._restore_failed: dict[Key, Identity] = {}  # (ns, pod) → identity a disk restore failed for
+        # (ns, pod) → (identity, monotonic deadline) of a peer restore in flight (or its retry delay)
+        self._restoring: dict[Key, tuple[Identity, float]] = {}
+        self._unrecoverable_told: dict[Key, Identity] = {}
 
     # ---------------------------------------------------------------- entry points
 
@@ -124,17 +154,16 @@ class Reconciler:
     def _cluster_view(self, rm: Mapping[str, Any], own_pods: list[dict[str, Any]]) -> ClusterView:
         meta = rm["metadata"]
         key = (meta["namespace"], meta["name"])
-        nodes = tuple(node_info(n) for n in self.kube.list(core_path("nodes")))
-        # Device memory is a cluster-wide resource: every RewardModel counts, whatever its namespace.
-        try:
-            peers = self.kube.list(custom_path())
-            pods = self.kube.list(core_path("pods"), label_selector=LABEL_MODEL)
-        except KubeError as exc:
-            if exc.status != 403 or self.namespace is None:
-                raise
-            peers = self.kube.list(custom_path(self.namespace))
-            pods = self.kube.list(core_path("pods", self.namespace), label_selector=LABEL_MODEL)
-        peers = [p for p in peers if (p["metadata"]["namespace"], p["metadata"]["name"]) != key]
+        cluster = self.cluster or ApiCluster(self.kube, self.namespace)
+        on_cpu = ((rm.get("spec") or {}).get("gpu") or {}).get("mode") == GpuMode.NONE.value
+        # Device memory is a cluster-wide resource: every RewardModel and Pod counts, whatever its
+        # namespace; a model on CPU holds none, so its plan needs only the nodes.
+        peers = (
+            []
+            if on_cpu
+            else [p for p in cluster.models() if (p["metadata"]["namespace"], p["metadata"]["name"]) != key]
+        )
+        pods = [] if on_cpu else cluster.pods()
         current = {
             i: p["spec"]["nodeName"]
             for p in own_pods
@@ -143,7 +172,7 @@ class Reconciler:
             and not p["metadata"].get("deletionTimestamp")
         }
         return ClusterView(
-            nodes=nodes,
+            nodes=tuple(cluster.nodes()),
             peers=tuple(peers),
             gpus_in_use=gpus_in_use(pods, exclude_model=key),
             current_nodes=current,
@@ -155,7 +184,7 @@ class Reconciler:
             ip = (pod.get("status") or {}).get("podIP")
             if plan is None or not ip or not pod_ready(pod):
                 continue
-            results[pod["metadata"]["name"]] = probe_server(self._http, f"http://{ip}:{plan.ports.http}")
+            results[pod["metadata"]["name"]] = self.replicas.probe(self._url(pod, plan))
         return results
 
     # ---------------------------------------------------------------- apply
@@ -176,6 +205,20 @@ class Reconciler:
         wanted = {k: service["spec"][k] for k in ("ports", "selector")}
         if any(existing["spec"].get(k) != v for k, v in wanted.items()):
             self.kube.merge_patch(path, {"spec": wanted})
+
+    def _ensure_network_policy(self, rm: Mapping[str, Any], plan: Plan) -> None:
+        ns, name = rm["metadata"]["namespace"], rm["metadata"]["name"]
+        path = network_policy_path(ns, network_policy_name(name))
+        existing = self.kube.get(path)
+        if not plan.spec.network_policy.enabled:
+            if existing is not None:
+                self.kube.delete(path)
+            return
+        policy = render_network_policy(rm, plan)
+        if existing is None:
+            self.kube.create(network_policy_path(ns), policy)
+        elif existing.get("spec") != policy["spec"]:
+            self.kube.merge_patch(path, {"spec": policy["spec"]})
 
     def _apply_pods(self, ns: str, desired: list[dict[str, Any]], pods: list[dict[str, Any]]) -> None:
         actions = pod_actions(desired, pods)
@@ -265,10 +308,12 @@ class Reconciler:
         self._ensure_secret(rm)
         desired, service = render_children(rm, plan)
         self._ensure_service(ns, service)
+        self._ensure_network_policy(rm, plan)
         self._apply_pods(ns, desired, pods)
         pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
         hashes = {p["metadata"]["name"]: p["metadata"]["annotations"][ANNOTATION_SPEC_HASH] for p in desired}
-        known = completed_version(self.kube.list(custom_path(ns, plural=WS_PLURAL)), name)
+        cluster = self.cluster or ApiCluster(self.kube, self.namespace)
+        known = completed_version(cluster.weightsyncs(ns, name), name)
         probes = self._probe(plan, pods)
         target = max(
             [
@@ -303,68 +348,164 @@ class Reconciler:
                     f"{probes[pod].version} < {target}; left out of the endpoints until restored",
                 ),
             )
-        if stale and self._restore(rm, plan, live, stale, target):
+        if stale and self._restore(rm, plan, live, probes, stale, target):
             self._coalesce.mark_dirty(key)  # re-read the restored replicas right away
         return "ok"
 
     def _restore(
-        self, rm: Mapping[str, Any], plan: Plan, pods: list[dict[str, Any]], stale: set[str], target: int
+        self,
+        rm: Mapping[str, Any],
+        plan: Plan,
+        pods: list[dict[str, Any]],
+        probes: Mapping[str, ProbeResult],
+        stale: set[str],
+        target: int,
     ) -> bool:
-        """Ask each stale replica to load its persisted weights of ``target``; True if any did."""
+        """Bring stale replicas to ``target``: saved weights first, else a healthy peer sends them.
+
+        True when some replica was restored from disk (re-read it at once); a peer restore runs in
+        the background and is seen by later passes.
+        """
         ns, name = rm["metadata"]["namespace"], rm["metadata"]["name"]
-        secret = self.kube.get(core_path("secrets", ns, token_secret_name(name))) or {}
-        token = base64.b64decode((secret.get("data") or {}).get(TOKEN_KEY, "")).decode()
+        by_name = {p["metadata"]["name"]: p for p in pods}
+        now = time.monotonic()
+        with self._guard:
+            busy = {
+                pod
+                for (pns, pod), (ident, until) in self._restoring.items()
+                if pns == ns and pod in by_name and ident == identity(by_name[pod]) and until > now
+            }
+        disk_failed = {
+            pod
+            for pod in stale
+            if pod in by_name and self._restore_failed.get((ns, pod)) == identity(by_name[pod])
+        }
+        persist_dir = plan.spec.weight_sync.persist_dir
+        todo = restore_plan(
+            stale, probes, target, persisted=bool(persist_dir), disk_failed=disk_failed, busy=busy
+        )
+        if not (todo.from_disk or todo.from_peer or todo.unrecoverable):
+            return False
+        token = self._token(ns, name)
         restored = False
-        for pod in pods:
-            pod_name = pod["metadata"]["name"]
-            if pod_name not in stale or self._restore_failed.get((ns, pod_name)) == identity(pod):
-                continue
-            url = f"http://{pod['status']['podIP']}:{plan.ports.http}{Endpoints.RESTORE_WEIGHTS}"
+        for pod_name in todo.from_disk:
+            pod = by_name[pod_name]
             try:
-                resp = self._http.post(
-                    url,
-                    json=RestoreWeightsRequest(version=target).model_dump(),
-                    headers=auth_headers(token),
-                    timeout=httpx.Timeout(RESTORE_TIMEOUT_S, connect=3.0),
+                self.replicas.restore_weights(
+                    self._url(pod, plan),
+                    token,
+                    RestoreWeightsRequest(version=target, timeout_s=RESTORE_TIMEOUT_S),
                 )
-                ok, detail = resp.status_code == 200, resp.text[:500]
-            except httpx.HTTPError as exc:
-                ok, detail = False, f"{type(exc).__name__}: {exc}"
-            if ok:
-                restored = True
-                metrics.POD_ACTIONS.labels(action="restore").inc()
-                self._post_event(
-                    rm, Event("Normal", "ReplicaRestored", f"{pod_name} restored to weights version {target}")
-                )
-            else:
+            except ReplicaError as exc:
                 self._restore_failed[(ns, pod_name)] = identity(pod)
                 self._post_event(
                     rm,
                     Event(
                         "Warning",
                         "RestoreFailed",
-                        f"{pod_name} could not be restored to version "
-                        f"{target}: {detail}; it stays out of the endpoints until a full push "
-                        "(or set spec.weightSync.persistDir)",
+                        restore_failed_message(pod_name, target, str(exc), persist_dir),
                     ),
                 )
+                continue
+            restored = True
+            metrics.POD_ACTIONS.labels(action="restore").inc()
+            self._post_event(
+                rm,
+                Event(
+                    "Normal",
+                    "ReplicaRestored",
+                    f"{pod_name} restored to weights version {target} from saved weights",
+                ),
+            )
+        # Replicas whose disk restore failed just now go to a peer on the next pass.
+        if todo.peer_source is not None and todo.from_peer:
+            source = by_name[todo.peer_source]
+            receivers = [by_name[p] for p in todo.from_peer]
+            group = f"{name}-peer-v{target}-{uuid.uuid4().hex[:6]}"
+            try:
+                restore_from_peer(
+                    self.replicas,
+                    token,
+                    source_url=self._url(source, plan),
+                    source_host=source["status"]["podIP"],
+                    port=int(source["metadata"]["annotations"][ANNOTATION_GROUP_PORT]),
+                    receivers=[
+                        Receiver(p["metadata"]["name"], self._url(p, plan), plan.spec.tensor_parallel_size)
+                        for p in receivers
+                    ],
+                    version=target,
+                    timeout_s=RESTORE_TIMEOUT_S,
+                    group_id=group,
+                )
+            except ReplicaError as exc:
+                for p in receivers:
+                    self._restoring[(ns, p["metadata"]["name"])] = (identity(p), now + PEER_RETRY_S)
+                self._post_event(
+                    rm,
+                    Event(
+                        "Warning",
+                        "RestoreFailed",
+                        f"copying weights version {target} from {todo.peer_source} to {', '.join(todo.from_peer)} "
+                        f"failed: {exc}; retried in {PEER_RETRY_S:.0f}s (a full push also repairs them)",
+                    ),
+                )
+            else:
+                with self._guard:
+                    for p in receivers:
+                        self._restoring[(ns, p["metadata"]["name"])] = (identity(p), now + RESTORE_TIMEOUT_S)
+                metrics.POD_ACTIONS.labels(action="peer-restore").inc()
+                self._post_event(
+                    rm,
+                    Event(
+                        "Normal",
+                        "ReplicaRestoring",
+                        f"{todo.peer_source} sends weights version {target} to {', '.join(todo.from_peer)}",
+                    ),
+                )
+        for pod_name in todo.unrecoverable:
+            if self._unrecoverable_told.get((ns, pod_name)) == identity(by_name[pod_name]):
+                continue  # said once per replica start; the status keeps saying it
+            self._unrecoverable_told[(ns, pod_name)] = identity(by_name[pod_name])
+            self._post_event(
+                rm,
+                Event(
+                    "Warning",
+                    "RestoreFailed",
+                    restore_failed_message(
+                        pod_name,
+                        target,
+                        "no healthy replica serves that version to copy it from",
+                        persist_dir,
+                    ),
+                ),
+            )
         return restored
+
+    def _token(self, ns: str, name: str) -> str:
+        secret = self.kube.get(core_path("secrets", ns, token_secret_name(name))) or {}
+        return base64.b64decode((secret.get("data") or {}).get(TOKEN_KEY, "")).decode()
+
+    @staticmethod
+    def _url(pod: Mapping[str, Any], plan: Plan) -> str:
+        return f"http://{pod['status']['podIP']}:{plan.ports.http}"
 
     def cleanup(self, rm: Mapping[str, Any]) -> None:
         """What garbage collection cannot do when a RewardModel goes (the reason for the finalizer).
 
-        Pods, Service and token Secret carry owner references, so the garbage collector deletes
-        them. GC follows owner references only: a WeightSync names its model in
+        Pods, Service, token Secret and NetworkPolicy carry owner references, so the garbage
+        collector deletes them. GC follows owner references only: a WeightSync names its model in
         ``spec.rewardModelRef``, and one created without an owner reference (by kubectl, or an
         SDK older than this operator) would outlive the model, as would its manifest ConfigMap;
         those are deleted here. Then the operator drops its in-memory state of the model (stale
-        replicas, restore bookkeeping), which no cluster object holds.
+        replicas, restore bookkeeping), which no cluster object holds. With ``delete_children``
+        (a control plane without a garbage collector) it deletes the owned children too.
         """
         ns, name = rm["metadata"]["namespace"], rm["metadata"]["name"]
         if self.delete_children:
             for plural in ("pods", "services", "secrets"):
                 for child in self.kube.list(core_path(plural, ns), label_selector=selector(name)):
                     self.kube.delete(core_path(plural, ns, child["metadata"]["name"]))
+            self.kube.delete(network_policy_path(ns, network_policy_name(name)))
         for cm in self.kube.list(core_path("configmaps", ns), label_selector=selector(name)):
             if self.delete_children or not _owned_by(cm, rm):
                 self.kube.delete(core_path("configmaps", ns, cm["metadata"]["name"]))

@@ -4,12 +4,14 @@ A server that restarts (new Pod UID, or a higher container restart count) loads 
 If it then reports a version older than the model's, it is *stale*: left out of the endpoints,
 restored from its persisted weights (``POST /restore_weights``), then re-admitted once it reports
 the model's version. A replica that merely lags during a push (same identity as when it last served
-the model's version) is not stale.
+the model's version) is not stale. A stale replica is restored from the weights it saved, or
+else from a healthy peer over the data plane (``restore_plan``), without the trainer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rewardplane.api.status import STATE_BROKEN
@@ -52,3 +54,50 @@ def stale_replicas(
         if seen.get(name) != ident:
             stale.add(name)
     return stale, {k: v for k, v in seen.items() if k in live}
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """How the stale replicas of one pass are brought to the model's version."""
+
+    from_disk: tuple[str, ...] = ()
+    """Replicas asked to load the weights they saved (``POST /restore_weights``)."""
+    peer_source: str | None = None
+    """A healthy replica serving the version, that sends it to ``from_peer``."""
+    from_peer: tuple[str, ...] = ()
+    unrecoverable: tuple[str, ...] = ()
+    """Stale replicas with neither a disk restore left to try nor a peer to copy from."""
+
+
+def restore_plan(
+    stale: Collection[str],
+    probes: Mapping[str, ProbeResult],
+    target: int,
+    *,
+    persisted: bool,
+    disk_failed: Collection[str] = (),
+    busy: Collection[str] = (),
+) -> RestorePlan:
+    """Saved weights first (cheap, no peer involved), then a peer that serves ``target``.
+
+    ``disk_failed``: replicas whose disk restore already failed for their current identity (no
+    saved weights, another version or base); ``busy``: replicas with a restore in flight, left
+    alone until it ends. A full push from the trainer repairs whatever is left.
+    """
+    todo = sorted(n for n in stale if n not in busy)
+    from_disk = tuple(n for n in todo if persisted and n not in disk_failed)
+    rest = [n for n in todo if n not in from_disk]
+    sources = sorted(
+        n
+        for n, p in probes.items()
+        if n not in stale
+        and n not in busy
+        and p.error is None
+        and p.version == target
+        and p.state != STATE_BROKEN
+    )
+    if not rest:
+        return RestorePlan(from_disk=from_disk)
+    if not sources:
+        return RestorePlan(from_disk=from_disk, unrecoverable=tuple(rest))
+    return RestorePlan(from_disk=from_disk, peer_source=sources[0], from_peer=tuple(rest))

@@ -23,6 +23,7 @@ from rewardplane.api.names import (
     LABEL_MANAGED_BY,
     LABEL_MODEL,
     LABEL_REPLICA,
+    LABEL_TRAINER_OF,
     TOKEN_KEY,
     service_name,
     token_secret_name,
@@ -40,9 +41,10 @@ TOKEN_VOLUME = "control-token"
 TOKEN_MOUNT_DIR = "/var/run/rewardplane"
 TOKEN_FILE = f"{TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
 WEIGHTS_VOLUME = "persisted-weights"
-# Where the node's persistDir appears in the container: a fixed path, since the node's own path
-# may lie under a directory the server's user cannot traverse there (e.g. /root).
-WEIGHTS_MOUNT_DIR = "/var/lib/rewardplane/weights"
+# The root filesystem is read-only: temporary files and caches (HOME) go to an emptyDir here.
+SCRATCH_VOLUME = "scratch"
+SCRATCH_DIR = "/rewardplane-scratch"
+NON_ROOT_UID = 65532
 HTTP_PORT_NAME = "http"
 GROUP_PORT_NAME = "nccl-group"
 # Readiness: a server is only worth traffic after it loaded the model and answers /health.
@@ -56,16 +58,9 @@ STARTUP_FAILURES = 900
 LIVENESS_PERIOD_S = 10
 LIVENESS_TIMEOUT_S = 5
 LIVENESS_FAILURES = 6
-# SIGTERM: the server stops taking requests and drains in-flight ones (uvicorn's graceful
-# shutdown, bounded by --shutdown-timeout); the kubelet kills it after this grace period.
+# SIGTERM: the server stops taking requests and drains in-flight ones (--graceful-shutdown-s,
+# 10 s by default); the kubelet kills it after this grace period.
 TERMINATION_GRACE_S = 30
-SHUTDOWN_TIMEOUT_S = 20
-# The images run as this non-root user; volumes are made group-readable for it (fsGroup).
-RUN_AS_USER = 65532
-# The root filesystem is read-only: HOME and TMPDIR point at a per-pod scratch volume instead
-# (not /tmp: the node agent rewrites mount paths in args, and /tmp prefixes too many of them).
-SCRATCH_VOLUME = "scratch"
-SCRATCH_DIR = "/scratch"
 
 
 def model_labels(model_name: str) -> dict[str, str]:
@@ -103,7 +98,21 @@ def _metadata(rm: Mapping[str, Any], name: str, labels: dict[str, str]) -> dict[
 # --------------------------------------------------------------------------------------------
 
 
-def server_args(plan: Plan, replica: ReplicaPlan) -> list[str]:
+def weights_dir(persist_dir: str, owner_uid: str, plan: Plan, replica: ReplicaPlan) -> str:
+    """Where one replica saves pushed weights: bound to the RewardModel's UID and its base model.
+
+    A RewardModel deleted and created again under the same name has a new UID, and a changed
+    ``spec.model`` (source, revision, labels) a new base key, so saved weights are never restored
+    onto another model; the directories of a deleted RewardModel are never read again (retired).
+    One directory per replica: replicas on one node share the hostPath but never a file.
+    """
+    model = plan.spec.model
+    base = json.dumps([model.source, model.revision, model.num_labels], separators=(",", ":"))
+    base_key = hashlib.sha256(base.encode()).hexdigest()[:12]
+    return f"{persist_dir.rstrip('/')}/{owner_uid}/{base_key}/{replica.pod_name}"
+
+
+def server_args(plan: Plan, replica: ReplicaPlan, owner_uid: str = "") -> list[str]:
     """Command-line arguments of ``python -m rewardplane.server`` for one replica."""
     spec = plan.spec
     on_gpu = spec.gpu.mode is not GpuMode.NONE
@@ -128,8 +137,6 @@ def server_args(plan: Plan, replica: ReplicaPlan) -> list[str]:
         str(spec.model.num_labels),
         "--token-file",
         TOKEN_FILE,
-        "--shutdown-timeout",
-        str(SHUTDOWN_TIMEOUT_S),
     ]
     # Requests may name the model by its source; the server sees a mounted path instead of a
     # pvc:// or file:// source, so the source itself becomes an alias.
@@ -145,8 +152,7 @@ def server_args(plan: Plan, replica: ReplicaPlan) -> list[str]:
     if on_gpu or spec.engine.kind is EngineKind.VLLM:
         args += ["--tensor-parallel-size", str(replica.world_size)]
     if spec.weight_sync.persist_dir:
-        # One directory per replica: replicas on one node share the hostPath but never a file.
-        args += ["--weights-dir", f"{WEIGHTS_MOUNT_DIR}/{replica.pod_name}"]
+        args += ["--weights-dir", weights_dir(spec.weight_sync.persist_dir, owner_uid, plan, replica)]
     return args + list(spec.engine.extra_args)
 
 
@@ -154,8 +160,8 @@ def _env(plan: Plan, replica: ReplicaPlan) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": TOKEN_FILE_ENV, "value": TOKEN_FILE},
-        {"name": "HOME", "value": SCRATCH_DIR},
         {"name": "TMPDIR", "value": SCRATCH_DIR},
+        {"name": "HOME", "value": SCRATCH_DIR},
     ]
     env += [{"name": k, "value": v} for k, v in delivery(plan.spec.model.source).env]
     if replica.device_ids:
@@ -183,6 +189,21 @@ def _resources(plan: Plan, replica: ReplicaPlan) -> dict[str, Any]:
     return out
 
 
+def security_context(plan: Plan) -> dict[str, Any]:
+    """Least privilege for the server container: no privilege escalation, no capabilities, a
+    read-only root filesystem (scratch space is an emptyDir), and a non-root user, except with
+    ``persistDir``: the kubelet creates that hostPath owned by root, so only root can write there."""
+    ctx: dict[str, Any] = {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    if not plan.spec.weight_sync.persist_dir:
+        ctx |= {"runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID}
+    return ctx
+
+
 def spec_hash(pod: Mapping[str, Any], pinned_node: str | None) -> str:
     """Hash of what a Pod was rendered from. The chosen node is left out unless the spec pins it:
     a node joining the cluster must not move running replicas."""
@@ -206,7 +227,7 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
         "image": plan.spec.engine.image,
         "imagePullPolicy": plan.spec.engine.image_pull_policy,
         "command": list(SERVER_COMMAND),
-        "args": server_args(plan, replica),
+        "args": server_args(plan, replica, rm["metadata"].get("uid", "")),
         "env": _env(plan, replica),
         "ports": [
             {"name": HTTP_PORT_NAME, "containerPort": plan.ports.http, "protocol": "TCP"},
@@ -235,12 +256,9 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
             model.mount,
             {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR},
         ],
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
-        # A crash shows its last log lines in the pod's status (and so in the model's conditions).
+        "securityContext": security_context(plan),
+        # The server prints a fatal start error last: the kubelet then makes it the termination
+        # message, which the operator puts in the Degraded condition and its Event.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     resources = _resources(plan, replica)
@@ -254,7 +272,7 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
     ]
     persist_dir = plan.spec.weight_sync.persist_dir
     if persist_dir:
-        container["volumeMounts"].append({"name": WEIGHTS_VOLUME, "mountPath": WEIGHTS_MOUNT_DIR})
+        container["volumeMounts"].append({"name": WEIGHTS_VOLUME, "mountPath": persist_dir})
         volumes.append(
             {"name": WEIGHTS_VOLUME, "hostPath": {"path": persist_dir, "type": "DirectoryOrCreate"}}
         )
@@ -277,13 +295,8 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
             "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
             # The server never calls the Kubernetes API: no credentials in its pod.
             "automountServiceAccountToken": False,
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": RUN_AS_USER,
-                "runAsGroup": RUN_AS_USER,
-                "fsGroup": RUN_AS_USER,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
+            # Volumes (the token Secret, a PVC, emptyDirs) readable by the server's group.
+            "securityContext": {"fsGroup": NON_ROOT_UID},
             "containers": [container],
             "volumes": volumes,
         },
@@ -332,6 +345,37 @@ def render_service(rm: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
     }
 
 
+def render_network_policy(rm: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
+    """Who may reach a model's servers: anyone on the HTTP port (scoring; the control-plane routes
+    on that port also need the bearer token), and only the model's trainers (Pods labelled
+    ``rewardplane.io/trainer-of=<model>``) and its own replicas (peer restore) on every other port:
+    the group port and the ephemeral ports gloo and NCCL connect ranks over."""
+    http_only = [{"port": plan.ports.http, "protocol": "TCP"}]
+    own = {LABEL_MODEL: plan.name, LABEL_COMPONENT: "reward-server"}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(rm, network_policy_name(plan.name), model_labels(plan.name)),
+        "spec": {
+            "podSelector": {"matchLabels": own},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": http_only},
+                {
+                    "from": [
+                        {"podSelector": {"matchLabels": {LABEL_TRAINER_OF: plan.name}}},
+                        {"podSelector": {"matchLabels": own}},
+                    ]
+                },
+            ],
+        },
+    }
+
+
+def network_policy_name(model_name: str) -> str:
+    return f"{model_name}-servers"
+
+
 def new_token() -> str:
     """A fresh control-plane token (256 bits)."""
     return secrets.token_urlsafe(32)
@@ -351,5 +395,6 @@ def render_token_secret(rm: Mapping[str, Any], token: str) -> dict[str, Any]:
 
 
 def render_children(rm: Mapping[str, Any], plan: Plan) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Desired Pods (in replica order) and the Service; the Secret is separate (created once)."""
+    """Desired Pods (in replica order) and the Service; the Secret is separate (created once), and
+    so is the NetworkPolicy (``render_network_policy``)."""
     return [render_pod(rm, plan, r) for r in plan.replicas], render_service(rm, plan)

@@ -18,6 +18,7 @@ from rewardplane.api.names import (
     LABEL_REPLICA,
     pod_name,
 )
+from rewardplane.api.spec import PLACEMENT_REFUSED, GpuMode
 from rewardplane.api.status import (
     CONDITION_TYPES,
     DEGRADED,
@@ -68,6 +69,79 @@ def replica_index(pod: Mapping[str, Any]) -> int | None:
         return int(raw) if raw is not None else None
     except ValueError:
         return None
+
+
+def _last_lines(text: str, limit: int = 300) -> str:
+    """The end of a termination message (the server prints its fatal error last), on one line."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    tail = " | ".join(lines[-2:])
+    return tail if len(tail) <= limit else "…" + tail[-limit:]
+
+
+def replica_problem(pod: Mapping[str, Any], probe: ProbeResult | None) -> str:
+    """What is wrong with one broken replica, from its container status and its server's answer.
+
+    The cause comes first (a container's termination message is the end of its log when the Pod
+    asks for ``FallbackToLogsOnError``: the server prints its fatal error last), then the restarts.
+    """
+    name = (pod.get("metadata") or {}).get("name", "")
+    if probe is not None and probe.state == STATE_BROKEN:
+        return (
+            f"{name}: the server reports broken weights (a push failed midway); the next full push repairs it"
+        )
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    restarts = pod_restarts(pod)
+    for cs in statuses:
+        terminated = (cs.get("lastState") or {}).get("terminated") or (cs.get("state") or {}).get(
+            "terminated"
+        )
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        if not terminated and not waiting.get("reason"):
+            continue
+        parts = [f"{name}: the server exited"]
+        if terminated:
+            parts[0] += f" with code {terminated.get('exitCode', '?')}"
+            if terminated.get("message"):
+                parts.append(_last_lines(str(terminated["message"])))
+        if restarts:
+            parts.append(f"{restarts} restart(s)")
+        if waiting.get("reason") == "CrashLoopBackOff":
+            parts.append("restarts back off exponentially (CrashLoopBackOff)")
+        if not (terminated or {}).get("message"):
+            parts.append(
+                log_hint(pod, str(cs.get("name") or "reward-server"), str(cs.get("containerID") or ""))
+            )
+        return "; ".join(parts)
+    if (pod.get("status") or {}).get("phase") == "Failed":
+        return f"{name}: the Pod failed ({(pod.get('status') or {}).get('reason') or 'no reason given'})"
+    return f"{name}: restarted {restarts} time(s) and is not ready"
+
+
+LOCAL_NODE_CONTAINER_PREFIX = "rewardplane-node://"
+"""containerID prefix of Pods run by the local node agent (processes, no kubelet API)."""
+
+
+def log_hint(pod: Mapping[str, Any], container: str, container_id: str) -> str:
+    """Where the server's log is: ``kubectl logs`` on a kubelet; on the local node agent, which
+    has no kubelet API, the file it writes."""
+    meta = pod.get("metadata") or {}
+    ns, name, uid = meta.get("namespace", "default"), meta.get("name", ""), str(meta.get("uid", ""))
+    if container_id.startswith(LOCAL_NODE_CONTAINER_PREFIX):
+        return (
+            f"its log: <node agent state dir>/pods/{ns}_{name}_{uid[:8]}/{container}.log "
+            "(`rewardplane dev up`: ~/.cache/rewardplane/dev/node/pods/...)"
+        )
+    return f"its log: kubectl logs -n {ns} {name} --previous"
+
+
+def restore_failed_message(pod: str, target: int, detail: str, persist_dir: str | None) -> str:
+    """The RestoreFailed Event: what failed and the way out that applies to this model."""
+    way_out = (
+        "the operator tries a healthy peer next; a full push also repairs it"
+        if persist_dir
+        else "set spec.weightSync.persistDir to restore from disk, or push the full weights again"
+    )
+    return f"{pod} could not be restored to weights version {target}: {detail}; it stays out of the endpoints ({way_out})"
 
 
 def _endpoint(
@@ -214,21 +288,39 @@ def compute_status(
             for t, v in zip(CONDITION_TYPES, (available, progressing, in_sync, degraded), strict=True)
         ]
 
-    available = (
-        (ready > 0, "ReplicasReady", f"{ready}/{desired} replicas ready")
-        if desired
-        else (False, "ScaledToZero", "spec.replicas is 0")
-    )
-    in_sync = (
-        (True, "AllReplicasCurrent", f"every ready replica serves weights version {target_version}")
-        if not stale
-        else (False, "StaleReplicas", f"{', '.join(stale)} do not serve weights version {target_version}")
-    )
+    if not desired:
+        available = (False, "ScaledToZero", "spec.replicas is 0")
+    elif ready:
+        available = (True, "ReplicasReady", f"{ready}/{desired} replicas ready")
+    else:
+        available = (False, "NoReplicaReady", f"0/{desired} replicas ready")
+    # Every name in "behind" restarted onto, or lags behind, the model's weights version.
+    behind = sorted({*stale, *(n for n in stale_pods if n in have)})
+    if behind:
+        in_sync = (
+            False,
+            "StaleReplicas",
+            f"{', '.join(behind)} do not serve weights version {target_version}",
+        )
+    elif ready:
+        in_sync = (True, "AllReplicasCurrent", f"every ready replica serves weights version {target_version}")
+    else:
+        # Nothing serves, so nothing can be said to serve the current weights.
+        in_sync = (False, "NoReplicas", "no replica is serving yet")
     if errors:
         message = "; ".join(errors)
+        retry = (
+            "the cluster is checked again periodically; free the capacity or change the spec"
+            if error_reason == PLACEMENT_REFUSED
+            else "fix the spec"
+        )
         conditions = conds(
             available,
-            (False, error_reason, "reconcile stopped until the spec is fixed"),
+            (
+                False,
+                error_reason,
+                f"no change is rolled out until this is resolved ({retry}); running replicas are left as they are",
+            ),
             in_sync,
             (True, error_reason, message),
         )
@@ -240,32 +332,40 @@ def compute_status(
             *(f"removing {n}" for n in extra),
             *(f"waiting for {n} to become ready" for n in not_ready if n not in broken),
         ]
-        progressing = (
-            (True, "RollingOut", "; ".join(pending_work))
-            if pending_work
-            else (False, "RolloutComplete", f"{desired} replica(s) up to date")
-        )
+        if pending_work:
+            progressing = (True, "RollingOut", "; ".join(pending_work))
+        elif behind:
+            # Pods are all there but some still have to reach the model's weights version.
+            progressing = (
+                True,
+                "RestoringWeights",
+                f"bringing {', '.join(behind)} to weights version {target_version}",
+            )
+        else:
+            progressing = (False, "RolloutComplete", f"{desired} replica(s) up to date")
         degraded = (
             (
                 True,
                 "ReplicasUnhealthy",
-                f"{', '.join(broken)} crashed or report a broken server; see `kubectl logs` of those pods",
+                "; ".join(
+                    replica_problem(p, probes.get(n)) for p in live if (n := p["metadata"]["name"]) in broken
+                ),
             )
             if broken
             else (False, "AsExpected", "no replica is broken")
         )
         conditions = conds(available, progressing, in_sync, degraded)
-        message = (degraded[2] if broken else progressing[2]) if (broken or pending_work) else available[2]
+        message = degraded[2] if broken else progressing[2] if progressing[0] else available[2]
         if broken:
             phase = PHASE_DEGRADED
-        elif not pending_work and ready == desired:
+        elif not progressing[0] and ready == desired:
             phase = PHASE_READY
         elif ready == 0:
             phase = PHASE_PENDING
         else:
             phase = PHASE_PROGRESSING
 
-    return _without_empty_strings(
+    out = _without_empty_strings(
         {
             "phase": phase,
             "ready": f"{ready}/{desired}",
@@ -278,6 +378,11 @@ def compute_status(
             "endpoints": endpoints,
         }
     )
+    spec = plan.spec if plan else None
+    if spec is not None and spec.gpu.mode is not GpuMode.NONE:
+        # Only a model on GPUs has a memory fraction; on CPU the GPU-Frac column stays empty.
+        out["gpuMemoryFraction"] = spec.gpu.memory_fraction
+    return out
 
 
 def transition_events(previous: Mapping[str, Any], current: Mapping[str, Any]) -> list[Event]:

@@ -21,8 +21,11 @@ from rewardplane.api.weightsync import (
     INVALID_SPEC,
     NO_REPLICAS,
     PENDING,
+    REPLICA_FAILED,
     STALE_VERSION,
     TERMINAL,
+    TIMEOUT,
+    TRANSFERRING,
     WeightSyncRefused,
 )
 from rewardplane.protocol import ParamMeta, RewardModelTrainingMode, plan_buckets
@@ -102,6 +105,41 @@ def interrupted(ws: Mapping[str, Any]) -> bool:
     """The current generation was started but never finished (the operator restarted mid-push)."""
     status = ws.get("status") or {}
     return not needs_push(ws) and bool(status.get("phase")) and status.get("phase") not in TERMINAL
+
+
+def resumable_transfer(ws: Mapping[str, Any], now: float, elapsed_s: float) -> Transfer | None:
+    """The transfer an operator that restarted mid-push can follow to its end, or None.
+
+    Once a push is Transferring, every target accepted the announce and the trainer broadcasts to
+    them directly: the operator's part is only to watch the replicas reach the version, which a
+    new operator can do from the status (targets, timeout, start time). Earlier phases cannot be
+    resumed: the trainer's group needs the announces the dead operator never sent.
+    """
+    status, spec = ws.get("status") or {}, ws.get("spec") or {}
+    if not interrupted(ws) or status.get("phase") != TRANSFERRING:
+        return None
+    targets = []
+    for r in status.get("replicas") or []:
+        try:
+            targets.append(
+                Target(
+                    int(r["replica"]), str(r["pod"]), str(r["url"]), int(r["worldSize"]), int(r["rankOffset"])
+                )
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+    version = status.get("version") or spec.get("version")
+    if not targets or not isinstance(version, int):
+        return None
+    timeout_s = float(spec.get("timeoutSeconds") or 600)
+    return Transfer(
+        version=version,
+        timeout_s=timeout_s,
+        nbytes=int(status.get("bytes") or 0),
+        targets=tuple(targets),
+        announced=now - elapsed_s,
+        deadline=now - elapsed_s + timeout_s,
+    )
 
 
 def current_version(rm: Mapping[str, Any], weightsyncs: Sequence[Mapping[str, Any]]) -> int:
@@ -198,9 +236,13 @@ def plan_group(candidates: Sequence[Candidate], current: int, mode: RewardModelT
     if not targets:
         raise WeightSyncRefused(
             NO_REPLICAS,
-            "no replica of the model can take the push (none is running and answering)"
-            + (f": {'; '.join(skipped)}" if skipped else "")
-            + "; wait until the RewardModel is Ready and push again",
+            "no replica of the model can take the push"
+            + (
+                f": {'; '.join(skipped)}; the operator restores them from saved weights or a healthy "
+                "peer, or push the full weights (trainingMode full) now: a full push is always accepted"
+                if skipped
+                else " (none is running and answering); wait until the RewardModel is Ready and push again"
+            ),
         )
     return GroupPlan(tuple(targets), offset + 1, tuple(skipped))
 
@@ -231,6 +273,112 @@ def replica_outcome(
     ):
         return FAILED, str(runtime.get("detail") or "the replica reports broken weights")
     return None, None
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One poll of a replica during the transfer: its /runtime_version and (while it is behind)
+    /get_num_background_tasks answers; None where it did not answer."""
+
+    runtime: Mapping[str, Any] | None = None
+    tasks: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """What is known of a push after every target accepted the announce."""
+
+    version: int
+    timeout_s: float
+    nbytes: int
+    targets: tuple[Target, ...]
+    announced: float
+    """Monotonic time of the announce; replica durations count from it."""
+    deadline: float
+    entries: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Pod → final status entry, for the targets that finished."""
+    failures: tuple[str, ...] = ()
+
+    @property
+    def pending(self) -> tuple[Target, ...]:
+        return tuple(t for t in self.targets if t.pod not in self.entries)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a push ended: the closing status of the WeightSync."""
+
+    phase: str
+    message: str
+    replicas: list[dict[str, Any]]
+    bytes: int
+    reason: str | None = None
+
+
+def step(
+    transfer: Transfer, observations: Mapping[str, Observation], now: float
+) -> tuple[Transfer, tuple[Target, ...], Outcome | None]:
+    """One turn of following a transfer: read the observations → (new state, the replicas to poll
+    next, the outcome once every replica finished or the deadline passed)."""
+    entries = dict(transfer.entries)
+    failures = list(transfer.failures)
+    took = round(now - transfer.announced, 4)
+    for t in transfer.pending:
+        seen = observations.get(t.pod)
+        if seen is None:
+            continue
+        outcome, message = replica_outcome(transfer.version, seen.runtime, seen.tasks)
+        if outcome == COMPLETED:
+            entries[t.pod] = replica_entry(
+                t, COMPLETED, version=transfer.version, bytes=transfer.nbytes, durationSeconds=took
+            )
+        elif outcome == FAILED:
+            failures.append(f"{t.pod}: {message}")
+            entries[t.pod] = replica_entry(
+                t,
+                FAILED,
+                durationSeconds=took,
+                message=(message or "")[:1000],
+                version=int(seen.runtime["version"]) if seen.runtime else None,
+            )
+    state = Transfer(
+        transfer.version,
+        transfer.timeout_s,
+        transfer.nbytes,
+        transfer.targets,
+        transfer.announced,
+        transfer.deadline,
+        entries,
+        tuple(failures),
+    )
+    pending = state.pending
+    if pending and now < transfer.deadline:
+        return state, pending, None
+    timed_out = [t.pod for t in pending]
+    for t in pending:
+        failures.append(f"{t.pod}: did not serve version {transfer.version} within {transfer.timeout_s:.0f}s")
+        entries[t.pod] = replica_entry(t, FAILED, message="timed out")
+    replicas = [dict(entries[t.pod]) for t in transfer.targets]
+    if failures:
+        # Timeout only when waiting ran out for every failed replica; an answer that says what
+        # failed is the better reason.
+        reason = TIMEOUT if len(timed_out) == len(failures) else REPLICA_FAILED
+        message = (
+            f"version {transfer.version} failed on {len(failures)} replica(s): "
+            + "; ".join(failures)
+            + " (the trainer may have died or timed out; push again)"
+        )
+        return state, (), Outcome(FAILED, message, replicas, 0, reason)
+    return (
+        state,
+        (),
+        Outcome(
+            COMPLETED,
+            f"{len(replicas)} replica(s) serve version {transfer.version}",
+            replicas,
+            transfer.nbytes,
+        ),
+    )
 
 
 # --------------------------------------------------------------------------------------------

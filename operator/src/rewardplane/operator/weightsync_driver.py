@@ -1,42 +1,34 @@
 """Drives WeightSync pushes: reads the cluster, asks the pure ``weightsync`` module what to do, calls
-each replica's control plane and writes the WeightSync's status.
+each replica's control plane (through ``Replicas``) and writes the WeightSync's status.
 
-Each push runs on a thread of its own (a push lasts as long as the transfer; the kopf handler only
-starts it). One push per WeightSync at a time: a new generation arriving meanwhile runs right after.
+A push runs in the kopf handler of its WeightSync: kopf handles one object at a time, so a new
+generation arriving during a push is handled right after it, and no thread of our own is needed.
+Following the transfer is the pure ``weightsync.step`` fed with what the replicas answer.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-import httpx
-
 from rewardplane.api import weightsync as wsapi
 from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
 from rewardplane.api.names import TOKEN_KEY, token_secret_name
-from rewardplane.protocol import (
-    Endpoints,
-    InitCommunicatorRequest,
-    ParamMeta,
-    UpdateParamBatchRequest,
-)
+from rewardplane.protocol import InitCommunicatorRequest, ParamMeta, UpdateParamBatchRequest
 
 from . import weightsync as wsm
-from .coalesce import Coalescer
 from .render import HTTP_PORT_NAME, selector
+from .replicas import HttpReplicas, ReplicaError, Replicas
 from .status import pod_ready, replica_index
 
 log = logging.getLogger("rewardplane.operator.weightsync")
 
 Key = tuple[str, str]
 POLL_S = 0.02
-HTTP_TIMEOUT = httpx.Timeout(10.0, connect=3.0)
 
 
 def now_rfc3339() -> str:
@@ -79,58 +71,54 @@ class WeightSyncDriver:
         kube: Kube,
         on_done: Callable[[Key], None] | None = None,
         stale_pods: Callable[[Key], set[str]] | None = None,
+        replicas: Replicas | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.kube = kube
         self.on_done = on_done  # (namespace, model): reconcile the RewardModel after a push
         self.stale_pods = stale_pods or (lambda _key: set())
-        self._coalesce: Coalescer[Key] = Coalescer()
+        self.replicas: Replicas = replicas or HttpReplicas()
+        self._clock = clock
+        self._sleep = sleep
 
-    # ---------------------------------------------------------------- entry points
+    # ---------------------------------------------------------------- entry point
 
-    def request(self, key: Key, *, resumed: bool = False) -> None:
-        """Handle the WeightSync ``key`` on a thread of its own (coalesced per object)."""
-        if not self._coalesce.begin(key):
-            return
-        threading.Thread(
-            target=self._loop, args=(key, resumed), name=f"weightsync-{key[1]}", daemon=True
-        ).start()
+    def handle(self, key: Key) -> None:
+        """Start the push the WeightSync asks for, or finish one an earlier operator left open.
 
-    def _loop(self, key: Key, resumed: bool) -> None:
-        first = [resumed]
-
-        def once() -> None:
-            try:
-                self.handle(key, resumed=first[0])
-            except Exception:  # never lose the thread silently; the next event retries
-                log.exception("handling WeightSync %s/%s failed", *key)
-            first[0] = False
-
-        self._coalesce.loop(key, once)
-
-    def handle(self, key: Key, *, resumed: bool = False) -> None:
+        kopf runs this for one object at a time and a push runs inside it, so a WeightSync found
+        started but unfinished here was left by an operator that died (whichever kopf handler
+        brings it: a resumed create, or the resume handler)."""
         ns, name = key
         ws = self.kube.get(custom_path(ns, name, wsapi.WS_PLURAL))
         if ws is None:
             return
-        if resumed and wsm.interrupted(ws):
-            started = self._started_monotonic(ws)
+        if wsm.interrupted(ws):
+            started = self._started(ws)
+            transfer = wsm.resumable_transfer(ws, self._clock(), self._clock() - started)
+            if transfer is not None:
+                log.info("WeightSync %s/%s: resuming the transfer the operator was following", ns, name)
+                model = str((ws.get("spec") or {}).get("rewardModelRef") or "")
+                self._follow(ws, transfer, model_token(self.kube, ns, model), started)
+                return
             self._finish(
                 ws,
                 wsm.FAILED,
                 started,
                 reason=wsapi.OPERATOR_RESTARTED,
-                message="the operator restarted during this push; the trainer must push again",
+                message="the operator restarted before every replica accepted this push; the trainer must push again",
             )
             return
         if not wsm.needs_push(ws):
             return
         self.push(ws)
 
-    @staticmethod
-    def _started_monotonic(ws: Mapping[str, Any]) -> float:
-        """When the push started, on this process's monotonic clock (from ``status.startedAt``)."""
+    def _started(self, ws: Mapping[str, Any]) -> float:
+        """When the push started, on this driver's clock (from ``status.startedAt``, which survives
+        an operator restart)."""
         started_at = (ws.get("status") or {}).get("startedAt")
-        return time.monotonic() - wsm.seconds_since(started_at, datetime.now(timezone.utc))
+        return self._clock() - wsm.seconds_since(started_at, datetime.now(timezone.utc))
 
     # ---------------------------------------------------------------- status
 
@@ -160,7 +148,7 @@ class WeightSyncDriver:
             current.get("status") or {},
             phase,
             now_rfc3339(),
-            time.monotonic() - started,
+            self._clock() - started,
             reason=reason,
             message=message,
             replicas=replicas,
@@ -184,7 +172,7 @@ class WeightSyncDriver:
 
     # ---------------------------------------------------------------- the push
 
-    def _candidates(self, ns: str, model: str, http: httpx.Client) -> list[wsm.Candidate]:
+    def _candidates(self, ns: str, model: str) -> list[wsm.Candidate]:
         stale = self.stale_pods((ns, model))
         out: list[wsm.Candidate] = []
         for pod in self.kube.list(core_path("pods", ns), label_selector=selector(model)):
@@ -193,26 +181,22 @@ class WeightSyncDriver:
                 continue
             url = f"http://{pod['status']['podIP']}:{port}"
             try:
-                runtime = http.get(url + Endpoints.RUNTIME_VERSION, timeout=HTTP_TIMEOUT).json()
-                world = http.get(url + Endpoints.WORLD_SIZE, timeout=HTTP_TIMEOUT).json()["world_size"]
-            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                runtime = self.replicas.runtime(url)
+                world = self.replicas.world_size(url)
+                version = int(runtime["version"])
+            except (ReplicaError, KeyError, TypeError, ValueError) as exc:
                 log.info("replica %s left out of the push: %s", pod["metadata"]["name"], exc)
                 continue
+            name = pod["metadata"]["name"]
             out.append(
                 wsm.Candidate(
-                    index,
-                    pod["metadata"]["name"],
-                    url,
-                    int(world),
-                    int(runtime["version"]),
-                    str(runtime.get("state") or ""),
-                    pod["metadata"]["name"] in stale,
+                    index, name, url, world, version, str(runtime.get("state") or ""), name in stale
                 )
             )
         return out
 
     def push(self, ws: Mapping[str, Any]) -> None:
-        started = time.monotonic()
+        started = self._clock()
         ns = ws["metadata"]["namespace"]
         model = (ws.get("spec") or {}).get("rewardModelRef", "")
         rm = self.kube.get(custom_path(ns, model)) if model else None
@@ -226,7 +210,6 @@ class WeightSyncDriver:
             return
         deadline = started + req.timeout_s
         self._patch_status(ws, wsm.start_status(req, now_rfc3339()))
-        http = httpx.Client()
         try:
             if rm is None:
                 raise wsm.WeightSyncRefused(
@@ -243,7 +226,8 @@ class WeightSyncDriver:
                 for w in self.kube.list(custom_path(ns, plural=wsapi.WS_PLURAL))
                 if w["metadata"]["name"] != req.name
             ]
-            wsm.check_version(req.version, wsm.current_version(rm, [*others, ws]))
+            current = wsm.current_version(rm, [*others, ws])
+            wsm.check_version(req.version, current)
             cm = self.kube.get(core_path("configmaps", ns, req.config_map)) if req.config_map else None
             if cm is None:
                 raise wsm.WeightSyncRefused(
@@ -253,30 +237,37 @@ class WeightSyncDriver:
                 )
             metadata = wsapi.decode_manifest(cm, req.manifest_key, req.manifest_sha256)
             token = model_token(self.kube, ns, model)
-            http.headers["Authorization"] = f"Bearer {token}"
-            current = wsm.current_version(rm, [*others, ws])
-            plan = wsm.plan_group(self._candidates(ns, model, http), current, req.training_mode)
-            self._run(ws, req, plan, metadata, http, started, deadline)
+            plan = wsm.plan_group(self._candidates(ns, model), current, req.training_mode)
+            self._run(ws, req, plan, metadata, token, started, deadline)
         except wsm.WeightSyncRefused as exc:
             self._finish(ws, wsm.FAILED, started, reason=exc.reason, message=str(exc))
         except KubeError as exc:
             self._finish(ws, wsm.FAILED, started, reason="ApiError", message=str(exc))
-        finally:
-            http.close()
-
-    def _post(self, http: httpx.Client, url: str, path: str, body: dict[str, Any], timeout_s: float) -> None:
-        try:
-            resp = http.post(url + path, json=body, timeout=httpx.Timeout(timeout_s, connect=3.0))
-        except httpx.HTTPError as exc:
-            raise wsm.WeightSyncRefused(wsapi.REPLICA_REFUSED, f"{url}{path} did not answer: {exc}") from exc
-        if resp.status_code >= 400:
-            try:
-                detail = resp.json().get("error") or resp.text
-            except ValueError:
-                detail = resp.text
-            raise wsm.WeightSyncRefused(
-                wsapi.REPLICA_REFUSED, f"{url}{path} answered {resp.status_code}: {detail}"
+        except Exception as exc:
+            # Never leave a started push in a running phase: the trainer would wait for nothing.
+            log.exception("push %s/%s failed in the operator", ns, req.name)
+            self._finish(
+                ws,
+                wsm.FAILED,
+                started,
+                reason=wsapi.OPERATOR_ERROR,
+                message=f"the operator failed during this push ({type(exc).__name__}: {exc}); push again",
             )
+
+    def _observe(self, url: str, token: str, version: int) -> wsm.Observation:
+        """One poll of a replica; what it did not answer stays None (the step waits for it)."""
+        try:
+            runtime = self.replicas.runtime(url)
+        except ReplicaError as exc:
+            log.debug("polling %s: %s", url, exc)
+            return wsm.Observation()
+        if int(runtime.get("version", -1)) >= version:
+            return wsm.Observation(runtime)
+        try:
+            return wsm.Observation(runtime, self.replicas.background_tasks(url, token))
+        except ReplicaError as exc:
+            log.debug("polling %s: %s", url, exc)
+            return wsm.Observation(runtime)
 
     def _run(
         self,
@@ -284,7 +275,7 @@ class WeightSyncDriver:
         req: wsm.PushRequest,
         plan: wsm.GroupPlan,
         metadata: list[ParamMeta],
-        http: httpx.Client,
+        token: str,
         started: float,
         deadline: float,
     ) -> None:
@@ -299,89 +290,65 @@ class WeightSyncDriver:
                 "message": note,
             },
         )
-        remaining = max(1.0, deadline - time.monotonic())
-        for t in plan.targets:
-            body = InitCommunicatorRequest(
-                host=req.address,
-                port=req.port,
-                world_size=plan.world_size,
-                rank_offset=t.rank_offset,
-                timeout_s=remaining,
-                group_id=req.group_id,
-            )
-            self._post(http, t.url, Endpoints.INIT_COMMUNICATOR, body.model_dump(mode="json"), 10.0)
-        announce = UpdateParamBatchRequest(
-            metadata=metadata,
-            training_mode=req.training_mode,
-            version=req.version,
-            bucket_bytes=req.bucket_bytes,
-            timeout_s=remaining,
-        )
-        payload = announce.model_dump(mode="json")
-        # The first announce waits (server side) until the trainer has joined the group.
-        for t in plan.targets:
-            left = max(1.0, deadline - time.monotonic())
-            payload["timeout_s"] = left
-            self._post(http, t.url, Endpoints.UPDATE_PARAM_BATCH, payload, left + 5.0)
-            entries[t.pod] = wsm.replica_entry(t, wsapi.TRANSFERRING)
-        announced = time.monotonic()
+        remaining = max(1.0, deadline - self._clock())
+        try:
+            for t in plan.targets:
+                self.replicas.init_communicator(
+                    t.url,
+                    token,
+                    InitCommunicatorRequest(
+                        host=req.address,
+                        port=req.port,
+                        world_size=plan.world_size,
+                        rank_offset=t.rank_offset,
+                        timeout_s=remaining,
+                        group_id=req.group_id,
+                    ),
+                )
+            # The first announce waits (server side) until the trainer has joined the group.
+            for t in plan.targets:
+                left = max(1.0, deadline - self._clock())
+                announce = UpdateParamBatchRequest(
+                    metadata=metadata,
+                    training_mode=req.training_mode,
+                    version=req.version,
+                    bucket_bytes=req.bucket_bytes,
+                    timeout_s=left,
+                )
+                self.replicas.update_param_batch(t.url, token, announce, left + 5.0)
+                entries[t.pod] = wsm.replica_entry(t, wsapi.TRANSFERRING)
+        except ReplicaError as exc:
+            raise wsm.WeightSyncRefused(wsapi.REPLICA_REFUSED, str(exc)) from exc
         self._patch_status(ws, {"phase": wsapi.TRANSFERRING, "replicas": list(entries.values())})
-        nbytes = wsm.push_bytes(metadata, req.bucket_bytes)
 
-        pending = {t.pod: t for t in plan.targets}
-        failures: list[str] = []
-        while pending and time.monotonic() < deadline:
-            for pod, t in list(pending.items()):
-                runtime = tasks = None
-                try:
-                    runtime = http.get(t.url + Endpoints.RUNTIME_VERSION, timeout=HTTP_TIMEOUT).json()
-                    if int(runtime.get("version", -1)) < req.version:
-                        tasks = http.get(t.url + Endpoints.NUM_BACKGROUND_TASKS, timeout=HTTP_TIMEOUT).json()
-                except (httpx.HTTPError, ValueError) as exc:
-                    log.debug("polling %s: %s", t.url, exc)
-                outcome, message = wsm.replica_outcome(req.version, runtime, tasks)
-                if outcome is None:
-                    continue
-                del pending[pod]
-                took = round(time.monotonic() - announced, 4)
-                if outcome == wsm.COMPLETED:
-                    entries[pod] = wsm.replica_entry(
-                        t, wsm.COMPLETED, version=req.version, bytes=nbytes, durationSeconds=took
-                    )
-                else:
-                    failures.append(f"{pod}: {message}")
-                    entries[pod] = wsm.replica_entry(
-                        t,
-                        wsm.FAILED,
-                        durationSeconds=took,
-                        message=(message or "")[:1000],
-                        version=int(runtime["version"]) if runtime else None,
-                    )
-            if pending:
-                time.sleep(POLL_S)
-        for pod, t in pending.items():
-            failures.append(f"{pod}: did not serve version {req.version} within {req.timeout_s:.0f}s")
-            entries[pod] = wsm.replica_entry(t, wsm.FAILED, message="timed out")
-        replicas = [entries[t.pod] for t in plan.targets]
-        if failures:
-            reason = wsapi.TIMEOUT if pending and len(pending) == len(failures) else wsapi.REPLICA_FAILED
-            self._finish(
-                ws,
-                wsm.FAILED,
-                started,
-                reason=reason,
-                replicas=replicas,
-                bytes_=0,
-                message=f"version {req.version} failed on {len(failures)} replica(s): "
-                + "; ".join(failures)
-                + " (the trainer may have died or timed out; push again)",
-            )
-            return
+        transfer = wsm.Transfer(
+            version=req.version,
+            timeout_s=req.timeout_s,
+            nbytes=wsm.push_bytes(metadata, req.bucket_bytes),
+            targets=plan.targets,
+            announced=self._clock(),
+            deadline=deadline,
+        )
+        # Recorded before the transfer, so an operator that restarts meanwhile can follow it.
+        self._patch_status(ws, {"bytes": transfer.nbytes})
+        self._follow(ws, transfer, token, started)
+
+    def _follow(self, ws: Mapping[str, Any], transfer: wsm.Transfer, token: str, started: float) -> None:
+        """Poll the replicas until ``step`` says how the transfer ended, then close the push."""
+        observations: dict[str, wsm.Observation] = {}
+        while True:
+            transfer, polls, outcome = wsm.step(transfer, observations, self._clock())
+            if outcome is not None:
+                break
+            if observations:
+                self._sleep(POLL_S)
+            observations = {t.pod: self._observe(t.url, token, transfer.version) for t in polls}
         self._finish(
             ws,
-            wsm.COMPLETED,
+            outcome.phase,
             started,
-            replicas=replicas,
-            bytes_=nbytes,
-            message=f"{len(replicas)} replica(s) serve version {req.version}",
+            reason=outcome.reason,
+            message=outcome.message,
+            replicas=outcome.replicas,
+            bytes_=outcome.bytes,
         )

@@ -1,7 +1,7 @@
 """``rewardplane status | score | push``: a RewardModel from the command line, without writing Python.
 
     rewardplane status NAME [-n NS]
-    rewardplane score NAME TEXT... [-n NS] [--raw]
+    rewardplane score NAME TEXT... [-n NS] [--raw | --normalize]
     rewardplane push NAME --from CHECKPOINT --version N --mode {head_only,lora,full} [-n NS]
 
 Credentials: ``--kubeconfig``, else in-cluster, else ``$KUBECONFIG`` / ``~/.kube/config``. Pushing
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     score = sub.add_parser("score", help="score texts with a RewardModel's ready replicas")
     _common(score)
     score.add_argument("texts", nargs="+", metavar="TEXT")
-    score.add_argument("--raw", action="store_true", help="raw head outputs (no sigmoid/softmax)")
+    how = score.add_mutually_exclusive_group()
+    how.add_argument("--raw", action="store_true", help="raw head outputs (no sigmoid/softmax)")
+    how.add_argument("--normalize", action="store_true", help="sigmoid/softmax of the head outputs")
     push = sub.add_parser("push", help="push a saved checkpoint into a RewardModel's servers")
     _common(push)
     push.add_argument(
@@ -63,27 +66,28 @@ def _handle(args: argparse.Namespace) -> Any:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from rewardplane.api.status import RewardModelStatus
+
     with _handle(args) as handle:
         rm = handle.get()
-        status = rm.get("status") or {}
+        raw = rm.get("status") or {}
         ws = handle.weightsync()
         if args.json:
-            print(json.dumps({"status": status, "weightsync": (ws or {}).get("status")}, indent=2))
+            print(json.dumps({"status": raw, "weightsync": (ws or {}).get("status")}, indent=2))
             return 0
+        status = RewardModelStatus.model_validate(raw)
         print(
-            f"RewardModel {args.namespace}/{args.name}: {status.get('phase', 'Unknown')}  ready "
-            f"{status.get('ready', '?')}  weights version {status.get('weightsVersion', 0)}"
+            f"RewardModel {args.namespace}/{args.name}: {status.phase}  ready "
+            f"{status.ready_replicas}/{status.replicas}  weights version {status.weights_version}"
         )
-        if status.get("message"):
-            print(f"  {status['message']}")
+        if status.message:
+            print(f"  {status.message}")
         print(f"  {'REPLICA':<8} {'POD':<24} {'URL':<28} {'VERSION':<8} {'STATE':<10} READY")
-        for e in status.get("endpoints") or []:
-            print(
-                f"  {e.get('replica', 0):<8} {e.get('pod', ''):<24} {e.get('url', ''):<28} "
-                f"{e.get('weightsVersion', '-')!s:<8} {e.get('state', '') or '-':<10} {e.get('ready', False)}"
-            )
-        for c in status.get("conditions") or []:
-            print(f"  {c['type']}={c['status']} ({c.get('reason', '')}): {c.get('message', '')}")
+        for e in status.endpoints:
+            version = "-" if e.weights_version is None else str(e.weights_version)
+            print(f"  {e.replica:<8} {e.pod:<24} {e.url:<28} {version:<8} {e.state or '-':<10} {e.ready}")
+        for c in status.conditions:
+            print(f"  {c.type}={c.status} ({c.reason}): {c.message}")
         wss = (ws or {}).get("status") or {}
         if wss:
             line = (
@@ -96,12 +100,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def score_normalize(spec: Mapping[str, Any], raw: bool, normalize: bool) -> bool:
+    """Whether ``rewardplane score`` normalises: as the flags say, else as the RewardModel's
+    ``spec.model.normalize`` says (the way its users score it)."""
+    if raw or normalize:
+        return normalize
+    return bool(((spec.get("model") or {}).get("normalize")) or False)
+
+
 def cmd_score(args: argparse.Namespace) -> int:
     from rewardplane.protocol import ScoringRequest
 
     with _handle(args) as handle:
+        normalize = score_normalize(handle.get().get("spec") or {}, args.raw, args.normalize)
         client = handle.client()
-        response, _ = client.score_sync(ScoringRequest(inputs=list(args.texts), normalize=not args.raw))
+        response, _ = client.score_sync(ScoringRequest(inputs=list(args.texts), normalize=normalize))
         for text, score in zip(args.texts, response.scores, strict=True):
             print(f"{json.dumps(score)}\t{text}")
         print(f"(weights version {response.version})", file=sys.stderr)

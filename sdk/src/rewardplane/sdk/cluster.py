@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,7 @@ from rewardplane.api.names import (
     custom_path,
     token_secret_name,
 )
+from rewardplane.api.status import EndpointStatus, RewardModelStatus
 from rewardplane.protocol import (
     DEFAULT_BUCKET_BYTES,
     TOKEN_ENV,
@@ -57,6 +59,8 @@ from rewardplane.protocol.naming import (
     validate_for_mode,
 )
 
+from ._exceptions import ClusterError, RewardplaneTimeout, WeightSyncFailed
+
 if TYPE_CHECKING:
     import torch
 
@@ -68,21 +72,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # status polls during a push (one GET each; a push is short)
-
-
-class ClusterError(RuntimeError):
-    """Talking to the cluster failed, or the RewardModel is not in the state asked for."""
-
-
-class WeightSyncFailed(RuntimeError):
-    """The operator reported the push Failed; ``reason`` is its CamelCase reason."""
-
-    def __init__(
-        self, message: str, reason: str | None = None, status: Mapping[str, Any] | None = None
-    ) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.status = dict(status or {})
 
 
 @dataclass(frozen=True)
@@ -184,53 +173,67 @@ class RewardModelHandle:
             )
         return rm
 
+    def get_status(self) -> RewardModelStatus:
+        """The RewardModel's status, typed (one GET)."""
+        return RewardModelStatus.model_validate(self.get().get("status") or {})
+
+    def get_weights_version(self) -> int:
+        """The weights version the operator reports for the model (one GET)."""
+        return self.get_status().weights_version
+
+    def get_all_endpoints(self) -> list[ReplicaEndpoint]:
+        """Every replica the status lists, ready or not (one GET)."""
+        return [_replica(e) for e in self.get_status().endpoints]
+
+    def get_endpoints(self) -> list[ReplicaEndpoint]:
+        """The ready replicas (healthy, on the model's weights version), in replica order (one GET)."""
+        return _ready(self.get_all_endpoints())
+
+    def get_urls(self) -> list[str]:
+        """The ready replicas' base URLs, in replica order (one GET)."""
+        return [e.url for e in self.get_endpoints()]
+
+    # Earlier names: properties that read the cluster on every access. Kept working; they warn
+    # because an attribute read that does network I/O (and can fail) surprises callers.
     @property
     def status(self) -> dict[str, Any]:
+        _deprecated("status", "get_status()")
         return dict(self.get().get("status") or {})
 
     @property
     def weights_version(self) -> int:
-        return int(self.status.get("weightsVersion") or 0)
+        _deprecated("weights_version", "get_weights_version()")
+        return self.get_weights_version()
 
     def all_endpoints(self) -> list[ReplicaEndpoint]:
-        return [
-            ReplicaEndpoint(
-                replica=int(e.get("replica", 0)),
-                pod=e.get("pod", ""),
-                url=e.get("url", ""),
-                weights_version=e.get("weightsVersion"),
-                state=e.get("state", ""),
-                ready=bool(e.get("ready")),
-                rank_offset=int(e.get("rankOffset", 0)),
-                world_size=int(e.get("worldSize", 1)),
-            )
-            for e in self.status.get("endpoints") or []
-        ]
+        return self.get_all_endpoints()
 
     @property
     def endpoints(self) -> list[ReplicaEndpoint]:
-        """The ready replicas (healthy, on the model's weights version), in replica order."""
-        return sorted((e for e in self.all_endpoints() if e.ready and e.url), key=lambda e: e.replica)
+        _deprecated("endpoints", "get_endpoints()")
+        return self.get_endpoints()
 
     @property
     def urls(self) -> list[str]:
-        return [e.url for e in self.endpoints]
+        _deprecated("urls", "get_urls()")
+        return self.get_urls()
 
-    def wait_ready(self, timeout_s: float = 300.0, *, min_replicas: int | None = None) -> dict[str, Any]:
-        """Wait until every desired replica (or ``min_replicas``) is ready; returns the status."""
+    def wait_ready(self, timeout_s: float = 300.0, *, min_replicas: int | None = None) -> RewardModelStatus:
+        """Wait until every desired replica (or ``min_replicas``) is ready; returns the status.
+        Raises RewardplaneTimeout (a TimeoutError) with the phase and message when it is not."""
         deadline = time.monotonic() + timeout_s
         while True:
             rm = self.get()
-            status = rm.get("status") or {}
+            status = RewardModelStatus.model_validate(rm.get("status") or {})
             desired = int((rm.get("spec") or {}).get("replicas", 1))
             want = desired if min_replicas is None else min_replicas
-            ready = len([e for e in status.get("endpoints") or [] if e.get("ready")])
-            if ready >= want and (min_replicas is not None or status.get("phase") == "Ready"):
+            ready = len([e for e in status.endpoints if e.ready])
+            if ready >= want and (min_replicas is not None or status.phase == "Ready"):
                 return status
             if time.monotonic() > deadline:
-                raise TimeoutError(
+                raise RewardplaneTimeout(
                     f"RewardModel {self.namespace}/{self.name} not ready after {timeout_s:.0f}s: phase "
-                    f"{status.get('phase')!r}, {ready}/{want} replicas ready ({status.get('message', 'no message')}); "
+                    f"{status.phase!r}, {ready}/{want} replicas ready ({status.message or 'no message'}); "
                     "see `kubectl describe rm` and the pods' logs"
                 )
             time.sleep(0.2)
@@ -240,7 +243,7 @@ class RewardModelHandle:
         since the last call (the old one is closed). ``kwargs`` go to VLLMRewardClient."""
         from .client import VLLMRewardClient
 
-        urls = tuple(self.urls)
+        urls = tuple(self.get_urls())
         if not urls:
             raise ClusterError(
                 f"RewardModel {self.namespace}/{self.name} has no ready replica; wait_ready() first"
@@ -274,7 +277,7 @@ class RewardModelHandle:
 
     def manifest(self) -> dict[str, ParamMeta]:
         """The served parameters (names, dtypes, shapes) from the first ready replica."""
-        urls = self.urls or [e.url for e in self.all_endpoints() if e.url]
+        urls = self._push_urls()
         if not urls:
             raise ClusterError(
                 f"RewardModel {self.namespace}/{self.name} has no replica to read the manifest from"
@@ -289,6 +292,11 @@ class RewardModelHandle:
                 f"{urls[0]}{Endpoints.PARAM_MANIFEST} answered {resp.status_code}: {resp.text[:300]}"
             )
         return {m["name"]: ParamMeta(**m) for m in resp.json()}
+
+    def _push_urls(self) -> list[str]:
+        """Ready replicas, else any replica with a URL (a push also restores stale ones)."""
+        endpoints = self.get_all_endpoints()
+        return [e.url for e in _ready(endpoints)] or [e.url for e in endpoints if e.url]
 
     def weightsync(self) -> dict[str, Any] | None:
         return self._kube.get(_crd_path(self.namespace, WS_PLURAL, self.name))
@@ -429,7 +437,7 @@ class RewardModelHandle:
         dev = torch.device(device) if device is not None else first.device
         config_map, key, sha = self._store_manifest(metadata)
 
-        urls = self.urls or [e.url for e in self.all_endpoints() if e.url]
+        urls = self._push_urls()
         host = trainer_host or local_address_towards(urls[0])
         # world_size None: the operator decides it from the ready replicas (status.worldSize).
         store = create_store(host, 0, is_master=True, world_size=None, timeout_s=timeout_s)
@@ -531,10 +539,8 @@ class RewardModelHandle:
     def _wait_model_version(self, version: int, deadline: float) -> None:
         """Until the RewardModel's status (and so ``endpoints``) shows the new version; best effort."""
         while time.monotonic() < deadline:
-            status = self.status
-            if int(status.get("weightsVersion") or 0) >= version and any(
-                e.get("ready") for e in status.get("endpoints") or []
-            ):
+            status = self.get_status()
+            if status.weights_version >= version and any(e.ready for e in status.endpoints):
                 return
             time.sleep(POLL_S)
         log.warning(
@@ -552,6 +558,32 @@ class RewardModelHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _replica(e: EndpointStatus) -> ReplicaEndpoint:
+    return ReplicaEndpoint(
+        replica=e.replica,
+        pod=e.pod,
+        url=e.url,
+        weights_version=e.weights_version,
+        state=e.state,
+        ready=e.ready,
+        rank_offset=e.rank_offset,
+        world_size=e.world_size,
+    )
+
+
+def _ready(endpoints: Sequence[ReplicaEndpoint]) -> list[ReplicaEndpoint]:
+    return sorted((e for e in endpoints if e.ready and e.url), key=lambda e: e.replica)
+
+
+def _deprecated(name: str, instead: str) -> None:
+    warnings.warn(
+        f"RewardModelHandle.{name} reads the cluster on every access and is deprecated; call "
+        f"{instead} instead",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 def _progress_bar(total: int, progress: bool | None, desc: str) -> Any:

@@ -1,7 +1,9 @@
 """Direct mode (no operator): the trainer drives the servers' control plane itself.
 
 One process group spans every server (one broadcast serves them all), or, as an option, one group
-per server on the derived ports ``group_port + i``.
+per server on the derived ports ``group_port + i``. :class:`WeightPusher` is the public name
+(``rewardplane.sdk.WeightPusher``); ``DirectWeightSync`` and its ``sync`` method are the earlier
+names of the same class and method.
 """
 
 from __future__ import annotations
@@ -52,7 +54,29 @@ class FanOutCommunicator:
             c.close()
 
 
-class DirectWeightSync:
+class WeightPusher:
+    """Pushes reward-model weights into running servers (direct mode, no operator).
+
+    Args:
+        urls: the servers' base URLs.
+        group_port: the process group's port (one group spanning every server); with
+            ``per_server_groups`` server ``i`` uses ``group_ports[i]`` (default ``group_port + i``).
+        token, token_file: the control-plane token the servers were started with
+            (default ``REWARDPLANE_TOKEN``).
+        trainer_host: this trainer's address as the servers reach it (default: the local address
+            on the route to the first server).
+        device: the trainer's device (an int is a CUDA index; default CUDA if available, else CPU).
+        backend: ``nccl``, ``gloo`` or ``auto`` (by device).
+        timeout_s: bound of one push; connect_timeout_s: bound of forming the group.
+        bucket_bytes: size of the flat buckets a push broadcasts.
+        atomic: servers stage a whole push and swap it in under the scoring lock (costs a copy
+            of the pushed parameters on each server; scoring continues during the transfer).
+        head_name_patterns: what counts as the head for head-only pushes.
+
+    The group is formed on the first push (or :meth:`open`) and kept for the next ones; a failed
+    transfer drops it and the next push forms it again.
+    """
+
     def __init__(
         self,
         urls: Sequence[str],
@@ -102,6 +126,7 @@ class DirectWeightSync:
         return HTTPControlPlane(urls, token=self.token, token_file=self.token_file, timeout_s=self.timeout_s)
 
     def open(self) -> RewardModelPublisher:
+        """Form the process group (once) and return the publisher that pushes over it."""
         if self._publisher is not None:
             return self._publisher
         host = self.trainer_host or local_address_towards(self.urls[0])
@@ -145,20 +170,25 @@ class DirectWeightSync:
         return self._publisher
 
     def next_version(self) -> int:
+        """The highest version any server serves, plus one."""
         return max(self.control.versions()) + 1
 
-    def sync(
+    def push(
         self,
         params: Mapping[str, torch.Tensor],
         *,
         version: int | None = None,
-        training_mode: RewardModelTrainingMode = RewardModelTrainingMode.FULL,
+        training_mode: RewardModelTrainingMode | str = RewardModelTrainingMode.FULL,
         keep_lora: bool = False,
     ) -> int:
+        """Push ``params`` as ``version`` (default :meth:`next_version`) into every server and wait
+        until all serve it; returns the version. Raises WeightValidationError before any byte
+        moves when the parameters do not fit, WeightSyncError when the transfer fails."""
         publisher = self.open()
         v = self.next_version() if version is None else version
+        mode = RewardModelTrainingMode(training_mode)
         try:
-            return publisher.publish(params, v, training_mode=training_mode, keep_lora=keep_lora)
+            return publisher.publish(params, v, training_mode=mode, keep_lora=keep_lora)
         except (WeightValidationError, RewardServerError) as exc:
             if isinstance(exc, RewardServerError) and exc.retryable:
                 self.reset()
@@ -175,8 +205,20 @@ class DirectWeightSync:
             finally:
                 self._publisher = None
 
+    sync = push  # the earlier name
+
     def close(self) -> None:
+        """Tell the servers to leave the group, then release it and the HTTP clients."""
         if self._publisher is not None:
             self.control.close_communicator()
         self.reset()
         self.control.close()
+
+    def __enter__(self) -> WeightPusher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+DirectWeightSync = WeightPusher  # the earlier name

@@ -43,6 +43,7 @@ from rewardplane.transport.buckets import meta_of
 from rewardplane.transport.comm import Backend, Communicator, TensorCommunicator, create_store
 from rewardplane.transport.transfer import send_buckets
 
+from ._exceptions import WeightSyncError
 from .retry import RetryPolicy, call_with_retry, check_response
 
 log = logging.getLogger(__name__)
@@ -51,10 +52,6 @@ log = logging.getLogger(__name__)
 # How long the early long-poll for a pushed version waits on the server (finalize_update polls on
 # after it, up to the control plane's timeout): long enough for a large push on a fast link.
 EARLY_WAIT_S = 10.0
-
-
-class WeightSyncError(RuntimeError):
-    """A push failed; the message says where and what to do."""
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,117 +10,27 @@ The retry loop itself is ``tenacity`` (sync and async from one policy); this mod
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 import tenacity
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# --------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------
+# The errors live in the SDK's one exception tree; imported here for the retry decisions and for
+# code that imports them from this module.
+from ._exceptions import RewardClientError, RewardServerError, RewardServerUnavailable
 
-
-class RewardClientError(Exception):
-    """Base class of every error the scoring client raises on purpose."""
-
-
-class RewardServerError(RewardClientError):
-    """A reward server answered with an HTTP error status.
-
-    ``message`` is the server's own explanation (its ``error``/``detail`` fields), so a 400 for
-    "too many items" tells the caller which limit it hit.
-    """
-
-    def __init__(self, status_code: int, message: str, url: str, detail: Any = None) -> None:
-        self.status_code = status_code
-        self.message = message
-        self.url = url
-        self.detail = detail
-        super().__init__(f"reward server {url} answered {status_code}: {message}")
-
-    @property
-    def retryable(self) -> bool:
-        return self.status_code >= 500
-
-    @classmethod
-    def from_response(cls, response: httpx.Response) -> RewardServerError:
-        message, detail = _error_message(response)
-        return cls(response.status_code, message, str(response.request.url), detail)
-
-
-class RewardServerUnavailable(RewardClientError, ConnectionError):
-    """Every attempt failed with a transient error (5xx, connection error, timeout)."""
-
-    def __init__(
-        self,
-        url: str,
-        attempts: int,
-        last_error: BaseException | None,
-        *,
-        urls: Sequence[str] = (),
-        elapsed_s: float | None = None,
-        hint: str | None = None,
-    ) -> None:
-        self.url = url
-        self.urls = list(dict.fromkeys(urls or [url]))  # de-duplicated, order of first try kept
-        self.attempts = attempts
-        self.last_error = last_error
-        self.elapsed_s = elapsed_s
-        where = url if len(self.urls) == 1 else f"{url} (tried {', '.join(self.urls)})"
-        took = f" in {elapsed_s:.1f}s" if elapsed_s is not None else ""
-        hint = hint or (
-            "Check that the server is running and reachable (GET /health), or raise "
-            "RetryPolicy.max_attempts / request_timeout_s if it is just slow."
-        )
-        super().__init__(
-            f"reward server {where} unavailable after {attempts} attempt(s){took}; last error: "
-            f"{_describe(last_error)}. {hint}"
-        )
-
-
-def _describe(exc: BaseException | None) -> str:
-    if exc is None:
-        return "none"
-    text = str(exc) or "(no message)"
-    return f"{type(exc).__name__}: {text}"
-
-
-def _error_message(response: httpx.Response) -> tuple[str, Any]:
-    """The server's explanation from ``{"error", "detail"}`` or FastAPI's ``{"detail"}``."""
-    try:
-        body = response.json()
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-        text = response.text.strip()
-        return (text[:2000] or response.reason_phrase or "no message"), None
-    if not isinstance(body, dict):
-        return json.dumps(body)[:2000], body
-    error, detail = body.get("error"), body.get("detail")
-    parts: list[str] = []
-    if error:
-        parts.append(str(error))
-    if detail is not None:
-        parts.append(_format_detail(detail))
-    if not parts:
-        parts.append(json.dumps(body)[:2000])
-    return ": ".join(parts), detail if detail is not None else error
-
-
-def _format_detail(detail: Any) -> str:
-    # FastAPI's 422 detail is a list of {"loc": [...], "msg": "..."}; name the field for each.
-    if isinstance(detail, list) and all(isinstance(d, dict) and "msg" in d for d in detail):
-        items = []
-        for d in detail:
-            loc = ".".join(str(x) for x in d.get("loc", ()) if x != "body")
-            items.append(f"{loc}: {d['msg']}" if loc else str(d["msg"]))
-        return "; ".join(items)
-    if isinstance(detail, str):
-        return detail
-    return json.dumps(detail)[:2000]
-
+__all__ = [
+    "RetryPolicy",
+    "RewardClientError",
+    "RewardServerError",
+    "RewardServerUnavailable",
+    "acall_with_retry",
+    "call_with_retry",
+    "check_response",
+]
 
 # --------------------------------------------------------------------------------------------
 # Policy

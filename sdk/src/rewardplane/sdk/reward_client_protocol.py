@@ -35,7 +35,7 @@ class RewardModelClient(Protocol):
         version: int | None = None,
         training_mode: RewardModelTrainingMode = RewardModelTrainingMode.FULL,
     ) -> str:
-        """Push updated reward-model parameters; returns a human-readable summary."""
+        """Push updated reward-model parameters; returns the new weights version as a string."""
         ...
 
     async def get_model_version(self) -> int:

@@ -1,57 +1,49 @@
-"""The FastAPI application: scoring endpoints (open) and the weight-sync control plane (token)."""
+"""The FastAPI application: the engine's scoring routes and the drop-in compatibility routes
+(open), the weight-sync control plane and persistence (token), built once from the engine and its ``WeightSyncPort``; one error shape
+for every answer that is not a success (``errors.py``); a request-size limit before any parsing."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from pathlib import Path
 
-from fastapi import FastAPI, Query, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rewardplane.protocol import (
-    VERSION_HEADER,
-    Endpoints,
-    ErrorResponse,
-    HealthResponse,
-    ModelInfo,
-    RuntimeVersionResponse,
-    ScoringRequest,
-    ScoringResponse,
-    ScoringResult,
-    Usage,
-    WorldSizeResponse,
-)
+from rewardplane.protocol import Endpoints
 
 from .compat_routes import compat_router
+from .control_plane import WeightSyncService
 from .engine import RewardEngine
-from .errors import BadRequest, ServerError
-from .inputs import Limits, check_items, tokenize_texts
+from .errors import ServerError, error_response
+from .inputs import Limits
 from .metrics import ServerMetrics
 from .model_names import ModelNames
-from .scoring import to_score
+from .persistence import WeightsStore
+from .routes import control_router, persistence_router, scoring_router
 from .service import ScoringService
+from .threads import tokenizer_pool
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+UNMATCHED = "<unmatched>"  # the endpoint label of requests to paths the server does not have
 
 
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
-    for err in exc.errors():
+    for err in exc.errors()[:10]:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         parts.append(f"{loc or 'body'}: {err.get('msg')}")
-    return "invalid request: " + "; ".join(parts)
-
-
-def error_response(status_code: int, message: str, detail: object = None) -> JSONResponse:
-    """Every error body has the protocol's one shape: ``{"error": message, "detail": ...}``."""
-    return JSONResponse(
-        ErrorResponse(error=message, detail=detail).model_dump(mode="json"), status_code=status_code
-    )
+    more = len(exc.errors()) - len(parts)
+    return "invalid request: " + "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 
 class ObserveMiddleware:
@@ -88,9 +80,50 @@ class ObserveMiddleware:
             if not started:
                 await error_response(500, "internal server error; see the server log")(scope, receive, send)
             return
+        if status == 404:
+            path = UNMATCHED  # one label for every unknown path: a scanner must not grow the registry
         if path != Endpoints.METRICS:
             self.metrics.requests.labels(path, str(status)).inc()
             self.metrics.latency.labels(path).observe(time.perf_counter() - start)
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over ``max_bytes``, decided before the body is parsed: at once from
+    ``Content-Length``, else while the body streams in. A 10 MB input then costs the server
+    nothing but the bytes it reads."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _message(self, size: str) -> str:
+        return (
+            f"the request body is {size} bytes; this server takes at most {self.max_bytes} "
+            "(--max-request-bytes): send fewer or shorter inputs per request"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await error_response(413, self._message(value.decode()))(scope, receive, send)
+                return
+        seen = 0
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    # An HTTPException reaches the app's handler as it is (FastAPI turns other
+                    # errors while reading the body into a 400).
+                    raise StarletteHTTPException(413, self._message(f"more than {self.max_bytes}"))
+            return message
+
+        await self.app(scope, counted_receive, send)
 
 
 def build_app(
@@ -98,9 +131,23 @@ def build_app(
     *,
     limits: Limits,
     metrics: ServerMetrics,
+    token: str | None = None,
     names: ModelNames | None = None,
-    control_plane: Callable[[FastAPI], None] | None = None,
+    weights_dir: Path | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
+    """The server's app. The control plane is built here, once, from ``engine.weight_port()``."""
+    service = WeightSyncService(
+        engine.guard,
+        engine.weight_port(),
+        metrics,
+        store=WeightsStore(weights_dir) if weights_dir is not None else None,
+    )
+    tokenizers = tokenizer_pool()
+    scoring = ScoringService(
+        engine, limits, metrics, names or ModelNames.of(engine.info.served_model_name), tokenizers
+    )
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await engine.start()
@@ -109,11 +156,9 @@ def build_app(
             yield
         finally:
             await engine.stop()
+            tokenizers.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="rewardplane reward server", lifespan=lifespan)
-    app.state.engine = engine
-    app.state.metrics = metrics
-    info = engine.info
 
     @app.exception_handler(ServerError)
     async def _server_error(request: Request, exc: ServerError) -> JSONResponse:
@@ -128,95 +173,33 @@ def build_app(
         ]
         return error_response(422, _validation_message(exc), detail)
 
-    app.add_middleware(ObserveMiddleware, metrics=metrics)
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own answers (404 unknown path, 405 wrong method, 413 from BodyLimitMiddleware)
+        label = UNMATCHED if exc.status_code == 404 else request.url.path
+        metrics.errors.labels(label, str(exc.status_code)).inc()
+        hint = {404: f"no endpoint {request.url.path}; see /docs for the endpoints"}.get(exc.status_code)
+        response = error_response(exc.status_code, hint or str(exc.detail))
+        for key, value in (exc.headers or {}).items():
+            response.headers[key] = value
+        if exc.status_code == 405 and request.url.path in allowed:
+            # Starlette's Allow names the first matching route's methods only
+            response.headers["allow"] = ", ".join(sorted(allowed[request.url.path]))
+        return response
 
-    service = ScoringService(engine, limits, metrics, names or ModelNames.of(info.served_model_name))
-    check_model, run = service.check_model, service.run
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(ObserveMiddleware, metrics=metrics)  # outermost: it sees every answer
 
-    @app.get(Endpoints.HEALTH, response_model=HealthResponse)
-    async def health(response: Response) -> HealthResponse:
-        g = engine.guard
-        if g.state == "broken":
-            response.status_code = 503  # not ready: take this replica out of rotation
-        return HealthResponse(version=g.version, state=g.state)
-
-    @app.get(Endpoints.RUNTIME_VERSION, response_model=RuntimeVersionResponse)
-    async def runtime_version(
-        wait_for_version: int | None = Query(default=None, ge=0),
-        timeout_s: float = Query(default=30.0, ge=0, le=300),
-    ) -> RuntimeVersionResponse:
-        """With ``wait_for_version``, answer once that version serves, the update failed, or the
-        timeout passed: a trainer learns the outcome of a push in one round trip."""
-        g = engine.guard
-        if wait_for_version is not None:
-            deadline = time.monotonic() + timeout_s
-            sync = getattr(app.state, "weight_sync", None)
-            while (
-                g.version < wait_for_version
-                and g.state != "broken"
-                and time.monotonic() < deadline
-                and not (sync is not None and sync.failed_idle())
-            ):
-                # woken by the commit or the update's end; the cap only bounds a missed wake-up
-                await g.wait_change(min(0.05, max(0.0, deadline - time.monotonic())))
-        return RuntimeVersionResponse(version=g.version, state=g.state, detail=g.broken_reason)
-
-    @app.get(Endpoints.WORLD_SIZE, response_model=WorldSizeResponse)
-    async def world_size() -> WorldSizeResponse:
-        return WorldSizeResponse(world_size=info.world_size)
-
-    @app.get(Endpoints.MODEL_INFO, response_model=ModelInfo)
-    async def model_info() -> ModelInfo:
-        return ModelInfo(
-            model=info.served_model_name,
-            engine=info.engine,
-            num_labels=info.num_labels,
-            dtype=info.dtype,
-            head_dtype=info.head_dtype,
-            max_model_len=info.max_model_len,
-            pooling_type=info.pooling_types[0],
-            version=engine.guard.version,
-        )
-
-    @app.get(Endpoints.METRICS)
-    async def prometheus() -> Response:
-        metrics.weights_version.set(engine.guard.version)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post(Endpoints.SCORE, response_model=ScoringResponse)
-    async def score(req: ScoringRequest, response: Response) -> ScoringResponse:
-        check_model(req.model)
-        if req.n_labels is not None and req.n_labels != info.num_labels:
-            raise BadRequest(
-                f"n_labels {req.n_labels} does not match the served model, which has {info.num_labels} "
-                "label(s): drop n_labels or point at the right reward model"
-            )
-        if req.return_hidden_states:
-            raise BadRequest("return_hidden_states is not supported by this server; send false")
-        if req.pooling_type not in info.pooling_types:
-            raise BadRequest(
-                f"pooling_type {req.pooling_type.value!r} is not available for this model; "
-                f"use one of {[p.value for p in info.pooling_types]}"
-            )
-        check_items(len(req.inputs), limits)
-        rows, version, prompts = await run(
-            tokenize_texts(engine.tokenizer, req.inputs), req.pooling_type, req.truncate
-        )
-        response.headers[VERSION_HEADER] = str(version)
-        ntok = sum(len(p) for p in prompts)
-        return ScoringResponse(
-            model=info.served_model_name,
-            data=[
-                ScoringResult(index=i, score=to_score(row, normalize=req.normalize), num_tokens=len(p))
-                for i, (row, p) in enumerate(zip(rows, prompts, strict=True))
-            ],
-            usage=Usage(prompt_tokens=ntok, total_tokens=ntok),
-            version=version,
-            metadata={"version": version},
-        )
-
-    app.include_router(compat_router(service))  # vLLM / OpenAI / OpenRLHF shapes, root and /v1
-
-    if control_plane is not None:
-        control_plane(app)
+    routers = [
+        scoring_router(scoring, update_failed=service.failed_idle),
+        compat_router(scoring),  # vLLM / OpenAI / OpenRLHF shapes, root and /v1
+        control_router(service, token),
+        persistence_router(service, token),
+    ]
+    allowed: dict[str, set[str]] = {}  # path → methods, for the Allow header of a 405
+    for router in routers:
+        for route in router.routes:
+            if isinstance(route, APIRoute):
+                allowed.setdefault(route.path, set()).update(route.methods or ())
+        app.include_router(router)
     return app

@@ -7,38 +7,79 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rewardplane.protocol.auth import resolve_token
 
 from .config import ServerConfig, parse_args
 from .engine import RewardEngine
-from .inputs import Limits
+from .inputs import limits_for
 from .metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 
 def create_engine(cfg: ServerConfig, metrics: ServerMetrics) -> RewardEngine:
+    # The engine's import first (a missing extra is the first thing to fix), then the model path:
+    # either error is printed last by main, so it becomes the Pod's termination message
+    # (FallbackToLogsOnError) and the operator's status names it.
     if cfg.engine == "vllm":
         from .vllm_engine import VLLMEngine  # import-guarded: needs the `vllm` extra
 
+        check_model_source(cfg.model)
         return VLLMEngine(cfg, metrics)
     from .hf_engine import HFEngine
 
+    check_model_source(cfg.model)
     return HFEngine(cfg, metrics)
 
 
-def build_server_app(cfg: ServerConfig):  # -> FastAPI
+def check_model_source(source: str) -> None:
+    problem = model_source_problem(source)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def build_server_app(cfg: ServerConfig) -> FastAPI:
     from .app import build_app
-    from .control_plane import install_control_plane
     from .model_names import ModelNames
 
+    token = resolve_token(cfg.token, cfg.token_file)  # before the model loads: a bad token file fails fast
     metrics = ServerMetrics()
     engine = create_engine(cfg, metrics)
-    limits = Limits(max_items=cfg.max_items_per_request, max_tokens=engine.info.max_model_len)
+    limits = limits_for(cfg.max_items_per_request, engine.info.max_model_len, cfg.max_input_bytes)
     return build_app(
         engine,
         limits=limits,
         metrics=metrics,
         names=ModelNames.of(cfg.name, cfg.model, cfg.model_aliases),
-        control_plane=lambda app: install_control_plane(app, engine, cfg, metrics),
+        token=token,
+        weights_dir=cfg.weights_dir,
+        max_request_bytes=cfg.max_request_bytes,
     )
+
+
+def model_source_problem(source: str) -> str | None:
+    """Why ``--model`` cannot be loaded, when that is clear before loading anything: a path that
+    does not exist, or a folder that is not a checkpoint. (A hub id is left to the loader; without
+    this check a missing path shows up as a Hugging Face hub error about an invalid repo id.)"""
+    # Hub ids are "name" or "org/name"; anything absolute, relative-marked or deeper is a path.
+    looks_like_path = source.startswith(("/", "./", "../", "~")) or source.count("/") > 1
+    path = Path(source).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").exists():
+            return (
+                f"model not found at {source}: the folder has no config.json (not a Hugging Face "
+                "checkpoint); point --model (RewardModel spec.model.source) at the checkpoint folder"
+            )
+        return None
+    if looks_like_path:
+        return (
+            f"model not found at {source}: no such file or directory; fix --model (RewardModel "
+            "spec.model.source) or mount the volume that holds the checkpoint"
+        )
+    return None
 
 
 def _exit_on_sigterm(signum: int, _frame: object) -> None:
@@ -68,14 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    # On SIGTERM uvicorn stops accepting connections and lets in-flight requests finish (bounded
-    # by the shutdown timeout) before it exits: a rolling restart loses no scored batch.
+    # On SIGTERM uvicorn stops accepting, waits at most --graceful-shutdown-s for requests in
+    # flight (a long-poll on /runtime_version may hold 300 s), then stops the engine. Control-plane
+    # waits run on daemon threads (threads.py), so nothing else can keep the process alive.
     uvicorn.run(
         app,
         host=cfg.host,
         port=cfg.port,
         log_level=cfg.log_level.lower(),
         access_log=False,
-        timeout_graceful_shutdown=cfg.shutdown_timeout_s,
+        timeout_graceful_shutdown=cfg.graceful_shutdown_s,
     )
     return 0

@@ -43,7 +43,8 @@ from rewardplane.protocol import (
 )
 
 from .errors import BadRequest
-from .inputs import check_items, check_token_ids, normalize_prompt_input, render_chat, tokenize_texts
+from .inputs import check_items, check_token_ids, render_chat
+from .routes import SCORING_ERRORS, JSONRoute
 from .scoring import activation, to_score
 from .service import ScoringService
 
@@ -51,17 +52,24 @@ _STARTED = int(time.time())
 
 
 def compat_router(service: ScoringService) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=JSONRoute)
     info = service.info
     tokenizer = service.engine.tokenizer
 
     def route(path: str, endpoint: Callable[..., Any], response_model: Any, method: str = "POST") -> None:
         for prefix in ("", Endpoints.V1_PREFIX):
-            router.add_api_route(prefix + path, endpoint, methods=[method], response_model=response_model)
+            router.add_api_route(
+                prefix + path,
+                endpoint,
+                methods=[method],
+                response_model=response_model,
+                responses=SCORING_ERRORS if method == "POST" else None,
+            )
 
-    def prompts_of(req: PooledRequest) -> tuple[list[list[int]], bool]:
+    async def prompts_of(req: PooledRequest) -> tuple[list[list[int]], bool]:
         """Token ids of the request (chat rendered first) and whether over-long ones are cut."""
         special = req.special_tokens()
+        keep = req.truncate_prompt_tokens
         if req.messages is not None:
             text = render_chat(
                 tokenizer,
@@ -71,12 +79,9 @@ def compat_router(service: ScoringService) -> APIRouter:
                 chat_template=req.chat_template,
                 chat_template_kwargs=req.chat_template_kwargs,
             )
-            prompts = tokenize_texts(tokenizer, [text], add_special_tokens=special)
+            prompts = await service.tokenize([text], truncate=keep is not None, add_special_tokens=special)
         else:
-            prompts = normalize_prompt_input(
-                req.input, tokenizer, info.vocab_size, add_special_tokens=special
-            )
-        keep = req.truncate_prompt_tokens
+            prompts = await service.prompts(req.input, truncate=keep is not None, add_special_tokens=special)
         if keep is None:
             return prompts, False
         if keep > 0:  # vLLM keeps the last k tokens; -1 leaves the cut to the model's max length
@@ -85,7 +90,7 @@ def compat_router(service: ScoringService) -> APIRouter:
 
     async def pooled(req: PooledRequest, response: Response) -> tuple[list[list[float]], int, Usage]:
         service.check_model(req.model)
-        prompts, truncate = prompts_of(req)
+        prompts, truncate = await prompts_of(req)
         rows, version, prompts = await service.run(prompts, info.pooling_types[0], truncate)
         if req.activation_requested():
             rows = [activation(r) for r in rows]
@@ -165,7 +170,7 @@ def compat_router(service: ScoringService) -> APIRouter:
                 chat_template=req.chat_template,
                 chat_template_kwargs=req.chat_template_kwargs,
             )
-        (ids,) = tokenize_texts(tokenizer, [text or ""], add_special_tokens=req.special_tokens())
+        (ids,) = await service.tokenize([text or ""], truncate=False, add_special_tokens=req.special_tokens())
         return TokenizeResponse(
             count=len(ids),
             max_model_len=service.limits.max_tokens,
@@ -184,7 +189,9 @@ def compat_router(service: ScoringService) -> APIRouter:
         for name, extra in (("prompts", req.prompts), ("labels", req.labels)):
             if extra is not None and len(extra) != n:
                 raise BadRequest(f"{name} has {len(extra)} items but query has {n}: send one per query")
-        prompts = tokenize_texts(tokenizer, req.query, add_special_tokens=req.add_special_tokens)
+        prompts = await service.tokenize(
+            req.query, truncate=req.truncate, add_special_tokens=req.add_special_tokens
+        )
         rows, version, _ = await service.run(prompts, info.pooling_types[0], req.truncate)
         response.headers[VERSION_HEADER] = str(version)
         rewards = [to_score(r, normalize=False) for r in rows]

@@ -23,6 +23,9 @@ class ServerConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(default=None, ge=1)
     max_items_per_request: int = Field(default=1024, ge=1)
+    max_input_bytes: int | None = Field(default=None, ge=1)
+    max_request_bytes: int = Field(default=64 << 20, ge=1024)
+    graceful_shutdown_s: int = Field(default=10, ge=0)
     max_batch_tokens: int = Field(default=16384, ge=1)
     max_batch_items: int = Field(default=256, ge=1)
     batch_wait_ms: float = Field(default=2.0, ge=0)
@@ -35,7 +38,6 @@ class ServerConfig(BaseModel):
     weights_dir: Path | None = None
     load_format: Literal["auto", "dummy"] = "auto"
     log_level: str = "info"
-    shutdown_timeout_s: float = Field(default=20.0, ge=0)
     extra_engine_args: list[str] = Field(default_factory=list)
 
     @property
@@ -86,6 +88,24 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     )
     p.add_argument("--max-items-per-request", type=int, default=1024)
     p.add_argument(
+        "--max-input-bytes",
+        type=int,
+        default=None,
+        help="largest text (UTF-8 bytes) taken before tokenizing (default: 32 bytes per token of --max-model-len)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=64 << 20,
+        help="largest request body; larger ones get 413 before they are parsed (default 64 MiB)",
+    )
+    p.add_argument(
+        "--graceful-shutdown-s",
+        type=int,
+        default=10,
+        help="on SIGTERM, how long requests in flight may finish before the server exits",
+    )
+    p.add_argument(
         "--max-batch-tokens", type=int, default=16384, help="padded-token budget of one micro-batch"
     )
     p.add_argument("--max-batch-items", type=int, default=256)
@@ -115,14 +135,6 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         help="dummy: random weights from the checkpoint's config (benchmarks; weights then come by push)",
     )
     p.add_argument("--log-level", default="info")
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=20.0,
-        dest="shutdown_timeout_s",
-        help="on SIGTERM, seconds to let in-flight requests finish before closing (keep it below "
-        "the pod's termination grace period)",
-    )
     args, extra = p.parse_known_args(argv)
     if extra and args.engine != "vllm":
         p.error(f"unknown arguments {extra} (extra engine arguments are passed only to --engine vllm)")

@@ -1,49 +1,36 @@
-"""The weight-sync control plane: authenticated HTTP endpoints that drive the
-worker extension. Requests are validated before any byte moves; the receive runs in the
-background while the trainer broadcasts; the version is bumped only after the whole update."""
+"""The weight-sync control plane: what the authenticated endpoints (``routes.control_router``)
+do, driven through the engine's ``WeightSyncPort``. Requests are validated before any byte moves;
+the receive runs in the background while the trainer broadcasts; the version is bumped only after
+the whole update. Built once per server by ``app.build_app``."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
-
 from rewardplane.protocol import (
     MAX_LAYOUTS,
-    BackgroundTasksResponse,
-    Endpoints,
     InitCommunicatorRequest,
     ParamMeta,
-    StatusResponse,
     UpdateParamBatchRequest,
     check_metadata,
     layout_id,
     remember_layout,
 )
-from rewardplane.protocol.auth import resolve_token
 
-from .config import ServerConfig
-from .engine import RewardEngine
-from .errors import BadRequest, Conflict, ServerError, Unauthorized
+from .engine import WeightSyncPort
+from .errors import BadRequest, Conflict, Unavailable
+from .locking import WeightsGuard
 from .metrics import ServerMetrics
-from .persistence import install_restore, persist_after_commit
+from .persistence import PERSIST_WAIT_S, WeightsStore, base_fingerprint
 
 log = logging.getLogger(__name__)
-
-# Runs a worker-extension method on every worker that holds weights; returns one result per worker.
-WorkerCall = Callable[..., Awaitable[list[Any]]]
-
-
-class Forbidden(ServerError):
-    status_code = 403
 
 
 @dataclass(frozen=True)
@@ -56,25 +43,41 @@ class Layout:
     metadata: list[dict[str, Any]]  # ParamMeta as JSON, for the worker calls
 
 
+@dataclass(frozen=True)
+class PendingJoin:
+    """The one join of a trainer's group this server is waiting on."""
+
+    host: str
+    port: int
+    started: float  # time.monotonic()
+    timeout_s: float
+
+    def describe(self) -> str:
+        age = time.monotonic() - self.started
+        left = max(0.0, self.timeout_s - age)
+        return f"a join of the group at {self.host}:{self.port} is pending ({age:.1f}s so far; it gives up in {left:.1f}s)"
+
+
 class WeightSyncService:
     def __init__(
         self,
-        engine: RewardEngine,
-        call: WorkerCall,
-        manifest: dict[str, ParamMeta],
+        guard: WeightsGuard,
+        port: WeightSyncPort,
         metrics: ServerMetrics,
-        reset_cache: Callable[[], Awaitable[None]] | None = None,
+        store: WeightsStore | None = None,
     ) -> None:
-        self.engine = engine
-        self.call = call
-        self.manifest = manifest
+        self.guard = guard
+        self.port = port
+        self.manifest: dict[str, ParamMeta] = port.manifest()
         self.metrics = metrics
-        self.reset_cache = reset_cache
+        self.store = store  # --weights-dir: every committed push is saved there (persistence.py)
+        self._persistence_ready = False
         self.tasks: set[asyncio.Task[None]] = set()
         self.last_error: str | None = None
         # The last finished update's timeline (GET /get_num_background_tasks → last_update).
         self.last_update: dict[str, Any] | None = None
         self._init_task: asyncio.Task[None] | None = None
+        self._pending_join: PendingJoin | None = None
         self._update_task: asyncio.Task[None] | None = None
         self._has_comm = False
         # Validated push layouts by layout_id (most recent last): later pushes name them by id.
@@ -90,24 +93,36 @@ class WeightSyncService:
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def _busy(self) -> bool:
+    def busy(self) -> bool:
+        """A weight update (receive, apply, commit) is running."""
         return self._update_task is not None and not self._update_task.done()
 
     def failed_idle(self) -> bool:
         """The last update failed and none is running: waiting for a newer version is pointless."""
-        return not self._busy() and self.last_error is not None
+        return not self.busy() and self.last_error is not None
+
+    def _joining(self) -> PendingJoin | None:
+        return self._pending_join if self._init_task is not None and not self._init_task.done() else None
 
     # ---- init / close -----------------------------------------------------------------------
     async def init_communicator(self, req: InitCommunicatorRequest) -> None:
-        if self._busy():
+        if self.busy():
             raise Conflict(
                 "a weight update is in progress; wait for it (GET /get_num_background_tasks) and retry"
+            )
+        # One join at a time: a join blocks in the rendezvous until the trainer's store answers or
+        # its timeout passes, and nothing can interrupt that wait, so a second one could only pile up.
+        pending = self._joining()
+        if pending is not None:
+            raise Conflict(
+                f"{pending.describe()}: one join at a time — create the trainer's side of that group, "
+                "or wait until it gives up (GET /get_num_background_tasks shows its outcome) and join again"
             )
         group_id = req.group_id or uuid.uuid4().hex[:12]
 
         async def join() -> None:
             try:
-                await self.call(
+                await self.port.call_workers(
                     "rp_init_communicator",
                     req.host,
                     req.port,
@@ -125,12 +140,16 @@ class WeightSyncService:
                 log.error(self.last_error)
 
         self._has_comm = False
+        self._pending_join = PendingJoin(req.host, req.port, time.monotonic(), req.timeout_s)
         self._init_task = self._spawn(join(), "init-communicator")
 
     async def close(self) -> None:
-        if self._busy():
+        if self.busy():
             raise Conflict("a weight update is in progress; close the communicator after it finishes")
-        await self.call("rp_close_communicator")
+        pending = self._joining()
+        if pending is not None:
+            raise Conflict(f"{pending.describe()}; close the communicator after it finishes")
+        await self.port.call_workers("rp_close_communicator")
         self._has_comm = False
 
     # ---- update -----------------------------------------------------------------------------
@@ -170,13 +189,13 @@ class WeightSyncService:
     async def update(self, req: UpdateParamBatchRequest) -> int:
         arrived = time.monotonic()
         layout = self._layout_of(req)
-        guard = self.engine.guard
+        guard = self.guard
         version = req.version if req.version is not None else guard.version + 1
         if version <= guard.version and guard.state != "broken":
             raise Conflict(
                 f"version {version} is not newer than the served version {guard.version}; versions must increase"
             )
-        if self._busy():
+        if self.busy():
             raise Conflict("another weight update is in progress; wait for it to finish")
         if self._init_task is not None and not self._init_task.done():
             try:  # the trainer forms the group right after /init_communicator; give it that long
@@ -198,26 +217,27 @@ class WeightSyncService:
     async def _run_update(
         self, req: UpdateParamBatchRequest, layout: Layout, version: int, arrived: float
     ) -> None:
-        guard = self.engine.guard
+        guard = self.guard
         metadata = layout.metadata
         mode = req.training_mode.value
         start = time.monotonic()
         stamps: dict[str, float | None] = {"task": start}
         result: dict[str, Any] = {"ok": False, "error": "not started", "partial": False, "bytes": 0}
         try:
+            await self._prepare_workers()  # once: the workers keep what they load when --weights-dir is set
             if req.atomic:
                 # Stage while the old weights keep serving, then swap under the exclusive lock.
                 result = _merge(await self._receive(layout, False))
                 stamps.update(result.pop("times"), returned=time.monotonic())
                 if result["ok"]:
                     async with guard.updating(timeout_s=req.timeout_s):
-                        await self.call("rp_apply_staged", metadata)
-                        await self._reset_cache()
+                        await self.port.call_workers("rp_apply_staged", metadata)
+                        await self.port.reset_cache()
                         guard.commit(version)
                         stamps["committed"] = time.monotonic()
-                        await persist_after_commit(self, layout.names, version)
+                        await self._persist(version)
                 else:
-                    await self.call("rp_drop_staged")
+                    await self.port.call_workers("rp_drop_staged")
             else:
                 async with guard.updating(timeout_s=req.timeout_s):
                     stamps["locked"] = locked = time.monotonic()
@@ -226,7 +246,7 @@ class WeightSyncService:
                     # cache after it, and its round trip to the engine leaves the critical path.
                     # Both finish before the lock is released, whatever happens to either.
                     reset, received = await asyncio.gather(
-                        self._reset_cache(),
+                        self.port.reset_cache(),
                         self._receive(layout, True),
                         return_exceptions=True,
                     )
@@ -241,7 +261,7 @@ class WeightSyncService:
                     if result["ok"]:
                         guard.commit(version)
                         stamps["committed"] = time.monotonic()
-                        await persist_after_commit(self, layout.names, version)
+                        await self._persist(version)
                     elif result["partial"]:
                         guard.mark_broken(f"update to version {version} failed part-way: {result['error']}")
         except Exception as exc:
@@ -279,27 +299,121 @@ class WeightSyncService:
             log.error(self.last_error)
             self._has_comm = False  # a failed transfer leaves the group unusable; the trainer re-inits
             try:
-                await self.call("rp_close_communicator")
+                await self.port.call_workers("rp_close_communicator")
             except Exception:
                 log.debug("closing the communicator after a failure failed", exc_info=True)
 
     async def _receive(self, layout: Layout, apply: bool) -> list[dict[str, Any]]:
         """``rp_receive`` on every worker; the metadata only travels when the workers lack it."""
         known = layout.id in self._worker_layouts
-        results = await self.call(
+        results = await self.port.call_workers(
             "rp_receive", None if known else layout.metadata, layout.bucket_bytes, apply, layout.id
         )
         if known and any(r.get("unknown_layout") for r in results):
             # nothing was posted: the trainer's broadcast waits for the second call
             log.warning("the workers no longer hold layout %s; sending its metadata", layout.id)
             self._worker_layouts.pop(layout.id, None)
-            results = await self.call("rp_receive", layout.metadata, layout.bucket_bytes, apply, layout.id)
+            results = await self.port.call_workers(
+                "rp_receive", layout.metadata, layout.bucket_bytes, apply, layout.id
+            )
         remember_layout(self._worker_layouts, layout.id, None)  # the workers cached it
         return results
 
-    async def _reset_cache(self) -> None:
-        if self.reset_cache is not None:
-            await self.reset_cache()
+    # ---- persistence (--weights-dir) ---------------------------------------------------------
+    async def _prepare_workers(self) -> None:
+        """Once, before anything is loaded: fingerprint the base model (saved weights carry it and
+        are never restored onto another base) and tell the workers where to persist, so the first
+        worker keeps host copies (HF names) of what it loads (vLLM's workers exist only after start)."""
+        store = self.store
+        if store is None or self._persistence_ready:
+            return
+        if not store.base:
+            params = await self.port.call_workers("rp_named_parameters")
+            store.base = base_fingerprint(self.manifest, params[0] if params else None)
+        await self.port.call_workers("rp_persist_to", str(store.dir), store.base)
+        self._persistence_ready = True
+
+    async def _persist(self, version: int) -> None:
+        """After ``guard.commit(version)``: the workers hold host copies of what this update loaded;
+        the replica's first worker merges them into the saved union in a background thread. A tracked
+        task waits for that write, so ``/get_num_background_tasks`` counts it (bounded)."""
+        if self.store is None:
+            return
+        writes = await self.port.call_workers("rp_persist", version)
+        if not any(writes):
+            log.warning("version %d: no worker kept the pushed weights; it is not persisted", version)
+            return
+
+        async def wait_written() -> None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + PERSIST_WAIT_S
+            while any(await self.port.call_workers("rp_persist_pending")):
+                if loop.time() > deadline:
+                    log.error(
+                        "persisting version %d took over %.0fs; still running in the workers",
+                        version,
+                        PERSIST_WAIT_S,
+                    )
+                    return
+                await asyncio.sleep(0.05)
+
+        self._spawn(wait_written(), f"persist-v{version}")
+
+    async def restore(self, version: int, timeout_s: float) -> int:
+        """Load the persisted state for ``version`` in every worker (through the engine's own loader,
+        one parameter at a time on the device) and commit it; returns the parameters restored."""
+        store = self.store
+        if store is None:
+            raise Conflict(
+                "this server persists no weights: start it with --weights-dir (RewardModel "
+                "spec.weightSync.persistDir) to make restores possible"
+            )
+        if self.busy():
+            raise Conflict("a weight update is in progress; restore after it finishes")
+        await self._prepare_workers()
+        saved = store.saved_version()
+        if saved is None:
+            raise Conflict(
+                f"no persisted weights in {store.dir}: nothing was pushed to this replica's directory yet; "
+                "push the weights again"
+            )
+        if store.saved_base() != store.base:
+            raise Conflict(
+                f"the weights saved in {store.dir} were pushed onto another base model (fingerprint "
+                f"{store.saved_base() or 'missing'}, this server loaded {store.base}); they are not restored "
+                "onto this one: push the weights again"
+            )
+        if saved != version:
+            raise Conflict(
+                f"the persisted weights are version {saved}, not {version}; push version {version} again"
+            )
+        guard = self.guard
+        try:
+            async with guard.updating(timeout_s=timeout_s):
+                try:
+                    counts = await self.port.call_workers("rp_restore", version)
+                except LookupError as exc:  # the store changed between the check and the load
+                    raise Conflict(f"{exc}; push version {version} again") from exc
+                except Exception as exc:  # some parameters may be loaded: never serve a mix
+                    guard.mark_broken(f"restoring version {version} failed part-way: {exc}")
+                    raise
+                await self.port.reset_cache()
+                guard.commit(version)
+        except TimeoutError as exc:
+            raise Unavailable(
+                f"scoring in flight did not finish within timeout_s={timeout_s:g}s; nothing was restored: retry"
+            ) from exc
+        self.metrics.weights_version.set(guard.version)
+        count = int(max(counts, default=0))
+        log.info("restored persisted weights version %d (%d parameters)", version, count)
+        return count
+
+    async def param_checksums(self) -> tuple[int, list[Any]]:
+        """The SHA-256 of every live parameter on every worker, and the version they are (hashed under
+        the scoring side of the lock: no update runs meanwhile)."""
+        async with self.guard.scoring() as version:
+            workers = await self.port.call_workers("rp_param_checksums")
+        return version, workers
 
 
 def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -317,61 +431,3 @@ def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
         "bytes": max((r["bytes"] for r in results), default=0),
         "error": "; ".join(errors) if errors else None,
     }
-
-
-def install_control_plane(
-    app: FastAPI, engine: RewardEngine, cfg: ServerConfig, metrics: ServerMetrics
-) -> None:
-    token = resolve_token(cfg.token, cfg.token_file)
-    service: WeightSyncService = engine.weight_sync_service(metrics)  # type: ignore[attr-defined]
-    app.state.weight_sync = service
-
-    def require_token(request: Request) -> None:
-        if token is None:
-            raise Forbidden(
-                "the weight-sync control plane is disabled: start the server with REWARDPLANE_TOKEN or --token-file"
-            )
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise Unauthorized(
-                "missing bearer token: send 'Authorization: Bearer <token>' (REWARDPLANE_TOKEN)"
-            )
-        if not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise Unauthorized("wrong bearer token: use the token this server was started with")
-
-    auth = [Depends(require_token)]
-
-    @app.post(Endpoints.INIT_COMMUNICATOR, response_model=StatusResponse, dependencies=auth)
-    async def init_communicator(req: InitCommunicatorRequest) -> StatusResponse:
-        await service.init_communicator(req)
-        return StatusResponse()
-
-    @app.post(Endpoints.UPDATE_PARAM_BATCH, response_model=StatusResponse, dependencies=auth)
-    async def update_param_batch(req: UpdateParamBatchRequest) -> StatusResponse:
-        version = await service.update(req)
-        return StatusResponse(detail={"version": version})
-
-    @app.post(Endpoints.CLOSE_COMMUNICATOR, response_model=StatusResponse, dependencies=auth)
-    async def close_communicator() -> StatusResponse:
-        await service.close()
-        return StatusResponse()
-
-    @app.api_route(
-        Endpoints.NUM_BACKGROUND_TASKS,
-        methods=["GET", "POST"],
-        response_model=BackgroundTasksResponse,
-        dependencies=auth,
-    )
-    async def num_background_tasks() -> BackgroundTasksResponse:
-        return BackgroundTasksResponse(
-            num_background_tasks=len(service.tasks),
-            last_error=service.last_error,
-            last_update=service.last_update,
-        )
-
-    @app.get(Endpoints.PARAM_MANIFEST, response_model=list[ParamMeta], dependencies=auth)
-    async def param_manifest() -> list[ParamMeta]:
-        return list(service.manifest.values())
-
-    install_restore(app, service, cfg.weights_dir, auth)  # POST /restore_weights (persistence.py)

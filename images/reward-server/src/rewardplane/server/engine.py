@@ -1,11 +1,13 @@
-"""The engine interface both the transformers and the vLLM engines implement."""
+"""What the server needs of an engine: scoring (``RewardEngine``) and, for weight sync, a narrow
+port (``WeightSyncPort``). The control plane is built once from the port (``app.build_app``);
+engines never build or know it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rewardplane.protocol import PoolingType
+from rewardplane.protocol import ParamMeta, PoolingType
 
 from .locking import WeightsGuard
 
@@ -24,6 +26,28 @@ class EngineInfo:
     world_size: int = 1
 
 
+class WeightSyncPort(Protocol):
+    """How the control plane reaches the weights: the worker extension's ``rp_*`` methods
+    (``worker_extension.RewardWeightSyncExtension``) on every worker, the engine's cache, and the
+    served parameters.
+
+    ``call_workers`` must not share threads with scoring: a join that waits out its rendezvous
+    timeout must not delay a single forward (the transformers engine runs these calls on threads
+    of their own; vLLM's ``collective_rpc`` runs them in its engine processes)."""
+
+    def manifest(self) -> dict[str, ParamMeta]:
+        """Every pushable parameter (name, served dtype, shape), checked before a byte is received."""
+        ...
+
+    async def call_workers(self, method: str, *args: Any) -> list[Any]:
+        """Run ``method`` of the worker extension on every worker that holds weights; one result each."""
+        ...
+
+    async def reset_cache(self) -> None:
+        """Drop whatever the engine computed with the old weights (vLLM's prefix cache)."""
+        ...
+
+
 class RewardEngine(Protocol):
     info: EngineInfo
     guard: WeightsGuard
@@ -38,6 +62,6 @@ class RewardEngine(Protocol):
         them. All rows of one call come from one version."""
         ...
 
-    def weight_sync_service(self, metrics: Any) -> Any:
-        """The engine's ``control_plane.WeightSyncService`` (worker calls + parameter manifest)."""
+    def weight_port(self) -> WeightSyncPort:
+        """The port the control plane drives (called once, before the server starts)."""
         ...

@@ -1,6 +1,22 @@
-"""Errors the server turns into HTTP answers. Bad input is a 4xx with a message, never a 500."""
+"""Errors the server turns into HTTP answers, and the one shape every error body has.
+
+Bad input is a 4xx with a message, never a 500. Every error — the server's own, FastAPI's
+validation errors, Starlette's 404/405 — answers ``ErrorResponse`` (``{"error": ..., "detail": ...}``),
+with the message and the detail capped: an error about 100,000 bad names stays a few kilobytes.
+"""
 
 from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from rewardplane.protocol import ErrorResponse
+
+MAX_MESSAGE_CHARS = 2000
+MAX_DETAIL_ITEMS = 20
+MAX_DETAIL_STRING_CHARS = 500
+MAX_DETAIL_DEPTH = 4
 
 
 class ServerError(Exception):
@@ -20,11 +36,56 @@ class Unauthorized(ServerError):
     status_code = 401
 
 
+class Forbidden(ServerError):
+    status_code = 403
+
+
 class Conflict(ServerError):
     status_code = 409
+
+
+class PayloadTooLarge(ServerError):
+    status_code = 413
 
 
 class Unavailable(ServerError):
     """The replica cannot score right now (e.g. a streamed weight update failed part-way)."""
 
     status_code = 503
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
+def cap_detail(detail: Any, depth: int = 0) -> Any:
+    """``detail`` with long lists cut to their first items (plus a count of the rest), long strings
+    cut, and nesting bounded: what a client needs to fix its request, not a copy of it."""
+    if isinstance(detail, str):
+        return _cut(detail, MAX_DETAIL_STRING_CHARS)
+    if detail is None or isinstance(detail, bool | int | float):
+        return detail
+    if depth >= MAX_DETAIL_DEPTH:
+        return _cut(repr(detail), MAX_DETAIL_STRING_CHARS)
+    if isinstance(detail, dict):
+        items = list(detail.items())
+        out = {str(k): cap_detail(v, depth + 1) for k, v in items[:MAX_DETAIL_ITEMS]}
+        if len(items) > MAX_DETAIL_ITEMS:
+            out["…"] = f"{len(items) - MAX_DETAIL_ITEMS} more entries"
+        return out
+    if isinstance(detail, list | tuple):
+        capped = [cap_detail(v, depth + 1) for v in detail[:MAX_DETAIL_ITEMS]]
+        if len(detail) > MAX_DETAIL_ITEMS:
+            capped.append(f"… and {len(detail) - MAX_DETAIL_ITEMS} more")
+        return capped
+    return _cut(str(detail), MAX_DETAIL_STRING_CHARS)
+
+
+def error_body(message: str, detail: object = None) -> dict[str, Any]:
+    return ErrorResponse(error=_cut(message, MAX_MESSAGE_CHARS), detail=cap_detail(detail)).model_dump(
+        mode="json"
+    )
+
+
+def error_response(status_code: int, message: str, detail: object = None) -> JSONResponse:
+    return JSONResponse(error_body(message, detail), status_code=status_code)

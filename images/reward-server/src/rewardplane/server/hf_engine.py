@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rewardplane.protocol import PoolingType
+from rewardplane.protocol import ParamMeta, PoolingType
 
 from .batching import plan_micro_batches
 from .config import ServerConfig
@@ -19,6 +20,8 @@ from .engine import EngineInfo
 from .errors import BadRequest
 from .locking import WeightsGuard
 from .metrics import ServerMetrics
+from .threads import run_in_daemon_thread
+from .worker_extension import HFWeightSyncWorker
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +117,8 @@ class HFEngine:
         self.guard = WeightsGuard()
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
+        # Forwards run one at a time on a thread of their own, which nothing else may occupy.
+        self._forward_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rp-forward")
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -128,6 +133,7 @@ class HFEngine:
             except asyncio.CancelledError:
                 pass
             self._worker = None
+        self._forward_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- scoring ---------------------------------------------------------------------------
     async def score(self, prompts: list[list[int]], pooling: PoolingType) -> tuple[list[list[float]], int]:
@@ -166,6 +172,7 @@ class HFEngine:
                     p.future.set_result((rows, version))
 
     async def _score_round(self, round_: list[_Pending]) -> list[list[list[float]]]:
+        loop = asyncio.get_running_loop()
         out: list[list[list[float]]] = [[[] for _ in p.prompts] for p in round_]
         by_pooling: dict[PoolingType, list[tuple[int, int, list[int]]]] = {}
         for ri, p in enumerate(round_):
@@ -179,7 +186,7 @@ class HFEngine:
             )
             for batch in plan:
                 ids_list = [items[i][2] for i in batch]
-                rows = await asyncio.to_thread(self.forward, ids_list, pooling)
+                rows = await loop.run_in_executor(self._forward_pool, self.forward, ids_list, pooling)
                 self.metrics.batch_items.observe(len(batch))
                 self.metrics.batch_tokens.observe(len(batch) * max(len(x) for x in ids_list))
                 for i, row in zip(batch, rows, strict=True):
@@ -215,14 +222,23 @@ class HFEngine:
         return logits.float().cpu().tolist()
 
     # ---- weight sync -----------------------------------------------------------------------
-    def weight_sync_service(self, metrics: ServerMetrics) -> Any:
-        from .control_plane import WeightSyncService
-        from .worker_extension import HFWeightSyncWorker
+    def weight_port(self) -> HFWeightPort:
+        return HFWeightPort(HFWeightSyncWorker(self.model, self.device))
 
-        worker = HFWeightSyncWorker(self.model, self.device)
 
-        async def call(method: str, *args: Any) -> list[Any]:
-            # The receive blocks on collectives: run it off the event loop so scoring and health go on.
-            return [await asyncio.to_thread(getattr(worker, method), *args)]
+class HFWeightPort:
+    """``WeightSyncPort`` over the worker extension hosted in this process. Each call runs on a
+    daemon thread of its own: a receive or a join blocks on collectives for as long as the trainer
+    takes, and must hold neither the event loop nor the thread that runs forwards."""
 
-        return WeightSyncService(self, call, worker.manifest(), metrics)
+    def __init__(self, worker: HFWeightSyncWorker) -> None:
+        self.worker = worker
+
+    def manifest(self) -> dict[str, ParamMeta]:
+        return self.worker.manifest()
+
+    async def call_workers(self, method: str, *args: Any) -> list[Any]:
+        return [await run_in_daemon_thread(getattr(self.worker, method), *args, name=f"rp-control-{method}")]
+
+    async def reset_cache(self) -> None:
+        """No cache: every forward recomputes from the current weights."""

@@ -1,25 +1,48 @@
-"""The scoring path every route shares: the model-name check, the request limits, the engine call
-and its metrics. Routes turn their own request shapes into token ids and call ``run``."""
+"""The scoring path every route shares: the model-name check, the request limits, tokenization off
+the event loop, the engine call and its metrics. Routes turn their own request shapes into texts
+or token ids and call ``tokenize`` / ``prompts`` and ``run``.
+
+Limits come before work: the number of inputs and each text's size are checked before anything is
+tokenized (``inputs.check_items``, ``inputs.bound_texts``), and tokenization runs on a pool of its
+own, so a 10 MB input costs the event loop nothing but its parsing."""
 
 from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Executor
+from typing import Any
 
 from rewardplane.protocol import PoolingType
 
 from .engine import EngineInfo, RewardEngine
 from .errors import BadRequest
-from .inputs import Limits, apply_length_limit, check_items
+from .inputs import (
+    Limits,
+    apply_length_limit,
+    bound_texts,
+    check_items,
+    check_token_ids,
+    split_prompt_input,
+    tokenize_texts,
+)
 from .metrics import ServerMetrics
 from .model_names import ModelNames
 
 
 class ScoringService:
     def __init__(
-        self, engine: RewardEngine, limits: Limits, metrics: ServerMetrics, names: ModelNames
+        self,
+        engine: RewardEngine,
+        limits: Limits,
+        metrics: ServerMetrics,
+        names: ModelNames,
+        tokenizer_pool: Executor,
     ) -> None:
         self.engine = engine
         self.limits = limits
         self.metrics = metrics
         self.names = names
+        self.tokenizer_pool = tokenizer_pool
 
     @property
     def info(self) -> EngineInfo:
@@ -29,6 +52,28 @@ class ScoringService:
         problem = self.names.problem(name)
         if problem is not None:
             raise BadRequest(problem)
+
+    async def tokenize(
+        self, texts: list[str], *, truncate: bool, add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """Token ids of ``texts``: counts and byte sizes checked first, then tokenized off the loop."""
+        check_items(len(texts), self.limits)
+        texts = bound_texts(texts, self.limits, truncate=truncate)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self.tokenizer_pool,
+            lambda: tokenize_texts(self.engine.tokenizer, texts, add_special_tokens=add_special_tokens),
+        )
+
+    async def prompts(self, raw: Any, *, truncate: bool, add_special_tokens: bool = True) -> list[list[int]]:
+        """vLLM's ``input`` (a string, strings, token ids, or lists of token ids) as token ids."""
+        texts, ids = split_prompt_input(raw)
+        if texts is not None:
+            return await self.tokenize(texts, truncate=truncate, add_special_tokens=add_special_tokens)
+        assert ids is not None
+        check_items(len(ids), self.limits)
+        check_token_ids(ids, self.info.vocab_size)
+        return ids
 
     async def run(
         self, prompts: list[list[int]], pooling: PoolingType, truncate: bool

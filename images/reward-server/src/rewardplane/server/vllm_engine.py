@@ -419,33 +419,40 @@ class VLLMEngine:
         return [float(v) for v in final.outputs.data.float().reshape(-1).tolist()]
 
     # ---- weight sync -----------------------------------------------------------------------
-    def weight_sync_service(self, metrics: ServerMetrics) -> Any:
-        from .control_plane import WeightSyncService
+    def weight_port(self) -> VLLMWeightPort:
+        return VLLMWeightPort(self)
 
-        async def call(method: str, *args: Any) -> list[Any]:
-            llm = self._require_llm()
-            timeout = _rpc_timeout(method, args)
-            try:
-                results = await asyncio.wait_for(llm.collective_rpc(method, args=tuple(args)), timeout)
-            except TimeoutError as exc:
-                raise RuntimeError(
-                    f"worker call {method} did not finish within {timeout:.0f}s (REWARDPLANE_VLLM_RPC_TIMEOUT_S)"
-                ) from exc
-            return list(results)
 
-        async def reset_cache() -> None:
-            llm = self._require_llm()
-            # Called under the exclusive weights lock: none of our requests runs, so preempting
-            # "running" ones (reset_running_requests) only catches stragglers being aborted.
-            ok = await asyncio.wait_for(
-                llm.reset_prefix_cache(reset_running_requests=True), RESET_CACHE_TIMEOUT_S
-            )
-            if ok is False:
-                raise RuntimeError(
-                    "vLLM did not reset its prefix cache; cached blocks would hold old weights"
-                )
+class VLLMWeightPort:
+    """``WeightSyncPort`` over vLLM: ``collective_rpc`` into the worker extension of every GPU
+    worker, and vLLM's prefix cache. Scoring and these calls meet only in vLLM's engine process."""
 
-        return WeightSyncService(self, call, self.manifest, metrics, reset_cache=reset_cache)
+    def __init__(self, engine: VLLMEngine) -> None:
+        self.engine = engine
+
+    def manifest(self) -> dict[str, ParamMeta]:
+        return self.engine.manifest
+
+    async def call_workers(self, method: str, *args: Any) -> list[Any]:
+        llm = self.engine._require_llm()
+        timeout = _rpc_timeout(method, args)
+        try:
+            results = await asyncio.wait_for(llm.collective_rpc(method, args=tuple(args)), timeout)
+        except TimeoutError as exc:
+            raise RuntimeError(
+                f"worker call {method} did not finish within {timeout:.0f}s (REWARDPLANE_VLLM_RPC_TIMEOUT_S)"
+            ) from exc
+        return list(results)
+
+    async def reset_cache(self) -> None:
+        llm = self.engine._require_llm()
+        # Called under the exclusive weights lock: none of our requests runs, so preempting
+        # "running" ones (reset_running_requests) only catches stragglers being aborted.
+        ok = await asyncio.wait_for(
+            llm.reset_prefix_cache(reset_running_requests=True), RESET_CACHE_TIMEOUT_S
+        )
+        if ok is False:
+            raise RuntimeError("vLLM did not reset its prefix cache; cached blocks would hold old weights")
 
 
 def _token_prompt(ids: list[int]) -> Any:

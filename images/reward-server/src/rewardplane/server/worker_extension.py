@@ -12,14 +12,18 @@ import logging
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rewardplane.protocol import Bucket, ParamMeta, plan_buckets, remember_layout
 from rewardplane.transport.buckets import unpack_bucket
+from rewardplane.transport.checksums import digests
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.transfer import Received, receive_buckets
+
+from .persistence import WeightsStore
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +43,11 @@ class RewardWeightSyncExtension:
 
     _rp_comm: Communicator | None = None
     _rp_staged: list[tuple[Bucket, torch.Tensor]] | None = None
+    # Persistence (--weights-dir): host copies, under HF names, of what the running update loaded
+    # (kept by the replica's first worker only: every worker receives every full tensor).
+    _rp_store: WeightsStore | None = None
+    _rp_kept: dict[str, torch.Tensor] | None = None
+    _rp_writer: threading.Thread | None = None
 
     # ---- accessors (vLLM defaults) ------------------------------------------------------------
     def rp_model(self) -> torch.nn.Module:
@@ -123,9 +132,10 @@ class RewardWeightSyncExtension:
             times = {"worker_in": entered, "worker_posted": got.posted_at, "worker_out": time.monotonic()}
             return {"ok": ok, "partial": partial, "bytes": got.bytes, "error": error, "times": times}
 
+        self._rp_kept = {} if self._rp_keeps() else None
         try:
             receive_buckets(
-                comm, metas, bucket_bytes, src, self.rp_load if apply else None, out=got, plan=plan
+                comm, metas, bucket_bytes, src, self._rp_load_kept if apply else None, out=got, plan=plan
             )
             if comm.max_flag(1 if got.error else 0) != 0 and got.error is None:
                 got.error = "another rank failed to load its part of the update"
@@ -164,16 +174,94 @@ class RewardWeightSyncExtension:
     def rp_apply_staged(self, metadata: list[dict[str, Any]]) -> None:
         metas = [ParamMeta(**m) for m in metadata]  # staged updates are not on the fast path
         staged, self._rp_staged = self._rp_staged or [], None
+        self._rp_kept = {} if self._rp_keeps() else None
         for bucket, buf in staged:
-            self.rp_load(list(unpack_bucket(bucket, metas, buf)))
+            self._rp_load_kept(list(unpack_bucket(bucket, metas, buf)))
 
     def rp_drop_staged(self) -> None:
         self._rp_staged = None
+
+    def rp_named_parameters(self) -> dict[str, torch.Tensor] | None:
+        """The live parameters under their pushed names, for a peer send and the base fingerprint;
+        None where they are not (vLLM fuses q/k/v and gate/up, shards for TP, and its tensors cannot
+        travel back over its RPC)."""
+        return None
 
     def rp_close_communicator(self) -> None:
         if self._rp_comm is not None:
             self._rp_comm.close()
             self._rp_comm = None
+
+    # ---- persistence (the server's --weights-dir) ----------------------------------------------
+    def rp_persist_to(self, directory: str, base: str = "") -> None:
+        """From now on keep host copies of loaded weights and persist them into ``directory``;
+        ``base`` is the fingerprint of the base model they are pushed onto (saved with them)."""
+        self._rp_store = WeightsStore(Path(directory), base)
+
+    def _rp_keeps(self) -> bool:
+        return self._rp_store is not None and self.rp_local_rank() == 0
+
+    def _rp_load_kept(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load, then copy to host what was loaded (the tensors are views of a bucket reused next)."""
+        self.rp_load(weights)
+        if self._rp_kept is not None:
+            with torch.no_grad():
+                for name, tensor in weights:
+                    self._rp_kept[name] = tensor.detach().to("cpu", copy=True)
+
+    def rp_persist(self, version: int) -> bool:
+        """Write this update's host copies into the store's union, in a background thread (disk I/O
+        stays off the engine's loop). Returns whether this worker writes (the replica's first)."""
+        kept, self._rp_kept = self._rp_kept, None
+        store = self._rp_store
+        if store is None or kept is None or not self._rp_keeps():
+            return False
+        previous = self._rp_writer
+
+        def write() -> None:
+            if previous is not None:
+                previous.join()  # versions land in order
+            try:
+                store.save(version, kept)
+                log.info("persisted version %d (%d parameters) in %s", version, len(kept), store.dir)
+            except Exception:
+                log.exception("persisting version %d failed; a restart cannot be restored to it", version)
+
+        self._rp_writer = threading.Thread(target=write, name=f"rp-persist-v{version}", daemon=True)
+        self._rp_writer.start()
+        return True
+
+    def rp_persist_pending(self) -> bool:
+        return self._rp_writer is not None and self._rp_writer.is_alive()
+
+    def rp_restore(self, version: int) -> int:
+        """Load the persisted union of ``version`` through the engine's own loader (HF names, full
+        tensors: vLLM fuses and shards them itself). Returns the number of parameters restored.
+
+        Raises ``LookupError`` naming the version found when it is not ``version``."""
+        store = self._rp_store
+        if store is None:
+            raise LookupError("this worker persists no weights (no --weights-dir)")
+        loaded = store.load()
+        if loaded is None:
+            raise LookupError(f"no persisted weights in {store.dir}")
+        saved, tensors = loaded
+        if saved != version:
+            raise LookupError(f"the persisted weights are version {saved}, not {version}")
+        device = self.rp_device()
+        with torch.no_grad():
+            # one tensor at a time on the device: restoring needs no more memory than one parameter
+            for name, tensor in tensors.items():
+                self.rp_load([(name, tensor.to(device))])
+        return len(tensors)
+
+    # ---- verification ----------------------------------------------------------------------------
+    def rp_param_checksums(self) -> dict[str, Any]:
+        """SHA-256 of every live parameter's bytes, under the engine's own parameter names (vLLM's
+        are fused and sharded: ``qkv_proj``, ``gate_up_proj``), with dtype and shape. Costs a device →
+        host copy of the weights: a diagnostic, not for the hot path."""
+        with torch.no_grad():
+            return {"rank": self.rp_local_rank(), "checksums": digests(self.rp_model().named_parameters())}
 
 
 class HFWeightSyncWorker(RewardWeightSyncExtension):
@@ -197,6 +285,9 @@ class HFWeightSyncWorker(RewardWeightSyncExtension):
     def rp_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in weights:
             self._params[name].data.copy_(tensor)  # copy_ casts, e.g. a bf16 push into an fp32 head
+
+    def rp_named_parameters(self) -> dict[str, torch.Tensor] | None:
+        return self._params  # in this process: read in place, never copied
 
     def manifest(self) -> dict[str, ParamMeta]:
         return {

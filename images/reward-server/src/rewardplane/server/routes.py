@@ -1,0 +1,287 @@
+"""The server's endpoints, as routers ``app.build_app`` includes: scoring (open), the weight-sync
+control plane and persistence (both behind the bearer token, a router dependency).
+
+Each route lists the error answers it really gives (``errors(...)``), so the OpenAPI document is a
+contract clients and conformance checks can rely on; every error body is ``ErrorResponse``."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pydantic_core
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.routing import APIRoute
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from rewardplane.protocol import (
+    VERSION_HEADER,
+    BackgroundTasksResponse,
+    Endpoints,
+    ErrorResponse,
+    HealthResponse,
+    InitCommunicatorRequest,
+    ModelInfo,
+    ParamChecksumsResponse,
+    ParamMeta,
+    RestoreWeightsRequest,
+    RuntimeVersionResponse,
+    ScoringRequest,
+    ScoringResponse,
+    ScoringResult,
+    SendWeightsRequest,
+    StatusResponse,
+    UpdateParamBatchRequest,
+    Usage,
+    WorldSizeResponse,
+)
+
+from .control_plane import WeightSyncService
+from .errors import BadRequest, Forbidden, Unauthorized
+from .peer import send_weights
+from .scoring import to_score
+from .service import ScoringService
+
+_ERROR_DESCRIPTIONS = {
+    400: "The request is well-formed but cannot be served as asked (the message says what to change).",
+    401: "Missing or wrong bearer token.",
+    403: "The control plane is disabled: the server was started without a token.",
+    409: "Conflicts with the server's state (an update or join in progress, an unknown layout, an "
+    "older version, nothing persisted); the message says what to wait for or do.",
+    413: "The request body is larger than --max-request-bytes.",
+    422: "The body or query does not match the schema.",
+    503: "This replica cannot answer now (weights broken by a failed update, engine not started or dead).",
+}
+
+
+class _JSONRequest(Request):
+    """A request whose JSON body is parsed by pydantic's Rust parser: ~1 ms for a 10 MB text where
+    ``json.loads`` holds the event loop (and the GIL, so a thread would not help) for 40-60 ms."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = pydantic_core.from_json(body)
+            except ValueError as exc:  # FastAPI answers a JSONDecodeError with its 422 json_invalid
+                raise json.JSONDecodeError(str(exc), body.decode("utf-8", "replace")[:200], 0) from exc
+        return self._json
+
+
+class JSONRoute(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            return await handler(_JSONRequest(request.scope, request.receive))
+
+        return handle
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for the error answers a route gives, all in the one error shape."""
+    return {code: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[code]} for code in codes}
+
+
+# What every scoring route can answer besides 200 (bad request, too large, schema, replica not serving).
+SCORING_ERRORS = errors(400, 413, 422, 503)
+
+
+def require_token(token: str | None) -> Callable[[Request], None]:
+    """The control plane's router dependency: ``Authorization: Bearer <token>``."""
+
+    def check(request: Request) -> None:
+        if token is None:
+            raise Forbidden(
+                "the weight-sync control plane is disabled: start the server with REWARDPLANE_TOKEN or --token-file"
+            )
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given:
+            raise Unauthorized(
+                "missing bearer token: send 'Authorization: Bearer <token>' (REWARDPLANE_TOKEN)"
+            )
+        if not hmac.compare_digest(given.strip().encode(), token.encode()):
+            raise Unauthorized("wrong bearer token: use the token this server was started with")
+
+    return check
+
+
+def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]) -> APIRouter:
+    """``/score``, health and information (vLLM's shapes are in ``compat_routes``).
+    ``update_failed``: the last weight update failed and none runs (a trainer waiting on
+    ``/runtime_version`` learns it at once)."""
+    router = APIRouter(route_class=JSONRoute)
+    engine, metrics, info = scoring.engine, scoring.metrics, scoring.info
+
+    @router.get(
+        Endpoints.HEALTH,
+        response_model=HealthResponse,
+        responses={503: {"model": HealthResponse, "description": _ERROR_DESCRIPTIONS[503]}},
+    )
+    async def health(response: Response) -> HealthResponse:
+        g = engine.guard
+        if g.state == "broken":
+            response.status_code = 503  # not ready: take this replica out of rotation
+        return HealthResponse(version=g.version, state=g.state)
+
+    @router.get(Endpoints.RUNTIME_VERSION, response_model=RuntimeVersionResponse, responses=errors(422))
+    async def runtime_version(
+        wait_for_version: int | None = Query(default=None, ge=0),
+        timeout_s: float = Query(default=30.0, ge=0, le=300),
+    ) -> RuntimeVersionResponse:
+        """With ``wait_for_version``, answer once that version serves, the update failed, or the
+        timeout passed: a trainer learns the outcome of a push in one round trip."""
+        g = engine.guard
+        if wait_for_version is not None:
+            deadline = time.monotonic() + timeout_s
+            while (
+                g.version < wait_for_version
+                and g.state != "broken"
+                and time.monotonic() < deadline
+                and not update_failed()
+            ):
+                # woken by the commit or the update's end; the cap only bounds a missed wake-up
+                await g.wait_change(min(0.05, max(0.0, deadline - time.monotonic())))
+        return RuntimeVersionResponse(version=g.version, state=g.state, detail=g.broken_reason)
+
+    @router.get(Endpoints.WORLD_SIZE, response_model=WorldSizeResponse)
+    async def world_size() -> WorldSizeResponse:
+        return WorldSizeResponse(world_size=info.world_size)
+
+    @router.get(Endpoints.MODEL_INFO, response_model=ModelInfo)
+    async def model_info() -> ModelInfo:
+        return ModelInfo(
+            model=info.served_model_name,
+            engine=info.engine,
+            num_labels=info.num_labels,
+            dtype=info.dtype,
+            head_dtype=info.head_dtype,
+            max_model_len=info.max_model_len,
+            pooling_type=info.pooling_types[0],
+            version=engine.guard.version,
+        )
+
+    @router.get(
+        Endpoints.METRICS,
+        response_class=Response,
+        responses={
+            200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus metrics"}
+        },
+    )
+    async def prometheus() -> Response:
+        metrics.weights_version.set(engine.guard.version)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @router.post(Endpoints.SCORE, response_model=ScoringResponse, responses=SCORING_ERRORS)
+    async def score(req: ScoringRequest, response: Response) -> ScoringResponse:
+        scoring.check_model(req.model)
+        if req.n_labels is not None and req.n_labels != info.num_labels:
+            raise BadRequest(
+                f"n_labels {req.n_labels} does not match the served model, which has {info.num_labels} "
+                "label(s): drop n_labels or point at the right reward model"
+            )
+        if req.return_hidden_states:
+            raise BadRequest("return_hidden_states is not supported by this server; send false")
+        if req.pooling_type not in info.pooling_types:
+            raise BadRequest(
+                f"pooling_type {req.pooling_type.value!r} is not available for this model; "
+                f"use one of {[p.value for p in info.pooling_types]}"
+            )
+        ids = await scoring.tokenize(list(req.inputs), truncate=req.truncate)
+        rows, version, prompts = await scoring.run(ids, req.pooling_type, req.truncate)
+        response.headers[VERSION_HEADER] = str(version)
+        ntok = sum(len(p) for p in prompts)
+        return ScoringResponse(
+            model=info.served_model_name,
+            data=[
+                ScoringResult(index=i, score=to_score(row, normalize=req.normalize), num_tokens=len(p))
+                for i, (row, p) in enumerate(zip(rows, prompts, strict=True))
+            ],
+            usage=Usage(prompt_tokens=ntok, total_tokens=ntok),
+            version=version,
+            metadata={"version": version},
+        )
+
+    return router
+
+
+def _token_router(token: str | None) -> APIRouter:
+    return APIRouter(
+        dependencies=[Depends(require_token(token))], responses=errors(401, 403), route_class=JSONRoute
+    )
+
+
+def control_router(service: WeightSyncService, token: str | None) -> APIRouter:
+    """The weight-sync control plane (``control_plane.WeightSyncService``), token-protected."""
+    router = _token_router(token)
+
+    @router.post(Endpoints.INIT_COMMUNICATOR, response_model=StatusResponse, responses=errors(409, 413, 422))
+    async def init_communicator(req: InitCommunicatorRequest) -> StatusResponse:
+        await service.init_communicator(req)
+        return StatusResponse()
+
+    @router.post(
+        Endpoints.UPDATE_PARAM_BATCH, response_model=StatusResponse, responses=errors(400, 409, 413, 422)
+    )
+    async def update_param_batch(req: UpdateParamBatchRequest) -> StatusResponse:
+        version = await service.update(req)
+        return StatusResponse(detail={"version": version})
+
+    @router.post(Endpoints.CLOSE_COMMUNICATOR, response_model=StatusResponse, responses=errors(409, 413))
+    async def close_communicator() -> StatusResponse:
+        await service.close()
+        return StatusResponse()
+
+    def background_tasks() -> BackgroundTasksResponse:
+        return BackgroundTasksResponse(
+            num_background_tasks=len(service.tasks),
+            last_error=service.last_error,
+            last_update=service.last_update,
+        )
+
+    # GET and POST (the seed's clients use either), as two operations with their own ids
+    @router.get(Endpoints.NUM_BACKGROUND_TASKS, response_model=BackgroundTasksResponse)
+    async def num_background_tasks() -> BackgroundTasksResponse:
+        return background_tasks()
+
+    @router.post(
+        Endpoints.NUM_BACKGROUND_TASKS, response_model=BackgroundTasksResponse, responses=errors(413)
+    )
+    async def num_background_tasks_post() -> BackgroundTasksResponse:
+        return background_tasks()
+
+    @router.get(Endpoints.PARAM_MANIFEST, response_model=list[ParamMeta])
+    async def param_manifest() -> list[ParamMeta]:
+        return list(service.manifest.values())
+
+    @router.get(Endpoints.PARAM_CHECKSUMS, response_model=ParamChecksumsResponse)
+    async def param_checksums() -> ParamChecksumsResponse:
+        version, workers = await service.param_checksums()
+        return ParamChecksumsResponse(version=version, workers=workers)
+
+    return router
+
+
+def persistence_router(service: WeightSyncService, token: str | None) -> APIRouter:
+    """``POST /restore_weights``: load what ``--weights-dir`` saved; ``POST /send_weights``: send this
+    replica's weights to a restarted peer. The operator calls both to bring a replica back."""
+    router = _token_router(token)
+
+    @router.post(
+        Endpoints.RESTORE_WEIGHTS, response_model=StatusResponse, responses=errors(409, 413, 422, 503)
+    )
+    async def restore_weights(req: RestoreWeightsRequest) -> StatusResponse:
+        count = await service.restore(req.version, req.timeout_s)
+        return StatusResponse(detail={"version": req.version, "parameters": count})
+
+    @router.post(Endpoints.SEND_WEIGHTS, response_model=StatusResponse, responses=errors(409, 413, 422))
+    async def send(req: SendWeightsRequest) -> StatusResponse:
+        """Peer restore: send this replica's weights to joining peers (peer.py)."""
+        await send_weights(service, req)
+        return StatusResponse(detail={"version": req.version, "rank": req.world_size - 1})
+
+    return router

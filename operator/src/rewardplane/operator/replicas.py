@@ -1,0 +1,217 @@
+"""The operator's calls to reward servers, behind one small interface.
+
+``Replicas`` is what the reconciler and the WeightSync driver need from a replica's HTTP API;
+``HttpReplicas`` implements it with httpx, and unit tests pass a fake (``rewardplane.testing``)
+so the push and restore decisions run without servers. Every call has a timeout; a failed call
+raises ``ReplicaError`` naming the URL and what the server said.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from rewardplane.protocol import (
+    BackgroundTasksResponse,
+    Endpoints,
+    HealthResponse,
+    InitCommunicatorRequest,
+    ParamMeta,
+    RestoreWeightsRequest,
+    RewardModelTrainingMode,
+    RuntimeVersionResponse,
+    SendWeightsRequest,
+    UpdateParamBatchRequest,
+)
+from rewardplane.protocol.auth import auth_headers
+
+from .status import ProbeResult
+
+# Short: a hung server must not hold up the status of every other replica.
+PROBE_TIMEOUT = httpx.Timeout(2.0, connect=1.0)
+CALL_TIMEOUT = httpx.Timeout(10.0, connect=3.0)
+
+
+class ReplicaError(RuntimeError):
+    """A replica did not answer, or answered with an error (the message says which and what)."""
+
+
+class Replicas(Protocol):
+    """A reward server's HTTP API as the operator uses it; ``url`` is the server's base URL."""
+
+    def probe(self, url: str) -> ProbeResult: ...
+
+    def runtime(self, url: str) -> Mapping[str, Any]: ...
+
+    def world_size(self, url: str) -> int: ...
+
+    def background_tasks(self, url: str, token: str) -> Mapping[str, Any]: ...
+
+    def manifest(self, url: str, token: str) -> list[ParamMeta]: ...
+
+    def init_communicator(self, url: str, token: str, req: InitCommunicatorRequest) -> None: ...
+
+    def update_param_batch(
+        self, url: str, token: str, req: UpdateParamBatchRequest, timeout_s: float
+    ) -> None: ...
+
+    def restore_weights(self, url: str, token: str, req: RestoreWeightsRequest) -> None: ...
+
+    def send_weights(self, url: str, token: str, req: SendWeightsRequest) -> None: ...
+
+
+def _detail(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500]
+    if isinstance(body, dict):
+        return str(body.get("error") or body.get("detail") or body)[:500]
+    return str(body)[:500]
+
+
+class HttpReplicas:
+    """``Replicas`` over one pooled httpx client."""
+
+    def __init__(self, client: httpx.Client | None = None) -> None:
+        self._http = client or httpx.Client()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _get(
+        self, url: str, path: str, token: str | None = None, timeout: httpx.Timeout = CALL_TIMEOUT
+    ) -> Any:
+        try:
+            resp = self._http.get(url + path, headers=auth_headers(token) if token else None, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise ReplicaError(f"{url}{path} did not answer: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 400:
+            raise ReplicaError(f"{url}{path} answered {resp.status_code}: {_detail(resp)}")
+        try:
+            return resp.json()
+        except ValueError as exc:
+            raise ReplicaError(f"{url}{path} answered something that is not JSON: {resp.text[:200]}") from exc
+
+    def _post(self, url: str, path: str, token: str, body: dict[str, Any], timeout_s: float) -> None:
+        try:
+            resp = self._http.post(
+                url + path,
+                json=body,
+                headers=auth_headers(token),
+                timeout=httpx.Timeout(timeout_s, connect=3.0),
+            )
+        except httpx.HTTPError as exc:
+            raise ReplicaError(f"{url}{path} did not answer: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 400:
+            raise ReplicaError(f"{url}{path} answered {resp.status_code}: {_detail(resp)}")
+
+    def probe(self, url: str) -> ProbeResult:
+        try:
+            HealthResponse.model_validate(self._get(url, Endpoints.HEALTH, timeout=PROBE_TIMEOUT))
+            runtime = RuntimeVersionResponse.model_validate(
+                self._get(url, Endpoints.RUNTIME_VERSION, timeout=PROBE_TIMEOUT)
+            )
+        except (ReplicaError, ValueError) as exc:
+            return ProbeResult(error=str(exc))
+        return ProbeResult(version=runtime.version, state=runtime.state)
+
+    def runtime(self, url: str) -> Mapping[str, Any]:
+        body = self._get(url, Endpoints.RUNTIME_VERSION)
+        if not isinstance(body, dict):
+            raise ReplicaError(f"{url}{Endpoints.RUNTIME_VERSION} answered {body!r}")
+        return body
+
+    def world_size(self, url: str) -> int:
+        body = self._get(url, Endpoints.WORLD_SIZE)
+        try:
+            return int(body["world_size"])
+        except (TypeError, KeyError, ValueError) as exc:
+            raise ReplicaError(f"{url}{Endpoints.WORLD_SIZE} answered {body!r}") from exc
+
+    def background_tasks(self, url: str, token: str) -> Mapping[str, Any]:
+        body = self._get(url, Endpoints.NUM_BACKGROUND_TASKS, token)
+        return BackgroundTasksResponse.model_validate(body).model_dump()
+
+    def manifest(self, url: str, token: str) -> list[ParamMeta]:
+        body = self._get(url, Endpoints.PARAM_MANIFEST, token)
+        return [ParamMeta.model_validate(m) for m in body]
+
+    def init_communicator(self, url: str, token: str, req: InitCommunicatorRequest) -> None:
+        self._post(url, Endpoints.INIT_COMMUNICATOR, token, req.model_dump(mode="json"), 10.0)
+
+    def update_param_batch(
+        self, url: str, token: str, req: UpdateParamBatchRequest, timeout_s: float
+    ) -> None:
+        self._post(url, Endpoints.UPDATE_PARAM_BATCH, token, req.model_dump(mode="json"), timeout_s)
+
+    def restore_weights(self, url: str, token: str, req: RestoreWeightsRequest) -> None:
+        self._post(url, Endpoints.RESTORE_WEIGHTS, token, req.model_dump(mode="json"), req.timeout_s + 5.0)
+
+    def send_weights(self, url: str, token: str, req: SendWeightsRequest) -> None:
+        self._post(url, Endpoints.SEND_WEIGHTS, token, req.model_dump(mode="json"), 10.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Peer restore: bring replicas to the current version from a healthy peer
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Receiver:
+    pod: str
+    url: str
+    world_size: int
+
+
+def restore_from_peer(
+    replicas: Replicas,
+    token: str,
+    *,
+    source_url: str,
+    source_host: str,
+    port: int,
+    receivers: Sequence[Receiver],
+    version: int,
+    timeout_s: float,
+    group_id: str,
+) -> None:
+    """Start a full push of ``version`` from the replica at ``source_url`` to ``receivers``.
+
+    The source hosts the rendezvous on ``source_host:port`` and is the last rank; receiver i's
+    workers start at Σ world sizes of the receivers before it (the same layout as a trainer's push,
+    so the receivers need nothing new). Returns once every receiver accepted; the reconciler sees
+    them reach ``version`` on its next passes. Raises ``ReplicaError`` naming the replica that refused.
+    """
+    metadata = replicas.manifest(source_url, token)
+    world = sum(r.world_size for r in receivers) + 1
+    replicas.send_weights(
+        source_url,
+        token,
+        SendWeightsRequest(
+            port=port, world_size=world, version=version, timeout_s=timeout_s, group_id=group_id
+        ),
+    )
+    offset = 0
+    for r in receivers:
+        replicas.init_communicator(
+            r.url,
+            token,
+            InitCommunicatorRequest(
+                host=source_host,
+                port=port,
+                world_size=world,
+                rank_offset=offset,
+                timeout_s=timeout_s,
+                group_id=group_id,
+            ),
+        )
+        offset += r.world_size
+    announce = UpdateParamBatchRequest(
+        metadata=metadata, training_mode=RewardModelTrainingMode.FULL, version=version, timeout_s=timeout_s
+    )
+    for r in receivers:
+        replicas.update_param_batch(r.url, token, announce, timeout_s + 5.0)

@@ -1,0 +1,124 @@
+"""Saved weights and restore after a restart on the vLLM engine (``--weights-dir``).
+
+The server on GPU 0 keeps host copies (HF names) of what it loads and persists their union; after a
+kill and a restart on base weights, ``POST /restore_weights`` loads them through vLLM's own loader
+within the server's memory fraction. Trainer: this process on ``cuda:1``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rewardplane.testing.servers import free_port
+from tests.gpu.vllm_support import (
+    TEXTS,
+    TOKEN,
+    assert_close,
+    load_trainer_model,
+    reference_scores,
+    served,
+    server_checksums,
+    start_vllm_server,
+    stop,
+    wait_ready,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.gpus(2)]
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+GPU_MEMORY_UTILIZATION = 0.3
+
+
+def _persisted_version(weights: Path, timeout_s: float = 120) -> int | None:
+    deadline = time.monotonic() + timeout_s
+    path = weights / "version.json"
+    while time.monotonic() < deadline:
+        if path.exists() and json.loads(path.read_text()).get("version") == 2:
+            return 2
+        time.sleep(0.1)
+    return json.loads(path.read_text()).get("version") if path.exists() else None
+
+
+def test_pushed_weights_survive_a_restart(tiny_seqcls_1label: Path, tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+    from rewardplane.protocol.naming import select_head
+    from rewardplane.sdk.direct_sync import DirectWeightSync
+
+    weights = tmp_path / "weights"
+    device = torch.device("cuda", 1)
+    model = load_trainer_model(tiny_seqcls_1label, device)
+    tok = AutoTokenizer.from_pretrained(tiny_seqcls_1label)
+    server = wait_ready(
+        start_vllm_server(
+            tiny_seqcls_1label,
+            tmp_path,
+            gpu=0,
+            gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+            weights_dir=weights,
+        )
+    )
+    try:
+        sync = DirectWeightSync(
+            [server.url],
+            group_port=free_port(),
+            token=TOKEN,
+            trainer_host="127.0.0.1",
+            device=device,
+            bucket_bytes=1 << 20,
+            timeout_s=300,
+            connect_timeout_s=120,
+        )
+        try:
+            torch.manual_seed(7)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.0 + 0.1 * torch.randn_like(p))
+            sync.sync(model.state_dict(), version=1, training_mode=Mode.FULL)
+            with torch.no_grad():
+                model.score.weight.copy_(
+                    torch.randn_like(model.score.weight) * model.score.weight.shape[1] ** -0.5
+                )
+            sync.sync(select_head(model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY)
+        finally:
+            sync.close()
+        want = reference_scores(model, tok, TEXTS, device)
+        assert_close(served(server.url)[0], want, "after the pushes")
+        before = server_checksums(server.url)[1]
+        assert _persisted_version(weights) == 2, "version 2 was not persisted within 120 s"
+    finally:
+        stop(server)
+
+    restarted = wait_ready(
+        start_vllm_server(
+            tiny_seqcls_1label,
+            tmp_path,
+            gpu=0,
+            gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+            weights_dir=weights,
+        )
+    )
+    try:
+        got, version = served(restarted.url)
+        assert version == 0
+        wrong = httpx.post(f"{restarted.url}/restore_weights", json={"version": 3}, headers=AUTH, timeout=60)
+        assert wrong.status_code == 409 and "version 2, not 3" in wrong.json()["error"]
+        ok = httpx.post(f"{restarted.url}/restore_weights", json={"version": 2}, headers=AUTH, timeout=300)
+        assert ok.status_code == 200, ok.text
+        got, version = served(restarted.url)
+        assert version == 2
+        assert_close(got, want, "restored after a restart")
+        # bit for bit what the server held before it was killed (the union: v1's backbone, v2's head)
+        assert server_checksums(restarted.url)[1] == before
+        # the restore stayed inside the server's memory fraction (vLLM preallocates up to it)
+        used = torch.cuda.mem_get_info(0)
+        assert used[1] - used[0] <= (GPU_MEMORY_UTILIZATION + 0.05) * used[1], used
+    finally:
+        stop(restarted)

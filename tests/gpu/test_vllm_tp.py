@@ -1,0 +1,164 @@
+"""A tensor-parallel replica: ``--tensor-parallel-size 2`` on GPUs 0-1 next to a TP=1 replica on
+GPU 2, both updated by one broadcast from a trainer on GPU 3.
+
+World size 4: the TP=2 replica's workers are ranks 0-1 (rank offset 0), the TP=1 replica's worker
+rank 2 (offset 2), the trainer rank 3 (the last). Every worker receives every full tensor; vLLM's
+``load_weights`` keeps each rank's shard. Full, head-only and LoRA (merged) pushes; scores equal the
+trainer's, and every shard equals the trainer's tensor split the way vLLM splits it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rewardplane.testing.servers import ServerHandle, free_port
+from tests.gpu.vllm_support import (
+    TOKEN,
+    Trainer,
+    assert_same_parameters,
+    check_after_push,
+    fill_prefix_cache,
+    load_trainer_model,
+    server_checksums,
+    start_vllm_server,
+    stop,
+    vllm_llama_checksums,
+    wait_ready,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.gpus(4)]
+
+
+@pytest.fixture(scope="module")
+def replicas(
+    tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[ServerHandle]]:
+    log_dir = tmp_path_factory.mktemp("vllm-tp")
+    handles: list[ServerHandle] = []
+    try:
+        handles = [
+            start_vllm_server(tiny_seqcls_1label, log_dir, gpu="0,1", tensor_parallel_size=2),
+            start_vllm_server(tiny_seqcls_1label, log_dir, gpu=2),
+        ]
+        for h in handles:
+            wait_ready(h)
+        yield handles
+    finally:
+        for h in handles:
+            stop(h)
+
+
+@pytest.fixture(scope="module")
+def trainers(replicas: list[ServerHandle], tiny_seqcls_1label: Path) -> Iterator[list[Trainer]]:
+    import torch
+    from transformers import AutoTokenizer
+
+    from rewardplane.sdk.direct_sync import DirectWeightSync
+
+    device = torch.device("cuda", 3)
+    sync = DirectWeightSync(
+        [h.url for h in replicas],
+        group_port=free_port(),
+        token=TOKEN,
+        trainer_host="127.0.0.1",
+        device=device,
+        bucket_bytes=1 << 20,
+        timeout_s=300,
+        connect_timeout_s=120,
+    )
+    model = load_trainer_model(tiny_seqcls_1label, device)
+    tok = AutoTokenizer.from_pretrained(tiny_seqcls_1label)
+    views = [Trainer(model, tok, sync, device, h.url) for h in replicas]
+    try:
+        yield views
+    finally:
+        sync.close()
+
+
+def _check(trainers: list[Trainer], version: int, before: list[float], what: str) -> None:
+    for t, b in zip(trainers, before, strict=True):
+        check_after_push(t, version, b, f"{what}, replica {t.url}")
+    model = trainers[0].model
+    for t, tp in zip(trainers, (2, 1), strict=True):
+        got_version, got = server_checksums(t.url)
+        assert got_version == version
+        assert_same_parameters(got, vllm_llama_checksums(model.state_dict(), tp_size=tp), f"{what}, TP={tp}")
+
+
+def test_world_size_and_rank_offsets(trainers: list[Trainer]) -> None:
+    from rewardplane.sdk.publisher import HTTPControlPlane
+
+    sizes = [httpx.get(f"{t.url}/get_world_size", timeout=30).json()["world_size"] for t in trainers]
+    assert sizes == [2, 1]
+    control = HTTPControlPlane([t.url for t in trainers], token=TOKEN)
+    assert control.rank_offsets() == [0, 2]
+    assert control.total_world_size() == 4
+
+
+def test_full_push_reaches_every_shard(trainers: list[Trainer]) -> None:
+    import torch
+
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+
+    t0 = trainers[0]
+    before = [fill_prefix_cache(t.url) for t in trainers]
+    torch.manual_seed(21)
+    with torch.no_grad():
+        for p in t0.model.parameters():
+            p.mul_(1.0 + 0.1 * torch.randn_like(p))
+    assert t0.sync.sync(t0.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+    assert t0.sync.open().comm.world_size == 4
+    _check(trainers, 1, before, "full")
+
+
+def test_head_only_push(trainers: list[Trainer]) -> None:
+    import torch
+
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+    from rewardplane.protocol.naming import select_head
+
+    t0 = trainers[0]
+    before = [fill_prefix_cache(t.url) for t in trainers]
+    with torch.no_grad():
+        head = t0.model.score.weight
+        head.copy_(torch.randn_like(head) * head.shape[1] ** -0.5)
+    assert t0.sync.sync(select_head(t0.model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY) == 2
+    _check(trainers, 2, before, "head_only")
+
+
+def test_lora_push(trainers: list[Trainer]) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+    from rewardplane.sdk.lora import merge_sync_reinit
+
+    t0 = trainers[0]
+    before = [fill_prefix_cache(t.url) for t in trainers]
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        modules_to_save=["score"],
+    )
+    peft_model = get_peft_model(t0.model, config)
+    torch.manual_seed(23)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+            if "modules_to_save" in name:
+                p.add_(torch.randn_like(p) * 0.2 * p.shape[-1] ** -0.5)
+
+    def push(sd: Mapping[str, Any]) -> None:
+        t0.sync.sync(sd, version=3, training_mode=Mode.LORA)
+
+    merged = merge_sync_reinit(peft_model, push).merge_and_unload()
+    for t in trainers:
+        t.model = merged
+    _check(trainers, 3, before, "lora (merged)")

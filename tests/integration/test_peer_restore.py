@@ -1,0 +1,82 @@
+"""Peer restore: a replica on the current weights sends them to a fresh one over the data plane (gloo).
+
+Real server processes; the operator's own restore_from_peer drives them, as the reconciler does.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from rewardplane.operator.replicas import HttpReplicas, Receiver, ReplicaError, restore_from_peer
+from rewardplane.protocol import RewardModelTrainingMode as Mode
+from rewardplane.testing.servers import free_port
+from tests.fixtures.models import TEXTS
+from tests.fixtures.trainer import logits, perturbed
+from tests.integration.test_weight_sync import TOKEN, close, served, sync_for
+
+
+def _wait_version(url: str, version: int, timeout_s: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    got = -1
+    while time.monotonic() < deadline:
+        got = int(httpx.get(f"{url}/runtime_version", timeout=5).json()["version"])
+        if got >= version:
+            return got
+        time.sleep(0.1)
+    return got
+
+
+def test_fresh_replica_gets_the_current_weights_from_a_peer(server_factory, tiny_model_dir) -> None:
+    source = server_factory(tiny_model_dir, token=TOKEN)
+    fresh = server_factory(tiny_model_dir, token=TOKEN)
+    trained = perturbed(tiny_model_dir, seed=21)
+    sync = sync_for(source, bucket_bytes=1 << 16)
+    try:
+        sync.sync(trained.state_dict(), version=3, training_mode=Mode.FULL)
+    finally:
+        sync.close()
+    want = logits(trained, tiny_model_dir, TEXTS)
+    assert served(fresh)[1] == 0 and not close(served(fresh)[0], want)
+
+    replicas = HttpReplicas()
+    try:
+        restore_from_peer(
+            replicas,
+            TOKEN,
+            source_url=source.url,
+            source_host="127.0.0.1",
+            port=free_port(),
+            receivers=[Receiver("fresh", fresh.url, 1)],
+            version=3,
+            timeout_s=60,
+            group_id="peer-test",
+        )
+        assert _wait_version(fresh.url, 3) == 3, (
+            f"--- source log\n{source.log()[-3000:]}\n--- fresh log\n{fresh.log()[-3000:]}"
+        )
+        got, version = served(fresh)
+        assert version == 3 and close(got, want)
+        # The source kept serving the same weights while and after it sent them.
+        assert served(source)[1] == 3 and close(served(source)[0], want)
+
+        # A source that does not serve the asked version refuses before anything moves.
+        try:
+            restore_from_peer(
+                replicas,
+                TOKEN,
+                source_url=source.url,
+                source_host="127.0.0.1",
+                port=free_port(),
+                receivers=[Receiver("fresh", fresh.url, 1)],
+                version=4,
+                timeout_s=10,
+                group_id="peer-test-2",
+            )
+        except ReplicaError as exc:
+            assert "409" in str(exc) and "serves version 3" in str(exc)
+        else:
+            raise AssertionError("a source on version 3 must refuse to send version 4")
+    finally:
+        replicas.close()

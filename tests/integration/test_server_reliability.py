@@ -1,0 +1,244 @@
+"""The reward server under abuse, over real HTTP against real server processes: pending joins of a
+trainer's group never starve scoring and never keep a stopping server alive; huge inputs are
+refused before they are tokenized while /health stays fast; counts are checked before any text is
+tokenized; every error has one capped shape (docs/reliability.md has the figures)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rewardplane.testing.servers import ServerHandle, free_port
+
+TOKEN = "secret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+TEN_MB = "word " * (2 * 1024 * 1024)  # 10 MiB of text
+
+
+def _vm_hwm_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM in /proc status")
+
+
+def _timed(fn: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def _wait_exit(handle: ServerHandle, timeout_s: float) -> float | None:
+    """Seconds until the process exited, or None if it is still running after ``timeout_s``."""
+    start = time.monotonic()
+    try:
+        handle.process.wait(timeout=timeout_s)
+    except Exception:
+        return None
+    return time.monotonic() - start
+
+
+def test_pending_join_never_delays_scoring_and_sigterm_still_ends_the_server(server_factory, tiny_model_dir):
+    server = server_factory(tiny_model_dir, token=TOKEN)
+    dead = free_port()  # nobody listens: a join waits out its whole timeout
+    join = {"host": "127.0.0.1", "port": dead, "world_size": 2, "timeout_s": 60}
+    answers = [
+        httpx.post(f"{server.url}/init_communicator", json=join, headers=AUTH, timeout=10) for _ in range(6)
+    ]
+    assert answers[0].status_code == 200, answers[0].text
+    for again in answers[1:]:  # one join at a time; the others are told what is pending and for how long
+        assert again.status_code == 409, again.text
+        message = again.json()["error"]
+        assert f"127.0.0.1:{dead} is pending" in message and "gives up in" in message
+    close = httpx.post(f"{server.url}/close_communicator", headers=AUTH, timeout=10)
+    assert close.status_code == 409 and "pending" in close.json()["error"]
+
+    # Scoring goes on while the join waits (it once shared threads with it and stalled for ~49 s).
+    for _ in range(5):
+        r, took = _timed(lambda: httpx.post(f"{server.url}/score", json={"input": ["hello"]}, timeout=30))
+        assert r.status_code == 200, r.text
+        assert took < 2.0, f"/score took {took:.2f}s while a join was pending"
+
+    # A long-poll in flight and the pending join: SIGTERM still ends the process within the grace period.
+    poll = threading.Thread(
+        target=lambda: httpx.get(
+            f"{server.url}/runtime_version", params={"wait_for_version": 99, "timeout_s": 300}, timeout=330
+        ),
+        daemon=True,
+    )
+    poll.start()
+    time.sleep(0.5)
+    server.process.send_signal(signal.SIGTERM)
+    took = _wait_exit(server, 30)
+    assert took is not None, "the server was still running 30 s after SIGTERM"
+    assert took < 10 + 5, f"SIGTERM took {took:.1f}s (grace period 10 s)"
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_model_dir, tmp_path_factory):
+    from rewardplane.testing.servers import start_server
+
+    h = start_server(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("limited"),
+        token=TOKEN,
+        max_items_per_request=32,
+        max_model_len=64,
+        max_request_bytes=16 << 20,
+    )
+    yield h
+    h.stop()
+
+
+def test_huge_inputs_are_refused_before_tokenizing_while_health_stays_fast(limited):
+    body = json.dumps({"input": [TEN_MB]}).encode()
+    refusals: list[tuple[int, str, float]] = []
+    stop = threading.Event()
+
+    def abuse(path: str) -> None:
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                start = time.perf_counter()
+                r = c.post(f"{limited.url}{path}", content=body, headers={"content-type": "application/json"})
+                refusals.append((r.status_code, r.json()["error"], time.perf_counter() - start))
+
+    abusers = [
+        threading.Thread(target=abuse, args=(p,), daemon=True) for p in ("/score", "/classify", "/pooling")
+    ]
+    for t in abusers:
+        t.start()
+    health: list[float] = []
+    with httpx.Client(timeout=30) as c:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            r, took = _timed(lambda: c.get(f"{limited.url}/health"))
+            assert r.status_code == 200
+            health.append(took)
+            time.sleep(0.02)
+    stop.set()
+    for t in abusers:
+        t.join(timeout=60)
+    assert len(refusals) >= 6, refusals
+    for status, message, took in refusals:
+        assert status == 400 and "bytes per input" in message and "--max-input-bytes" in message, message
+        assert took < 5.0
+    health.sort()
+    print(
+        f"/health under 10 MB abuse: n={len(health)} p50={statistics.median(health) * 1000:.1f} ms "
+        f"p99={health[int(0.99 * (len(health) - 1))] * 1000:.1f} ms max={health[-1] * 1000:.1f} ms; "
+        f"server VmHWM {_vm_hwm_mib(limited.process.pid):.0f} MiB"
+    )
+    assert health[-1] < 1.0, f"/health took up to {health[-1]:.2f}s while 10 MB inputs arrived"
+
+
+def test_truncate_keeps_the_end_of_a_huge_input(limited):
+    r = httpx.post(
+        f"{limited.url}/score",
+        json={"input": [TEN_MB + " the end"], "truncate": True, "normalize": False},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["data"][0]["num_tokens"] == 64
+    # the same last 64 tokens as a text that needed no cut in bytes first: the same score
+    short = httpx.post(
+        f"{limited.url}/score",
+        json={"input": ["word " * 100 + " the end"], "truncate": True, "normalize": False},
+    )
+    assert short.json()["data"][0]["score"] == pytest.approx(r.json()["data"][0]["score"], abs=1e-5)
+
+
+def test_body_over_the_request_limit_is_413_before_parsing(limited):
+    too_big = b'{"input": ["' + b"x" * (17 << 20) + b'"]}'
+    r = httpx.post(
+        f"{limited.url}/score", content=too_big, headers={"content-type": "application/json"}, timeout=60
+    )
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]
+
+    def chunks() -> Any:  # no Content-Length: counted while it streams
+        for _ in range(18):
+            yield b"x" * (1 << 20)
+
+    r = httpx.post(
+        f"{limited.url}/score", content=chunks(), headers={"content-type": "application/json"}, timeout=60
+    )
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]
+    assert httpx.get(f"{limited.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/classify", "/pooling", "/score"])
+def test_counts_and_sizes_are_checked_before_tokenizing(limited, path):
+    # 200,000 short texts: tokenizing them all first took seconds before the 400
+    many = json.dumps({"input": ["a few words to tokenize here"] * 200_000}).encode()
+    (r, took) = _timed(
+        lambda: httpx.post(
+            f"{limited.url}{path}", content=many, headers={"content-type": "application/json"}, timeout=60
+        )
+    )
+    assert r.status_code == 400 and "200000 inputs" in r.json()["error"] and "at most 32" in r.json()["error"]
+    assert took < 1.5, f"{path} took {took:.2f}s to refuse 200,000 inputs"
+    # one text over the byte limit among many: refused before any is tokenized
+    mixed = httpx.post(f"{limited.url}{path}", json={"input": ["ok", "x" * 3000]}, timeout=30)
+    assert mixed.status_code == 400 and "input 1 is 3000 characters" in mixed.json()["error"]
+
+
+def test_every_error_has_one_shape_and_is_capped(limited):
+    def shape(r: httpx.Response) -> dict[str, Any]:
+        body = r.json()
+        assert set(body) == {"error", "detail"} and isinstance(body["error"], str) and body["error"], body
+        return body
+
+    missing = httpx.get(f"{limited.url}/no/such/path")
+    assert missing.status_code == 404 and "/no/such/path" in shape(missing)["error"]
+    wrong_method = httpx.get(f"{limited.url}/score")
+    assert wrong_method.status_code == 405 and "POST" in wrong_method.headers["allow"]
+    shape(wrong_method)
+    not_json = httpx.post(
+        f"{limited.url}/score", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert not_json.status_code == 422
+    shape(not_json)
+    unauthorized = httpx.post(f"{limited.url}/close_communicator")
+    assert unauthorized.status_code == 401
+    shape(unauthorized)
+
+    # 100,000 unknown parameter names: the answer says how many and shows a few, in a few kB
+    metadata = [{"name": f"no.such.param{i}", "dtype": "float32", "shape": [2]} for i in range(100_000)]
+    r = httpx.post(f"{limited.url}/update_param_batch", json={"metadata": metadata}, headers=AUTH, timeout=60)
+    assert r.status_code == 400, r.text[:500]
+    body = shape(r)
+    assert "100000 announced parameter(s)" in body["error"]
+    assert len(r.content) < 16_000, f"error body of {len(r.content)} bytes"
+    assert body["detail"][-1] == f"… and {100_000 - 20} more"
+    # a validation error naming many fields is capped too
+    bad = httpx.post(f"{limited.url}/pooling", json={"input": [[1, "x"]] * 5000}, timeout=30)
+    assert bad.status_code == 422 and len(bad.content) < 16_000
+    shape(bad)
+
+
+def test_openapi_documents_the_errors_each_endpoint_gives(limited):
+    spec = httpx.get(f"{limited.url}/openapi.json").json()
+    ops = {(path, method): op for path, item in spec["paths"].items() for method, op in item.items()}
+
+    def codes(path: str, method: str = "post") -> set[str]:
+        return set(ops[(path, method)]["responses"])
+
+    for path in ("/score", "/classify", "/pooling"):
+        assert {"200", "400", "413", "422", "503"} <= codes(path)
+    assert {"200", "400", "401", "403", "409", "413", "422"} <= codes("/update_param_batch")
+    assert {"200", "401", "403", "409", "413", "422"} <= codes("/init_communicator")
+    assert {"200", "401", "403", "409", "413", "422", "503"} <= codes("/restore_weights")
+    assert {"200", "503"} <= codes("/health", "get")
+    # every error answer is the project's one shape, FastAPI's 422 included
+    for (path, method), op in ops.items():
+        for code, answer in op["responses"].items():
+            if code.startswith(("4", "5")) and not (path == "/health" and code == "503"):
+                ref = answer["content"]["application/json"]["schema"]["$ref"]
+                assert ref.endswith("/ErrorResponse"), (path, method, code, ref)

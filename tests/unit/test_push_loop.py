@@ -1,0 +1,363 @@
+"""The push decision loop (pure ``weightsync.step``), the restore plan, and the WeightSync driver
+and the reconciler's restore driven against ``FakeReplicas`` and an in-memory API (no servers)."""
+
+from __future__ import annotations
+
+import base64
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+
+from rewardplane.api import weightsync as wsapi
+from rewardplane.api.names import LABEL_MODEL, LABEL_REPLICA, core_path, custom_path
+from rewardplane.operator import weightsync as wsm
+from rewardplane.operator.recovery import restore_plan
+from rewardplane.operator.replicas import Receiver, ReplicaError, restore_from_peer
+from rewardplane.operator.status import ProbeResult
+from rewardplane.operator.weightsync_driver import WeightSyncDriver
+from rewardplane.protocol import ParamMeta
+from rewardplane.testing.kube import MemoryKube
+from rewardplane.testing.replicas import FakeReplica, FakeReplicas
+
+T0, T1 = wsm.Target(0, "rm-0", "u0", 1, 0), wsm.Target(1, "rm-1", "u1", 1, 1)
+
+
+def transfer(*targets: wsm.Target, deadline: float = 100.0) -> wsm.Transfer:
+    return wsm.Transfer(
+        version=5, timeout_s=100, nbytes=64, targets=targets or (T0, T1), announced=0.0, deadline=deadline
+    )
+
+
+SERVING = wsm.Observation({"version": 5, "state": "serving"})
+BEHIND = wsm.Observation({"version": 4, "state": "updating"}, {"num_background_tasks": 1})
+FAILED = wsm.Observation(
+    {"version": 4, "state": "serving"}, {"num_background_tasks": 0, "last_error": "boom"}
+)
+
+
+# ---------------------------------------------------------------- step
+
+
+def test_step_polls_every_target_first_and_only_pending_ones_after() -> None:
+    state, polls, outcome = wsm.step(transfer(), {}, 0.0)
+    assert [t.pod for t in polls] == ["rm-0", "rm-1"] and outcome is None
+    state, polls, outcome = wsm.step(state, {"rm-0": SERVING, "rm-1": BEHIND}, 1.0)
+    assert [t.pod for t in polls] == ["rm-1"] and outcome is None
+    assert state.entries["rm-0"]["phase"] == "Completed" and state.entries["rm-0"]["durationSeconds"] == 1.0
+
+
+def test_step_completes_when_every_replica_serves_the_version() -> None:
+    state, _, _ = wsm.step(transfer(), {"rm-0": SERVING}, 0.5)
+    _, polls, outcome = wsm.step(state, {"rm-1": SERVING}, 2.0)
+    assert polls == () and outcome is not None
+    assert outcome.phase == "Completed" and outcome.reason is None and outcome.bytes == 64
+    assert [r["pod"] for r in outcome.replicas] == ["rm-0", "rm-1"]
+    assert outcome.message == "2 replica(s) serve version 5"
+
+
+def test_step_a_reported_failure_is_replica_failed_with_the_servers_error() -> None:
+    state, _, outcome = wsm.step(transfer(), {"rm-0": SERVING, "rm-1": FAILED}, 1.0)
+    assert outcome is not None and outcome.phase == "Failed" and outcome.reason == wsapi.REPLICA_FAILED
+    assert "rm-1: boom" in outcome.message and outcome.bytes == 0
+    assert outcome.replicas[1]["phase"] == "Failed" and outcome.replicas[1]["version"] == 4
+
+
+def test_step_deadline_is_a_timeout_when_nothing_else_failed() -> None:
+    state, _, _ = wsm.step(transfer(deadline=10.0), {"rm-0": SERVING, "rm-1": BEHIND}, 5.0)
+    _, polls, outcome = wsm.step(state, {"rm-1": BEHIND}, 10.0)
+    assert polls == () and outcome is not None and outcome.reason == wsapi.TIMEOUT
+    assert "rm-1: did not serve version 5 within 100s" in outcome.message
+    assert outcome.replicas[0]["phase"] == "Completed" and outcome.replicas[1]["message"] == "timed out"
+
+
+def test_step_mixed_failure_and_timeout_is_replica_failed() -> None:
+    _, _, outcome = wsm.step(transfer(deadline=1.0), {"rm-0": FAILED, "rm-1": BEHIND}, 1.0)
+    assert outcome is not None and outcome.reason == wsapi.REPLICA_FAILED
+
+
+def test_step_unanswered_polls_keep_waiting() -> None:
+    state, polls, outcome = wsm.step(transfer(), {"rm-0": wsm.Observation(), "rm-1": wsm.Observation()}, 3.0)
+    assert outcome is None and len(polls) == 2 and state.entries == {}
+
+
+# ---------------------------------------------------------------- restore plan
+
+
+def probes(**versions: int) -> dict[str, ProbeResult]:
+    return {pod.replace("_", "-"): ProbeResult(v, "serving") for pod, v in versions.items()}
+
+
+def test_restore_plan_prefers_saved_weights_then_a_peer() -> None:
+    p = probes(rm_0=3, rm_1=0, rm_2=0)
+    plan = restore_plan({"rm-1", "rm-2"}, p, 3, persisted=True)
+    assert plan.from_disk == ("rm-1", "rm-2") and plan.from_peer == ()
+    plan = restore_plan({"rm-1", "rm-2"}, p, 3, persisted=True, disk_failed={"rm-2"})
+    assert plan.from_disk == ("rm-1",) and plan.peer_source == "rm-0" and plan.from_peer == ("rm-2",)
+
+
+def test_restore_plan_without_persist_dir_goes_to_a_peer() -> None:
+    plan = restore_plan({"rm-1"}, probes(rm_0=3, rm_1=0), 3, persisted=False)
+    assert plan.from_disk == () and (plan.peer_source, plan.from_peer) == ("rm-0", ("rm-1",))
+
+
+def test_restore_plan_never_copies_from_a_stale_broken_busy_or_older_replica() -> None:
+    p = probes(rm_0=2, rm_1=0, rm_2=3, rm_3=3)
+    p["rm-2"] = ProbeResult(3, "broken")
+    plan = restore_plan({"rm-1"}, p, 3, persisted=False, busy={"rm-3"})
+    assert plan.peer_source is None and plan.unrecoverable == ("rm-1",)
+    assert restore_plan({"rm-1"}, p, 3, persisted=False).peer_source == "rm-3"
+
+
+def test_restore_plan_leaves_replicas_with_a_restore_in_flight_alone() -> None:
+    plan = restore_plan({"rm-1"}, probes(rm_0=3, rm_1=0), 3, persisted=True, busy={"rm-1"})
+    assert plan == type(plan)()
+
+
+def test_restore_from_peer_ranks_receivers_after_each_other_and_the_source_last() -> None:
+    fake = FakeReplicas({"src": FakeReplica(version=3), "a": FakeReplica(), "b": FakeReplica()}, token="t")
+    restore_from_peer(
+        fake,
+        "t",
+        source_url="src",
+        source_host="10.0.0.9",
+        port=51300,
+        receivers=[Receiver("a", "a", 2), Receiver("b", "b", 1)],
+        version=3,
+        timeout_s=30,
+        group_id="g",
+    )
+    assert fake.calls == [
+        ("manifest", "src"),
+        ("send_weights", "src"),
+        ("init_communicator", "a"),
+        ("init_communicator", "b"),
+        ("update_param_batch", "a"),
+        ("update_param_batch", "b"),
+    ]
+    with pytest.raises(ReplicaError, match="serves version 3, not 4"):
+        restore_from_peer(
+            fake,
+            "t",
+            source_url="src",
+            source_host="h",
+            port=1,
+            receivers=[Receiver("a", "a", 1)],
+            version=4,
+            timeout_s=30,
+            group_id="g",
+        )
+
+
+# ---------------------------------------------------------------- the driver, end to end in memory
+
+NS = "ns"
+
+
+def cluster(replicas: dict[str, FakeReplica], *, version: int = 5) -> tuple[MemoryKube, FakeReplicas]:
+    kube = MemoryKube()
+    kube.put(
+        custom_path(NS),
+        {"metadata": {"name": "rm", "namespace": NS}, "spec": {"model": {"source": "/m"}}, "status": {}},
+    )
+    kube.put(
+        core_path("secrets", NS),
+        {"metadata": {"name": "rm-control-token"}, "data": {"token": base64.b64encode(b"tok").decode()}},
+    )
+    data, key, sha = wsapi.encode_manifest([ParamMeta(name="score.weight", dtype="float32", shape=(1, 4))])
+    kube.put(core_path("configmaps", NS), {"metadata": {"name": "rm-manifest"}, "data": data})
+    for i, url in enumerate(replicas):
+        kube.put(
+            core_path("pods", NS),
+            {
+                "metadata": {"name": f"rm-{i}", "labels": {LABEL_MODEL: "rm", LABEL_REPLICA: str(i)}},
+                "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8001}]}]},
+                "status": {"podIP": url, "conditions": [{"type": "Ready", "status": "True"}]},
+            },
+        )
+    kube.put(
+        custom_path(NS, plural=wsapi.WS_PLURAL),
+        {
+            "metadata": {"name": "rm", "namespace": NS, "generation": 1},
+            "spec": {
+                "rewardModelRef": "rm",
+                "version": version,
+                "trainingMode": "full",
+                "rendezvous": {"address": "10.0.0.1", "port": 4000},
+                "manifestRef": {"configMapName": "rm-manifest", "key": key, "sha256": sha},
+                "timeoutSeconds": 60,
+            },
+        },
+    )
+    fake = FakeReplicas({f"http://{url}:8001": r for url, r in replicas.items()})
+    return kube, fake
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+def run_push(kube: MemoryKube, fake: FakeReplicas, **kw: Any) -> dict[str, Any]:
+    clock = Clock()
+    done: list[tuple[str, str]] = []
+    driver = WeightSyncDriver(kube, on_done=done.append, replicas=fake, clock=clock, sleep=clock.sleep, **kw)  # type: ignore[arg-type]
+    driver.handle((NS, "rm"))
+    assert done == [(NS, "rm")]  # the model is reconciled after every push, whatever its outcome
+    ws = kube.get(custom_path(NS, "rm", wsapi.WS_PLURAL))
+    assert ws is not None
+    return ws["status"]
+
+
+def test_driver_push_completes_with_ranks_and_bytes() -> None:
+    kube, fake = cluster({"a": FakeReplica(polls_until_done=3), "b": FakeReplica(world_size=2)})
+    status = run_push(kube, fake)
+    assert status["phase"] == "Completed" and status["version"] == 5 and status["worldSize"] == 4
+    assert [(r["pod"], r["rankOffset"], r["phase"]) for r in status["replicas"]] == [
+        ("rm-0", 0, "Completed"),
+        ("rm-1", 1, "Completed"),
+    ]
+    assert status["bytes"] > 0 and status["history"][-1]["phase"] == "Completed"
+    # The phases went Pending → Rendezvous → Transferring → Completed, in that order.
+    phases = [p["status"].get("phase") for _, p in kube.patches if p["status"].get("phase")]
+    assert phases == ["Pending", "Rendezvous", "Transferring", "Completed"]
+
+
+def test_driver_replica_refusal_fails_the_push_with_the_servers_words() -> None:
+    kube, fake = cluster(
+        {"a": FakeReplica(), "b": FakeReplica(refuse={"update_param_batch": "another update"})}
+    )
+    status = run_push(kube, fake)
+    assert status["phase"] == "Failed" and status["reason"] == wsapi.REPLICA_REFUSED
+    assert "another update" in status["message"]
+
+
+def test_driver_update_error_fails_as_replica_failed() -> None:
+    kube, fake = cluster(
+        {"a": FakeReplica(), "b": FakeReplica(polls_until_done=2, update_error="out of memory")}
+    )
+    status = run_push(kube, fake)
+    assert (status["phase"], status["reason"]) == ("Failed", wsapi.REPLICA_FAILED)
+    assert "rm-1: out of memory" in status["message"]
+
+
+def test_driver_replica_that_never_lands_times_out() -> None:
+    kube, fake = cluster({"a": FakeReplica(polls_until_done=10**9)})
+    status = run_push(kube, fake)
+    assert (status["phase"], status["reason"]) == ("Failed", wsapi.TIMEOUT)
+    assert status["durationSeconds"] >= 60
+
+
+def test_driver_full_push_takes_stale_replicas_along() -> None:
+    kube, fake = cluster({"a": FakeReplica(version=4), "b": FakeReplica(version=0)})
+    status = run_push(kube, fake, stale_pods=lambda _key: {"rm-1"})
+    assert status["phase"] == "Completed" and [r["pod"] for r in status["replicas"]] == ["rm-0", "rm-1"]
+
+
+def test_driver_resumed_push_fails_with_operator_restarted() -> None:
+    kube, fake = cluster({"a": FakeReplica()})
+    path = custom_path(NS, "rm", wsapi.WS_PLURAL)
+    kube.merge_patch(
+        path + "/status", {"status": {"phase": "Rendezvous", "observedGeneration": 1, "version": 5}}
+    )
+    driver = WeightSyncDriver(kube, replicas=fake)  # type: ignore[arg-type]
+    driver.handle((NS, "rm"))
+    status = (kube.get(path) or {})["status"]
+    assert (status["phase"], status["reason"]) == ("Failed", wsapi.OPERATOR_RESTARTED)
+    assert fake.calls == []  # nothing was asked of the replicas
+
+
+def test_driver_resumed_transfer_is_followed_to_completion() -> None:
+    """The operator died while replicas received: the new one watches them land and completes it."""
+    kube, fake = cluster({"a": FakeReplica(), "b": FakeReplica()})
+    path = custom_path(NS, "rm", wsapi.WS_PLURAL)
+    entries = [
+        wsm.replica_entry(t, "Transferring")
+        for t in (wsm.Target(0, "rm-0", "http://a:8001", 1, 0), wsm.Target(1, "rm-1", "http://b:8001", 1, 1))
+    ]
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    kube.merge_patch(
+        path + "/status",
+        {
+            "status": {
+                "phase": "Transferring",
+                "observedGeneration": 1,
+                "version": 5,
+                "replicas": entries,
+                "startedAt": started,
+            }
+        },
+    )
+    fake.replicas["http://b:8001"].version = 5  # one landed while no operator watched
+    fake.replicas["http://a:8001"]._pending = 5  # the other is still receiving
+    clock = Clock()
+    WeightSyncDriver(kube, replicas=fake, clock=clock, sleep=clock.sleep).handle((NS, "rm"))  # type: ignore[arg-type]
+    status = (kube.get(path) or {})["status"]
+    assert status["phase"] == "Completed" and [r["phase"] for r in status["replicas"]] == ["Completed"] * 2
+    assert not any(call == "init_communicator" for call, _ in fake.calls)  # nothing was pushed again
+
+
+# ---------------------------------------------------------------- the reconciler's restore, in memory
+
+
+def test_reconciler_brings_a_new_replica_to_the_models_version_from_a_peer() -> None:
+    """Scale 1 → 2 without persistDir: the new replica serves base weights; the operator has the
+    healthy one send it the current version, and the model becomes Ready without the trainer."""
+    from rewardplane.operator.reconcile import Reconciler
+
+    kube = MemoryKube()
+    kube.put(
+        core_path("nodes"),
+        {"metadata": {"name": "cpu-a"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
+    )
+    kube.put(
+        custom_path(NS),
+        {
+            "metadata": {"name": "rm", "namespace": NS, "uid": "uid-1", "generation": 1},
+            "spec": {
+                "model": {"source": "/m"},
+                "engine": {"kind": "hf"},
+                "gpu": {"mode": "none"},
+                "replicas": 2,
+            },
+            "status": {"weightsVersion": 3},
+        },
+    )
+    fake = FakeReplicas(
+        {"http://10.0.0.10:8001": FakeReplica(version=3), "http://10.0.0.11:8001": FakeReplica()}
+    )
+    reconciler = Reconciler(kube, replicas=fake)  # type: ignore[arg-type]
+    reconciler.reconcile((NS, "rm"))  # creates the Pods and the token Secret
+    secret = kube.get(core_path("secrets", NS, "rm-control-token")) or {}
+    fake.token = base64.b64decode(secret["data"]["token"]).decode()  # what the servers were given
+    for i in range(2):
+        path = core_path("pods", NS, f"rm-{i}")
+        kube.merge_patch(
+            path + "/status",
+            {"status": {"podIP": f"10.0.0.1{i}", "conditions": [{"type": "Ready", "status": "True"}]}},
+        )
+    reconciler.reconcile((NS, "rm"))
+    assert ("send_weights", "http://10.0.0.10:8001") in fake.calls
+    assert ("update_param_batch", "http://10.0.0.11:8001") in fake.calls
+    status = (kube.get(custom_path(NS, "rm")) or {})["status"]
+    assert status["phase"] == "Progressing" and status["readyReplicas"] == 1
+    events = [e["reason"] for e in kube.list(core_path("events", NS))]
+    assert "ReplicaStale" in events and "ReplicaRestoring" in events
+
+    # A second pass while the copy is in flight starts no second one.
+    sends = fake.calls.count(("send_weights", "http://10.0.0.10:8001"))
+    fake.replicas["http://10.0.0.11:8001"].polls_until_done = 10**9
+    reconciler.reconcile((NS, "rm"))
+    assert fake.calls.count(("send_weights", "http://10.0.0.10:8001")) == sends
+
+    fake.replicas["http://10.0.0.11:8001"].polls_until_done = 0  # the copy lands
+    fake.runtime("http://10.0.0.11:8001")
+    reconciler.reconcile((NS, "rm"))
+    status = (kube.get(custom_path(NS, "rm")) or {})["status"]
+    assert status["phase"] == "Ready" and status["readyReplicas"] == 2 and status["weightsVersion"] == 3
