@@ -170,11 +170,7 @@ def test_rewardmodel_from_a_volume_becomes_ready(real_cluster: RealCluster) -> N
     c = real_cluster
     models = c.volumes / "models"
     S.model_dir = build_tiny_reward_model(models / "tiny-rm", num_labels=1, seed=0)
-    weights = c.volumes / "weights"
-    weights.mkdir(exist_ok=True)
-    import os
-
-    os.chown(weights, RUN_AS, RUN_AS)  # the server runs as this user and writes its pushed weights there
+    weights = c.volumes / "weights"  # pushed weights persist here (a hostPath), for restores
     # The model reaches the pods the way clusters deliver models: a PersistentVolumeClaim
     # (bound by the controller-manager to a hostPath PersistentVolume made for the test).
     c.core.create_persistent_volume(
