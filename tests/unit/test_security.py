@@ -71,7 +71,8 @@ def test_with_persist_dir_the_server_keeps_root_to_write_the_hostpath() -> None:
     body = cpu_rm(weightSync={"persistDir": "/var/lib/rm"})
     plan = plan_reward_model(body, ClusterView(nodes=CPU_NODES))
     ctx = _container(render_pod(body, plan, plan.replicas[0]))["securityContext"]
-    assert ctx["readOnlyRootFilesystem"] and "runAsNonRoot" not in ctx
+    # explicitly root: the image's own user (65532) could not write the root-owned hostPath
+    assert ctx["readOnlyRootFilesystem"] and "runAsNonRoot" not in ctx and ctx["runAsUser"] == 0
 
 
 def test_reconciler_keeps_the_policy_as_rendered_and_removes_it_when_disabled() -> None:

@@ -201,6 +201,8 @@ def security_context(plan: Plan) -> dict[str, Any]:
     }
     if not plan.spec.weight_sync.persist_dir:
         ctx |= {"runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID}
+    else:  # explicit: the image's own user is 65532
+        ctx |= {"runAsUser": 0, "runAsGroup": 0}
     return ctx
 
 
