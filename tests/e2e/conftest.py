@@ -15,6 +15,7 @@ missing the suite is skipped, except under CI, where that fails the run.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -111,7 +112,8 @@ def real_cluster() -> Iterator[RealCluster]:
     try:
         helm_install_operator(kubeconfig, log_path=node.layout.logs / "helm.log")
         volumes = state / "volumes"
-        volumes.mkdir(exist_ok=True)
+        shutil.rmtree(volumes, ignore_errors=True)  # an earlier run's model and weights must not leak in
+        volumes.mkdir()
         yield RealCluster(node=node, kubeconfig=kubeconfig, api=api, volumes=volumes)
     finally:
         api.close()
