@@ -40,9 +40,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from rewardplane.localcluster.gpus import GpuInventory, pinned_devices
 from rewardplane.localcluster.podspec import (
     ContainerRuntime,
-    DeviceAllocator,
     IPAllocator,
     Objects,
     Pod,
@@ -353,17 +353,24 @@ class PodWorker(threading.Thread):
     # -- start
     def _try_start(self, now: float) -> None:
         try:
-            plan, gpu_ids = self._prepare()
+            plan, gpu_ids, pinned = self._prepare()
         except PodConfigError as exc:
             self._config_problem("CreateContainerConfigError", str(exc), now)
             return
         except Exception as exc:  # API unreachable and the like: transient
             self._config_problem("ContainerCreating", f"preparing the pod failed: {exc}", now)
             return
+        blocker = self.agent.start_blocker(self.uid) if pinned else None
+        if blocker:
+            self._config_problem("ContainerCreating", blocker, now)
+            return
         env = dict(os.environ)
         env.pop("KUBECONFIG", None)  # the pod gets no admin credentials by accident
         env.update({"HOSTNAME": self.pod_name, "PYTHONUNBUFFERED": "1", MARKER_ENV: self.agent.cfg.agent_id})
-        if gpu_ids is not None:
+        if gpu_ids or pinned:
+            # device ids are nvidia-smi's (PCI order), not CUDA's default fastest-first order
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        if gpu_ids:
             ids = ",".join(str(i) for i in gpu_ids)
             env.update({"CUDA_VISIBLE_DEVICES": ids, "NVIDIA_VISIBLE_DEVICES": ids})
         env.update(plan.env)
@@ -397,6 +404,8 @@ class PodWorker(threading.Thread):
         if restarting:
             self.rt.restart_count += 1
         self.plan = plan
+        # Until its first probe passes, a pod on a shared GPU keeps its neighbours from starting.
+        self.agent.set_gpu_starting(self.uid, bool(pinned and (self.startup or self.readiness)))
         self.rt.pid = self.proc.pid
         self.rt.running_since = now
         self.rt.waiting_reason = self.rt.waiting_message = None
@@ -420,8 +429,9 @@ class PodWorker(threading.Thread):
         self.rt.waiting_reason, self.rt.waiting_message = reason, message
         self.next_start = now + CONFIG_RETRY_S
 
-    def _prepare(self) -> tuple[ProcessPlan, list[int] | None]:
-        """Read the Secrets/ConfigMaps the pod uses, write its volumes, plan the process."""
+    def _prepare(self) -> tuple[ProcessPlan, tuple[int, ...], tuple[int, ...]]:
+        """Read the Secrets/ConfigMaps the pod uses, write its volumes, plan the process; claim
+        its GPUs. Returns (plan, devices the agent chose for it, devices it pins itself)."""
         with self._lock:
             pod = self.pod
         secrets, configmaps = self.agent.read_refs(pod)
@@ -437,8 +447,13 @@ class PodWorker(threading.Thread):
             pod, pod_ip=self.rt.pod_ip or "127.0.0.1", secrets=secrets, configmaps=configmaps, volumes=volumes
         )
         n_gpu = gpu_request(pod)
-        gpu_ids = self.agent.allocate_gpus(self.uid, n_gpu) if n_gpu else None
-        return plan, gpu_ids
+        name = f"{self.ns}/{self.pod_name}"
+        if n_gpu:
+            return plan, self.agent.claim_gpus(self.uid, name, n_gpu), ()
+        pinned = pinned_devices(plan.env, n_gpu, self.agent.cfg.gpus)
+        if pinned:
+            self.agent.pin_gpus(self.uid, name, pinned)
+        return plan, (), pinned
 
     # -- running
     def _probe(self) -> None:
@@ -459,6 +474,8 @@ class PodWorker(threading.Thread):
             if tracker is self.readiness:
                 if healthy != self.rt.ready:
                     log.info("pod %s/%s: ready=%s (%s)", self.ns, self.pod_name, healthy, detail)
+                if healthy:
+                    self.agent.set_gpu_starting(self.uid, False)
                 self.rt.ready = healthy
             elif not healthy:
                 log.warning(
@@ -483,6 +500,7 @@ class PodWorker(threading.Thread):
         tracker.record(ok, detail, time.time())
         if ok:
             tracker.healthy = True
+            self.agent.set_gpu_starting(self.uid, False)
             for other in (self.readiness, self.liveness):
                 if other:
                     other.start(time.time())
@@ -509,6 +527,7 @@ class PodWorker(threading.Thread):
         self.rt.pid = None
         self.rt.ready = False
         self.proc = None
+        self.agent.set_gpu_starting(self.uid, False)
         log.info("pod %s/%s: process exited with code %d (%s)", self.ns, self.pod_name, code, reason)
         if not (self.restart_policy == "Always" or (self.restart_policy == "OnFailure" and code != 0)):
             self.rt.terminal_phase = "Succeeded" if code == 0 else "Failed"
@@ -537,6 +556,7 @@ class PodWorker(threading.Thread):
         self.rt.running_since = self.rt.pid = None
         self.rt.ready = False
         self.proc = None
+        self.agent.set_gpu_starting(self.uid, False)
 
     # -- API
     def _report(self, now: float) -> None:
@@ -621,7 +641,7 @@ class NodeAgent:
         self.core = client.CoreV1Api(api_client)
         self.stop_event = threading.Event()
         self._ips = IPAllocator()
-        self._gpus = DeviceAllocator(cfg.gpus)
+        self._gpus = GpuInventory(cfg.gpus)
         self._alloc_lock = threading.Lock()
         self._workers: dict[str, PodWorker] = {}
         self._workers_lock = threading.Lock()
@@ -632,9 +652,21 @@ class NodeAgent:
         with self._alloc_lock:
             return self._ips.allocate(uid, preferred)
 
-    def allocate_gpus(self, uid: str, n: int) -> list[int]:
+    def claim_gpus(self, uid: str, name: str, n: int) -> tuple[int, ...]:
         with self._alloc_lock:
-            return self._gpus.allocate(uid, n)
+            return self._gpus.claim_exclusive(uid, name, n)
+
+    def pin_gpus(self, uid: str, name: str, devices: tuple[int, ...]) -> None:
+        with self._alloc_lock:
+            self._gpus.pin(uid, name, devices)
+
+    def start_blocker(self, uid: str) -> str | None:
+        with self._alloc_lock:
+            return self._gpus.start_blocker(uid)
+
+    def set_gpu_starting(self, uid: str, starting: bool) -> None:
+        with self._alloc_lock:
+            self._gpus.set_starting(uid, starting)
 
     def worker_done(self, worker: PodWorker) -> None:
         with self._alloc_lock:

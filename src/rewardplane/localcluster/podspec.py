@@ -373,29 +373,6 @@ class IPAllocator:
         return dict(self._by_owner)
 
 
-class DeviceAllocator:
-    """Pretend GPU device ids 0..n-1 handed to pods that request ``nvidia.com/gpu``."""
-
-    def __init__(self, count: int) -> None:
-        self._free = list(range(count))
-        self._by_owner: dict[str, list[int]] = {}
-
-    def allocate(self, owner: str, n: int) -> list[int]:
-        if owner in self._by_owner:
-            return self._by_owner[owner]
-        if n > len(self._free):
-            raise PodConfigError(
-                f"pod requests {n} nvidia.com/gpu but only {len(self._free)} are free "
-                "on this node; start the agent with more --gpus or delete pods"
-            )
-        got, self._free = self._free[:n], self._free[n:]
-        self._by_owner[owner] = got
-        return got
-
-    def release(self, owner: str) -> None:
-        self._free = sorted(self._free + self._by_owner.pop(owner, []))
-
-
 # -- status --------------------------------------------------------------------------------------
 def rfc3339(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
