@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from rewardplane.api.kube import Kube, KubeError
 from rewardplane.localcluster import realnode
 from rewardplane.localcluster.binaries import BinaryNotFoundError, cache_dir, find_binary
 from rewardplane.localcluster.controlplane import ControlPlaneError, LocalControlPlane, _http_ok
@@ -186,7 +187,11 @@ def cmd_up(state: Path, *, gpus: int, timeout_s: float) -> int:
         json.dumps({"server_url": cp.server_url, "kubeconfig": str(kubeconfig)}, indent=2)
     )
 
-    warnings = apply_crds(kubeconfig, logs / "kubectl.log")
+    kube = Kube.from_environment(str(kubeconfig))
+    try:
+        warnings = apply_crds(kube)
+    finally:
+        kube.close()
 
     agent = _spawn(
         [
@@ -240,35 +245,39 @@ def cmd_up(state: Path, *, gpus: int, timeout_s: float) -> int:
     return 0
 
 
-def apply_crds(kubeconfig: Path, log_path: Path, crds: Path = REPO_CRDS) -> list[str]:
-    """``kubectl apply`` the repo's CRDs and wait until they are established; returns warnings."""
+CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+
+def apply_crds(kube: Kube, crds: Path = REPO_CRDS, timeout_s: float = 30.0) -> list[str]:
+    """Create (or replace) the repo's CRDs through the API and wait until they are Established;
+    returns warnings. No kubectl: the GPU machine has none."""
+    import yaml
+
     files = sorted(crds.glob("*.yaml")) + sorted(crds.glob("*.yml")) if crds.is_dir() else []
     if not files:
         return [f"no CRDs applied: {crds} has no YAML files"]
+    names = []
     try:
-        kubectl = str(find_binary("kubectl"))
-    except BinaryNotFoundError as exc:
-        return [f"CRDs not applied: {exc}"]
-    with open(log_path, "ab") as logf:
-        for cmd in (
-            [kubectl, "--kubeconfig", str(kubeconfig), "apply", "-f", str(crds)],
-            [
-                kubectl,
-                "--kubeconfig",
-                str(kubeconfig),
-                "wait",
-                "--for=condition=established",
-                "--timeout=30s",
-                "crd",
-                "--all",
-            ],
-        ):
-            try:
-                done = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, timeout=60)
-            except subprocess.TimeoutExpired:
-                return [f"`{' '.join(cmd[3:])}` timed out; see {log_path}"]
-            if done.returncode != 0:
-                return [f"`kubectl {' '.join(cmd[3:])}` failed; see {log_path}"]
+        for path in files:
+            crd = yaml.safe_load(path.read_text())
+            name = crd["metadata"]["name"]
+            names.append(name)
+            if kube.create(CRD_PATH, crd) is None:  # there from an earlier run: replace it
+                existing = kube.get(f"{CRD_PATH}/{name}") or {}
+                crd["metadata"]["resourceVersion"] = existing.get("metadata", {}).get("resourceVersion")
+                kube._call("PUT", f"{CRD_PATH}/{name}", json=crd)
+    except (KubeError, OSError, yaml.YAMLError, KeyError, TypeError) as exc:
+        return [f"applying the CRDs from {crds} failed: {exc}"]
+
+    def established(name: str) -> bool:
+        conds = ((kube.get(f"{CRD_PATH}/{name}") or {}).get("status") or {}).get("conditions") or []
+        return any(c.get("type") == "Established" and c.get("status") == "True" for c in conds)
+
+    deadline = time.monotonic() + timeout_s
+    while not all(established(n) for n in names):
+        if time.monotonic() > deadline:
+            return [f"CRDs not Established after {timeout_s:.0f}s: {', '.join(names)}"]
+        time.sleep(0.3)
     return []
 
 
