@@ -25,6 +25,12 @@ fi
 SRC=$ROOT/core/src:$ROOT/sdk/src:$ROOT/operator/src:$ROOT/images/reward-server/src:$ROOT/src
 export PYTHONPATH=/tmp/site:$SRC:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+# The local cluster's binaries and the operator's wheels, where the cluster bundle was installed
+# (bash .whl/k8s1/install.sh; docs/gpu.md, "The operator on real GPUs").
+K8S_ROOT=${K8S_ROOT:-/tmp/k8s}
+if [ -f "$K8S_ROOT/.bundle_ok" ]; then
+  export REWARDPLANE_CACHE=$K8S_ROOT PATH=$K8S_ROOT/bin:$PATH PYTHONPATH=$PYTHONPATH:$K8S_ROOT/site
+fi
 # NVLink multicast stays off on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L || true
