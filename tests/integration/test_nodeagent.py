@@ -212,6 +212,79 @@ def test_node_advertises_capacity_and_labels(kube_api: Any, node_agent: Any) -> 
     assert node.metadata.labels["kubernetes.io/hostname"] == node_agent.name
 
 
+# A server that takes a few seconds to start (as vLLM takes minutes): ready once it serves.
+SLOW_SERVER = (
+    "import http.server, sys, time; time.sleep(float(sys.argv[2])); "
+    "http.server.HTTPServer((sys.argv[1], int(sys.argv[3])), http.server.SimpleHTTPRequestHandler).serve_forever()"
+)
+
+
+def _slow_pod(name: str, node: str, port: int, delay_s: float, **container: Any) -> dict[str, Any]:
+    return _pod(
+        name,
+        node,
+        ["python", "-c", SLOW_SERVER, "$(POD_IP)", str(delay_s), str(port)],
+        ports=[{"name": "http", "containerPort": port}],
+        readinessProbe={"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1},
+        **container,
+    )
+
+
+def _waiting_message(pod: Any) -> str:
+    statuses = pod.status.container_statuses or []
+    waiting = statuses[0].state.waiting if statuses else None
+    return (waiting.message or "") if waiting else ""
+
+
+@pytest.mark.cluster
+def test_pods_sharing_a_gpu_start_one_at_a_time_and_exclusive_pods_avoid_it(
+    kube_api: Any, node_agent: Any, k8s_namespace: str
+) -> None:
+    core = _core(kube_api)
+    port = 20000 + os.getpid() % 20000  # pods of other agents on this host may hold 127.0.0.2:8080
+    pin = {
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "CUDA_VISIBLE_DEVICES", "value": "0"},
+        ]
+    }
+    core.create_namespaced_pod(
+        k8s_namespace, _slow_pod("first", node_agent.name, port, 6, **pin), _request_timeout=10
+    )
+    running = lambda p: bool(p.status.container_statuses and p.status.container_statuses[0].state.running)  # noqa: E731
+    first = _wait_pod(core, k8s_namespace, "first", running, "running", node_agent)
+    core.create_namespaced_pod(
+        k8s_namespace, _slow_pod("second", node_agent.name, port, 0, **pin), _request_timeout=10
+    )
+    # while the first is still starting (not Ready), the second waits for it, saying why
+    second = _wait_pod(
+        core,
+        k8s_namespace,
+        "second",
+        lambda p: "waiting for pod" in _waiting_message(p),
+        "waiting",
+        node_agent,
+    )
+    assert f"{k8s_namespace}/first on GPU 0" in _waiting_message(second)
+    assert not _ready(core.read_namespaced_pod("first", k8s_namespace, _request_timeout=10))
+    _wait_pod(core, k8s_namespace, "first", _ready, "Ready", node_agent)
+    second = _wait_pod(core, k8s_namespace, "second", _ready, "Ready", node_agent)
+    env = Path(f"/proc/{_pid(second)}/environ").read_bytes().split(b"\0")
+    assert b"CUDA_VISIBLE_DEVICES=0" in env and b"CUDA_DEVICE_ORDER=PCI_BUS_ID" in env
+    assert _pid(first) != _pid(second)
+
+    # the node's one GPU is pinned by shared pods: a whole-GPU request is refused, naming them
+    whole = _pod("whole", node_agent.name, ["python", "-c", "import time; time.sleep(60)"])
+    whole["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+    core.create_namespaced_pod(k8s_namespace, whole, _request_timeout=10)
+    got = _wait_pod(
+        core, k8s_namespace, "whole", lambda p: "in use by" in _waiting_message(p), "refused", node_agent
+    )
+    assert f"{k8s_namespace}/first" in _waiting_message(
+        got
+    ) and f"{k8s_namespace}/second" in _waiting_message(got)
+
+
 # -- the agent's pure logic (no cluster needed) ------------------------------------------------------
 
 

@@ -79,3 +79,14 @@ def test_pinning_again_keeps_the_starting_mark() -> None:
     inv.set_starting("a", True)
     inv.pin("a", "ns/a", (0,))  # the agent re-prepares a pod on every start attempt
     assert inv.start_blocker("b") is not None
+
+
+def test_begin_start_checks_and_marks_in_one_step() -> None:
+    inv = GpuInventory(1)
+    inv.pin("a", "ns/a", (0,))
+    inv.pin("b", "ns/b", (0,))
+    assert inv.begin_start("a", mark=True) is None  # a goes, and is now starting
+    assert inv.begin_start("b", mark=True) is not None  # b, right behind it, waits
+    inv.set_starting("a", False)
+    assert inv.begin_start("b", mark=False) is None  # a pod without probes does not block others
+    assert inv.begin_start("a", mark=True) is None

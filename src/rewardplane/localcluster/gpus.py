@@ -119,6 +119,15 @@ class GpuInventory:
                     )
         return None
 
+    def begin_start(self, owner: str, *, mark: bool) -> str | None:
+        """Check and mark in one step (two pods' workers must not both slip through): the reason
+        ``owner`` must wait, or None after marking it starting (when ``mark``: it has a probe that
+        will say when its start-up is over)."""
+        blocker = self.start_blocker(owner)
+        if blocker is None and mark:
+            self.set_starting(owner, True)
+        return blocker
+
     def set_starting(self, owner: str, starting: bool) -> None:
         """A pod's process started (True) or is past its start-up: probe passed, or it exited (False)."""
         held = self._holders.get(owner)

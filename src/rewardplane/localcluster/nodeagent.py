@@ -360,7 +360,10 @@ class PodWorker(threading.Thread):
         except Exception as exc:  # API unreachable and the like: transient
             self._config_problem("ContainerCreating", f"preparing the pod failed: {exc}", now)
             return
-        blocker = self.agent.start_blocker(self.uid) if pinned else None
+        # A pod on a shared GPU starts only when no neighbour is starting, and then blocks them
+        # until its first probe passes (vLLM measures the device's free memory while it starts).
+        has_probe = self.startup is not None or self.readiness is not None
+        blocker = self.agent.begin_gpu_start(self.uid, mark=has_probe) if pinned else None
         if blocker:
             self._config_problem("ContainerCreating", blocker, now)
             return
@@ -404,8 +407,6 @@ class PodWorker(threading.Thread):
         if restarting:
             self.rt.restart_count += 1
         self.plan = plan
-        # Until its first probe passes, a pod on a shared GPU keeps its neighbours from starting.
-        self.agent.set_gpu_starting(self.uid, bool(pinned and (self.startup or self.readiness)))
         self.rt.pid = self.proc.pid
         self.rt.running_since = now
         self.rt.waiting_reason = self.rt.waiting_message = None
@@ -660,9 +661,9 @@ class NodeAgent:
         with self._alloc_lock:
             self._gpus.pin(uid, name, devices)
 
-    def start_blocker(self, uid: str) -> str | None:
+    def begin_gpu_start(self, uid: str, *, mark: bool) -> str | None:
         with self._alloc_lock:
-            return self._gpus.start_blocker(uid)
+            return self._gpus.begin_start(uid, mark=mark)
 
     def set_gpu_starting(self, uid: str, starting: bool) -> None:
         with self._alloc_lock:
