@@ -24,7 +24,8 @@ fi
 # step is needed (several runs can share a machine).
 SRC=$ROOT/core/src:$ROOT/sdk/src:$ROOT/operator/src:$ROOT/images/reward-server/src:$ROOT/src
 export PYTHONPATH=/tmp/site:$SRC:$ROOT${PYTHONPATH:+:$PYTHONPATH}
-export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+# CUDA_DEVICE_ORDER: device numbers as nvidia-smi's (the node agent's pods use them too).
+export VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 CUDA_DEVICE_ORDER=PCI_BUS_ID
 # The local cluster's binaries and the operator's wheels, where the cluster bundle was installed
 # (bash .whl/k8s1/install.sh; docs/gpu.md, "The operator on real GPUs").
 K8S_ROOT=${K8S_ROOT:-/tmp/k8s}

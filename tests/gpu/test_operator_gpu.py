@@ -115,12 +115,17 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     }
     env.pop("CUDA_VISIBLE_DEVICES", None)  # pods get theirs from the node agent / their spec
     node_gpus = device_count() - 1  # the last GPU is the trainer's
-    out = _dev("up", state, env, "--gpus", str(node_gpus), "--timeout", str(UP_S), timeout_s=UP_S + 60)
     kubeconfig = state / "kubeconfig"
-    assert f"export KUBECONFIG={kubeconfig}" in out, out
-    kube = Kube.from_environment(str(kubeconfig))
+    try:
+        out = _dev("up", state, env, "--gpus", str(node_gpus), "--timeout", str(UP_S), timeout_s=UP_S + 60)
+        assert f"export KUBECONFIG={kubeconfig}" in out, out
+        kube = Kube.from_environment(str(kubeconfig))
+    except BaseException:
+        _dev("down", state, env, timeout_s=DOWN_S)  # whatever part of it did start
+        raise
     c = Cluster(state, env, kube, kubeconfig)
     try:
+        _wait(f"the node {NODE} Ready", lambda: _node_ready(kube), UP_S, c.diagnostics)
         yield c
     finally:
         try:
@@ -149,6 +154,12 @@ def _wait(what: str, ready: Any, timeout_s: float, diagnostics: Any) -> Any:
             return last
         time.sleep(1.0)
     pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})\n{diagnostics()}")
+
+
+def _node_ready(kube: Kube) -> bool:
+    node = kube.get(core_path("nodes", None, NODE)) or {}
+    conds = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
 def _reward_model(name: str, model_dir: Path, gpu: dict[str, Any]) -> dict[str, Any]:
