@@ -58,7 +58,8 @@ from tests.gpu.vllm_support import (
     served,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.gpus(3), pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.gpus(3), pytest.mark.timeout(480)]
+# 480 s: inside one 10-minute device call with the vLLM install before it and the teardown after
 
 NS = "default"
 NODE = "local-node"  # the node `rewardplane dev up --node agent` registers
@@ -131,7 +132,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         try:
             for name in [*SHARED, EXCLUSIVE[0]]:
                 kube.delete(custom_path(NS, name))
-            _wait("the RewardModels deleted", lambda: not kube.list(custom_path(NS)), 60, c.diagnostics)
+            _wait("the RewardModels deleted", lambda: not kube.list(custom_path(NS)), 30, c.diagnostics)
         finally:
             kube.close()
             _dev("down", state, env, timeout_s=DOWN_S)
