@@ -16,8 +16,9 @@ from rewardplane.localcluster.binaries import missing_binaries
 
 # vLLM's memory fraction covers what its worker allocates once its CUDA context exists (the
 # start-up snapshot is taken after it, vllm/v1/worker/gpu_worker.py); the context itself (CUDA
-# runtime, cuBLAS/NCCL handles: ~0.5 GiB on an H100) is on top. This bounds that part.
-CONTEXT_ALLOWANCE_MIB = 1536
+# runtime, cuBLAS/NCCL handles: ~0.5 GiB on an H100) is on top, and the server's API process may
+# hold a context of its own on the same GPU. This bounds that part, per server.
+CONTEXT_ALLOWANCE_MIB = 2048
 
 
 def cluster_skip_reason(
@@ -67,10 +68,10 @@ def attribute_usage(
     usage: dict[str, dict[int, int]] = {}
     unclaimed = []
     for row in parse_csv(apps_csv):
-        if len(row) < 3 or not row[0].isdigit() or row[1] not in gpus:
-            unclaimed.append(",".join(row))
+        if len(row) < 3 or not row[0].isdigit() or row[1] not in gpus or not row[2].isdigit():
+            unclaimed.append(",".join(row))  # "[N/A]" memory must not read as 0 MiB
             continue
-        mib = int(row[2]) if row[2].isdigit() else 0
+        mib = int(row[2])
         pod = pod_of(int(row[0]))
         if pod is None:
             unclaimed.append(",".join(row))

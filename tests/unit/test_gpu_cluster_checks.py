@@ -37,12 +37,13 @@ def test_rows_are_summed_per_pod_and_gpu_and_strangers_kept_apart() -> None:
             "301, GPU-bbb, 40000",
             "999, GPU-ccc, 5000",  # the trainer: no pod
             "[N/A], GPU-aaa, 10",
+            "301, GPU-bbb, [N/A]",  # unknown memory is not 0 MiB
         ]
     )
     pods = {101: "shared-a-0", 102: "shared-a-0", 201: "shared-b-0", 301: "exclusive-c-0"}
     usage, unclaimed = attribute_usage(apps, gpus, pods.get)
     assert usage == {"shared-a-0": {0: 24400}, "shared-b-0": {0: 32000}, "exclusive-c-0": {1: 40000}}
-    assert unclaimed == ["999,GPU-ccc,5000", "[N/A],GPU-aaa,10"]
+    assert unclaimed == ["999,GPU-ccc,5000", "[N/A],GPU-aaa,10", "301,GPU-bbb,[N/A]"]
     assert memory_problems(usage, EXPECTED, TOTAL) == []
 
 

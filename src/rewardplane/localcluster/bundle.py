@@ -325,6 +325,8 @@ def _unpack(cache: Path, names: list[str], root: Path, python: str) -> None:
         if done.returncode != 0:
             raise BundleError(f"{tool} --version failed ({done.returncode}): {done.stderr.strip()[-500:]}")
         _log(f"{tool.name}: {(done.stdout or done.stderr).strip().splitlines()[0]}")
+    if shutil.which("openssl") is None:  # the control plane makes its service-account key with it
+        _log("WARNING: no openssl on PATH: the control plane needs it (or the Python package cryptography)")
 
 
 def _print_exports(root: Path) -> None:
