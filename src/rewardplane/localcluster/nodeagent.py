@@ -8,6 +8,9 @@ itself). For each pod it:
 - writes Secret / ConfigMap volumes into a per-pod directory and rewrites each volumeMount's
   ``mountPath`` prefix in command, args and env values to that directory (there is no mount
   namespace: the process sees the host's filesystem);
+- hands out GPUs (:mod:`.gpus`): whole devices for ``nvidia.com/gpu`` requests, none that a
+  shared-mode pod pins with its own ``CUDA_VISIBLE_DEVICES``; pods pinning one device start one at
+  a time (vLLM measures the device's free memory while it starts);
 - runs the first container's ``command`` + ``args`` (``$(VAR)`` expanded; ``python``/``python3``
   become the agent's own interpreter) in its own process group, output to a per-pod log file;
 - reports status through the status subresource: phase, podIP, containerStatuses, conditions,
@@ -15,7 +18,8 @@ itself). For each pod it:
 - on deletion stops the process (SIGTERM, SIGKILL after the grace period) and deletes the Pod
   with gracePeriodSeconds=0, as the kubelet does.
 
-Pure logic lives in :mod:`.podspec` and :mod:`.probes`; this module is the I/O around it.
+Pure logic lives in :mod:`.podspec`, :mod:`.probes` and :mod:`.gpus`; this module is the I/O
+around it.
 Run it as ``rewardplane node`` or ``python -m rewardplane.localcluster.nodeagent``.
 """
 
