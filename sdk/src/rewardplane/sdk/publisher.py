@@ -29,23 +29,19 @@ from rewardplane.protocol import (
     ParamMeta,
     RewardModelTrainingMode,
     UpdateParamBatchRequest,
-    check_adapter_metadata,
-    check_metadata,
     layout_id,
     plan_buckets,
 )
 from rewardplane.protocol.auth import resolve_token
 from rewardplane.protocol.naming import (
     DEFAULT_HEAD_PATTERNS,
-    WeightValidationError,
-    normalize_params,
-    validate_for_mode,
 )
 from rewardplane.transport.buckets import meta_of
 from rewardplane.transport.comm import Backend, Communicator, TensorCommunicator, create_store
 from rewardplane.transport.transfer import send_buckets
 
 from ._exceptions import WeightSyncError
+from .push_checks import check_fits, names_for_mode
 from .retry import RetryPolicy, call_with_retry, check_response
 
 log = logging.getLogger(__name__)
@@ -382,39 +378,19 @@ class RewardModelPublisher:
         key = (mode, keep_lora, adapter, tuple((k, tuple(v.shape), v.dtype) for k, v in state_dict.items()))
         if self._layout_cache is not None and self._layout_cache[0] == key:
             return self._layout_cache[1], self._layout_cache[2], self._layout_cache[3]
-        is_adapter = mode == RewardModelTrainingMode.ADAPTER
-        if is_adapter and adapter is None:
-            raise WeightValidationError(
-                "training_mode adapter needs adapter=AdapterConfig(rank, alpha) (rewardplane.sdk.lora.adapter_payload "
-                "builds both from a PEFT model)"
-            )
         manifest = self.control.manifest()
-        renamed = normalize_params(
+        renamed = names_for_mode(
             {k: k for k in state_dict},
+            mode,
             served=set(manifest) if manifest else None,
-            keep_lora=keep_lora or is_adapter,
+            keep_lora=keep_lora,
+            head_patterns=self.head_name_patterns,
+            adapter=adapter,
         )
-        if not is_adapter:
-            validate_for_mode(renamed, mode, self.head_name_patterns)
         order = [(server, renamed[server]) for server in sorted(renamed)]  # deterministic on both sides
         metadata = [meta_of(server, state_dict[k]) for server, k in order]
-        if is_adapter:
-            assert adapter is not None
-            # the server checks the rank against its --max-lora-rank; the rest is checked here too
-            problems = (
-                check_adapter_metadata(metadata, manifest, adapter, max_rank=adapter.rank) if manifest else []
-            )
-            if problems:
-                raise WeightValidationError(
-                    f"the adapter does not fit the served model ({len(problems)} problem(s)): "
-                    + "; ".join(problems[:10])
-                )
-        elif manifest:  # the server would answer 400: say so before anything moves
-            problems = check_metadata(metadata, manifest)
-            if problems:
-                raise WeightValidationError(
-                    f"{len(problems)} parameter(s) do not fit the served model: " + "; ".join(problems[:10])
-                )
+        if manifest:  # the server would answer 400: say so before anything moves
+            check_fits(metadata, manifest, mode, adapter)
         plan = plan_buckets(metadata, self.bucket_bytes)
         self._layout_cache = (key, order, metadata, plan)
         return order, metadata, plan
