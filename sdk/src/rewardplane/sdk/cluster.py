@@ -272,6 +272,12 @@ class RewardModelHandle:
         self._token = base64.b64decode(raw).decode()
         return self._token
 
+    def max_lora_rank(self) -> int:
+        """The largest adapter rank the model serves: ``spec.lora.maxRank`` where ``spec.lora.enabled``,
+        else 0 (then sync mode ``auto`` resolves to ``full``)."""
+        lora = (self.get().get("spec") or {}).get("lora") or {}
+        return int(lora.get("maxRank", 16)) if lora.get("enabled") else 0
+
     def manifest(self) -> dict[str, ParamMeta]:
         """The served parameters (names, dtypes, shapes) from the first ready replica."""
         urls = self._push_urls()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -119,8 +119,8 @@ class LoraSync:
 
     ``fallback_to_full`` (default True): when an adapter push fails, a warning is given once and this
     object pushes merged weights from then on. With False the push raises ``WeightSyncError``
-    saying what to do. ``client`` is a ``VLLMRewardClient`` or a ``WeightPusher`` (anything with
-    ``sync_weights`` or ``push`` taking ``training_mode``/``adapter``).
+    saying what to do. ``client`` is a ``VLLMRewardClient``, a ``WeightPusher`` or a
+    ``RewardModelHandle`` (cluster mode: ``auto`` then follows the RewardModel's ``spec.lora.enabled``).
     """
 
     def __init__(
@@ -130,8 +130,10 @@ class LoraSync:
         mode: WeightSyncMode | str = DEFAULT_SYNC_MODE,
         fallback_to_full: bool = True,
         lora_enabled: bool | None = None,
+        push_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.client = client
+        self.push_options = dict(push_options or {})  # passed to every push (e.g. timeout_s, trainer_host)
         self.requested = parse_sync_mode(mode)
         if self.requested is WeightSyncMode.AUTO and lora_enabled is None:
             lora_enabled = int(client.max_lora_rank()) > 0
@@ -140,6 +142,9 @@ class LoraSync:
         self.fallback_reason: str | None = None  # why this handle pushes merged weights, once it fell back
 
     def _push(self, params: dict[str, torch.Tensor], version: int, **kwargs: Any) -> Any:
+        kwargs = {**self.push_options, **kwargs}
+        if hasattr(self.client, "push_weights"):  # RewardModelHandle: through the operator
+            return self.client.push_weights(params, version, **kwargs)
         push = getattr(self.client, "sync_weights", None) or self.client.push
         return push(params, version=version, **kwargs)
 
