@@ -15,6 +15,7 @@ from rewardplane.sdk import LoraSync
 from rewardplane.sdk._exceptions import WeightSyncError
 from rewardplane.sdk.lora import adapter_payload
 from rewardplane.sdk.retry import RewardServerError
+from rewardplane.testing.servers import free_port
 from tests.fixtures.models import TEXTS
 from tests.fixtures.trainer import load_model, logits
 from tests.integration.test_weight_sync import TOKEN, close, served, sync_for
@@ -90,6 +91,15 @@ def test_adapter_push_serves_the_peft_model_over_untouched_base_weights(lora_ser
         assert {n: c for n, c in checksums(lora_server).items() if n != "score.weight"} == {
             n: c for n, c in before.items() if n != "score.weight"
         }
+
+        # a peer restored from this replica would get the base alone: refused, with what to do
+        r = httpx.post(
+            lora_server.url + Endpoints.SEND_WEIGHTS,
+            json={"port": free_port(), "world_size": 2, "version": 2},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=30,
+        )
+        assert r.status_code == 409 and "adapters are not sent to peers" in r.text, r.text
 
         # a full push carries the whole model: the adapter goes, the server serves exactly the base pushed
         base = load_model(tiny_model_dir)

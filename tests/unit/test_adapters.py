@@ -191,7 +191,16 @@ def test_plain_parameter_names_under_lora_wrappers() -> None:
 
     model = torch.nn.Module()
     model.model = Inner()
+    model.score = Wrapper(torch.nn.Linear(2, 1))  # a wrapped head: walked by vLLM's AutoWeightsLoader
     _plain_parameter_names(model)
-    assert sorted(n for n, _ in model.named_parameters()) == ["model.qkv_proj.bias", "model.qkv_proj.weight"]
+    assert sorted(n for n, _ in model.named_parameters()) == [
+        "model.qkv_proj.bias",
+        "model.qkv_proj.weight",
+        "score.bias",
+        "score.weight",
+    ]
     model.model.load_weights([("qkv_proj.weight", torch.ones(2, 2))])
     assert torch.equal(model.model.qkv_proj.base_layer.weight, torch.ones(2, 2))
+    # what AutoWeightsLoader looks at for "score.weight": the children and direct parameters
+    assert dict(model.score.named_children()) == {}
+    assert dict(model.score.named_parameters(recurse=False))["weight"] is model.score.base_layer.weight

@@ -342,14 +342,23 @@ class WeightSyncService:
 
     async def _apply_adapter(self, layout: Layout, req: UpdateParamBatchRequest) -> None:
         """Under the exclusive lock: every worker serves the staged adapter under a fresh id, then
-        scoring names it. A worker that fails keeps its old adapter; the caller marks the replica
-        broken (its workers may disagree), and the next push repairs it."""
+        scoring names it. If any worker fails, every worker drops its adapter (they could disagree)
+        and the caller marks the replica broken until the next push."""
         assert req.adapter is not None
         self._adapter_ids += 1
         adapter_id = self._adapter_ids
-        paths = await self.port.call_workers(
-            "rp_apply_adapter", layout.metadata, req.adapter.model_dump(mode="json"), adapter_id
-        )
+        try:
+            paths = await self.port.call_workers(
+                "rp_apply_adapter", layout.metadata, req.adapter.model_dump(mode="json"), adapter_id
+            )
+        except Exception:
+            self.adapter = None
+            self.port.use_adapter(None)
+            try:
+                await self.port.call_workers("rp_clear_adapter")
+            except Exception:
+                log.exception("dropping the adapters after a failed adapter update failed")
+            raise
         self.adapter = ServedAdapter(adapter_id, paths[0] if paths else None)
         self.port.use_adapter(self.adapter)
 

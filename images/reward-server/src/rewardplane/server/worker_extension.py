@@ -363,17 +363,24 @@ def write_peft_adapter(path: Path, tensors: dict[str, torch.Tensor], adapter: Ad
 
 
 def _plain_parameter_names(model: torch.nn.Module) -> None:
-    """With LoRA enabled vLLM wraps each adaptable layer, so its weight becomes
-    ``...qkv_proj.base_layer.weight``; the models' ``load_weights`` look parameters up under the
-    plain names. Make ``named_parameters`` of the model and of every module with a loader report the
-    plain names (once; nothing to do without LoRA wrappers), so pushes and checksums work alike."""
+    """With LoRA enabled vLLM wraps each adaptable layer (the pooling head too), so its weight
+    becomes ``...qkv_proj.base_layer.weight``; the models' ``load_weights`` (and vLLM's
+    ``AutoWeightsLoader``, which walks children and direct parameters) look parameters up under the
+    plain names. Once, and only where there are wrappers: the model and every module with a loader
+    report plain names, and each wrapper shows its wrapped layer's direct parameters and children as
+    its own — so pushes and checksums work as without LoRA. (vLLM's own LoRA code walks
+    ``named_modules``, which this leaves alone.)"""
     if getattr(model, "_rp_plain_names", False):
         return
-    wrapped = any(".base_layer." in n for n, _ in torch.nn.Module.named_parameters(model))
-    if wrapped:
+    wrappers = [m for m in model.modules() if isinstance(getattr(m, "base_layer", None), torch.nn.Module)]
+    if wrappers:
         for module in model.modules():
             if module is model or hasattr(module, "load_weights"):
                 module.named_parameters = _plain_named_parameters(module)  # type: ignore[method-assign]
+        for wrapper in wrappers:
+            base: torch.nn.Module = wrapper.base_layer  # type: ignore[assignment]
+            wrapper.named_parameters = base.named_parameters  # type: ignore[method-assign]
+            wrapper.named_children = base.named_children  # type: ignore[method-assign]
     model._rp_plain_names = True  # type: ignore[assignment]
 
 
