@@ -51,6 +51,13 @@ def test_sync_mode_resolution(mode: str, lora_enabled: bool, want: WeightSyncMod
     assert resolve_sync_mode(mode, lora_enabled=lora_enabled) is want
 
 
+def test_multi_process_learners_must_sync_full() -> None:
+    assert resolve_sync_mode("auto", lora_enabled=False, learner_world_size=4) is WeightSyncMode.FULL
+    for mode in ("adapter", "auto"):
+        with pytest.raises(ValueError, match=r"learner has 2 processes.*use mode='full'"):
+            resolve_sync_mode(mode, lora_enabled=True, learner_world_size=2)
+
+
 def test_unknown_sync_mode_names_the_choices() -> None:
     with pytest.raises(ValueError, match=r"'merged' is not one of \['full', 'adapter', 'auto'\]"):
         resolve_sync_mode("merged", lora_enabled=True)

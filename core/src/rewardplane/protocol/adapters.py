@@ -41,15 +41,27 @@ def parse_sync_mode(mode: WeightSyncMode | str) -> WeightSyncMode:
         raise ValueError(f"sync mode {mode!r} is not one of {[m.value for m in WeightSyncMode]}") from None
 
 
-def resolve_sync_mode(mode: WeightSyncMode | str, *, lora_enabled: bool) -> WeightSyncMode:
+def resolve_sync_mode(
+    mode: WeightSyncMode | str, *, lora_enabled: bool, learner_world_size: int = 1
+) -> WeightSyncMode:
     """``full`` or ``adapter`` for a requested mode; ``auto`` follows whether the servers serve LoRA.
 
     An explicit ``adapter`` is kept even where LoRA is off: the push then fails (and falls back to
-    ``full`` when the caller allows it), which says more than silently pushing merged weights."""
+    ``full`` when the caller allows it), which says more than silently pushing merged weights. A
+    learner of several processes (``learner_world_size`` > 1) must sync ``full``: resolving to
+    ``adapter`` there is an error, raised before training starts."""
     requested = parse_sync_mode(mode)
     if requested is WeightSyncMode.AUTO:
-        return WeightSyncMode.ADAPTER if lora_enabled else WeightSyncMode.FULL
-    return requested
+        resolved = WeightSyncMode.ADAPTER if lora_enabled else WeightSyncMode.FULL
+    else:
+        resolved = requested
+    if resolved is WeightSyncMode.ADAPTER and learner_world_size > 1:
+        # seed 004: a multi-process learner (rank 0 pushes for all) syncs full weights only (v1)
+        raise ValueError(
+            f"sync mode {requested.value} resolves to adapter, but the learner has {learner_world_size} processes "
+            "(torch.distributed): multi-process learners push merged weights only — use mode='full'"
+        )
+    return resolved
 
 
 class AdapterConfig(BaseModel):

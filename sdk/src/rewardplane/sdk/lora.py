@@ -137,7 +137,9 @@ class LoraSync:
         self.requested = parse_sync_mode(mode)
         if self.requested is WeightSyncMode.AUTO and lora_enabled is None:
             lora_enabled = int(client.max_lora_rank()) > 0
-        self.mode = resolve_sync_mode(self.requested, lora_enabled=bool(lora_enabled))
+        self.mode = resolve_sync_mode(
+            self.requested, lora_enabled=bool(lora_enabled), learner_world_size=_learner_world_size()
+        )
         self.fallback_to_full = fallback_to_full
         self.fallback_reason: str | None = None  # why this handle pushes merged weights, once it fell back
 
@@ -174,3 +176,10 @@ class LoraSync:
         return merge_sync_reinit(
             peft_model, lambda sd: self._push(sd, version, training_mode=RewardModelTrainingMode.LORA)
         )
+
+
+def _learner_world_size() -> int:
+    """Processes of this learner (torch.distributed), 1 when it is not initialised."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
