@@ -6,6 +6,8 @@ with ``--replicas 2``, a push to two replicas against a push to one (same run, s
     python benchmarks/weight_sync.py                              # transformers engine, 1 replica
     python benchmarks/weight_sync.py --engine vllm --replicas 2   # vLLM, GPUs 0-1 serve, GPU 2 trains
     python benchmarks/weight_sync.py --size small                 # ~0.4B, for a quick check
+    python benchmarks/weight_sync.py --mode adapter --engine vllm --size small
+        # adapter-only push vs merged full push of the same LoRA model (benchmarks/adapter_sync.py)
 
 Servers run with --load-format dummy (random weights built on the GPU from a config-only folder:
 bf16 backbone, fp32 head), replica i on GPU i. Trainer: this process, on GPU ``replicas``. Prints a
@@ -266,7 +268,22 @@ def main() -> int:
     ap.add_argument(
         "--server-args", default="", help="extra server flags, e.g. --enforce-eager (vLLM: faster start)"
     )
+    ap.add_argument(
+        "--mode",
+        choices=["full", "adapter"],
+        default="full",
+        help="adapter: adapter-only pushes against merged full pushes of the same LoRA model (2 GPUs)",
+    )
+    ap.add_argument("--lora-rank", type=int, default=16, help="--mode adapter: the LoRA rank")
     args = ap.parse_args()
+    if args.mode == "adapter":
+        from benchmarks.adapter_sync import run as run_adapter
+
+        if torch.cuda.device_count() < 2:
+            print("needs 2 GPUs: the server on GPU 0, the trainer on GPU 1")
+            return 2
+        work = Path(tempfile.mkdtemp(prefix="ws-adapter-"))
+        return run_adapter(args, make_checkpoint(args.size, work), work, TOKEN, build_trainer_model)
     n = args.replicas
     if torch.cuda.device_count() < n + 1:
         print(f"needs {n + 1} GPUs: servers on GPUs 0..{n - 1}, the trainer on GPU {n}")

@@ -364,3 +364,48 @@ def test_restarted_replica_is_marked_stale_restored_and_readmitted(
     finally:
         stop.set()
         handle.close()
+
+
+def test_cluster_adapter_push_through_the_operator(
+    kube: Kube, operator: Any, node_agent: Any, ns: str, tiny_model_dir: Path, control_plane: Any
+) -> None:
+    """A RewardModel with spec.lora.enabled: its servers start with LoRA, a WeightSync of
+    trainingMode adapter carries the LoRA A/B tensors, and the replica scores like the PEFT model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from rewardplane.protocol import WeightSyncMode
+    from rewardplane.sdk import LoraSync
+    from tests.fixtures.trainer import load_model
+
+    name = make_model(
+        kube, ns, node_agent.name, tiny_model_dir, replicas=1, lora={"enabled": True, "maxRank": 8}
+    )
+    handle = RewardModelHandle(name, ns, kubeconfig=str(control_plane.kubeconfig))
+    try:
+        handle.wait_ready(SERVER_READY_S)
+        model = get_peft_model(
+            load_model(tiny_model_dir),
+            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["score"]),
+        )
+        with torch.no_grad():  # as if trained
+            g = torch.Generator().manual_seed(11)
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.3)
+        sync = LoraSync(
+            handle,
+            mode="auto",
+            fallback_to_full=False,
+            push_options={"timeout_s": 60, "trainer_host": "127.0.0.1"},
+        )
+        assert sync.mode is WeightSyncMode.ADAPTER  # the RewardModel enables LoRA
+        sync.sync(model, version=1)
+        status = ws_status(kube, ns, name)
+        assert (status["phase"], status["trainingMode"], status["version"]) == ("Completed", "adapter", 1)
+        every_replica_scores_like(handle, model.eval(), tiny_model_dir, 1)
+    except Exception:
+        print(operator.logs() + "\n" + node_agent.log_tail())
+        raise
+    finally:
+        handle.close()

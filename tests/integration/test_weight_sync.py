@@ -158,40 +158,6 @@ def test_lora_merged_push_then_fresh_adapters(server, tiny_model_dir):
         sync.close()
 
 
-def test_adapter_sync_falls_back_to_full(server, tiny_model_dir):
-    from peft import LoraConfig, get_peft_model
-
-    from rewardplane.sdk.lora import LoraSync
-
-    peft_model = get_peft_model(
-        load_model(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj"], task_type="SEQ_CLS")
-    )
-    with torch.no_grad():
-        for n, p in peft_model.named_parameters():
-            if "lora_B" in n:
-                p.fill_(0.1)
-    expected = logits(peft_model, tiny_model_dir, TEXTS)
-    sync = sync_for(server)
-
-    class Client:  # the part of VLLMRewardClient that LoraSync uses
-        def sync_weights(self, params, *, version, training_mode, keep_lora=False):
-            return sync.sync(params, version=version, training_mode=training_mode, keep_lora=keep_lora)
-
-    try:
-        lora_sync = LoraSync(Client(), mode="adapter", fallback_to_full=True)
-        with pytest.warns(UserWarning, match="falling back to full"):
-            lora_sync.sync(peft_model, version=1)
-        assert lora_sync.mode == "full"
-        assert close(served(server)[0], expected)
-        strict = LoraSync(Client(), mode="adapter", fallback_to_full=False)
-        with pytest.raises(RuntimeError, match="cannot take adapters"):
-            strict.sync(
-                get_peft_model(load_model(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj"])), 2
-            )
-    finally:
-        sync.close()
-
-
 @pytest.mark.parametrize("per_server_groups", [False, True])
 def test_two_replicas_one_push(server_factory, tiny_model_dir, per_server_groups):
     a = server_factory(tiny_model_dir, token=TOKEN)

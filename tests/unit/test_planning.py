@@ -173,10 +173,18 @@ def test_render_sets_every_operator_flag_it_guards() -> None:
         model={"source": "x", "maxLength": 8, "aliases": ["y"]},
         tensorParallelSize=2,
         weightSync={"persistDir": "/w"},
+        lora={"enabled": True, "maxRank": 32},
     )
     plan = plan_reward_model(body, ClusterView(nodes=NODES))
-    flags = {a for a in server_args(plan, plan.replicas[0]) if a.startswith("--")}
-    assert flags == set(OPERATOR_FLAGS)
+    args = server_args(plan, plan.replicas[0])
+    assert {a for a in args if a.startswith("--")} == set(OPERATOR_FLAGS)
+    assert args[args.index("--max-lora-rank") + 1] == "32"
+
+
+def test_lora_rank_vllm_cannot_serve_is_refused() -> None:
+    errors = validate_spec(rm(engine={"kind": "vllm"}, lora={"enabled": True, "maxRank": 24})["spec"])
+    assert any("spec.lora.maxRank 24 is not a rank vLLM serves" in e for e in errors)
+    assert validate_spec(rm(engine={"kind": "vllm"}, lora={"enabled": True, "maxRank": 32})["spec"]) == []
 
 
 @pytest.mark.parametrize("name", ["1rm", "RM", "rm_a", "a" * 70])

@@ -40,6 +40,23 @@ def test_parse_push_names_every_problem():
     assert all(s in msg for s in ("spec.version", "spec.rendezvous", "configMapName", "'half'"))
 
 
+def test_adapter_push_carries_its_lora_config_and_needs_lora_on_the_model():
+    from rewardplane.protocol import AdapterConfig
+
+    lora_on = {"lora": {"enabled": True, "maxRank": 16}}
+    spec = wsapi.adapter_spec(AdapterConfig(rank=8, alpha=16.0))
+    req = wsm.parse_push(ws_body(trainingMode="adapter", adapter=spec), lora_on)
+    assert (req.training_mode, req.adapter) == (Mode.ADAPTER, AdapterConfig(rank=8, alpha=16.0))
+    with pytest.raises(wsm.WeightSyncRefused, match=r"spec\.lora\.enabled: true"):
+        wsm.parse_push(ws_body(trainingMode="adapter", adapter=spec), {})
+    with pytest.raises(wsm.WeightSyncRefused, match=r"spec\.adapter \{rank, alpha\} is required"):
+        wsm.parse_push(ws_body(trainingMode="adapter"), lora_on)
+    with pytest.raises(wsm.WeightSyncRefused, match=r"spec\.adapter\.rank"):
+        wsm.parse_push(ws_body(trainingMode="adapter", adapter={"rank": 0, "alpha": 1}), lora_on)
+    with pytest.raises(wsm.WeightSyncRefused, match="goes with trainingMode adapter only"):
+        wsm.parse_push(ws_body(trainingMode="full", adapter=spec), lora_on)
+
+
 def test_stale_and_duplicate_versions_are_refused():
     wsm.check_version(4, 3)
     for v in (3, 2):

@@ -81,6 +81,13 @@ class WeightSyncSpec(_Spec):
     persist_dir: str | None = Field(default=None, alias="persistDir")
 
 
+class LoraSpec(_Spec):
+    """Serve pushed LoRA adapters (WeightSync trainingMode adapter) over untouched base weights."""
+
+    enabled: bool = False
+    max_rank: int = Field(default=16, ge=1, le=512, alias="maxRank")
+
+
 class NetworkPolicySpec(_Spec):
     enabled: bool = True
 
@@ -98,6 +105,7 @@ class RewardModelSpec(_Spec):
     gpu: GpuSpec = Field(default_factory=GpuSpec)
     ports: PortsSpec = Field(default_factory=PortsSpec)
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec, alias="weightSync")
+    lora: LoraSpec = Field(default_factory=LoraSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec, alias="networkPolicy")
 

@@ -15,7 +15,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rewardplane.protocol import ParamMeta
+from pydantic import ValidationError
+
+from rewardplane.protocol import AdapterConfig, ParamMeta
 
 from .names import WS_KIND, WS_PLURAL
 
@@ -53,6 +55,32 @@ class WeightSyncRefused(ValueError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+# --------------------------------------------------------------------------------------------
+# Adapter (trainingMode adapter)
+# --------------------------------------------------------------------------------------------
+
+
+def adapter_spec(adapter: AdapterConfig) -> dict[str, Any]:
+    """``spec.adapter`` of a WeightSync for an adapter-only push."""
+    return {"rank": adapter.rank, "alpha": adapter.alpha, "useRslora": adapter.use_rslora}
+
+
+def parse_adapter(raw: Any) -> AdapterConfig:
+    """``spec.adapter`` back into the announce's ``AdapterConfig``; raises WeightSyncRefused."""
+    if not isinstance(raw, Mapping):
+        raise WeightSyncRefused(
+            INVALID_SPEC,
+            "spec.adapter {rank, alpha} is required with trainingMode adapter (the LoRA configuration)",
+        )
+    try:
+        return AdapterConfig(
+            rank=raw.get("rank"), alpha=raw.get("alpha"), use_rslora=bool(raw.get("useRslora", False))
+        )
+    except ValidationError as exc:
+        problems = "; ".join(f"spec.adapter.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise WeightSyncRefused(INVALID_SPEC, problems) from None
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ pooling), ``endpoints`` (paths, headers, token variables), ``ports`` (port deriv
 
 from __future__ import annotations
 
+from .adapters import DEFAULT_SYNC_MODE, AdapterConfig, WeightSyncMode, resolve_sync_mode
 from .compat import (
     ChatMessage,
     ClassificationData,
@@ -86,6 +87,7 @@ from .weights import (
     UpdateParamBatchRequest,
     WorkerChecksums,
     canonical_dtype,
+    check_adapter_metadata,
     check_metadata,
     layout_id,
     plan_buckets,
@@ -93,6 +95,11 @@ from .weights import (
 )
 
 __all__ = [
+    "DEFAULT_SYNC_MODE",
+    "AdapterConfig",
+    "WeightSyncMode",
+    "resolve_sync_mode",
+    "check_adapter_metadata",
     "BUCKET_ALIGN",
     "BackgroundTasksResponse",
     "Bucket",

@@ -14,6 +14,9 @@ class RewardModelTrainingMode(str, Enum):
     """LoRA-trained model, merged into the backbone before sync (merge → sync → reinit)."""
     FULL = "full"
     """Every parameter, backbone and head."""
+    ADAPTER = "adapter"
+    """Only the LoRA A/B tensors (plus trained non-LoRA parameters such as the head), applied by the
+    server as a LoRA adapter over untouched base weights (``protocol.adapters``)."""
 
 
 class PoolingType(str, Enum):

@@ -114,6 +114,8 @@ class ModelInfo(BaseModel):
     max_model_len: int
     pooling_type: PoolingType
     version: int
+    # 0: this server takes no LoRA adapters (adapter-only sync refused); else the largest rank it serves
+    max_lora_rank: int = 0
 
 
 class ErrorResponse(BaseModel):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import MutableMapping, Sequence
+import re
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Literal
 
 from pydantic import (
@@ -19,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from .adapters import AdapterConfig, lora_pairs
 from .modes import RewardModelTrainingMode
 
 # Element sizes, so the bucket layout can be computed without torch on either side.
@@ -149,6 +151,57 @@ def check_metadata(metadata: list[ParamMeta], manifest: dict[str, ParamMeta]) ->
     return problems
 
 
+def check_adapter_metadata(
+    metadata: Sequence[ParamMeta],
+    manifest: Mapping[str, ParamMeta],
+    adapter: AdapterConfig,
+    *,
+    max_rank: int,
+) -> list[str]:
+    """Everything wrong with an announced adapter push against the served model.
+
+    Run by the server before any byte is received and by the trainer before it broadcasts.
+    Each LoRA pair must sit on a served 2-D weight with shapes ``[rank, in]`` / ``[out, rank]``;
+    other entries (e.g. a head trained through ``modules_to_save``) must fit like a plain push."""
+    problems: list[str] = []
+    if adapter.rank > max_rank:
+        problems.append(
+            f"adapter rank {adapter.rank} exceeds the server's maximum LoRA rank {max_rank}: restart it with a "
+            f"larger --max-lora-rank (RewardModel spec.lora.maxRank), or train with a smaller rank"
+        )
+    by_name = {m.name: m for m in metadata}
+    pairs, plain = lora_pairs([m.name for m in metadata])
+    unsupported = [n for n in plain if re.search(r"\.lora_(embedding_A|embedding_B|magnitude_vector)", n)]
+    if unsupported:
+        problems.append(
+            f"{unsupported[0]!r}: LoRA on embeddings and DoRA magnitudes are not served as adapters; "
+            "push merged weights (sync mode full)"
+        )
+    if not pairs:
+        problems.append(
+            "an adapter push carries no LoRA tensors (names ending .lora_A.weight / .lora_B.weight)"
+        )
+    for module, (a, b) in sorted(pairs.items()):
+        base = manifest.get(f"{module}.weight")
+        if base is None or len(base.shape) != 2:
+            problems.append(f"LoRA on {module!r}: the served model has no 2-D weight {module + '.weight'!r}")
+            continue
+        if a is None or b is None:
+            problems.append(f"LoRA on {module!r} needs both lora_A and lora_B; one is missing")
+            continue
+        out_f, in_f = base.shape
+        want = {a: (adapter.rank, in_f), b: (out_f, adapter.rank)}
+        for name, shape in want.items():
+            got = tuple(by_name[name].shape)
+            if got != shape:
+                problems.append(
+                    f"{name!r} has shape {list(got)}; rank {adapter.rank} over {module!r} needs {list(shape)}"
+                )
+    rest = [by_name[n] for n in plain if n not in unsupported]
+    problems += check_metadata(rest, dict(manifest))
+    return problems
+
+
 class InitCommunicatorRequest(BaseModel):
     """Join the trainer's process group. The trainer hosts the TCPStore at host:port and is the
     last rank; this server's workers take ranks ``rank_offset .. rank_offset + world_size_local - 1``."""
@@ -221,9 +274,17 @@ class UpdateParamBatchRequest(BaseModel):
         "pushed parameters in memory). Otherwise weights are written in place while scoring waits.",
     )
     timeout_s: StrictFloat = Field(default=600.0, gt=0)
+    adapter: AdapterConfig | None = Field(
+        default=None,
+        description="training_mode adapter only: the LoRA configuration the pushed A/B tensors belong to",
+    )
 
     @model_validator(mode="after")
     def _non_empty_unique(self) -> UpdateParamBatchRequest:
+        if (self.training_mode == RewardModelTrainingMode.ADAPTER) != (self.adapter is not None):
+            raise ValueError(
+                "training_mode adapter needs adapter {rank, alpha}, and only it takes one: send both or neither"
+            )
         if not self.metadata:
             if self.layout_id is None:
                 raise ValueError(

@@ -234,6 +234,8 @@ OPERATOR_FLAGS = {
     "--tensor-parallel-size": "spec.tensorParallelSize",
     "--token-file": "(the control-token Secret)",
     "--weights-dir": "spec.weightSync.persistDir",
+    "--enable-lora": "spec.lora.enabled",
+    "--max-lora-rank": "spec.lora.maxRank",
 }
 
 
@@ -261,8 +263,30 @@ def validate_spec(spec: Mapping[str, Any], name: str | None = None) -> list[str]
         return list(exc.errors)
     errors = _check_name(name, parsed.replicas) if name is not None else []
     return (
-        errors + _check_ports(parsed) + _check_gpu(parsed) + _check_extra_args(parsed) + _check_source(parsed)
+        errors
+        + _check_ports(parsed)
+        + _check_gpu(parsed)
+        + _check_extra_args(parsed)
+        + _check_source(parsed)
+        + _check_lora(parsed)
     )
+
+
+# vLLM 0.24 sizes its LoRA buffers by one of these ranks (LoRAConfig.max_lora_rank).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _check_lora(spec: RewardModelSpec) -> list[str]:
+    if (
+        spec.lora.enabled
+        and spec.engine.kind is EngineKind.VLLM
+        and spec.lora.max_rank not in VLLM_LORA_RANKS
+    ):
+        return [
+            f"spec.lora.maxRank {spec.lora.max_rank} is not a rank vLLM serves; use one of {list(VLLM_LORA_RANKS)} "
+            "(at least the adapters' rank)"
+        ]
+    return []
 
 
 def _check_source(spec: RewardModelSpec) -> list[str]:

@@ -153,6 +153,8 @@ def server_args(plan: Plan, replica: ReplicaPlan, owner_uid: str = "") -> list[s
         args += ["--tensor-parallel-size", str(replica.world_size)]
     if spec.weight_sync.persist_dir:
         args += ["--weights-dir", weights_dir(spec.weight_sync.persist_dir, owner_uid, plan, replica)]
+    if spec.lora.enabled:
+        args += ["--enable-lora", "--max-lora-rank", str(spec.lora.max_rank)]
     return args + list(spec.engine.extra_args)
 
 

@@ -27,8 +27,9 @@ from rewardplane.api.weightsync import (
     TIMEOUT,
     TRANSFERRING,
     WeightSyncRefused,
+    parse_adapter,
 )
-from rewardplane.protocol import ParamMeta, RewardModelTrainingMode, plan_buckets
+from rewardplane.protocol import AdapterConfig, ParamMeta, RewardModelTrainingMode, plan_buckets
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class PushRequest:
     manifest_sha256: str | None
     bucket_bytes: int
     timeout_s: float
+    adapter: AdapterConfig | None = None  # trainingMode adapter: the LoRA configuration
 
     @property
     def group_id(self) -> str:
@@ -74,8 +76,21 @@ def parse_push(ws: Mapping[str, Any], rm_spec: Mapping[str, Any] | None) -> Push
     try:
         mode = RewardModelTrainingMode(mode_name)
     except ValueError:
-        problems.append(f"spec.trainingMode {mode_name!r} is not one of head_only, lora, full")
+        problems.append(f"spec.trainingMode {mode_name!r} is not one of head_only, lora, full, adapter")
         mode = RewardModelTrainingMode.FULL
+    adapter = None
+    if mode is RewardModelTrainingMode.ADAPTER:
+        if not ((rm_spec or {}).get("lora") or {}).get("enabled"):
+            problems.append(
+                "spec.trainingMode adapter needs LoRA enabled on the RewardModel (spec.lora.enabled: true; the "
+                "replicas restart with it), or push merged weights (trainingMode lora)"
+            )
+        try:
+            adapter = parse_adapter(spec.get("adapter"))
+        except WeightSyncRefused as exc:
+            problems.append(str(exc))
+    elif spec.get("adapter") is not None:
+        problems.append(f"spec.adapter goes with trainingMode adapter only, not {mode.value}")
     if problems:
         raise WeightSyncRefused(INVALID_SPEC, "; ".join(problems))
     return PushRequest(
@@ -92,6 +107,7 @@ def parse_push(ws: Mapping[str, Any], rm_spec: Mapping[str, Any] | None) -> Push
         manifest_sha256=manifest.get("sha256"),
         bucket_bytes=int(spec.get("bucketBytes") or 1 << 30),
         timeout_s=float(spec.get("timeoutSeconds") or sync.get("timeoutSeconds") or 600),
+        adapter=adapter,
     )
 
 

@@ -314,6 +314,7 @@ class WeightSyncDriver:
                     version=req.version,
                     bucket_bytes=req.bucket_bytes,
                     timeout_s=left,
+                    adapter=req.adapter,
                 )
                 self.replicas.update_param_batch(t.url, token, announce, left + 5.0)
                 entries[t.pod] = wsm.replica_entry(t, wsapi.TRANSFERRING)

@@ -5,7 +5,7 @@ the modules behind it are private unless documented (``docs/sdk.md``).
 
 - Scoring: :class:`AsyncRewardClient` and :class:`RewardClient` (blocking), over one base.
 - Pushing: :class:`WeightPusher` (direct mode) and :class:`RewardModelHandle` (through the
-  operator).
+  operator); :class:`LoraSync` for LoRA models (sync mode ``full``, ``adapter`` or ``auto``).
 - Training loops: :class:`Rollout`/:class:`Step`, :class:`RewardModelScorer`,
   :class:`RewardModelCreditAssigner` and its presets, :class:`RewardLoop`.
 - Errors: one tree under :class:`RewardplaneError`.
@@ -21,12 +21,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rewardplane.protocol import (
+    AdapterConfig,
     PoolingType,
     RewardModelTrainingMode,
     ScoringRequest,
     ScoringResponse,
+    WeightSyncMode,
     derive_ports,
     replica_group_port,
+    resolve_sync_mode,
 )
 from rewardplane.protocol.auth import resolve_token
 from rewardplane.protocol.naming import normalize_params, select_head
@@ -66,13 +69,16 @@ from .reward_client_protocol import RewardModelClient
 
 if TYPE_CHECKING:
     from .direct_sync import WeightPusher
+    from .lora import LoraSync
     from .publisher import Rank0OnlyPublisher, RewardModelPublisher
 
 __all__ = [
+    "AdapterConfig",
     "AsyncRewardClient",
     "BaseRewardClient",
     "ClientClosedError",
     "ClusterError",
+    "LoraSync",
     "CreditAssigner",
     "CreditAssignmentError",
     "GroupNormalizedAssigner",
@@ -107,6 +113,7 @@ __all__ = [
     "WeightPusher",
     "WeightSyncError",
     "WeightSyncFailed",
+    "WeightSyncMode",
     "WeightValidationError",
     "chat_template_text",
     "combine",
@@ -119,6 +126,7 @@ __all__ = [
     "normalize_params",
     "reassemble",
     "replica_group_port",
+    "resolve_sync_mode",
     "resolve_token",
     "rollout_text",
     "sample_text",
@@ -131,6 +139,7 @@ _LAZY = {
     "WeightPusher": ".direct_sync",
     "RewardModelPublisher": ".publisher",
     "Rank0OnlyPublisher": ".publisher",
+    "LoraSync": ".lora",
 }
 
 

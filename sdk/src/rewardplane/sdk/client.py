@@ -28,6 +28,7 @@ from rewardplane.protocol import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_GROUP_PORT,
     DEFAULT_HTTP_PORT,
+    AdapterConfig,
     RewardModelTrainingMode,
     Score,
     ScoringRequest,
@@ -240,6 +241,7 @@ class VLLMRewardClient(AsyncRewardClient):
         version: int | None = None,
         training_mode: RewardModelTrainingMode | str = RewardModelTrainingMode.FULL,
         keep_lora: bool = False,
+        adapter: AdapterConfig | None = None,
     ) -> str:
         """Push reward-model parameters into every server; returns the new version as a string
         (the seed's contract; :meth:`WeightPusher.push` returns it as an int).
@@ -250,9 +252,13 @@ class VLLMRewardClient(AsyncRewardClient):
         ``version`` defaults to the servers' version + 1. Blocks until every server serves it.
         """
         pushed = self.weight_pusher(timeout_s).push(
-            params, version=version, training_mode=training_mode, keep_lora=keep_lora
+            params, version=version, training_mode=training_mode, keep_lora=keep_lora, adapter=adapter
         )
         return str(pushed)
+
+    def max_lora_rank(self) -> int:
+        """The largest LoRA rank every server serves as an adapter (0: adapter-only sync is refused)."""
+        return self.weight_pusher().max_lora_rank()
 
     def create_reward_publisher(self) -> RewardModelPublisher:
         """The ``RewardModelPublisher`` behind ``sync_weights`` (joins the group on first use)."""

@@ -42,24 +42,21 @@ from rewardplane.api.names import (
     token_secret_name,
 )
 from rewardplane.api.status import EndpointStatus, RewardModelStatus
+from rewardplane.api.weightsync import adapter_spec
 from rewardplane.protocol import (
     DEFAULT_BUCKET_BYTES,
     TOKEN_ENV,
+    AdapterConfig,
     Endpoints,
     ParamMeta,
     RewardModelTrainingMode,
-    check_metadata,
     plan_buckets,
 )
 from rewardplane.protocol.auth import resolve_token
-from rewardplane.protocol.naming import (
-    DEFAULT_HEAD_PATTERNS,
-    WeightValidationError,
-    normalize_params,
-    validate_for_mode,
-)
+from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS
 
 from ._exceptions import ClusterError, RewardplaneTimeout, WeightSyncFailed
+from .push_checks import check_fits, names_for_mode
 
 if TYPE_CHECKING:
     import torch
@@ -275,6 +272,12 @@ class RewardModelHandle:
         self._token = base64.b64decode(raw).decode()
         return self._token
 
+    def max_lora_rank(self) -> int:
+        """The largest adapter rank the model serves: ``spec.lora.maxRank`` where ``spec.lora.enabled``,
+        else 0 (then sync mode ``auto`` resolves to ``full``)."""
+        lora = (self.get().get("spec") or {}).get("lora") or {}
+        return int(lora.get("maxRank", 16)) if lora.get("enabled") else 0
+
     def manifest(self) -> dict[str, ParamMeta]:
         """The served parameters (names, dtypes, shapes) from the first ready replica."""
         urls = self._push_urls()
@@ -310,6 +313,7 @@ class RewardModelHandle:
         *,
         keep_lora: bool = False,
         head_name_patterns: Sequence[str] | None = None,
+        adapter: AdapterConfig | None = None,
     ) -> tuple[list[ParamMeta], dict[str, torch.Tensor]]:
         """Normalised, validated, deterministic-ordered parameters and their metadata (no I/O but the
         manifest read); raises WeightValidationError before anything moves."""
@@ -317,18 +321,18 @@ class RewardModelHandle:
 
         mode = RewardModelTrainingMode(training_mode)
         manifest = self.manifest()
-        clean = normalize_params(params, served=set(manifest), keep_lora=keep_lora)
-        validate_for_mode(clean, mode, tuple(head_name_patterns or DEFAULT_HEAD_PATTERNS))
+        clean = names_for_mode(
+            params,
+            mode,
+            served=set(manifest),
+            keep_lora=keep_lora,
+            head_patterns=head_name_patterns or DEFAULT_HEAD_PATTERNS,
+            adapter=adapter,
+        )
         names = sorted(clean)
         tensors = {n: clean[n].detach() for n in names}
         metadata = [meta_of(n, tensors[n]) for n in names]
-        problems = check_metadata(metadata, manifest)
-        if problems:
-            raise WeightValidationError(
-                f"{len(problems)} parameter(s) do not fit the served model; nothing was sent: "
-                + "; ".join(problems[:10])
-                + (" …" if len(problems) > 10 else "")
-            )
+        check_fits(metadata, manifest, mode, adapter)
         return metadata, tensors
 
     def _owner_references(self) -> list[dict[str, Any]]:
@@ -375,7 +379,8 @@ class RewardModelHandle:
         created = self._kube.create(_crd_path(self.namespace, WS_PLURAL), body)
         if created is not None:
             return int(created["metadata"].get("generation") or 1)
-        patched = self._kube.merge_patch(path, {"spec": spec})
+        # a merge patch keeps fields it does not name: clear an earlier push's adapter explicitly
+        patched = self._kube.merge_patch(path, {"spec": {"adapter": None, **spec}})
         return int(patched["metadata"]["generation"])
 
     def _wait_phase(self, generation: int, phases: set[str], deadline: float, what: str) -> dict[str, Any]:
@@ -416,6 +421,7 @@ class RewardModelHandle:
         keep_lora: bool = False,
         head_name_patterns: Sequence[str] | None = None,
         progress: bool | None = None,
+        adapter: AdapterConfig | None = None,
     ) -> PushResult:
         """Push ``params`` as ``version`` into every replica through the operator; returns when the
         operator reports every replica serving it. Raises WeightValidationError (nothing moved),
@@ -431,7 +437,7 @@ class RewardModelHandle:
         deadline = started + timeout_s
         mode = RewardModelTrainingMode(training_mode)
         metadata, tensors = self.prepare(
-            params, mode, keep_lora=keep_lora, head_name_patterns=head_name_patterns
+            params, mode, keep_lora=keep_lora, head_name_patterns=head_name_patterns, adapter=adapter
         )
         first = next(iter(tensors.values()))
         dev = torch.device(device) if device is not None else first.device
@@ -450,6 +456,7 @@ class RewardModelHandle:
                 "manifestRef": {"configMapName": config_map, "key": key, "sha256": sha},
                 "bucketBytes": int(bucket_bytes),
                 "timeoutSeconds": max(1, int(timeout_s)),
+                **({"adapter": adapter_spec(adapter)} if adapter is not None else {}),
             }
         )
         ws = self._wait_phase(

@@ -12,7 +12,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from rewardplane.protocol import DEFAULT_BUCKET_BYTES, RewardModelTrainingMode, replica_group_ports
+from rewardplane.protocol import (
+    DEFAULT_BUCKET_BYTES,
+    AdapterConfig,
+    RewardModelTrainingMode,
+    replica_group_ports,
+)
 from rewardplane.protocol.naming import WeightValidationError
 from rewardplane.transport.comm import Backend, Communicator, default_device
 
@@ -169,6 +174,11 @@ class WeightPusher:
         )
         return self._publisher
 
+    def max_lora_rank(self) -> int:
+        """The largest LoRA rank every server serves as an adapter; 0 where any serves none (then
+        sync mode ``auto`` resolves to ``full``)."""
+        return self.control.max_lora_rank()
+
     def next_version(self) -> int:
         """The highest version any server serves, plus one."""
         return max(self.control.versions()) + 1
@@ -180,15 +190,20 @@ class WeightPusher:
         version: int | None = None,
         training_mode: RewardModelTrainingMode | str = RewardModelTrainingMode.FULL,
         keep_lora: bool = False,
+        adapter: AdapterConfig | None = None,
     ) -> int:
         """Push ``params`` as ``version`` (default :meth:`next_version`) into every server and wait
         until all serve it; returns the version. Raises WeightValidationError before any byte
-        moves when the parameters do not fit, WeightSyncError when the transfer fails."""
+        moves when the parameters do not fit, WeightSyncError when the transfer fails.
+
+        ``training_mode="adapter"`` pushes only LoRA A/B tensors (plus e.g. the head), with their
+        ``adapter`` configuration; the servers serve them as a LoRA adapter over untouched base
+        weights (``rewardplane.sdk.LoraSync`` picks the mode and falls back to merged pushes)."""
         publisher = self.open()
         v = self.next_version() if version is None else version
         mode = RewardModelTrainingMode(training_mode)
         try:
-            return publisher.publish(params, v, training_mode=mode, keep_lora=keep_lora)
+            return publisher.publish(params, v, training_mode=mode, keep_lora=keep_lora, adapter=adapter)
         except (WeightValidationError, RewardServerError) as exc:
             if isinstance(exc, RewardServerError) and exc.retryable:
                 self.reset()

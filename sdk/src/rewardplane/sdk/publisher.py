@@ -22,28 +22,26 @@ import torch
 
 from rewardplane.protocol import (
     DEFAULT_BUCKET_BYTES,
+    AdapterConfig,
     Bucket,
     Endpoints,
     InitCommunicatorRequest,
     ParamMeta,
     RewardModelTrainingMode,
     UpdateParamBatchRequest,
-    check_metadata,
     layout_id,
     plan_buckets,
 )
 from rewardplane.protocol.auth import resolve_token
 from rewardplane.protocol.naming import (
     DEFAULT_HEAD_PATTERNS,
-    WeightValidationError,
-    normalize_params,
-    validate_for_mode,
 )
 from rewardplane.transport.buckets import meta_of
 from rewardplane.transport.comm import Backend, Communicator, TensorCommunicator, create_store
 from rewardplane.transport.transfer import send_buckets
 
 from ._exceptions import WeightSyncError
+from .push_checks import check_fits, names_for_mode
 from .retry import RetryPolicy, call_with_retry, check_response
 
 log = logging.getLogger(__name__)
@@ -70,6 +68,7 @@ class ControlPlane(Protocol):
         training_mode: RewardModelTrainingMode,
         bucket_bytes: int,
         atomic: bool,
+        adapter: AdapterConfig | None = None,
     ) -> None: ...
 
     def finalize_update(self, version: int) -> None: ...
@@ -166,6 +165,10 @@ class HTTPControlPlane:
         """Every server worker plus the trainer (the last rank)."""
         return sum(self.world_sizes()) + 1
 
+    def max_lora_rank(self) -> int:
+        """The largest LoRA rank every server serves as an adapter; 0 where any takes no adapters."""
+        return min(int(self._get(u, Endpoints.MODEL_INFO).get("max_lora_rank", 0)) for u in self.urls)
+
     def manifest(self) -> dict[str, ParamMeta]:
         if self._manifest is None:
             items = self._get(self.urls[0], Endpoints.PARAM_MANIFEST)
@@ -197,6 +200,7 @@ class HTTPControlPlane:
         training_mode: RewardModelTrainingMode,
         bucket_bytes: int,
         atomic: bool,
+        adapter: AdapterConfig | None = None,
     ) -> None:
         cached = self._metadata_json
         if cached is None or cached[0] is not metadata or cached[1] != bucket_bytes:
@@ -216,6 +220,7 @@ class HTTPControlPlane:
             atomic=atomic,
             timeout_s=self.timeout_s,
             layout_id=lid,
+            adapter=adapter,
         ).model_dump(mode="json", exclude={"metadata"})
         known = lid in self._announced
         if not known:
@@ -353,34 +358,39 @@ class RewardModelPublisher:
         training_mode: RewardModelTrainingMode,
         *,
         keep_lora: bool = False,
+        adapter: AdapterConfig | None = None,
     ) -> dict[str, torch.Tensor]:
         """Normalised names → tensors, validated for the mode (and against the served manifest)."""
-        names, _, _ = self._layout(state_dict, training_mode, keep_lora)
+        names, _, _ = self._layout(state_dict, training_mode, keep_lora, adapter)
         return {server: state_dict[key] for server, key in names}
 
     def _layout(
-        self, state_dict: Mapping[str, torch.Tensor], mode: RewardModelTrainingMode, keep_lora: bool
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        mode: RewardModelTrainingMode,
+        keep_lora: bool,
+        adapter: AdapterConfig | None = None,
     ) -> tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket]]:
         """(server name, caller's key) in broadcast order, the metadata to announce, its buckets.
 
         Cached by the names, shapes and dtypes: a trainer pushes the same layout every step, and
         this work would otherwise sit on the critical path of every push."""
-        key = (mode, keep_lora, tuple((k, tuple(v.shape), v.dtype) for k, v in state_dict.items()))
+        key = (mode, keep_lora, adapter, tuple((k, tuple(v.shape), v.dtype) for k, v in state_dict.items()))
         if self._layout_cache is not None and self._layout_cache[0] == key:
             return self._layout_cache[1], self._layout_cache[2], self._layout_cache[3]
         manifest = self.control.manifest()
-        renamed = normalize_params(
-            {k: k for k in state_dict}, served=set(manifest) if manifest else None, keep_lora=keep_lora
+        renamed = names_for_mode(
+            {k: k for k in state_dict},
+            mode,
+            served=set(manifest) if manifest else None,
+            keep_lora=keep_lora,
+            head_patterns=self.head_name_patterns,
+            adapter=adapter,
         )
-        validate_for_mode(renamed, mode, self.head_name_patterns)
         order = [(server, renamed[server]) for server in sorted(renamed)]  # deterministic on both sides
         metadata = [meta_of(server, state_dict[k]) for server, k in order]
         if manifest:  # the server would answer 400: say so before anything moves
-            problems = check_metadata(metadata, manifest)
-            if problems:
-                raise WeightValidationError(
-                    f"{len(problems)} parameter(s) do not fit the served model: " + "; ".join(problems[:10])
-                )
+            check_fits(metadata, manifest, mode, adapter)
         plan = plan_buckets(metadata, self.bucket_bytes)
         self._layout_cache = (key, order, metadata, plan)
         return order, metadata, plan
@@ -392,18 +402,24 @@ class RewardModelPublisher:
         *,
         training_mode: RewardModelTrainingMode = RewardModelTrainingMode.FULL,
         keep_lora: bool = False,
+        adapter: AdapterConfig | None = None,
     ) -> int:
         start = time.perf_counter()
         started_at = time.monotonic()  # the servers' timelines use this clock too (same host)
         mode = RewardModelTrainingMode(training_mode)
-        order, metadata, plan = self._layout(state_dict, mode, keep_lora)
+        order, metadata, plan = self._layout(state_dict, mode, keep_lora, adapter)
         tensors = {server: state_dict[k].detach() for server, k in order}
         prepared = time.perf_counter()
         # The announce first, on this thread: a refusal then costs nothing, and while the servers
         # set up their receive (the longer part) this thread packs and enqueues the first buckets.
         # (Announcing from a helper thread during packing was slower: it waited for the GIL.)
         self.control.announce_update_batch(
-            metadata, version=version, training_mode=mode, bucket_bytes=self.bucket_bytes, atomic=self.atomic
+            metadata,
+            version=version,
+            training_mode=mode,
+            bucket_bytes=self.bucket_bytes,
+            atomic=self.atomic,
+            adapter=adapter,
         )
         announced = time.perf_counter()
         total = send_buckets(self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, plan=plan)

@@ -142,6 +142,7 @@ def build_app(
         engine.weight_port(),
         metrics,
         store=WeightsStore(weights_dir) if weights_dir is not None else None,
+        max_lora_rank=engine.info.max_lora_rank,
     )
     tokenizers = tokenizer_pool()
     scoring = ScoringService(

@@ -39,6 +39,9 @@ class ServerConfig(BaseModel):
     load_format: Literal["auto", "dummy"] = "auto"
     log_level: str = "info"
     extra_engine_args: list[str] = Field(default_factory=list)
+    # Adapter-only weight sync (training_mode adapter): serve pushed LoRA adapters over the base.
+    enable_lora: bool = False
+    max_lora_rank: int = Field(default=16, ge=1)
 
     @property
     def name(self) -> str:
@@ -133,6 +136,20 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         choices=["auto", "dummy"],
         default="auto",
         help="dummy: random weights from the checkpoint's config (benchmarks; weights then come by push)",
+    )
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        default=None,
+        help="accept adapter-only pushes (LoRA A/B tensors), served as a LoRA adapter over untouched base "
+        "weights (RewardModel spec.lora.enabled)",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="largest LoRA rank an adapter push may have (default 16; vLLM takes 1, 8, 16, 32, 64, 128, 256, "
+        "320 or 512 and sizes its LoRA buffers by it)",
     )
     p.add_argument("--log-level", default="info")
     args, extra = p.parse_known_args(argv)

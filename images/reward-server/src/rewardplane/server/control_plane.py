@@ -18,13 +18,15 @@ from rewardplane.protocol import (
     MAX_LAYOUTS,
     InitCommunicatorRequest,
     ParamMeta,
+    RewardModelTrainingMode,
     UpdateParamBatchRequest,
+    check_adapter_metadata,
     check_metadata,
     layout_id,
     remember_layout,
 )
 
-from .engine import WeightSyncPort
+from .engine import ServedAdapter, WeightSyncPort
 from .errors import BadRequest, Conflict, Unavailable
 from .locking import WeightsGuard
 from .metrics import ServerMetrics
@@ -41,6 +43,7 @@ class Layout:
     bucket_bytes: int
     names: list[str]
     metadata: list[dict[str, Any]]  # ParamMeta as JSON, for the worker calls
+    adapter: bool = False  # validated as an adapter push (LoRA tensors), not against the manifest alone
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,15 @@ class WeightSyncService:
         port: WeightSyncPort,
         metrics: ServerMetrics,
         store: WeightsStore | None = None,
+        *,
+        max_lora_rank: int = 0,
     ) -> None:
         self.guard = guard
         self.port = port
         self.manifest: dict[str, ParamMeta] = port.manifest()
+        self.max_lora_rank = max_lora_rank  # 0: adapter pushes are refused
+        self.adapter: ServedAdapter | None = None  # the adapter scoring uses
+        self._adapter_ids = 0  # a fresh id per adapter version
         self.metrics = metrics
         self.store = store  # --weights-dir: every committed push is saved there (persistence.py)
         self._persistence_ready = False
@@ -155,17 +163,30 @@ class WeightSyncService:
     # ---- update -----------------------------------------------------------------------------
     def _layout_of(self, req: UpdateParamBatchRequest) -> Layout:
         """The announced layout, validated against the served model (once per layout)."""
+        adapter = req.training_mode == RewardModelTrainingMode.ADAPTER
+        if adapter and self.max_lora_rank == 0:
+            raise Conflict(
+                "this server does not serve LoRA adapters, so it refuses adapter-only pushes: enable LoRA on the "
+                "RewardModel (spec.lora.enabled; server flag --enable-lora), or push merged weights (sync mode "
+                "full / training_mode lora)"
+            )
         if not req.metadata:
             assert req.layout_id is not None  # the request model guarantees one or the other
             known = self._layouts.get(req.layout_id)
-            if known is None or known.bucket_bytes != req.bucket_bytes:
+            if known is None or known.bucket_bytes != req.bucket_bytes or known.adapter != adapter:
                 raise Conflict(
                     f"unknown layout_id {req.layout_id!r} (this server restarted or forgot it); announce the "
                     "metadata again — the SDK does so by itself on the next push"
                 )
             self._layouts.move_to_end(req.layout_id)
             return known
-        problems = check_metadata(req.metadata, self.manifest)
+        if adapter:
+            assert req.adapter is not None  # the request model guarantees it
+            problems = check_adapter_metadata(
+                req.metadata, self.manifest, req.adapter, max_rank=self.max_lora_rank
+            )
+        else:
+            problems = check_metadata(req.metadata, self.manifest)
         if problems:
             raise BadRequest(
                 f"{len(problems)} announced parameter(s) do not fit the served model; nothing was received: "
@@ -179,6 +200,7 @@ class WeightSyncService:
             req.bucket_bytes,
             [m.name for m in req.metadata],
             [m.model_dump(mode="json") for m in req.metadata],
+            adapter,
         )
         self._layouts[layout.id] = layout
         self._layouts.move_to_end(layout.id)
@@ -223,19 +245,33 @@ class WeightSyncService:
         start = time.monotonic()
         stamps: dict[str, float | None] = {"task": start}
         result: dict[str, Any] = {"ok": False, "error": "not started", "partial": False, "bytes": 0}
+        adapter = req.training_mode == RewardModelTrainingMode.ADAPTER
         try:
             await self._prepare_workers()  # once: the workers keep what they load when --weights-dir is set
-            if req.atomic:
-                # Stage while the old weights keep serving, then swap under the exclusive lock.
+            if req.atomic or adapter:
+                # Stage while the old weights keep serving, then swap under the exclusive lock. An
+                # adapter is always staged: it is small, and vLLM builds it from the whole set.
                 result = _merge(await self._receive(layout, False))
                 stamps.update(result.pop("times"), returned=time.monotonic())
                 if result["ok"]:
                     async with guard.updating(timeout_s=req.timeout_s):
-                        await self.port.call_workers("rp_apply_staged", metadata)
+                        if adapter:
+                            await self._apply_adapter(layout, req)
+                        else:
+                            await self.port.call_workers("rp_apply_staged", metadata)
+                            await self._drop_adapter_under(req.training_mode)
                         await self.port.reset_cache()
                         guard.commit(version)
                         stamps["committed"] = time.monotonic()
-                        await self._persist(version)
+                        if adapter:
+                            if self.store is not None:
+                                log.warning(
+                                    "version %d is an adapter push: adapters are not persisted, so a restart "
+                                    "cannot be restored to it (push again after a restart)",
+                                    version,
+                                )
+                        else:
+                            await self._persist(version)
                 else:
                     await self.port.call_workers("rp_drop_staged")
             else:
@@ -259,6 +295,7 @@ class WeightSyncService:
                         raise reset  # new weights, but cached blocks of the old ones: refuse to serve
                     result["lock_s"], result["receive_s"] = locked - start, time.monotonic() - locked
                     if result["ok"]:
+                        await self._drop_adapter_under(req.training_mode)
                         guard.commit(version)
                         stamps["committed"] = time.monotonic()
                         await self._persist(version)
@@ -302,6 +339,37 @@ class WeightSyncService:
                 await self.port.call_workers("rp_close_communicator")
             except Exception:
                 log.debug("closing the communicator after a failure failed", exc_info=True)
+
+    async def _apply_adapter(self, layout: Layout, req: UpdateParamBatchRequest) -> None:
+        """Under the exclusive lock: every worker serves the staged adapter under a fresh id, then
+        scoring names it. If any worker fails, every worker drops its adapter (they could disagree)
+        and the caller marks the replica broken until the next push."""
+        assert req.adapter is not None
+        self._adapter_ids += 1
+        adapter_id = self._adapter_ids
+        try:
+            paths = await self.port.call_workers(
+                "rp_apply_adapter", layout.metadata, req.adapter.model_dump(mode="json"), adapter_id
+            )
+        except Exception:
+            self.adapter = None
+            self.port.use_adapter(None)
+            try:
+                await self.port.call_workers("rp_clear_adapter")
+            except Exception:
+                log.exception("dropping the adapters after a failed adapter update failed")
+            raise
+        self.adapter = ServedAdapter(adapter_id, paths[0] if paths else None)
+        self.port.use_adapter(self.adapter)
+
+    async def _drop_adapter_under(self, mode: RewardModelTrainingMode) -> None:
+        """A full or merged (lora) push carries the whole model, the adapter's effect included: the
+        adapter goes. A head_only push keeps it (it adapts the backbone, the head is separate)."""
+        if self.adapter is None or mode not in (RewardModelTrainingMode.FULL, RewardModelTrainingMode.LORA):
+            return
+        await self.port.call_workers("rp_clear_adapter")
+        self.adapter = None
+        self.port.use_adapter(None)
 
     async def _receive(self, layout: Layout, apply: bool) -> list[dict[str, Any]]:
         """``rp_receive`` on every worker; the metadata only travels when the workers lack it."""

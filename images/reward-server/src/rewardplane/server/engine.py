@@ -24,6 +24,22 @@ class EngineInfo:
     pooling_types: tuple[PoolingType, ...]
     id2label: dict[int, str] = field(default_factory=dict)
     world_size: int = 1
+    # 0: adapter-only pushes are refused; else the largest LoRA rank served (--enable-lora)
+    max_lora_rank: int = 0
+
+
+@dataclass(frozen=True)
+class ServedAdapter:
+    """The LoRA adapter scoring uses: a fresh id per pushed version (an engine's adapter cache then
+    never serves an older one under a reused id), and where the first worker wrote it (vLLM reloads
+    an evicted adapter from there)."""
+
+    adapter_id: int
+    path: str | None
+
+    @property
+    def name(self) -> str:
+        return f"rp-adapter-{self.adapter_id}"
 
 
 class WeightSyncPort(Protocol):
@@ -45,6 +61,11 @@ class WeightSyncPort(Protocol):
 
     async def reset_cache(self) -> None:
         """Drop whatever the engine computed with the old weights (vLLM's prefix cache)."""
+        ...
+
+    def use_adapter(self, adapter: ServedAdapter | None) -> None:
+        """Score with ``adapter`` from now on (None: the base weights alone). Called under the
+        exclusive weights lock, after every worker loaded it."""
         ...
 
 

@@ -16,7 +16,7 @@ from rewardplane.protocol import ParamMeta, PoolingType
 
 from .batching import plan_micro_batches
 from .config import ServerConfig
-from .engine import EngineInfo
+from .engine import EngineInfo, ServedAdapter
 from .errors import BadRequest
 from .locking import WeightsGuard
 from .metrics import ServerMetrics
@@ -113,6 +113,7 @@ class HFEngine:
             vocab_size=int(model.config.vocab_size),
             pooling_types=pooling_types,
             id2label=id2label,
+            max_lora_rank=cfg.max_lora_rank if cfg.enable_lora else 0,
         )
         self.guard = WeightsGuard()
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
@@ -239,6 +240,9 @@ class HFWeightPort:
 
     async def call_workers(self, method: str, *args: Any) -> list[Any]:
         return [await run_in_daemon_thread(getattr(self.worker, method), *args, name=f"rp-control-{method}")]
+
+    def use_adapter(self, adapter: ServedAdapter | None) -> None:
+        """Nothing to switch: the worker's forward hooks (``lora_hooks``) are the adapter."""
 
     async def reset_cache(self) -> None:
         """No cache: every forward recomputes from the current weights."""

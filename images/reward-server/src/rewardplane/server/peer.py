@@ -40,6 +40,11 @@ async def send_weights(service: WeightSyncService, req: SendWeightsRequest) -> N
         )
     if service.busy():
         raise Conflict("a weight update is in progress; send after it finishes")
+    if service.adapter is not None:  # a peer would get the base alone and serve another function
+        raise Conflict(
+            f"version {req.version} is a LoRA adapter over the base weights (adapter-only push); adapters are not "
+            "sent to peers: push again (the adapter, or merged weights) to bring the replica up"
+        )
     found = await service.port.call_workers("rp_named_parameters")
     params = found[0] if len(found) == 1 else None
     if params is None:

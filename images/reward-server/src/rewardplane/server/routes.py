@@ -163,6 +163,7 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
             max_model_len=info.max_model_len,
             pooling_type=info.pooling_types[0],
             version=engine.guard.version,
+            max_lora_rank=info.max_lora_rank,
         )
 
     @router.get(

@@ -64,7 +64,7 @@ from rewardplane.protocol import ParamMeta, PoolingType
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, is_head_key
 
 from .config import ServerConfig
-from .engine import EngineInfo
+from .engine import EngineInfo, ServedAdapter
 from .errors import BadRequest, ServerError, Unavailable
 from .locking import WeightsGuard
 from .metrics import ServerMetrics
@@ -166,6 +166,16 @@ def build_engine_args(cfg: ServerConfig, max_model_len: int) -> AsyncEngineArgs:
     if load_format not in (None, "", "auto"):
         base["load_format"] = load_format
         owned["load_format"] = "--load-format"
+    if getattr(cfg, "enable_lora", False):
+        # Adapter-only sync: pushed adapters are served through vLLM's LoRA support (pooling models
+        # included in 0.24). One adapter at a time: each push replaces the previous one.
+        base.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1, max_cpu_loras=1)
+        owned.update(
+            enable_lora="--enable-lora",
+            max_lora_rank="--max-lora-rank",
+            max_loras="--enable-lora",
+            max_cpu_loras="--enable-lora",
+        )
     user = parse_extra_engine_args(list(cfg.extra_engine_args))
     for key, value in user.items():
         if key in owned and value != base.get(key):
@@ -316,12 +326,15 @@ class VLLMEngine:
             pooling_types=(cfg.pooling,),  # vLLM fixes the pooling method at start
             id2label=id2label,
             world_size=cfg.tensor_parallel_size,
+            max_lora_rank=cfg.max_lora_rank if cfg.enable_lora else 0,
         )
         self.manifest = read_manifest(cfg.model, config, dtype=dtype, head_dtype=head_dtype)
         if not self.manifest:
             raise ValueError(f"no parameters found in {cfg.model}: expected *.safetensors files or a config")
         self.guard = WeightsGuard()
         self.llm: AsyncLLM | None = None
+        # The pushed LoRA adapter every scoring request names (adapter-only sync); None: base alone.
+        self.lora_request: Any = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -412,7 +425,7 @@ class VLLMEngine:
         # A fresh PoolingParams per request: vLLM fills defaults into it during validation.
         params = PoolingParams(task="classify", use_activation=False)
         final = None
-        async for out in llm.encode(_token_prompt(ids), params, request_id):
+        async for out in llm.encode(_token_prompt(ids), params, request_id, lora_request=self.lora_request):
             final = out
         if final is None:
             raise ServerError(f"vLLM returned no output for request {request_id}")
@@ -444,6 +457,17 @@ class VLLMWeightPort:
             ) from exc
         return list(results)
 
+    def use_adapter(self, adapter: ServedAdapter | None) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self.engine.lora_request = (
+            None
+            if adapter is None
+            else LoRARequest(
+                lora_name=adapter.name, lora_int_id=adapter.adapter_id, lora_path=adapter.path or "-"
+            )
+        )
+
     async def reset_cache(self) -> None:
         llm = self.engine._require_llm()
         # Called under the exclusive weights lock: none of our requests runs, so preempting
@@ -469,6 +493,6 @@ def _token_prompt(ids: list[int]) -> Any:
 def _rpc_timeout(method: str, args: tuple[Any, ...]) -> float:
     if method == "rp_init_communicator" and len(args) > 5:
         return float(args[5]) + 60.0  # the worker's own rendezvous timeout, plus slack
-    if method in ("rp_receive", "rp_apply_staged"):
+    if method in ("rp_receive", "rp_apply_staged", "rp_apply_adapter"):
         return RPC_TIMEOUT_S  # the worker's communicator bounds each collective; this is a backstop
     return SHORT_RPC_TIMEOUT_S

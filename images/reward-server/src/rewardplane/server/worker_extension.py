@@ -8,21 +8,28 @@ methods are synchronous and run where the weights live; each returns plain data.
 from __future__ import annotations
 
 import faulthandler
+import json
 import logging
+import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rewardplane.protocol import Bucket, ParamMeta, plan_buckets, remember_layout
+from rewardplane.protocol import AdapterConfig, Bucket, ParamMeta, plan_buckets, remember_layout
+from rewardplane.protocol.adapters import LORA_PAIR, lora_pairs
 from rewardplane.transport.buckets import unpack_bucket
 from rewardplane.transport.checksums import digests
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.transfer import Received, receive_buckets
 
+from .lora_hooks import LoraHooks
 from .persistence import WeightsStore
 
 log = logging.getLogger(__name__)
@@ -48,11 +55,15 @@ class RewardWeightSyncExtension:
     _rp_store: WeightsStore | None = None
     _rp_kept: dict[str, torch.Tensor] | None = None
     _rp_writer: threading.Thread | None = None
+    # The adapter this worker serves (adapter-only sync): its id and where it was written.
+    _rp_adapter: tuple[int, Path] | None = None
 
     # ---- accessors (vLLM defaults) ------------------------------------------------------------
     def rp_model(self) -> torch.nn.Module:
         # get_model() unwraps vLLM's CUDA-graph wrappers; load_weights lives on the model itself.
-        return self.model_runner.get_model()  # type: ignore[attr-defined]
+        model: torch.nn.Module = self.model_runner.get_model()  # type: ignore[attr-defined]
+        _plain_parameter_names(model)
+        return model
 
     def rp_device(self) -> torch.device:
         return torch.device(self.device)  # type: ignore[attr-defined]
@@ -181,6 +192,62 @@ class RewardWeightSyncExtension:
     def rp_drop_staged(self) -> None:
         self._rp_staged = None
 
+    # ---- adapter-only sync -------------------------------------------------------------------------
+    def rp_apply_adapter(
+        self, metadata: list[dict[str, Any]], adapter: dict[str, Any], adapter_id: int
+    ) -> str | None:
+        """Serve the staged LoRA tensors as adapter ``adapter_id`` (replacing the current one), and load
+        the staged plain parameters (e.g. the head) in place. The adapter is built and loaded before
+        anything changes: a bad one leaves the old adapter serving. Returns where it was written."""
+        metas = [ParamMeta(**m) for m in metadata]
+        staged, self._rp_staged = self._rp_staged or [], None
+        lora: dict[str, torch.Tensor] = {}
+        plain: list[tuple[str, torch.Tensor]] = []
+        for bucket, buf in staged:
+            for name, tensor in unpack_bucket(bucket, metas, buf):
+                if LORA_PAIR.match(name):
+                    lora[name] = tensor.clone()  # the staged buffer is freed; the adapter outlives it
+                else:
+                    plain.append((name, tensor))
+        path = self.rp_set_adapter(lora, AdapterConfig(**adapter), adapter_id)
+        self._rp_kept = None  # adapters are not persisted (docs/weight-sync.md)
+        if plain:
+            self.rp_load(plain)
+        return path
+
+    def rp_set_adapter(
+        self, tensors: dict[str, torch.Tensor], adapter: AdapterConfig, adapter_id: int
+    ) -> str | None:
+        """vLLM: write the adapter in PEFT's format to a tmpfs directory and load it into the worker's
+        LoRA manager under a fresh id (vLLM 0.24 loads LoRA adapters from a directory only), then drop
+        the previous adapter. Scoring requests name it (``ServedAdapter``)."""
+        from vllm.lora.request import LoRARequest
+
+        path = _adapter_root() / str(adapter_id)
+        write_peft_adapter(path, tensors, adapter)
+        request = LoRARequest(
+            lora_name=f"rp-adapter-{adapter_id}", lora_int_id=adapter_id, lora_path=str(path)
+        )
+        try:
+            if not self.add_lora(request):  # type: ignore[attr-defined]
+                raise RuntimeError(f"vLLM did not load adapter {adapter_id}")
+        except Exception:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        self._rp_drop_adapter()
+        self._rp_adapter = (adapter_id, path)
+        return str(path)
+
+    def rp_clear_adapter(self) -> None:
+        """Back to the base weights alone (a full or merged push replaces what the adapter adapted)."""
+        self._rp_drop_adapter()
+
+    def _rp_drop_adapter(self) -> None:
+        old, self._rp_adapter = self._rp_adapter, None
+        if old is not None:
+            self.remove_lora(old[0])  # type: ignore[attr-defined]
+            shutil.rmtree(old[1], ignore_errors=True)
+
     def rp_named_parameters(self) -> dict[str, torch.Tensor] | None:
         """The live parameters under their pushed names, for a peer send and the base fingerprint;
         None where they are not (vLLM fuses q/k/v and gate/up, shards for TP, and its tensors cannot
@@ -264,6 +331,67 @@ class RewardWeightSyncExtension:
             return {"rank": self.rp_local_rank(), "checksums": digests(self.rp_model().named_parameters())}
 
 
+def _adapter_root() -> Path:
+    """Where this worker writes adapters: tmpfs where there is one (they are small and short-lived)."""
+    base = os.environ.get("REWARDPLANE_ADAPTER_DIR") or (
+        "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    )
+    return Path(base) / f"rewardplane-adapters-{os.getpid()}"
+
+
+def write_peft_adapter(path: Path, tensors: dict[str, torch.Tensor], adapter: AdapterConfig) -> None:
+    """``adapter_config.json`` + ``adapter_model.safetensors`` as PEFT saves them (names under
+    ``base_model.model.``), the form vLLM's ``LoRARequest`` loads."""
+    from safetensors.torch import save_file
+
+    pairs, _ = lora_pairs(list(tensors))
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "r": adapter.rank,
+        "lora_alpha": adapter.alpha,
+        "use_rslora": adapter.use_rslora,
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in pairs}),
+        "bias": "none",
+        "modules_to_save": None,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    save_file(
+        {f"base_model.model.{n}": t.detach().to("cpu").contiguous() for n, t in tensors.items()},
+        str(path / "adapter_model.safetensors"),
+    )
+
+
+def _plain_parameter_names(model: torch.nn.Module) -> None:
+    """With LoRA enabled vLLM wraps each adaptable layer (the pooling head too), so its weight
+    becomes ``...qkv_proj.base_layer.weight``; the models' ``load_weights`` (and vLLM's
+    ``AutoWeightsLoader``, which walks children and direct parameters) look parameters up under the
+    plain names. Once, and only where there are wrappers: the model and every module with a loader
+    report plain names, and each wrapper shows its wrapped layer's direct parameters and children as
+    its own — so pushes and checksums work as without LoRA. (vLLM's own LoRA code walks
+    ``named_modules``, which this leaves alone.)"""
+    if getattr(model, "_rp_plain_names", False):
+        return
+    wrappers = [m for m in model.modules() if isinstance(getattr(m, "base_layer", None), torch.nn.Module)]
+    if wrappers:
+        for module in model.modules():
+            if module is model or hasattr(module, "load_weights"):
+                module.named_parameters = _plain_named_parameters(module)  # type: ignore[method-assign]
+        for wrapper in wrappers:
+            base: torch.nn.Module = wrapper.base_layer  # type: ignore[assignment]
+            wrapper.named_parameters = base.named_parameters  # type: ignore[method-assign]
+            wrapper.named_children = base.named_children  # type: ignore[method-assign]
+    model._rp_plain_names = True  # type: ignore[assignment]
+
+
+def _plain_named_parameters(module: torch.nn.Module) -> Any:
+    def named_parameters(*args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        for name, param in torch.nn.Module.named_parameters(module, *args, **kwargs):
+            yield name.replace(".base_layer.", "."), param
+
+    return named_parameters
+
+
 class HFWeightSyncWorker(RewardWeightSyncExtension):
     """The extension hosted in the transformers engine's own process."""
 
@@ -271,6 +399,7 @@ class HFWeightSyncWorker(RewardWeightSyncExtension):
         self._model = model
         self._device = device
         self._params = dict(model.named_parameters())
+        self._lora = LoraHooks(model)
 
     def rp_model(self) -> torch.nn.Module:
         return self._model
@@ -288,6 +417,16 @@ class HFWeightSyncWorker(RewardWeightSyncExtension):
 
     def rp_named_parameters(self) -> dict[str, torch.Tensor] | None:
         return self._params  # in this process: read in place, never copied
+
+    def rp_set_adapter(
+        self, tensors: dict[str, torch.Tensor], adapter: AdapterConfig, adapter_id: int
+    ) -> str | None:
+        with torch.no_grad():
+            self._lora.set({n: t.to(self._device) for n, t in tensors.items()}, adapter)
+        return None
+
+    def rp_clear_adapter(self) -> None:
+        self._lora.clear()
 
     def manifest(self) -> dict[str, ParamMeta]:
         return {

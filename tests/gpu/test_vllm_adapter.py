@@ -1,0 +1,168 @@
+"""Adapter-only sync into vLLM on real GPUs: a LoRA-enabled vLLM server (GPU 0) serves the pushed
+A/B tensors as a LoRA adapter; the trainer (this process, ``cuda:1``) pushes them over NCCL.
+
+Checks: scores equal the trainer's (PEFT) model; the base weights' bytes do not move; a second
+adapter version replaces the first (scores follow, the prefix cache is not stale); a merged full
+push afterwards drops the adapter and lands bit for bit in the LoRA-wrapped layers.
+
+    bash scripts/gpu-run.sh tests tests/gpu/test_vllm_adapter.py    # 2 GPUs, ~3 minutes
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rewardplane.protocol import Endpoints
+from rewardplane.testing.servers import free_port
+from tests.gpu.vllm_support import (
+    TOKEN,
+    Trainer,
+    assert_same_parameters,
+    check_after_push,
+    device_count,
+    fill_prefix_cache,
+    load_trainer_model,
+    server_checksums,
+    start_vllm_server,
+    stop,
+    vllm_llama_checksums,
+    wait_ready,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.gpus(2)]
+
+MAX_RANK = 16
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_engine_args_enable_lora(tiny_seqcls_1label: Path) -> None:
+    from rewardplane.server.config import ServerConfig
+    from rewardplane.server.vllm_engine import build_engine_args
+
+    cfg = ServerConfig(model=str(tiny_seqcls_1label), engine="vllm", enable_lora=True, max_lora_rank=MAX_RANK)
+    args = build_engine_args(cfg, 1024)
+    assert (args.enable_lora, args.max_lora_rank, args.max_loras) == (True, MAX_RANK, 1)
+    plain = build_engine_args(ServerConfig(model=str(tiny_seqcls_1label), engine="vllm"), 1024)
+    assert not plain.enable_lora
+
+
+@pytest.fixture(scope="module")
+def lora_trainer(tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainer]:
+    import torch
+    from transformers import AutoTokenizer
+
+    from rewardplane.sdk.direct_sync import DirectWeightSync
+
+    if device_count() < 2:
+        pytest.skip("adapter pushes over NCCL need 2 GPUs (server on GPU 0, trainer on GPU 1)")
+    handle = start_vllm_server(
+        tiny_seqcls_1label,
+        tmp_path_factory.mktemp("vllm-lora-logs"),
+        gpu=0,
+        enable_lora=True,
+        max_lora_rank=MAX_RANK,
+    )
+    device = torch.device("cuda", 1)
+    sync = None
+    try:
+        wait_ready(handle)
+        sync = DirectWeightSync(
+            [handle.url],
+            group_port=free_port(),
+            token=TOKEN,
+            trainer_host="127.0.0.1",
+            device=device,
+            bucket_bytes=1 << 20,
+            timeout_s=300,
+            connect_timeout_s=120,
+        )
+        yield Trainer(
+            load_trainer_model(tiny_seqcls_1label, device),
+            AutoTokenizer.from_pretrained(tiny_seqcls_1label),
+            sync,
+            device,
+            handle.url,
+        )
+    finally:
+        if sync is not None:
+            sync.close()
+        stop(handle)
+
+
+def _train(peft_model: Any, seed: int) -> None:
+    """As if trained: non-zero B (so the adapter changes scores) and a changed head copy."""
+    import torch
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+            if "modules_to_save" in name:
+                p.add_(torch.randn_like(p) * 0.2 * p.shape[-1] ** -0.5)
+
+
+def _merged(peft_model: Any) -> Any:
+    """The function the adapter computes, as a plain model: the reference scores."""
+    return copy.deepcopy(peft_model).merge_and_unload()
+
+
+def test_adapter_push_scores_equal_trainer_base_untouched_and_replaced(lora_trainer: Trainer) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from rewardplane.protocol import WeightSyncMode
+    from rewardplane.sdk import LoraSync
+
+    t = lora_trainer
+    info = httpx.get(t.url + Endpoints.MODEL_INFO, timeout=30).json()
+    assert info["max_lora_rank"] == MAX_RANK, info
+    base_version, base = server_checksums(t.url)
+    assert base_version == 0
+    peft_model = get_peft_model(
+        t.model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, modules_to_save=["score"])
+    )
+    _train(peft_model, seed=3)
+    handle = LoraSync(t.sync, mode="auto", fallback_to_full=False)  # a failure must fail the test
+    assert handle.mode is WeightSyncMode.ADAPTER
+
+    before = fill_prefix_cache(t.url)
+    assert handle.sync(peft_model, version=1) is peft_model
+    check_after_push(
+        Trainer(_merged(peft_model), t.tokenizer, t.sync, t.device, t.url), 1, before, "adapter v1"
+    )
+    version, after = server_checksums(t.url)
+    assert version == 1
+    moved = sorted(n for n in base[0] if after[0][n] != base[0][n])
+    assert moved == ["score.weight"], f"only the head (modules_to_save) may change, moved: {moved[:5]}"
+    assert set(after[0]) == set(base[0])
+
+    # version 2: a new adapter id replaces the first; scores follow it, the prefix cache is not stale
+    before = fill_prefix_cache(t.url)
+    _train(peft_model, seed=4)
+    handle.sync(peft_model, version=2)
+    check_after_push(
+        Trainer(_merged(peft_model), t.tokenizer, t.sync, t.device, t.url), 2, before, "adapter v2"
+    )
+    _, after = server_checksums(t.url)
+    assert {n: c for n, c in after[0].items() if n != "score.weight"} == {
+        n: c for n, c in base[0].items() if n != "score.weight"
+    }
+
+    # a merged full push (mode full) replaces the adapter: the base layers hold the merged weights
+    # bit for bit, though vLLM wraps them for LoRA, and scores equal the merged model without the adapter
+    before = fill_prefix_cache(t.url)
+    _train(peft_model, seed=5)
+    merged = _merged(peft_model)
+    LoraSync(t.sync, mode="full").sync(peft_model, version=3)
+    check_after_push(Trainer(merged, t.tokenizer, t.sync, t.device, t.url), 3, before, "merged after adapter")
+    version, got = server_checksums(t.url)
+    assert version == 3
+    assert_same_parameters(
+        got, vllm_llama_checksums(merged.state_dict()), "merged push into a LoRA-enabled server"
+    )
