@@ -25,12 +25,14 @@ from rewardplane.protocol import (
     RewardModelTrainingMode,
     ScoringRequest,
     ScoringResponse,
+    SleepResponse,
     derive_ports,
     replica_group_port,
 )
 from rewardplane.protocol.auth import resolve_token
 from rewardplane.protocol.naming import normalize_params, select_head
 
+from ._awake import AwakeReplicas
 from ._client import AsyncRewardClient, BaseRewardClient, RewardClient
 from ._credit import (
     CreditAssigner,
@@ -70,6 +72,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AsyncRewardClient",
+    "AwakeReplicas",
     "BaseRewardClient",
     "ClientClosedError",
     "ClusterError",
@@ -102,6 +105,7 @@ __all__ = [
     "RolloutStepKey",
     "ScoringRequest",
     "ScoringResponse",
+    "SleepResponse",
     "Step",
     "VLLMRewardClient",
     "WeightPusher",

@@ -39,6 +39,7 @@ import tenacity
 from pydantic import ValidationError
 
 from rewardplane.protocol import (
+    DEFAULT_SLEEP_TIMEOUT_S,
     VERSION_HEADER,
     ClassifyResponse,
     Endpoints,
@@ -47,7 +48,10 @@ from rewardplane.protocol import (
     ScoringRequest,
     ScoringResponse,
     ScoringResult,
+    SleepRequest,
+    SleepResponse,
     Usage,
+    WakeRequest,
 )
 from rewardplane.protocol.auth import auth_headers, resolve_token
 
@@ -289,6 +293,25 @@ class BaseRewardClient:
                 f"reward server {url} sent an unreadable /runtime_version reply: {exc}"
             ) from exc
 
+    @staticmethod
+    def _parse_sleep(resp: httpx.Response, url: str) -> SleepResponse:
+        try:
+            return SleepResponse.model_validate(resp.json())
+        except (ValueError, ValidationError) as exc:
+            raise RewardClientError(
+                f"reward server {url} sent an unreadable sleep/wake reply: {exc}"
+            ) from exc
+
+    @staticmethod
+    def _sleep_body(level: int, timeout_s: float) -> dict[str, Any]:
+        # validated here: a bad level fails before any server is asked
+        try:
+            return SleepRequest(level=level, timeout_s=float(timeout_s)).model_dump()
+        except ValidationError as exc:
+            raise ValueError(
+                f"sleep(level={level!r}, timeout_s={timeout_s!r}): level is 1 or 2, timeout_s > 0"
+            ) from exc
+
     def _unique_endpoint_indices(self) -> list[int]:
         return [self.endpoints.index(u) for u in dict.fromkeys(self.endpoints)]
 
@@ -516,6 +539,33 @@ class AsyncRewardClient(BaseRewardClient):
 
         return dict(await gather_or_cancel([one(i) for i in self._unique_endpoint_indices()]))
 
+    async def sleep(
+        self, level: int = 1, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S
+    ) -> dict[str, SleepResponse]:
+        """Put every server to sleep (``POST /sleep``, token needed), concurrently: level 1 offloads
+        the weights to host memory, level 2 discards them (reloaded on wake). Each waits at most
+        ``timeout_s`` for its scoring in flight. Idempotent. Per endpoint, the state it is in now."""
+        self._check_open()
+        body = self._sleep_body(level, timeout_s)
+
+        async def one(i: int) -> tuple[str, SleepResponse]:
+            resp, url, _ = await self._request("POST", i, Endpoints.SLEEP, json=body, failover=False)
+            return url, self._parse_sleep(resp, url)
+
+        return dict(await gather_or_cancel([one(i) for i in self._unique_endpoint_indices()]))
+
+    async def wake(self, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> dict[str, SleepResponse]:
+        """Wake every server (``POST /wake``), concurrently; idempotent. A server whose level-2 weights
+        could not be rebuilt answers ``weights="broken"`` with the reason in ``detail``."""
+        self._check_open()
+        body = WakeRequest(timeout_s=float(timeout_s)).model_dump()
+
+        async def one(i: int) -> tuple[str, SleepResponse]:
+            resp, url, _ = await self._request("POST", i, Endpoints.WAKE, json=body, failover=False)
+            return url, self._parse_sleep(resp, url)
+
+        return dict(await gather_or_cancel([one(i) for i in self._unique_endpoint_indices()]))
+
     async def get_model_versions(self) -> dict[str, int]:
         """Weights version per endpoint."""
         return {url: r.version for url, r in (await self.get_runtime_versions()).items()}
@@ -677,6 +727,29 @@ class RewardClient(BaseRewardClient):
             resp, url, _ = self._request("GET", i, Endpoints.RUNTIME_VERSION, failover=False)
             out[url] = self._parse_runtime_version(resp, url)
         return out
+
+    def sleep(
+        self, level: int = 1, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S
+    ) -> dict[str, SleepResponse]:
+        """Put every server to sleep (see :meth:`AsyncRewardClient.sleep`)."""
+        body = self._sleep_body(level, timeout_s)
+        return self._control_all(Endpoints.SLEEP, body)
+
+    def wake(self, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> dict[str, SleepResponse]:
+        """Wake every server (see :meth:`AsyncRewardClient.wake`)."""
+        return self._control_all(Endpoints.WAKE, WakeRequest(timeout_s=float(timeout_s)).model_dump())
+
+    def _control_all(self, path: str, body: dict[str, Any]) -> dict[str, SleepResponse]:
+        self._check_open()
+
+        def one(i: int) -> Callable[[], tuple[str, SleepResponse]]:
+            def call() -> tuple[str, SleepResponse]:
+                resp, url, _ = self._request("POST", i, path, json=body, failover=False)
+                return url, self._parse_sleep(resp, url)
+
+            return call
+
+        return dict(self._fan_out([one(i) for i in self._unique_endpoint_indices()]))
 
     def get_model_versions(self) -> dict[str, int]:
         """Weights version per endpoint."""

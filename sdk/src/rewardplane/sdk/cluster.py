@@ -44,6 +44,7 @@ from rewardplane.api.names import (
 from rewardplane.api.status import EndpointStatus, RewardModelStatus
 from rewardplane.protocol import (
     DEFAULT_BUCKET_BYTES,
+    DEFAULT_SLEEP_TIMEOUT_S,
     TOKEN_ENV,
     Endpoints,
     ParamMeta,
@@ -59,6 +60,7 @@ from rewardplane.protocol.naming import (
     validate_for_mode,
 )
 
+from ._awake import AwakeReplicas
 from ._exceptions import ClusterError, RewardplaneTimeout, WeightSyncFailed
 
 if TYPE_CHECKING:
@@ -292,6 +294,26 @@ class RewardModelHandle:
                 f"{urls[0]}{Endpoints.PARAM_MANIFEST} answered {resp.status_code}: {resp.text[:300]}"
             )
         return {m["name"]: ParamMeta(**m) for m in resp.json()}
+
+    def awake(self, level: int = 1, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> AwakeReplicas:
+        """``async with handle.awake():`` (or ``with``) — every replica awake for the block: woken on
+        enter, back to sleep at ``level`` on exit, also when the block raised. Score and push inside
+        it; a push to a sleeping replica is refused (409). Needs the control-plane token."""
+        return AwakeReplicas(self._push_urls, self.token, level=level, timeout_s=timeout_s)
+
+    def sleep(self, level: int = 1, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> None:
+        """Put every replica to sleep now (``awake()`` is the block form)."""
+        from ._client import RewardClient
+
+        with RewardClient(self._push_urls(), token=self.token()) as client:
+            client.sleep(level, timeout_s=timeout_s)
+
+    def wake(self, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> None:
+        """Wake every replica now."""
+        from ._client import RewardClient
+
+        with RewardClient(self._push_urls(), token=self.token()) as client:
+            client.wake(timeout_s=timeout_s)
 
     def _push_urls(self) -> list[str]:
         """Ready replicas, else any replica with a URL (a push also restores stale ones)."""

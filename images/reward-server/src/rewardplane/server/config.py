@@ -37,6 +37,7 @@ class ServerConfig(BaseModel):
     token_file: Path | None = None
     weights_dir: Path | None = None
     load_format: Literal["auto", "dummy"] = "auto"
+    enable_sleep_mode: bool = False
     log_level: str = "info"
     extra_engine_args: list[str] = Field(default_factory=list)
 
@@ -133,6 +134,17 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         choices=["auto", "dummy"],
         default="auto",
         help="dummy: random weights from the checkpoint's config (benchmarks; weights then come by push)",
+    )
+    p.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        default=None,
+        help=(
+            "vLLM engine: make POST /sleep possible (vLLM's sleep mode). Its cost: vLLM allocates the "
+            "weights and KV cache through its CuMem allocator (CUDA virtual memory), which slows start-up "
+            "a little; level 1 needs host memory for a copy of the weights while asleep. The transformers "
+            "engine can always sleep."
+        ),
     )
     p.add_argument("--log-level", default="info")
     args, extra = p.parse_known_args(argv)
