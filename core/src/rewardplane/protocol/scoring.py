@@ -102,6 +102,7 @@ class RuntimeVersionResponse(BaseModel):
     version: int
     state: Literal["serving", "updating", "broken", "sleeping"] = "serving"
     detail: str | None = None
+    sleep_level: int | None = None
 
 
 class WorldSizeResponse(BaseModel):

@@ -230,7 +230,8 @@ class RewardModelHandle:
             desired = int((rm.get("spec") or {}).get("replicas", 1))
             want = desired if min_replicas is None else min_replicas
             ready = len([e for e in status.endpoints if e.ready])
-            if ready >= want and (min_replicas is not None or status.phase == "Ready"):
+            # Sleeping: every replica ready and asleep (awake() wakes them)
+            if ready >= want and (min_replicas is not None or status.phase in ("Ready", "Sleeping")):
                 return status
             if time.monotonic() > deadline:
                 raise RewardplaneTimeout(
