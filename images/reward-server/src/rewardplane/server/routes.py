@@ -266,7 +266,7 @@ def control_router(service: WeightSyncService, token: str | None) -> APIRouter:
     async def param_manifest() -> list[ParamMeta]:
         return list(service.manifest.values())
 
-    @router.get(Endpoints.PARAM_CHECKSUMS, response_model=ParamChecksumsResponse)
+    @router.get(Endpoints.PARAM_CHECKSUMS, response_model=ParamChecksumsResponse, responses=errors(503))
     async def param_checksums() -> ParamChecksumsResponse:
         version, workers = await service.param_checksums()
         return ParamChecksumsResponse(version=version, workers=workers)
