@@ -420,7 +420,7 @@ class VLLMEngine:
         if not self.engine_args.enable_sleep_mode:
             return (
                 "this vLLM server was started without sleep mode: restart it with --enable-sleep-mode "
-                "(RewardModel spec.server.extraArgs), which vLLM needs to release its GPU memory"
+                "(RewardModel spec.engine.extraArgs: [--enable-sleep-mode]), which vLLM needs to release its GPU memory"
             )
         return None
 
