@@ -71,6 +71,7 @@ def test_sleep_levels_free_gpu_memory_and_wake_to_the_same_weights(
         before, version = served(url)
         checksums = server_checksums(url)
         manifest = httpx.get(f"{url}/param_manifest", headers=AUTH, timeout=30).json()
+        head = next(m for m in manifest if m["name"] == "score.weight")
         for level in (1, 2):
             awake_free = _free_bytes()
             asleep = _control(url, "/sleep", {"level": level})
@@ -89,7 +90,7 @@ def test_sleep_levels_free_gpu_memory_and_wake_to_the_same_weights(
             assert refused.status_code == 503 and "/wake" in refused.json()["error"]
             pushed = httpx.post(
                 f"{url}/update_param_batch",
-                json={"metadata": [manifest[0]], "training_mode": "full"},
+                json={"metadata": [head], "training_mode": "head_only"},
                 headers=AUTH,
                 timeout=60,
             )

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import httpx
 import tenacity
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from rewardplane.protocol import (
     DEFAULT_SLEEP_TIMEOUT_S,
@@ -68,6 +68,7 @@ HEALTH_POLL_INTERVAL_S = 0.5
 HEALTH_PROBE_TIMEOUT_S = 5.0
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 ScoreInfo = dict[str, Any]
 """Transport details of one ``score`` call: ``versions``, ``chunks`` (start, stop, endpoint,
@@ -285,22 +286,19 @@ class BaseRewardClient:
         return probs[0] if len(probs) == 1 else probs
 
     @staticmethod
-    def _parse_runtime_version(resp: httpx.Response, url: str) -> RuntimeVersionResponse:
+    def _parse_reply(model: type[M], resp: httpx.Response, url: str, path: str) -> M:
         try:
-            return RuntimeVersionResponse.model_validate(resp.json())
+            return model.model_validate(resp.json())
         except (ValueError, ValidationError) as exc:
-            raise RewardClientError(
-                f"reward server {url} sent an unreadable /runtime_version reply: {exc}"
-            ) from exc
+            raise RewardClientError(f"reward server {url} sent an unreadable {path} reply: {exc}") from exc
 
-    @staticmethod
-    def _parse_sleep(resp: httpx.Response, url: str) -> SleepResponse:
-        try:
-            return SleepResponse.model_validate(resp.json())
-        except (ValueError, ValidationError) as exc:
-            raise RewardClientError(
-                f"reward server {url} sent an unreadable sleep/wake reply: {exc}"
-            ) from exc
+    @classmethod
+    def _parse_runtime_version(cls, resp: httpx.Response, url: str) -> RuntimeVersionResponse:
+        return cls._parse_reply(RuntimeVersionResponse, resp, url, Endpoints.RUNTIME_VERSION)
+
+    @classmethod
+    def _parse_sleep(cls, resp: httpx.Response, url: str) -> SleepResponse:
+        return cls._parse_reply(SleepResponse, resp, url, "sleep/wake")
 
     @staticmethod
     def _sleep_body(level: int, timeout_s: float) -> dict[str, Any]:
