@@ -4,7 +4,8 @@ Level 1 offloads the weights to host memory, level 2 discards them and the wake 
 checkpoint. Both free most of the server's GPU memory — seen from outside the server, by this
 process's ``torch.cuda.mem_get_info`` — and after the wake every live parameter is bit for bit the
 one served before (``/param_checksums``) and the scores match. While asleep, scoring answers 503
-naming ``/wake`` and a push is refused with 409 before anything moves.
+naming ``/wake`` and a push is refused with 409 before anything moves. The last test does the
+same for the transformers engine on CUDA.
 """
 
 from __future__ import annotations
@@ -121,3 +122,34 @@ def test_sleep_without_sleep_mode_says_how_to_enable_it(tiny_seqcls_1label: Path
         assert served(server.url)[1] == 0  # still serving
     finally:
         stop(server)
+
+
+@pytest.mark.timeout(900)
+def test_transformers_engine_on_cuda_frees_its_parameters_and_wakes_to_the_same_scores(
+    seqcls_0_4b: Path, tmp_path: Path
+) -> None:
+    """The transformers engine (no vLLM needed): a 0.4B model's parameters leave the GPU and come
+    back; large tensors, so the driver sees their memory returned (a tiny model's share segments)."""
+    from rewardplane.testing.servers import start_server
+
+    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    server = start_server(
+        seqcls_0_4b,
+        tmp_path,
+        token=TOKEN,
+        device="cuda",
+        env_extra={"CUDA_VISIBLE_DEVICES": gpu},
+        startup_timeout_s=300,
+    )
+    try:
+        before, _ = served(server.url)
+        for level in (1, 2):
+            awake_free = _free_bytes()
+            asleep = _control(server.url, "/sleep", {"level": level})
+            # every parameter left the GPU (the engine counts them; the driver sees the cache emptied)
+            assert asleep["device_bytes_freed"] > 0.5 * 2**30  # ~0.39B bf16 parameters: 0.72 GiB
+            assert _free_bytes() - awake_free >= 0.5 * asleep["device_bytes_freed"]
+            assert _control(server.url, "/wake")["weights"] == "serving"
+            assert served(server.url)[0] == before, f"level {level}: scores changed"
+    finally:
+        server.stop()

@@ -226,15 +226,17 @@ class HFEngine:
 
     # ---- sleep and wake --------------------------------------------------------------------
     # Level 1 moves the parameters to host memory (on a CPU device they are there already: nothing
-    # is freed); level 2 discards them (each keeps an empty tensor; its shape is remembered here) and a
-    # wake allocates them again on the device, uninitialised, for ``sleep.SleepService`` to reload. The Parameter objects
-    # stay the same (only ``.data`` changes), so the weight-sync worker's references stay valid.
-    # Buffers (rotary frequencies, ...) are small and stay where they are.
+    # is freed); level 2 discards them (each keeps an empty tensor; its shape is remembered here)
+    # and a wake allocates them again on the device, uninitialised, for ``sleep.SleepService`` to
+    # reload. The Parameter objects stay the same (only ``.data`` changes), so the weight-sync
+    # worker's references stay valid. Buffers (rotary frequencies, ...) are small and stay put.
     def sleep_problem(self) -> str | None:
         return None
 
     def _device_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self._params.values() if p.device == self.device)
+        # by type: the engine's device is "cuda", a parameter's "cuda:0"
+        on_device = (p for p in self._params.values() if p.device.type == self.device.type)
+        return sum(p.numel() * p.element_size() for p in on_device)
 
     async def sleep(self, level: int) -> int | None:
         def run() -> int:
