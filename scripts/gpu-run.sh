@@ -7,6 +7,7 @@
 #   bash scripts/gpu-run.sh bench-sync [ARGS]     # benchmarks/weight_sync.py
 #   bash scripts/gpu-run.sh bench-score [ARGS]    # benchmarks/scoring_gpu.py
 #   bash scripts/gpu-run.sh bench-http [ARGS]     # benchmarks/http_client.py (CPU only)
+#   bash scripts/gpu-run.sh bench-sleep [ARGS]    # benchmarks/sleep_wake.py (1 GPU, ~5 min)
 #   bash scripts/gpu-run.sh all
 #
 # Wheels: vLLM and its dependencies (uvicorn and tenacity included) come with ../shared/device's
@@ -43,8 +44,10 @@ case "$what" in
   bench-sync) python3 benchmarks/weight_sync.py "$@" 2>&1 | tee "$OUT/bench-sync.log" ;;
   bench-score) python3 benchmarks/scoring_gpu.py "$@" 2>&1 | tee "$OUT/bench-score.log" ;;
   bench-http) python3 benchmarks/http_client.py "$@" 2>&1 | tee "$OUT/bench-http.log" ;;
+  bench-sleep) [ $# -gt 0 ] || set -- --out "$OUT/sleep_wake.json"
+    python3 benchmarks/sleep_wake.py "$@" 2>&1 | tee "$OUT/bench-sleep.log" ;;
   all)
     python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/gpu 2>&1 | tee "$OUT/gpu-tests.log"
     python3 benchmarks/weight_sync.py 2>&1 | tee "$OUT/bench-sync.log" ;;
-  *) echo "usage: gpu-run.sh tests|bench-sync|bench-score|bench-http|all [args]"; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench-sync|bench-score|bench-http|bench-sleep|all [args]"; exit 2 ;;
 esac

@@ -37,6 +37,8 @@ class FakeReplica:
     update_error: str | None = None
     """An accepted update fails with this error instead (the server reports it and stays put)."""
     saved_version: int | None = None
+    sleep_level: int | None = None
+    """Set with ``state="sleeping"``: the level the replica sleeps at."""
     _pending: int | None = None
     _polls: int = 0
     _last_error: str | None = None
@@ -78,7 +80,7 @@ class FakeReplicas:
             r = self._get("probe", url)
         except ReplicaError as exc:
             return ProbeResult(error=str(exc))
-        return ProbeResult(version=r.version, state=r.state)
+        return ProbeResult(version=r.version, state=r.state, sleep_level=r.sleep_level)
 
     def runtime(self, url: str) -> Mapping[str, Any]:
         r = self._get("runtime", url)

@@ -11,11 +11,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rewardplane.protocol import STATE_SLEEPING as STATE_SLEEPING  # a replica state, defined with /sleep
+
 PHASE_PENDING = "Pending"
 PHASE_PROGRESSING = "Progressing"
 PHASE_READY = "Ready"
 PHASE_DEGRADED = "Degraded"
 PHASE_FAILED = "Failed"
+PHASE_SLEEPING = "Sleeping"  # every replica is ready and asleep (POST /sleep): wake it to score
 
 AVAILABLE = "Available"
 PROGRESSING = "Progressing"
@@ -47,6 +50,7 @@ class EndpointStatus(_Status):
     ready: bool = False
     restarts: int = 0
     weights_version: int | None = Field(default=None, alias="weightsVersion")
+    sleep_level: int | None = Field(default=None, alias="sleepLevel")
 
 
 class Condition(_Status):

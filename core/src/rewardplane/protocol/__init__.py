@@ -4,7 +4,7 @@ Imported by the server, the SDK and the operator. It depends only on pydantic, s
 client needs neither torch nor the server's dependencies. Submodules: ``modes`` (training modes,
 pooling), ``endpoints`` (paths, headers, token variables), ``ports`` (port derivation), ``scoring``
 (scoring requests and answers), ``compat`` (the vLLM, OpenAI and OpenRLHF shapes), ``weights`` (the weight-sync control plane and bucket layout),
-``auth`` (control-plane token), ``naming`` (parameter-name normalisation).
+``sleep`` (sleep and wake), ``auth`` (control-plane token), ``naming`` (parameter-name normalisation).
 """
 
 from __future__ import annotations
@@ -68,6 +68,15 @@ from .scoring import (
     ScoringResult,
     Usage,
     WorldSizeResponse,
+)
+from .sleep import (
+    DEFAULT_SLEEP_TIMEOUT_S,
+    STATE_SLEEPING,
+    SleepLevel,
+    SleepRequest,
+    SleepResponse,
+    SleepState,
+    WakeRequest,
 )
 from .weights import (
     BUCKET_ALIGN,
@@ -143,6 +152,13 @@ __all__ = [
     "RestoreWeightsRequest",
     "WorkerChecksums",
     "SendWeightsRequest",
+    "DEFAULT_SLEEP_TIMEOUT_S",
+    "STATE_SLEEPING",
+    "SleepLevel",
+    "SleepRequest",
+    "SleepResponse",
+    "SleepState",
+    "WakeRequest",
     "RewardModelPorts",
     "RewardModelTrainingMode",
     "RuntimeVersionResponse",

@@ -28,6 +28,8 @@ class Endpoints:
     RESTORE_WEIGHTS = "/restore_weights"
     PARAM_CHECKSUMS = "/param_checksums"
     SEND_WEIGHTS = "/send_weights"
+    SLEEP = "/sleep"
+    WAKE = "/wake"
 
 
 CONTROL_PLANE_PATHS = frozenset(
@@ -40,6 +42,8 @@ CONTROL_PLANE_PATHS = frozenset(
         Endpoints.RESTORE_WEIGHTS,
         Endpoints.PARAM_CHECKSUMS,
         Endpoints.SEND_WEIGHTS,
+        Endpoints.SLEEP,
+        Endpoints.WAKE,
     }
 )
 

@@ -89,16 +89,20 @@ class ScoringResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
+    """``state``: serving, updating, broken or sleeping (then ``sleep_level`` is 1 or 2)."""
+
     status: str = "ok"
     type: str = "reward_model"
     version: int = 0
     state: str = "serving"
+    sleep_level: int | None = None
 
 
 class RuntimeVersionResponse(BaseModel):
     version: int
-    state: Literal["serving", "updating", "broken"] = "serving"
+    state: Literal["serving", "updating", "broken", "sleeping"] = "serving"
     detail: str | None = None
+    sleep_level: int | None = None
 
 
 class WorldSizeResponse(BaseModel):

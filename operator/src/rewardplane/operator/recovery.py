@@ -14,7 +14,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rewardplane.api.status import STATE_BROKEN
+from rewardplane.api.status import STATE_BROKEN, STATE_SLEEPING
 
 from .status import ProbeResult, pod_restarts
 
@@ -94,7 +94,7 @@ def restore_plan(
         and n not in busy
         and p.error is None
         and p.version == target
-        and p.state != STATE_BROKEN
+        and p.state not in (STATE_BROKEN, STATE_SLEEPING)  # a sleeping replica cannot send
     )
     if not rest:
         return RestorePlan(from_disk=from_disk)

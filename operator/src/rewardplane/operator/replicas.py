@@ -117,7 +117,7 @@ class HttpReplicas:
             )
         except (ReplicaError, ValueError) as exc:
             return ProbeResult(error=str(exc))
-        return ProbeResult(version=runtime.version, state=runtime.state)
+        return ProbeResult(version=runtime.version, state=runtime.state, sleep_level=runtime.sleep_level)
 
     def runtime(self, url: str) -> Mapping[str, Any]:
         body = self._get(url, Endpoints.RUNTIME_VERSION)

@@ -27,7 +27,9 @@ from rewardplane.api.status import (
     PHASE_PENDING,
     PHASE_PROGRESSING,
     PHASE_READY,
+    PHASE_SLEEPING,
     STATE_BROKEN,
+    STATE_SLEEPING,
     STATE_STALE,
 )
 
@@ -41,6 +43,7 @@ class ProbeResult:
     version: int | None = None
     state: str | None = None
     error: str | None = None
+    sleep_level: int | None = None
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,19 @@ def _endpoint(
     }
     if probe is not None and probe.version is not None:
         ep["weightsVersion"] = probe.version
+    if probe is not None and probe.state == STATE_SLEEPING and probe.sleep_level is not None:
+        ep["sleepLevel"] = probe.sleep_level
     return ep
+
+
+def sleeping_message(asleep: Sequence[str], endpoints: Sequence[Mapping[str, Any]]) -> str:
+    """The Available=False message of a model whose ready replicas all sleep."""
+    levels = sorted({int(ep["sleepLevel"]) for ep in endpoints if ep["pod"] in asleep and "sleepLevel" in ep})
+    level = f" (sleep level {', '.join(map(str, levels))})" if levels else ""
+    return (
+        f"every ready replica is asleep{level}: {', '.join(asleep)}; wake them to score "
+        "(SDK: `async with handle.awake():`, or POST /wake)"
+    )
 
 
 def _without_empty_strings(obj: dict[str, Any]) -> dict[str, Any]:
@@ -254,6 +269,8 @@ def compute_status(
             ep["state"], ep["ready"] = STATE_STALE, False
         endpoints.append(_without_empty_strings(ep))
     ready = sum(1 for ep in endpoints if ep["ready"])
+    # Asleep (POST /sleep) is healthy and stays ready: the SDK must reach a sleeping replica to wake it.
+    asleep = sorted(ep["pod"] for ep in endpoints if ep["ready"] and ep.get("state") == STATE_SLEEPING)
 
     # What still has to change before the rollout is complete.
     wanted = {pod_name(plan.name, r.index) for r in plan.replicas} if plan else set()
@@ -290,8 +307,14 @@ def compute_status(
 
     if not desired:
         available = (False, "ScaledToZero", "spec.replicas is 0")
+    elif ready and len(asleep) == ready:
+        available = (False, "Sleeping", sleeping_message(asleep, endpoints))
     elif ready:
-        available = (True, "ReplicasReady", f"{ready}/{desired} replicas ready")
+        available = (
+            True,
+            "ReplicasReady",
+            f"{ready}/{desired} replicas ready" + (f"; {', '.join(asleep)} asleep" if asleep else ""),
+        )
     else:
         available = (False, "NoReplicaReady", f"0/{desired} replicas ready")
     # Every name in "behind" restarted onto, or lags behind, the model's weights version.
@@ -358,6 +381,8 @@ def compute_status(
         message = degraded[2] if broken else progressing[2] if progressing[0] else available[2]
         if broken:
             phase = PHASE_DEGRADED
+        elif not progressing[0] and ready == desired and asleep and len(asleep) == ready:
+            phase, message = PHASE_SLEEPING, available[2]
         elif not progressing[0] and ready == desired:
             phase = PHASE_READY
         elif ready == 0:

@@ -26,6 +26,7 @@ from rewardplane.protocol import (
     RewardModelTrainingMode,
     ScoringRequest,
     ScoringResponse,
+    SleepResponse,
     WeightSyncMode,
     derive_ports,
     replica_group_port,
@@ -34,6 +35,7 @@ from rewardplane.protocol import (
 from rewardplane.protocol.auth import resolve_token
 from rewardplane.protocol.naming import normalize_params, select_head
 
+from ._awake import AwakeReplicas
 from ._client import AsyncRewardClient, BaseRewardClient, RewardClient
 from ._credit import (
     CreditAssigner,
@@ -75,6 +77,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AdapterConfig",
     "AsyncRewardClient",
+    "AwakeReplicas",
     "BaseRewardClient",
     "ClientClosedError",
     "ClusterError",
@@ -108,6 +111,7 @@ __all__ = [
     "RolloutStepKey",
     "ScoringRequest",
     "ScoringResponse",
+    "SleepResponse",
     "Step",
     "VLLMRewardClient",
     "WeightPusher",

@@ -36,9 +36,10 @@ from typing import Any, TypeVar
 
 import httpx
 import tenacity
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from rewardplane.protocol import (
+    DEFAULT_SLEEP_TIMEOUT_S,
     VERSION_HEADER,
     ClassifyResponse,
     Endpoints,
@@ -47,7 +48,10 @@ from rewardplane.protocol import (
     ScoringRequest,
     ScoringResponse,
     ScoringResult,
+    SleepRequest,
+    SleepResponse,
     Usage,
+    WakeRequest,
 )
 from rewardplane.protocol.auth import auth_headers, resolve_token
 
@@ -64,6 +68,7 @@ HEALTH_POLL_INTERVAL_S = 0.5
 HEALTH_PROBE_TIMEOUT_S = 5.0
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 ScoreInfo = dict[str, Any]
 """Transport details of one ``score`` call: ``versions``, ``chunks`` (start, stop, endpoint,
@@ -281,12 +286,28 @@ class BaseRewardClient:
         return probs[0] if len(probs) == 1 else probs
 
     @staticmethod
-    def _parse_runtime_version(resp: httpx.Response, url: str) -> RuntimeVersionResponse:
+    def _parse_reply(model: type[M], resp: httpx.Response, url: str, path: str) -> M:
         try:
-            return RuntimeVersionResponse.model_validate(resp.json())
+            return model.model_validate(resp.json())
         except (ValueError, ValidationError) as exc:
-            raise RewardClientError(
-                f"reward server {url} sent an unreadable /runtime_version reply: {exc}"
+            raise RewardClientError(f"reward server {url} sent an unreadable {path} reply: {exc}") from exc
+
+    @classmethod
+    def _parse_runtime_version(cls, resp: httpx.Response, url: str) -> RuntimeVersionResponse:
+        return cls._parse_reply(RuntimeVersionResponse, resp, url, Endpoints.RUNTIME_VERSION)
+
+    @classmethod
+    def _parse_sleep(cls, resp: httpx.Response, url: str) -> SleepResponse:
+        return cls._parse_reply(SleepResponse, resp, url, "sleep/wake")
+
+    @staticmethod
+    def _sleep_body(level: int, timeout_s: float) -> dict[str, Any]:
+        # validated here: a bad level fails before any server is asked
+        try:
+            return SleepRequest(level=level, timeout_s=float(timeout_s)).model_dump()
+        except ValidationError as exc:
+            raise ValueError(
+                f"sleep(level={level!r}, timeout_s={timeout_s!r}): level is 1 or 2, timeout_s > 0"
             ) from exc
 
     def _unique_endpoint_indices(self) -> list[int]:
@@ -516,6 +537,33 @@ class AsyncRewardClient(BaseRewardClient):
 
         return dict(await gather_or_cancel([one(i) for i in self._unique_endpoint_indices()]))
 
+    async def sleep(
+        self, level: int = 1, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S
+    ) -> dict[str, SleepResponse]:
+        """Put every server to sleep (``POST /sleep``, token needed), concurrently: level 1 offloads
+        the weights to host memory, level 2 discards them (reloaded on wake). Each waits at most
+        ``timeout_s`` for its scoring in flight. Idempotent. Per endpoint, the state it is in now."""
+        self._check_open()
+        body = self._sleep_body(level, timeout_s)
+
+        async def one(i: int) -> tuple[str, SleepResponse]:
+            resp, url, _ = await self._request("POST", i, Endpoints.SLEEP, json=body, failover=False)
+            return url, self._parse_sleep(resp, url)
+
+        return dict(await gather_or_cancel([one(i) for i in self._unique_endpoint_indices()]))
+
+    async def wake(self, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> dict[str, SleepResponse]:
+        """Wake every server (``POST /wake``), concurrently; idempotent. A server whose level-2 weights
+        could not be rebuilt answers ``weights="broken"`` with the reason in ``detail``."""
+        self._check_open()
+        body = WakeRequest(timeout_s=float(timeout_s)).model_dump()
+
+        async def one(i: int) -> tuple[str, SleepResponse]:
+            resp, url, _ = await self._request("POST", i, Endpoints.WAKE, json=body, failover=False)
+            return url, self._parse_sleep(resp, url)
+
+        return dict(await gather_or_cancel([one(i) for i in self._unique_endpoint_indices()]))
+
     async def get_model_versions(self) -> dict[str, int]:
         """Weights version per endpoint."""
         return {url: r.version for url, r in (await self.get_runtime_versions()).items()}
@@ -677,6 +725,29 @@ class RewardClient(BaseRewardClient):
             resp, url, _ = self._request("GET", i, Endpoints.RUNTIME_VERSION, failover=False)
             out[url] = self._parse_runtime_version(resp, url)
         return out
+
+    def sleep(
+        self, level: int = 1, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S
+    ) -> dict[str, SleepResponse]:
+        """Put every server to sleep (see :meth:`AsyncRewardClient.sleep`)."""
+        body = self._sleep_body(level, timeout_s)
+        return self._control_all(Endpoints.SLEEP, body)
+
+    def wake(self, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> dict[str, SleepResponse]:
+        """Wake every server (see :meth:`AsyncRewardClient.wake`)."""
+        return self._control_all(Endpoints.WAKE, WakeRequest(timeout_s=float(timeout_s)).model_dump())
+
+    def _control_all(self, path: str, body: dict[str, Any]) -> dict[str, SleepResponse]:
+        self._check_open()
+
+        def one(i: int) -> Callable[[], tuple[str, SleepResponse]]:
+            def call() -> tuple[str, SleepResponse]:
+                resp, url, _ = self._request("POST", i, path, json=body, failover=False)
+                return url, self._parse_sleep(resp, url)
+
+            return call
+
+        return dict(self._fan_out([one(i) for i in self._unique_endpoint_indices()]))
 
     def get_model_versions(self) -> dict[str, int]:
         """Weights version per endpoint."""

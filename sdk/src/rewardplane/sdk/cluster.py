@@ -45,6 +45,7 @@ from rewardplane.api.status import EndpointStatus, RewardModelStatus
 from rewardplane.api.weightsync import adapter_spec
 from rewardplane.protocol import (
     DEFAULT_BUCKET_BYTES,
+    DEFAULT_SLEEP_TIMEOUT_S,
     TOKEN_ENV,
     AdapterConfig,
     Endpoints,
@@ -55,6 +56,7 @@ from rewardplane.protocol import (
 from rewardplane.protocol.auth import resolve_token
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS
 
+from ._awake import AwakeReplicas
 from ._exceptions import ClusterError, RewardplaneTimeout, WeightSyncFailed
 from .push_checks import check_fits, names_for_mode
 
@@ -225,7 +227,8 @@ class RewardModelHandle:
             desired = int((rm.get("spec") or {}).get("replicas", 1))
             want = desired if min_replicas is None else min_replicas
             ready = len([e for e in status.endpoints if e.ready])
-            if ready >= want and (min_replicas is not None or status.phase == "Ready"):
+            # Sleeping: every replica ready and asleep (awake() wakes them)
+            if ready >= want and (min_replicas is not None or status.phase in ("Ready", "Sleeping")):
                 return status
             if time.monotonic() > deadline:
                 raise RewardplaneTimeout(
@@ -295,6 +298,26 @@ class RewardModelHandle:
                 f"{urls[0]}{Endpoints.PARAM_MANIFEST} answered {resp.status_code}: {resp.text[:300]}"
             )
         return {m["name"]: ParamMeta(**m) for m in resp.json()}
+
+    def awake(self, level: int = 1, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> AwakeReplicas:
+        """``async with handle.awake():`` (or ``with``) — every replica awake for the block: woken on
+        enter, back to sleep at ``level`` on exit, also when the block raised. Score and push inside
+        it; a push to a sleeping replica is refused (409). Needs the control-plane token."""
+        return AwakeReplicas(self._push_urls, self.token, level=level, timeout_s=timeout_s)
+
+    def sleep(self, level: int = 1, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> None:
+        """Put every replica to sleep now (``awake()`` is the block form)."""
+        from ._client import RewardClient
+
+        with RewardClient(self._push_urls(), token=self.token()) as client:
+            client.sleep(level, timeout_s=timeout_s)
+
+    def wake(self, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> None:
+        """Wake every replica now."""
+        from ._client import RewardClient
+
+        with RewardClient(self._push_urls(), token=self.token()) as client:
+            client.wake(timeout_s=timeout_s)
 
     def _push_urls(self) -> list[str]:
         """Ready replicas, else any replica with a URL (a push also restores stale ones)."""

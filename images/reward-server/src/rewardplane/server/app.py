@@ -1,5 +1,5 @@
 """The FastAPI application: the engine's scoring routes and the drop-in compatibility routes
-(open), the weight-sync control plane and persistence (token), built once from the engine and its ``WeightSyncPort``; one error shape
+(open), the weight-sync control plane, persistence and sleep/wake (token), built once from the engine and its ``WeightSyncPort``; one error shape
 for every answer that is not a success (``errors.py``); a request-size limit before any parsing."""
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from .inputs import Limits
 from .metrics import ServerMetrics
 from .model_names import ModelNames
 from .persistence import WeightsStore
-from .routes import control_router, persistence_router, scoring_router
+from .routes import control_router, persistence_router, scoring_router, sleep_router
 from .service import ScoringService
+from .sleep import SleepService
 from .threads import tokenizer_pool
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ def build_app(
         compat_router(scoring),  # vLLM / OpenAI / OpenRLHF shapes, root and /v1
         control_router(service, token),
         persistence_router(service, token),
+        sleep_router(SleepService(engine, service, metrics), token),
     ]
     allowed: dict[str, set[str]] = {}  # path → methods, for the Allow header of a 405
     for router in routers:

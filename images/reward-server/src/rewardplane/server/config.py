@@ -37,6 +37,7 @@ class ServerConfig(BaseModel):
     token_file: Path | None = None
     weights_dir: Path | None = None
     load_format: Literal["auto", "dummy"] = "auto"
+    enable_sleep_mode: bool = False
     log_level: str = "info"
     extra_engine_args: list[str] = Field(default_factory=list)
     # Adapter-only weight sync (training_mode adapter): serve pushed LoRA adapters over the base.
@@ -150,6 +151,17 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         default=None,
         help="largest LoRA rank an adapter push may have (default 16; vLLM takes 1, 8, 16, 32, 64, 128, 256, "
         "320 or 512 and sizes its LoRA buffers by it)",
+    )
+    p.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        default=None,
+        help=(
+            "vLLM engine: make POST /sleep possible (vLLM's sleep mode). Its cost: vLLM allocates the "
+            "weights and KV cache through its CuMem allocator (CUDA virtual memory), which slows start-up "
+            "a little; level 1 needs host memory for a copy of the weights while asleep. The transformers "
+            "engine can always sleep."
+        ),
     )
     p.add_argument("--log-level", default="info")
     args, extra = p.parse_known_args(argv)

@@ -212,6 +212,13 @@ class WeightSyncService:
         arrived = time.monotonic()
         layout = self._layout_of(req)
         guard = self.guard
+        if guard.state == "sleeping":
+            raise Conflict(guard.asleep_message())
+        if guard.needs_full_push and set(layout.names) != set(self.manifest):
+            raise Conflict(
+                f"this replica's weights are gone ({guard.broken_reason}); only a push of every parameter "
+                f"({len(self.manifest)}, training mode full) or a restore repairs it, not {len(layout.names)}"
+            )
         version = req.version if req.version is not None else guard.version + 1
         if version <= guard.version and guard.state != "broken":
             raise Conflict(
@@ -430,14 +437,39 @@ class WeightSyncService:
     async def restore(self, version: int, timeout_s: float) -> int:
         """Load the persisted state for ``version`` in every worker (through the engine's own loader,
         one parameter at a time on the device) and commit it; returns the parameters restored."""
+        if self.busy():
+            raise Conflict("a weight update is in progress; restore after it finishes")
+        if self.guard.state == "sleeping":
+            raise Conflict(self.guard.asleep_message())
+        store = await self.restorable(version)
+        assert store is not None
+        guard = self.guard
+        try:
+            async with guard.updating(timeout_s=timeout_s):
+                try:
+                    count = await self.load_saved(version)
+                except Exception as exc:  # some parameters may be loaded: never serve a mix
+                    if not isinstance(exc, Conflict):
+                        guard.mark_broken(f"restoring version {version} failed part-way: {exc}")
+                    raise
+                guard.commit(version)
+        except TimeoutError as exc:
+            raise Unavailable(
+                f"scoring in flight did not finish within timeout_s={timeout_s:g}s; nothing was restored: retry"
+            ) from exc
+        self.metrics.weights_version.set(guard.version)
+        log.info("restored persisted weights version %d (%d parameters)", version, count)
+        return count
+
+    async def restorable(self, version: int) -> WeightsStore:
+        """The store, once it is sure to hold ``version`` saved onto this base model (else 409 with
+        what to do)."""
         store = self.store
         if store is None:
             raise Conflict(
                 "this server persists no weights: start it with --weights-dir (RewardModel "
                 "spec.weightSync.persistDir) to make restores possible"
             )
-        if self.busy():
-            raise Conflict("a weight update is in progress; restore after it finishes")
         await self._prepare_workers()
         saved = store.saved_version()
         if saved is None:
@@ -455,26 +487,17 @@ class WeightSyncService:
             raise Conflict(
                 f"the persisted weights are version {saved}, not {version}; push version {version} again"
             )
-        guard = self.guard
+        return store
+
+    async def load_saved(self, version: int) -> int:
+        """Inside the exclusive lock: load the saved union of ``version`` in every worker and drop
+        what the engine cached; the parameters restored (the caller commits)."""
         try:
-            async with guard.updating(timeout_s=timeout_s):
-                try:
-                    counts = await self.port.call_workers("rp_restore", version)
-                except LookupError as exc:  # the store changed between the check and the load
-                    raise Conflict(f"{exc}; push version {version} again") from exc
-                except Exception as exc:  # some parameters may be loaded: never serve a mix
-                    guard.mark_broken(f"restoring version {version} failed part-way: {exc}")
-                    raise
-                await self.port.reset_cache()
-                guard.commit(version)
-        except TimeoutError as exc:
-            raise Unavailable(
-                f"scoring in flight did not finish within timeout_s={timeout_s:g}s; nothing was restored: retry"
-            ) from exc
-        self.metrics.weights_version.set(guard.version)
-        count = int(max(counts, default=0))
-        log.info("restored persisted weights version %d (%d parameters)", version, count)
-        return count
+            counts = await self.port.call_workers("rp_restore", version)
+        except LookupError as exc:  # the store changed between the check and the load
+            raise Conflict(f"{exc}; push version {version} again") from exc
+        await self.port.reset_cache()
+        return int(max(counts, default=0))
 
     async def param_checksums(self) -> tuple[int, list[Any]]:
         """The SHA-256 of every live parameter on every worker, and the version they are (hashed under

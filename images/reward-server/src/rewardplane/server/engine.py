@@ -73,6 +73,9 @@ class RewardEngine(Protocol):
     info: EngineInfo
     guard: WeightsGuard
     tokenizer: Any
+    # The folder whose safetensors hold the base weights, reloaded after a level-2 sleep; None when
+    # the base weights cannot be read again (random ``--load-format dummy`` weights).
+    base_checkpoint: str | None
 
     async def start(self) -> None: ...
 
@@ -81,6 +84,21 @@ class RewardEngine(Protocol):
     async def score(self, prompts: list[list[int]], pooling: PoolingType) -> tuple[list[list[float]], int]:
         """Raw head outputs (one row of ``num_labels`` per prompt) and the weights version that made
         them. All rows of one call come from one version."""
+        ...
+
+    def sleep_problem(self) -> str | None:
+        """Why this engine cannot sleep, with what to do (None: it can)."""
+        ...
+
+    async def sleep(self, level: int) -> int | None:
+        """Release the device memory of the weights (level 1: keep them in host memory; level 2:
+        discard them) and of any cache. Called under the exclusive weights lock, so nothing is
+        scored meanwhile. Returns the device bytes freed as the engine measures them (None: unknown)."""
+        ...
+
+    async def wake(self, level: int) -> None:
+        """Take the device memory back. After level 1 the weights are those from before the sleep;
+        after level 2 their contents are undefined until reloaded (``sleep.SleepService`` does)."""
         ...
 
     def weight_port(self) -> WeightSyncPort:

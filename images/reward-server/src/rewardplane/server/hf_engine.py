@@ -116,6 +116,9 @@ class HFEngine:
             max_lora_rank=cfg.max_lora_rank if cfg.enable_lora else 0,
         )
         self.guard = WeightsGuard()
+        self.base_checkpoint = cfg.model if cfg.load_format != "dummy" else None
+        self._params = dict(model.named_parameters())
+        self._sleep_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
         # Forwards run one at a time on a thread of their own, which nothing else may occupy.
@@ -221,6 +224,49 @@ class HFEngine:
                 pooled = hidden[:, 0]
             logits = self.head(pooled.to(self.head.weight.dtype))
         return logits.float().cpu().tolist()
+
+    # ---- sleep and wake --------------------------------------------------------------------
+    # Level 1 moves the parameters to host memory (on a CPU device they are there already: nothing
+    # is freed); level 2 discards them (each keeps an empty tensor; its shape is remembered here)
+    # and a wake allocates them again on the device, uninitialised, for ``sleep.SleepService`` to
+    # reload. The Parameter objects stay the same (only ``.data`` changes), so the weight-sync
+    # worker's references stay valid. Buffers (rotary frequencies, ...) are small and stay put.
+    def sleep_problem(self) -> str | None:
+        return None
+
+    def _device_bytes(self) -> int:
+        # by type: the engine's device is "cuda", a parameter's "cuda:0"
+        on_device = (p for p in self._params.values() if p.device.type == self.device.type)
+        return sum(p.numel() * p.element_size() for p in on_device)
+
+    async def sleep(self, level: int) -> int | None:
+        def run() -> int:
+            before = self._device_bytes()
+            with torch.no_grad():
+                for p in self._params.values():
+                    if level == 2:
+                        self._sleep_shapes[id(p)] = (p.shape, p.dtype)
+                        p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+                    else:
+                        p.data = p.data.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the freed blocks back to the driver, for the actor
+            return before - self._device_bytes()
+
+        return await asyncio.get_running_loop().run_in_executor(self._forward_pool, run)
+
+    async def wake(self, level: int) -> None:
+        def run() -> None:
+            with torch.no_grad():
+                for p in self._params.values():
+                    if id(p) in self._sleep_shapes:
+                        shape, dtype = self._sleep_shapes[id(p)]
+                        p.data = torch.empty(shape, dtype=dtype, device=self.device)
+                    else:
+                        p.data = p.data.to(self.device)
+            self._sleep_shapes.clear()
+
+        await asyncio.get_running_loop().run_in_executor(self._forward_pool, run)
 
     # ---- weight sync -----------------------------------------------------------------------
     def weight_port(self) -> HFWeightPort:

@@ -3,6 +3,9 @@
 Scoring holds the lock shared, an update holds it exclusively: an update waits for in-flight
 batches, new batches wait for the update (writer preference, so a steady stream of scoring cannot
 starve a push). The version read under the shared lock is therefore the version that scored.
+
+Sleep (``sleep.py``) takes the lock exclusively too, so it waits for batches in flight and never
+cuts one off; while asleep, scoring answers 503 and anything that would change the weights 409.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from .errors import Unavailable
+from .errors import Conflict, Unavailable
 
-State = Literal["serving", "updating", "broken"]
+State = Literal["serving", "updating", "broken", "sleeping"]
+WAKE_HINT = "POST /wake first (SDK: client.wake() or `async with handle.awake():`)"
 
 
 class WeightsGuard:
@@ -22,6 +26,12 @@ class WeightsGuard:
         self.version = version
         self.state: State = "serving"
         self.broken_reason: str | None = None
+        self.sleep_level: int | None = None  # set while asleep
+        # After a level-2 wake that could not reload the weights: only a push of every parameter (or
+        # a restore) repairs them — a partial push would serve garbage next to the pushed part.
+        self.needs_full_push = False
+        self._awake_state: State = "serving"  # the state to return to on wake
+        self._state_before_write: State = "serving"
         self._readers = 0
         self._writer = False
         self._writers_waiting = 0
@@ -43,6 +53,11 @@ class WeightsGuard:
         """Hold while a batch runs; yields the weights version that will score it."""
         async with self._cond:
             await self._cond.wait_for(lambda: not self._writer and self._writers_waiting == 0)
+            if self.state == "sleeping":
+                raise Unavailable(
+                    f"this replica is asleep (sleep level {self.sleep_level}) and scores nothing until woken: "
+                    + WAKE_HINT
+                )
             if self.state == "broken":
                 raise Unavailable(
                     f"this replica's weights are inconsistent after a failed update ({self.broken_reason}); "
@@ -58,8 +73,9 @@ class WeightsGuard:
                 self._cond.notify_all()
 
     @contextlib.asynccontextmanager
-    async def updating(self, timeout_s: float | None = None) -> AsyncIterator[None]:
-        """Exclusive: waits (bounded) for in-flight batches, blocks new ones until released."""
+    async def updating(self, timeout_s: float | None = None, *, waking: bool = False) -> AsyncIterator[None]:
+        """Exclusive: waits (bounded) for in-flight batches, blocks new ones until released.
+        Refused (409) while asleep, except for the wake itself (``waking``)."""
         async with self._cond:
             self._writers_waiting += 1
             try:
@@ -68,8 +84,11 @@ class WeightsGuard:
                 )
             finally:
                 self._writers_waiting -= 1
+                self._cond.notify_all()  # scoring waits on writers_waiting too
+            if self.state == "sleeping" and not waking:
+                raise Conflict(self.asleep_message())
             self._writer = True
-            previous_state = self.state
+            previous_state = self._state_before_write = self.state
             self.state = "updating"
         try:
             yield
@@ -91,10 +110,33 @@ class WeightsGuard:
         self.version = version
         self.state = "serving"
         self.broken_reason = None
+        self.needs_full_push = False
         self.signal_change()
 
-    def mark_broken(self, reason: str) -> None:
-        """Called inside ``updating()`` when weights were partly overwritten."""
+    def asleep_message(self) -> str:
+        return (
+            f"this replica is asleep (sleep level {self.sleep_level}); its weights cannot change while it "
+            f"sleeps: {WAKE_HINT}, then retry"
+        )
+
+    def fall_asleep(self, level: int) -> None:
+        """Called inside ``updating()`` once the engine released its memory."""
+        self._awake_state = self._state_before_write
+        self.state = "sleeping"
+        self.sleep_level = level
+        self.signal_change()
+
+    def woke(self) -> None:
+        """Called inside ``updating(waking=True)`` once the weights are back as they were."""
+        self.state = self._awake_state
+        self.sleep_level = None
+        self.signal_change()
+
+    def mark_broken(self, reason: str, *, needs_full_push: bool = False) -> None:
+        """Called inside ``updating()`` when weights were partly overwritten (or, after a level-2
+        wake, could not be reloaded: ``needs_full_push``)."""
         self.state = "broken"
         self.broken_reason = reason
+        self.sleep_level = None
+        self.needs_full_push = self.needs_full_push or needs_full_push
         self.signal_change()

@@ -37,6 +37,9 @@ class ServerMetrics:
         self.weights_version = Gauge(
             "rewardplane_weights_version", "Weights version being served", registry=r
         )
+        self.sleep_level = Gauge(
+            "rewardplane_sleep_level", "0 while awake, else the sleep level (1 or 2)", registry=r
+        )
         self.weight_updates = Counter(
             "rewardplane_weight_updates", "Weight updates", ["training_mode", "result"], registry=r
         )

@@ -100,6 +100,17 @@ class WeightsStore:
             )
             os.replace(tmp_version, self.dir / VERSION_FILE)
 
+    def saved_names(self) -> set[str]:
+        """The names of the saved parameters (read from the file's header; no tensor is loaded)."""
+        from safetensors import safe_open
+
+        with self._lock:
+            path = self.dir / WEIGHTS_FILE
+            if not path.exists():
+                return set()
+            with safe_open(str(path), framework="pt") as f:
+                return set(f.keys())
+
     def load(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         from safetensors.torch import load_file
 

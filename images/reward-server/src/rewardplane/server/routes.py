@@ -13,7 +13,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pydantic_core
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Body, Depends, Query, Request, Response
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -33,9 +33,12 @@ from rewardplane.protocol import (
     ScoringResponse,
     ScoringResult,
     SendWeightsRequest,
+    SleepRequest,
+    SleepResponse,
     StatusResponse,
     UpdateParamBatchRequest,
     Usage,
+    WakeRequest,
     WorldSizeResponse,
 )
 
@@ -44,6 +47,7 @@ from .errors import BadRequest, Forbidden, Unauthorized
 from .peer import send_weights
 from .scoring import to_score
 from .service import ScoringService
+from .sleep import SleepService
 
 _ERROR_DESCRIPTIONS = {
     400: "The request is well-formed but cannot be served as asked (the message says what to change).",
@@ -53,7 +57,8 @@ _ERROR_DESCRIPTIONS = {
     "older version, nothing persisted); the message says what to wait for or do.",
     413: "The request body is larger than --max-request-bytes.",
     422: "The body or query does not match the schema.",
-    503: "This replica cannot answer now (weights broken by a failed update, engine not started or dead).",
+    503: "This replica cannot answer now (asleep: POST /wake; weights broken by a failed update; engine "
+    "not started or dead).",
 }
 
 
@@ -126,7 +131,8 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
         g = engine.guard
         if g.state == "broken":
             response.status_code = 503  # not ready: take this replica out of rotation
-        return HealthResponse(version=g.version, state=g.state)
+        # Asleep is healthy (200): the replica stays reachable for /wake, and the operator shows it.
+        return HealthResponse(version=g.version, state=g.state, sleep_level=g.sleep_level)
 
     @router.get(Endpoints.RUNTIME_VERSION, response_model=RuntimeVersionResponse, responses=errors(422))
     async def runtime_version(
@@ -146,7 +152,9 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
             ):
                 # woken by the commit or the update's end; the cap only bounds a missed wake-up
                 await g.wait_change(min(0.05, max(0.0, deadline - time.monotonic())))
-        return RuntimeVersionResponse(version=g.version, state=g.state, detail=g.broken_reason)
+        return RuntimeVersionResponse(
+            version=g.version, state=g.state, detail=g.broken_reason, sleep_level=g.sleep_level
+        )
 
     @router.get(Endpoints.WORLD_SIZE, response_model=WorldSizeResponse)
     async def world_size() -> WorldSizeResponse:
@@ -259,10 +267,27 @@ def control_router(service: WeightSyncService, token: str | None) -> APIRouter:
     async def param_manifest() -> list[ParamMeta]:
         return list(service.manifest.values())
 
-    @router.get(Endpoints.PARAM_CHECKSUMS, response_model=ParamChecksumsResponse)
+    @router.get(Endpoints.PARAM_CHECKSUMS, response_model=ParamChecksumsResponse, responses=errors(503))
     async def param_checksums() -> ParamChecksumsResponse:
         version, workers = await service.param_checksums()
         return ParamChecksumsResponse(version=version, workers=workers)
+
+    return router
+
+
+def sleep_router(service: SleepService, token: str | None) -> APIRouter:
+    """``POST /sleep`` and ``POST /wake`` (``sleep.SleepService``; rules in ``rewardplane.protocol.sleep``)."""
+    router = _token_router(token)
+
+    @router.post(Endpoints.SLEEP, response_model=SleepResponse, responses=errors(409, 413, 422, 503))
+    async def sleep(req: SleepRequest) -> SleepResponse:
+        """Release the GPU memory (level 1: weights to host memory; level 2: weights discarded)."""
+        return await service.sleep(req.level, req.timeout_s)
+
+    @router.post(Endpoints.WAKE, response_model=SleepResponse, responses=errors(413, 422, 503))
+    async def wake(req: WakeRequest | None = Body(default=None)) -> SleepResponse:
+        """Take the memory back and serve the same weights (after level 2: reloaded, else broken)."""
+        return await service.wake((req or WakeRequest()).timeout_s)
 
     return router
 

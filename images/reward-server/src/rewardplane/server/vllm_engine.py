@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import uuid
@@ -63,6 +62,7 @@ import torch
 from rewardplane.protocol import ParamMeta, PoolingType
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, is_head_key
 
+from .checkpoint import checkpoint_files
 from .config import ServerConfig
 from .engine import EngineInfo, ServedAdapter
 from .errors import BadRequest, ServerError, Unavailable
@@ -78,6 +78,7 @@ SCORE_TIMEOUT_S = float(os.environ.get("REWARDPLANE_VLLM_SCORE_TIMEOUT_S", "600"
 RPC_TIMEOUT_S = float(os.environ.get("REWARDPLANE_VLLM_RPC_TIMEOUT_S", "3600"))
 SHORT_RPC_TIMEOUT_S = 120.0
 RESET_CACHE_TIMEOUT_S = 120.0
+SLEEP_TIMEOUT_S = float(os.environ.get("REWARDPLANE_VLLM_SLEEP_TIMEOUT_S", "600"))  # copies of the weights
 
 # safetensors header dtype codes → wire dtype names (rewardplane.protocol.DTYPE_ITEMSIZE)
 _ST_DTYPES = {
@@ -161,6 +162,9 @@ def build_engine_args(cfg: ServerConfig, max_model_len: int) -> AsyncEngineArgs:
         # Nothing here calls do_log_stats(); collecting unused stats only costs time per step.
         "disable_log_stats": True,
     }
+    if getattr(cfg, "enable_sleep_mode", False):
+        # vLLM then allocates weights and KV cache through its CuMem allocator (see ServerConfig)
+        base["enable_sleep_mode"] = True
     owned = dict(_OWNED_ARGS)
     load_format = getattr(cfg, "load_format", None)  # the server may own --load-format (e.g. dummy)
     if load_format not in (None, "", "auto"):
@@ -220,14 +224,6 @@ def _throughput_batch_limits(world_size: int, max_model_len: int) -> tuple[int, 
     return max(t, max_model_len), min(int(seqs.get(UsageContext.LLM_CLASS, 256)), max(t, max_model_len))
 
 
-def _checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / f for f in sorted(set(weight_map.values()))]
-    return sorted(model_dir.glob("*.safetensors"))
-
-
 def read_manifest(
     model: str,
     config: Any,
@@ -248,7 +244,7 @@ def read_manifest(
         return head_dtype if is_head_key(name, DEFAULT_HEAD_PATTERNS) else dtype
 
     manifest: dict[str, ParamMeta] = {}
-    files = _checkpoint_files(Path(model)) if Path(model).is_dir() else []
+    files = checkpoint_files(Path(model)) if Path(model).is_dir() else []
     if files:
         from safetensors import safe_open
 
@@ -335,6 +331,7 @@ class VLLMEngine:
         self.llm: AsyncLLM | None = None
         # The pushed LoRA adapter every scoring request names (adapter-only sync); None: base alone.
         self.lora_request: Any = None
+        self.base_checkpoint = cfg.model if cfg.load_format != "dummy" and Path(cfg.model).is_dir() else None
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -430,6 +427,38 @@ class VLLMEngine:
         if final is None:
             raise ServerError(f"vLLM returned no output for request {request_id}")
         return [float(v) for v in final.outputs.data.float().reshape(-1).tolist()]
+
+    # ---- sleep and wake (vLLM's sleep mode) ----------------------------------------------------
+    def sleep_problem(self) -> str | None:
+        if not self.engine_args.enable_sleep_mode:
+            return (
+                "this vLLM server was started without sleep mode: restart it with --enable-sleep-mode "
+                "(RewardModel spec.engine.extraArgs: [--enable-sleep-mode]), which vLLM needs to release its GPU memory"
+            )
+        return None
+
+    async def _free_bytes(self, llm: AsyncLLM) -> int | None:
+        """Free GPU memory summed over the workers' devices (None when a worker cannot tell)."""
+        try:
+            free = await asyncio.wait_for(llm.collective_rpc("rp_cuda_free_bytes"), SHORT_RPC_TIMEOUT_S)
+        except Exception:
+            log.warning("could not read the workers' free GPU memory", exc_info=True)
+            return None
+        return None if any(f is None for f in free) else sum(int(f) for f in free)
+
+    async def sleep(self, level: int) -> int | None:
+        llm = self._require_llm()
+        before = await self._free_bytes(llm)
+        # Called under the exclusive weights lock: none of our requests runs, so vLLM's default
+        # pause mode (abort what runs) aborts nothing.
+        await asyncio.wait_for(llm.sleep(level), SLEEP_TIMEOUT_S)
+        after = await self._free_bytes(llm)
+        return after - before if before is not None and after is not None else None
+
+    async def wake(self, level: int) -> None:
+        llm = self._require_llm()
+        # All tags at once (weights, KV cache): vLLM resumes scheduling once everything is back.
+        await asyncio.wait_for(llm.wake_up(), SLEEP_TIMEOUT_S)
 
     # ---- weight sync -----------------------------------------------------------------------
     def weight_port(self) -> VLLMWeightPort:

@@ -29,6 +29,7 @@ from rewardplane.transport.checksums import digests
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.transfer import Received, receive_buckets
 
+from .checkpoint import iter_checkpoint
 from .lora_hooks import LoraHooks
 from .persistence import WeightsStore
 
@@ -322,6 +323,33 @@ class RewardWeightSyncExtension:
                 self.rp_load([(name, tensor.to(device))])
         return len(tensors)
 
+    # ---- sleep and wake (sleep.py) ----------------------------------------------------------------
+    def rp_load_checkpoint(self, model_dir: str) -> list[str]:
+        """Load the base checkpoint's weights again (after a level-2 sleep discarded them), one tensor
+        at a time through the engine's own loader; the names loaded."""
+        loaded: list[str] = []
+        device = self.rp_device()
+        with torch.no_grad():
+            for name, tensor in iter_checkpoint(Path(model_dir)):
+                if self.rp_accepts(name):
+                    self.rp_load([(name, tensor.to(device))])
+                    loaded.append(name)
+        if not loaded:
+            raise LookupError(f"no safetensors weights found in {model_dir}")
+        return loaded
+
+    def rp_accepts(self, name: str) -> bool:
+        """Whether ``rp_load`` takes a checkpoint tensor of this name (vLLM's loader skips what it
+        does not use by itself)."""
+        return True
+
+    def rp_cuda_free_bytes(self) -> int | None:
+        """Free memory of this worker's GPU (``cudaMemGetInfo``); None off CUDA."""
+        device = self.rp_device()
+        if device.type != "cuda":
+            return None
+        return int(torch.cuda.mem_get_info(device)[0])
+
     # ---- verification ----------------------------------------------------------------------------
     def rp_param_checksums(self) -> dict[str, Any]:
         """SHA-256 of every live parameter's bytes, under the engine's own parameter names (vLLM's
@@ -427,6 +455,9 @@ class HFWeightSyncWorker(RewardWeightSyncExtension):
 
     def rp_clear_adapter(self) -> None:
         self._lora.clear()
+
+    def rp_accepts(self, name: str) -> bool:
+        return name in self._params  # a checkpoint may hold buffers or tied copies too
 
     def manifest(self) -> dict[str, ParamMeta]:
         return {
