@@ -10,10 +10,15 @@ pooling), ``endpoints`` (paths, headers, token variables), ``ports`` (port deriv
 from __future__ import annotations
 
 from .compat import (
+    ChatCompletionChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
     ChatMessage,
     ClassificationData,
     ClassifyRequest,
     ClassifyResponse,
+    CompletionUsage,
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingData,
@@ -41,6 +46,7 @@ from .endpoints import (
     Endpoints,
 )
 from .modes import (
+    ModelTask,
     PoolingType,
     RewardModelTrainingMode,
 )
@@ -98,10 +104,15 @@ __all__ = [
     "Bucket",
     "BucketSlot",
     "CONTROL_PLANE_PATHS",
+    "ChatCompletionChoice",
+    "ChatCompletionMessage",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
     "ChatMessage",
     "ClassificationData",
     "ClassifyRequest",
     "ClassifyResponse",
+    "CompletionUsage",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_GROUP_PORT",
     "DEFAULT_HTTP_PORT",
@@ -124,6 +135,7 @@ __all__ = [
     "MAX_LAYOUTS",
     "ModelCard",
     "ModelInfo",
+    "ModelTask",
     "ModelList",
     "ParamMeta",
     "PooledRequest",

@@ -15,7 +15,7 @@ from pydantic import (
     field_validator,
 )
 
-from .modes import PoolingType
+from .modes import ModelTask, PoolingType
 
 Score = float | list[float]
 
@@ -114,6 +114,7 @@ class ModelInfo(BaseModel):
     max_model_len: int
     pooling_type: PoolingType
     version: int
+    task: ModelTask = ModelTask.SCORE
 
 
 class ErrorResponse(BaseModel):

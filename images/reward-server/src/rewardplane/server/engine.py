@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rewardplane.protocol import ParamMeta, PoolingType
+from rewardplane.protocol import ModelTask, ParamMeta, PoolingType
 
 from .locking import WeightsGuard
 
@@ -24,6 +24,33 @@ class EngineInfo:
     pooling_types: tuple[PoolingType, ...]
     id2label: dict[int, str] = field(default_factory=dict)
     world_size: int = 1
+    task: ModelTask = ModelTask.SCORE
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How one chat is answered (OpenAI's sampling fields, resolved: ``max_tokens`` is set)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One generated answer: its text (cut before a stop string), how many tokens were generated
+    and why generation ended (``stop``: end of sequence or a stop string; ``length``: max_tokens)."""
+
+    text: str
+    num_tokens: int
+    finish_reason: str
 
 
 class WeightSyncPort(Protocol):
@@ -60,6 +87,11 @@ class RewardEngine(Protocol):
     async def score(self, prompts: list[list[int]], pooling: PoolingType) -> tuple[list[list[float]], int]:
         """Raw head outputs (one row of ``num_labels`` per prompt) and the weights version that made
         them. All rows of one call come from one version."""
+        ...
+
+    async def generate(self, prompt: list[int], options: SamplingOptions) -> tuple[list[Completion], int]:
+        """``options.n`` answers to one token-id prompt and the weights version that made them
+        (engines of task ``generate``; the others are never called: ``ScoringService`` checks)."""
         ...
 
     def weight_port(self) -> WeightSyncPort:
