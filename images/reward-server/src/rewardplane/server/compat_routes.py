@@ -38,6 +38,7 @@ from rewardplane.protocol import (
     GetRewardResponse,
     ModelCard,
     ModelList,
+    ModelTask,
     PooledRequest,
     PoolingData,
     PoolingRequest,
@@ -210,6 +211,7 @@ def compat_router(service: ScoringService) -> APIRouter:
 
     async def chat_completions(req: ChatCompletionRequest, response: Response) -> ChatCompletionResponse:
         service.check_model(req.model)
+        service.require_task(ModelTask.GENERATE)  # before rendering: a scorer may have no template
         text = render_chat(
             tokenizer,
             req.messages,
