@@ -100,19 +100,12 @@ def _save(model: Any, tokenizer: Any, out: Path, dtype: str) -> Path:
 
 
 def build_tiny_causal_lm(
-    out_dir: str | Path,
-    *,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int | None = None,
-    max_position_embeddings: int = 512,
-    dtype: str = "float32",
-    seed: int = 0,
+    out_dir: str | Path, *, dtype: str = "float32", seed: int = 0, **config: Any
 ) -> Path:
     """Save a random-weight ``LlamaForCausalLM`` (a generative judge for tests) and its tokenizer,
     with a chat template, to ``out_dir``. Its answers are random text; its greedy answer is
-    deterministic."""
+    deterministic. ``config``: sizes as for :func:`build_tiny_reward_model` (``hidden_size``,
+    ``num_layers``, ``num_heads``, ``num_kv_heads``, ``max_position_embeddings``, ...)."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -120,26 +113,18 @@ def build_tiny_causal_lm(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
-    config = _llama_config(
-        tokenizer,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-    )
     torch.manual_seed(seed)
-    return _save(LlamaForCausalLM(config), tokenizer, out, dtype)
+    return _save(LlamaForCausalLM(_llama_config(tokenizer, **config)), tokenizer, out, dtype)
 
 
 def _llama_config(
     tokenizer: Any,
     *,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int | None,
-    max_position_embeddings: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    max_position_embeddings: int = 512,
     intermediate_size: int | None = None,
     vocab_size: int | None = None,
     **extra: Any,

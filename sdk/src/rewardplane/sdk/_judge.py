@@ -24,11 +24,12 @@ from typing import Any, Protocol, get_args
 
 from rewardplane.protocol import ChatCompletionResponse
 
+from ._aio import gather_or_cancel
 from ._credit import ScoreLevel
 from ._exceptions import JudgeParseError
 from ._judge_parsing import parse_score
 from ._rollout import Rollout, Step
-from ._scorer import rollout_text, step_text
+from ._scorer import rollout_text, step_text, write_scores
 
 logger = logging.getLogger("rewardplane.sdk.judge")
 
@@ -189,14 +190,7 @@ class GenerativeJudge:
     async def score(self, rollouts: Sequence[Rollout]) -> None:
         """Judge ``rollouts`` and write the scores into them (all or nothing)."""
         scores = await self._judge(self._items(rollouts))
-        it = iter(scores)
-        if self.score_level == "step":
-            for r in rollouts:
-                for s in r.steps:
-                    s.info[self.score_key] = next(it)
-        else:
-            for r in rollouts:
-                r.meta[self.score_key] = next(it)
+        write_scores(rollouts, scores, self.score_key, self.score_level)
 
     async def score_batch(self, inputs: Sequence[str], *, normalize: bool = True) -> list[float]:
         """Scores of plain texts, in order: each text is one rollout with one step whose action is
@@ -218,7 +212,7 @@ class GenerativeJudge:
         answers: list[str] = []
         for start in range(0, len(items), self.batch_size):
             batch = items[start : start + self.batch_size]
-            answers.extend(await asyncio.gather(*(ask(i) for i in batch)))
+            answers.extend(await gather_or_cancel([ask(i) for i in batch]))  # a failure cancels the rest
         return self._read(items, answers)
 
     def _parse(self, answer: str) -> float | None:

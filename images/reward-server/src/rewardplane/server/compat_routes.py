@@ -73,19 +73,23 @@ def compat_router(service: ScoringService) -> APIRouter:
                 responses=SCORING_ERRORS if method == "POST" else None,
             )
 
+    def chat_text(req: PooledRequest | TokenizeRequest | ChatCompletionRequest, messages: list[Any]) -> str:
+        """A request's chat through the model's (or the request's) chat template."""
+        return render_chat(
+            tokenizer,
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template=req.chat_template,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
+
     async def prompts_of(req: PooledRequest) -> tuple[list[list[int]], bool]:
         """Token ids of the request (chat rendered first) and whether over-long ones are cut."""
         special = req.special_tokens()
         keep = req.truncate_prompt_tokens
         if req.messages is not None:
-            text = render_chat(
-                tokenizer,
-                req.messages,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                chat_template=req.chat_template,
-                chat_template_kwargs=req.chat_template_kwargs,
-            )
+            text = chat_text(req, req.messages)
             prompts = await service.tokenize([text], truncate=keep is not None, add_special_tokens=special)
         else:
             prompts = await service.prompts(req.input, truncate=keep is not None, add_special_tokens=special)
@@ -169,14 +173,7 @@ def compat_router(service: ScoringService) -> APIRouter:
         service.check_model(req.model)
         text = req.prompt
         if req.messages is not None:
-            text = render_chat(
-                tokenizer,
-                req.messages,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                chat_template=req.chat_template,
-                chat_template_kwargs=req.chat_template_kwargs,
-            )
+            text = chat_text(req, req.messages)
         (ids,) = await service.tokenize([text or ""], truncate=False, add_special_tokens=req.special_tokens())
         return TokenizeResponse(
             count=len(ids),
@@ -212,14 +209,7 @@ def compat_router(service: ScoringService) -> APIRouter:
     async def chat_completions(req: ChatCompletionRequest, response: Response) -> ChatCompletionResponse:
         service.check_model(req.model)
         service.require_task(ModelTask.GENERATE)  # before rendering: a scorer may have no template
-        text = render_chat(
-            tokenizer,
-            req.messages,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            chat_template=req.chat_template,
-            chat_template_kwargs=req.chat_template_kwargs,
-        )
+        text = chat_text(req, req.messages)
         (prompt,) = await service.tokenize([text], truncate=False, add_special_tokens=False)
         answers, version = await service.generate(prompt, req)
         response.headers[VERSION_HEADER] = str(version)
