@@ -43,8 +43,18 @@ def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
     return _DTYPES[choice]
 
 
+def load_checkpoint(cfg: ServerConfig, auto_cls: Any) -> tuple[torch.device, torch.dtype, Any, Any]:
+    """The device, dtype, tokenizer and model (as ``auto_cls``, an ``AutoModelFor...``) of ``cfg``."""
+    from transformers import AutoTokenizer
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    return device, dtype, tokenizer, load_model(auto_cls, cfg, device, dtype)
+
+
 def load_model(auto_cls: Any, cfg: ServerConfig, device: torch.device, dtype: torch.dtype) -> Any:
-    """The checkpoint as ``auto_cls`` (an ``AutoModelFor...``), in eval mode on ``device``."""
+    """The checkpoint as ``auto_cls``, in eval mode on ``device``."""
     from transformers import AutoConfig
 
     if cfg.load_format == "dummy":  # random weights, built directly on the device (fast for large models)
@@ -72,14 +82,12 @@ class HFEngine:
     """
 
     def __init__(self, cfg: ServerConfig, metrics: ServerMetrics | None = None) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
 
         self.cfg = cfg
         self.metrics = metrics or ServerMetrics()
-        self.device = resolve_device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype, self.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        self.model = model = load_model(AutoModelForSequenceClassification, cfg, self.device, dtype)
+        self.device, dtype, self.tokenizer, model = load_checkpoint(cfg, AutoModelForSequenceClassification)
+        self.model = model
         num_labels = int(model.config.num_labels)
         if cfg.num_labels is not None and cfg.num_labels != num_labels:
             raise ValueError(

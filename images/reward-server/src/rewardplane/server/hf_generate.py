@@ -16,7 +16,7 @@ from rewardplane.protocol import ModelTask, PoolingType
 from .config import ServerConfig
 from .engine import Completion, EngineInfo, SamplingOptions
 from .generation import cut_at_stop, wrong_task
-from .hf_engine import HFWeightPort, load_model, resolve_device, resolve_dtype
+from .hf_engine import HFWeightPort, load_checkpoint
 from .locking import WeightsGuard
 from .metrics import ServerMetrics
 from .worker_extension import HFWeightSyncWorker
@@ -30,14 +30,12 @@ class HFGenerativeEngine:
     weights version; it runs on a thread of its own (one request at a time)."""
 
     def __init__(self, cfg: ServerConfig, metrics: ServerMetrics | None = None) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         self.cfg = cfg
         self.metrics = metrics or ServerMetrics()
-        self.device = resolve_device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype, self.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        self.model = model = load_model(AutoModelForCausalLM, cfg, self.device, dtype)
+        self.device, dtype, self.tokenizer, model = load_checkpoint(cfg, AutoModelForCausalLM)
+        self.model = model
         self.eos_ids = _eos_ids(model, self.tokenizer)
         self.pad_id = int(
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
