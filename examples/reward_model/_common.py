@@ -132,14 +132,17 @@ class Setup:
 
 
 @contextmanager
-def local_server(work: Path | None = None) -> Iterator[Setup]:
-    """A tiny base model, a reward server on loopback serving it, a scoring client and a weight
-    pusher (gloo on CPU). Everything is stopped on exit."""
+def local_server(
+    work: Path | None = None, model_dir: Path | None = None, **server_opts: object
+) -> Iterator[Setup]:
+    """A tiny base model (``model_dir``, else a tiny reward model built here), a reward server on
+    loopback serving it (``server_opts`` become its flags), a scoring client and a weight pusher
+    (gloo on CPU). Everything is stopped on exit."""
     work = work or Path(tempfile.mkdtemp(prefix="rewardplane-rm-example-"))
     # seed 1: the untrained model happens to prefer the rejected answers (16% right on the held-out set)
-    model_dir = build_tiny_reward_model(work / "base-rm", seed=1, head_std=0.05)
+    model_dir = model_dir or build_tiny_reward_model(work / "base-rm", seed=1, head_std=0.05)
     token = secrets.token_hex(16)
-    server = start_server(model_dir, work, token=token, startup_timeout_s=120)
+    server = start_server(model_dir, work, token=token, startup_timeout_s=120, **server_opts)
     client = RewardClient(server.url, token=token)
     pusher = WeightPusher(
         [server.url],

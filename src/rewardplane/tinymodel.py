@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 DEFAULT_DIR = Path("/tmp/rewardplane-tiny-rm")
 
@@ -55,29 +56,40 @@ def build_tiny_reward_model(
     tokenizer's; a larger one mimics real models (the extra ids are simply never produced).
     """
     import torch
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from transformers import LlamaForSequenceClassification
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
-    config = LlamaConfig(
-        vocab_size=max(vocab_size or 0, len(tokenizer)),
+    config = _llama_config(
+        tokenizer,
         hidden_size=hidden_size,
-        intermediate_size=intermediate_size or hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads or max(1, num_heads // 2),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
         num_labels=num_labels,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = LlamaForSequenceClassification(config)
     with torch.no_grad():
         model.score.weight.normal_(0.0, head_std)
+    return _save(model, tokenizer, out, dtype)
+
+
+# A plain chat template for the tiny causal LM: each turn as ``<s>role\ncontent</s>``, and the
+# assistant's opening when a generation prompt is asked for (what a judge request renders).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
+
+
+def _save(model: Any, tokenizer: Any, out: Path, dtype: str) -> Path:
+    import torch
+
     model.to(getattr(torch, dtype)).save_pretrained(out)
     tokenizer.save_pretrained(out)
     # safetensors writes its file owner-only (0600); a server in a container runs as another user
@@ -87,13 +99,67 @@ def build_tiny_reward_model(
     return out
 
 
+def build_tiny_causal_lm(
+    out_dir: str | Path, *, dtype: str = "float32", seed: int = 0, **config: Any
+) -> Path:
+    """Save a random-weight ``LlamaForCausalLM`` (a generative judge for tests) and its tokenizer,
+    with a chat template, to ``out_dir``. Its answers are random text; its greedy answer is
+    deterministic. ``config``: sizes as for :func:`build_tiny_reward_model` (``hidden_size``,
+    ``num_layers``, ``num_heads``, ``num_kv_heads``, ``max_position_embeddings``, ...)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    return _save(LlamaForCausalLM(_llama_config(tokenizer, **config)), tokenizer, out, dtype)
+
+
+def _llama_config(
+    tokenizer: Any,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    max_position_embeddings: int = 512,
+    intermediate_size: int | None = None,
+    vocab_size: int | None = None,
+    **extra: Any,
+) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=max(vocab_size or 0, len(tokenizer)),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads or max(1, num_heads // 2),
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        **extra,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Build a tiny random-weight reward model (no downloads).")
     p.add_argument("--out", type=Path, default=DEFAULT_DIR)
     p.add_argument("--num-labels", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--causal-lm", action="store_true", help="a tiny causal LM with a chat template (a generative judge)"
+    )
     args = p.parse_args(argv)
-    path = build_tiny_reward_model(args.out, num_labels=args.num_labels, seed=args.seed)
+    if args.causal_lm:
+        path = build_tiny_causal_lm(args.out, seed=args.seed)
+    else:
+        path = build_tiny_reward_model(args.out, num_labels=args.num_labels, seed=args.seed)
     print(path)
     return 0
 

@@ -38,6 +38,7 @@ from rewardplane.operator.render import (
     render_service,
     render_token_secret,
     server_args,
+    weights_dir,
 )
 from rewardplane.operator.rollout import pod_actions
 from rewardplane.operator.status import (
@@ -185,6 +186,27 @@ def test_lora_rank_vllm_cannot_serve_is_refused() -> None:
     errors = validate_spec(rm(engine={"kind": "vllm"}, lora={"enabled": True, "maxRank": 24})["spec"])
     assert any("spec.lora.maxRank 24 is not a rank vLLM serves" in e for e in errors)
     assert validate_spec(rm(engine={"kind": "vllm"}, lora={"enabled": True, "maxRank": 32})["spec"]) == []
+
+
+def test_a_generative_model_gets_task_generate_and_no_head_flags() -> None:
+    plan = plan_reward_model(rm(model={"source": "x", "task": "generate"}), ClusterView(nodes=NODES))
+    args = server_args(plan, plan.replicas[0])
+    assert args[args.index("--task") + 1] == "generate"
+    assert "--pooling" not in args and "--num-labels" not in args
+    # its saved weights never restore onto the same source served as a scorer
+    score_plan = plan_reward_model(rm(model={"source": "x"}), ClusterView(nodes=NODES))
+    assert weights_dir("/w", "uid", plan, plan.replicas[0]) != weights_dir(
+        "/w", "uid", score_plan, score_plan.replicas[0]
+    )
+
+
+def test_head_fields_on_a_generative_model_are_refused_by_name() -> None:
+    errors = validate_spec({"model": {"source": "x", "task": "generate", "numLabels": 3, "pooling": "mean"}})
+    assert len(errors) == 2
+    assert "spec.model.numLabels" in errors[0] and "task: generate" in errors[0]
+    assert "spec.model.pooling" in errors[1]
+    assert validate_spec({"model": {"source": "x", "task": "generate"}}) == []
+    assert any("spec.model.task" in e for e in validate_spec({"model": {"source": "x", "task": "judge"}}))
 
 
 @pytest.mark.parametrize("name", ["1rm", "RM", "rm_a", "a" * 70])

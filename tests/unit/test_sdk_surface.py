@@ -20,13 +20,14 @@ def test_every_public_error_is_a_rewardplane_error_and_keeps_its_builtin_base() 
     errors = [
         getattr(sdk, n) for n in sdk.__all__ if n.endswith(("Error", "Failed", "Unavailable", "Timeout"))
     ]
-    assert len(errors) == 12
+    assert len(errors) == 13
     assert all(issubclass(e, sdk.RewardplaneError) for e in errors)
     assert issubclass(sdk.WeightSyncFailed, sdk.WeightSyncError)  # no near-collision any more
     assert issubclass(sdk.RewardServerError, sdk.RewardClientError)
     assert issubclass(sdk.RewardServerUnavailable, ConnectionError)
     assert issubclass(sdk.WeightValidationError, ValueError)
     assert issubclass(sdk.CreditAssignmentError, ValueError)
+    assert issubclass(sdk.JudgeParseError, ValueError)
     assert issubclass(sdk.ClusterError, RuntimeError) and issubclass(sdk.WeightSyncError, RuntimeError)
     assert issubclass(sdk.RewardplaneTimeout, TimeoutError)
     assert issubclass(sdk.ClientClosedError, RuntimeError)

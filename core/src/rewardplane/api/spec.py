@@ -12,7 +12,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from rewardplane.protocol import DEFAULT_POLICY_GROUP_PORT, DEFAULT_POLICY_HTTP_PORT, DEFAULT_PORT_OFFSET
+from rewardplane.protocol import (
+    DEFAULT_POLICY_GROUP_PORT,
+    DEFAULT_POLICY_HTTP_PORT,
+    DEFAULT_PORT_OFFSET,
+    ModelTask,
+)
 
 DEFAULT_SERVER_IMAGE = "ghcr.io/rewardplane/reward-server:0.1.0"
 DEFAULT_MEMORY_FRACTION = 0.9
@@ -46,6 +51,8 @@ class ModelSpec(_Spec):
     num_labels: int = Field(default=1, ge=1, alias="numLabels")
     pooling: str = Field(default="last", pattern="^(last|mean|cls)$")
     normalize: bool = False
+    # score: a score head (the scoring endpoints); generate: a causal LM answering chats (an LLM judge)
+    task: ModelTask = ModelTask.SCORE
 
 
 class EngineSpec(_Spec):

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from .adapters import DEFAULT_SYNC_MODE, AdapterConfig, WeightSyncMode, resolve_sync_mode
 from .compat import (
+    ChatCompletionChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
     ChatMessage,
     ClassificationData,
     ClassifyRequest,
     ClassifyResponse,
+    CompletionUsage,
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingData,
@@ -42,6 +47,7 @@ from .endpoints import (
     Endpoints,
 )
 from .modes import (
+    ModelTask,
     PoolingType,
     RewardModelTrainingMode,
 )
@@ -114,10 +120,15 @@ __all__ = [
     "Bucket",
     "BucketSlot",
     "CONTROL_PLANE_PATHS",
+    "ChatCompletionChoice",
+    "ChatCompletionMessage",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
     "ChatMessage",
     "ClassificationData",
     "ClassifyRequest",
     "ClassifyResponse",
+    "CompletionUsage",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_GROUP_PORT",
     "DEFAULT_HTTP_PORT",
@@ -140,6 +151,7 @@ __all__ = [
     "MAX_LAYOUTS",
     "ModelCard",
     "ModelInfo",
+    "ModelTask",
     "ModelList",
     "ParamMeta",
     "PooledRequest",

@@ -3,6 +3,8 @@
 - vLLM's pooling API (``/classify``, ``/pooling``, ``/v1/embeddings``, ``/v1/models``, ``/tokenize``,
   ``/detokenize``): what vLLM clients, the ``openai`` package and verl's reward loop send.
 - OpenRLHF's remote reward model (``POST /get_reward``).
+- OpenAI's chat completions (``POST /v1/chat/completions``, non-streaming), served by generative
+  models (``--task generate``: an LLM judge).
 
 rewardplane's own ``/score`` (with the Ludic spelling ``inputs``) is in ``scoring``. Unknown fields
 are accepted on the vLLM shapes: vLLM clients send fields that do not change a reward model's
@@ -263,4 +265,82 @@ class GetRewardResponse(BaseModel):
     rewards: list[Score]
     scores: list[Score]
     extra_logs: dict[str, list[Any]] = Field(default_factory=dict)
+    version: int = 0
+
+
+# ---- chat completions (OpenAI's shape; generative models) --------------------------------------
+
+FinishReason = Literal["stop", "length"]
+
+
+class ChatCompletionRequest(BaseModel):
+    """``POST /v1/chat/completions`` (OpenAI / vLLM), non-streaming. The chat is rendered through the
+    model's chat template with the assistant's opening (``add_generation_prompt``). ``max_tokens``
+    (or OpenAI's newer ``max_completion_tokens``) defaults to what fits in the model's length.
+    Unknown fields are accepted, as on the other OpenAI shapes."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: StrictInt = Field(default=1, ge=1, le=64)
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stream: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.stream:
+            raise ValueError("stream is not supported by this server: send stream false (or leave it out)")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        if any(not s for s in self.stop_list()):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatCompletionMessage
+    finish_reason: FinishReason | None
+    logprobs: None = None
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ChatCompletionResponse(BaseModel):
+    """OpenAI's ``ChatCompletion``, plus ``version``: the weights version that generated every choice."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: CompletionUsage
     version: int = 0

@@ -18,6 +18,7 @@ class Endpoints:
     TOKENIZE = "/tokenize"
     DETOKENIZE = "/detokenize"
     GET_REWARD = "/get_reward"  # OpenRLHF's remote reward model
+    CHAT_COMPLETIONS = "/chat/completions"  # OpenAI's; generative models (task generate) only
     V1_PREFIX = "/v1"
     # control plane (bearer token required)
     INIT_COMMUNICATOR = "/init_communicator"

@@ -26,3 +26,12 @@ class PoolingType(str, Enum):
     MEAN = "mean"
     CLS = "cls"
     STEP = "step"  # per-step scores for process reward models; not served yet
+
+
+class ModelTask(str, Enum):
+    """What a reward server runs its model for (``--task``; RewardModel ``spec.model.task``)."""
+
+    SCORE = "score"
+    """A score head (``*ForSequenceClassification``): the scoring endpoints."""
+    GENERATE = "generate"
+    """A causal LM answering chats (an LLM judge): ``POST /v1/chat/completions``."""

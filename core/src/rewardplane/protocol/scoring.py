@@ -15,7 +15,7 @@ from pydantic import (
     field_validator,
 )
 
-from .modes import PoolingType
+from .modes import ModelTask, PoolingType
 
 Score = float | list[float]
 
@@ -120,6 +120,7 @@ class ModelInfo(BaseModel):
     version: int
     # 0: this server takes no LoRA adapters (adapter-only sync refused); else the largest rank it serves
     max_lora_rank: int = 0
+    task: ModelTask = ModelTask.SCORE
 
 
 class ErrorResponse(BaseModel):

@@ -22,7 +22,7 @@ from rewardplane.api.spec import (
     RewardModelSpec,
     parse_spec,
 )
-from rewardplane.protocol import RewardModelPorts, derive_ports
+from rewardplane.protocol import ModelTask, RewardModelPorts, derive_ports
 
 from .storage import InvalidSourceError, delivery
 
@@ -227,6 +227,7 @@ OPERATOR_FLAGS = {
     "--model-alias": "spec.model.aliases",
     "--dtype": "spec.model.dtype",
     "--device": "spec.gpu.mode",
+    "--task": "spec.model.task",
     "--pooling": "spec.model.pooling",
     "--num-labels": "spec.model.numLabels",
     "--max-model-len": "spec.model.maxLength",
@@ -269,6 +270,7 @@ def validate_spec(spec: Mapping[str, Any], name: str | None = None) -> list[str]
         + _check_extra_args(parsed)
         + _check_source(parsed)
         + _check_lora(parsed)
+        + _check_task(parsed)
     )
 
 
@@ -287,6 +289,19 @@ def _check_lora(spec: RewardModelSpec) -> list[str]:
             "(at least the adapters' rank)"
         ]
     return []
+
+
+def _check_task(spec: RewardModelSpec) -> list[str]:
+    """A generative model (task generate) has no score head: numLabels and pooling mean nothing."""
+    model = spec.model
+    if model.task is not ModelTask.GENERATE:
+        return []
+    return [
+        f"spec.model.{field} is {value!r}, but a generative model (spec.model.task: generate) has no score "
+        f"head; remove spec.model.{field} (or use task: score for a *ForSequenceClassification model)"
+        for field, value, default in (("numLabels", model.num_labels, 1), ("pooling", model.pooling, "last"))
+        if value != default
+    ]
 
 
 def _check_source(spec: RewardModelSpec) -> list[str]:

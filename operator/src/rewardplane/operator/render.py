@@ -30,7 +30,7 @@ from rewardplane.api.names import (
 )
 from rewardplane.api.names import RM_KIND as KIND
 from rewardplane.api.spec import EngineKind, GpuMode
-from rewardplane.protocol import TOKEN_FILE_ENV, Endpoints
+from rewardplane.protocol import TOKEN_FILE_ENV, Endpoints, ModelTask
 
 from .planning import GPU_RESOURCE, Plan, ReplicaPlan
 from .storage import delivery
@@ -107,7 +107,10 @@ def weights_dir(persist_dir: str, owner_uid: str, plan: Plan, replica: ReplicaPl
     One directory per replica: replicas on one node share the hostPath but never a file.
     """
     model = plan.spec.model
-    base = json.dumps([model.source, model.revision, model.num_labels], separators=(",", ":"))
+    key: list[object] = [model.source, model.revision, model.num_labels]
+    if model.task is not ModelTask.SCORE:  # scorers keep the keys they had before tasks existed
+        key.append(model.task.value)
+    base = json.dumps(key, separators=(",", ":"))
     base_key = hashlib.sha256(base.encode()).hexdigest()[:12]
     return f"{persist_dir.rstrip('/')}/{owner_uid}/{base_key}/{replica.pod_name}"
 
@@ -131,13 +134,13 @@ def server_args(plan: Plan, replica: ReplicaPlan, owner_uid: str = "") -> list[s
         spec.model.dtype,
         "--device",
         "cuda" if on_gpu else "cpu",
-        "--pooling",
-        spec.model.pooling,
-        "--num-labels",
-        str(spec.model.num_labels),
         "--token-file",
         TOKEN_FILE,
+        "--task",
+        spec.model.task.value,
     ]
+    if spec.model.task is ModelTask.SCORE:  # the score head's options; a generative model has none
+        args += ["--pooling", spec.model.pooling, "--num-labels", str(spec.model.num_labels)]
     # Requests may name the model by its source; the server sees a mounted path instead of a
     # pvc:// or file:// source, so the source itself becomes an alias.
     aliases = list(spec.model.aliases)

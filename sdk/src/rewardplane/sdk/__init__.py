@@ -7,6 +7,7 @@ the modules behind it are private unless documented (``docs/sdk.md``).
 - Pushing: :class:`WeightPusher` (direct mode) and :class:`RewardModelHandle` (through the
   operator); :class:`LoraSync` for LoRA models (sync mode ``full``, ``adapter`` or ``auto``).
 - Training loops: :class:`Rollout`/:class:`Step`, :class:`RewardModelScorer`,
+  :class:`GenerativeJudge` (an LLM judge on a server of task ``generate``),
   :class:`RewardModelCreditAssigner` and its presets, :class:`RewardLoop`.
 - Errors: one tree under :class:`RewardplaneError`.
 - Seed-compatible names: :class:`VLLMRewardClient` (scoring and pushing in one object),
@@ -49,6 +50,7 @@ from ._exceptions import (
     ClientClosedError,
     ClusterError,
     CreditAssignmentError,
+    JudgeParseError,
     RewardClientError,
     RewardFunctionError,
     RewardplaneError,
@@ -59,6 +61,8 @@ from ._exceptions import (
     WeightSyncFailed,
     WeightValidationError,
 )
+from ._judge import GenerativeJudge, JudgeStats
+from ._judge_parsing import parse_score
 from ._presets import RewardRL, make_reward_rl
 from ._reward_loop import RewardLoop, RewardResult, RewardSample, sample_text
 from ._rollout import Rollout, RolloutStepKey, Step
@@ -99,6 +103,10 @@ __all__ = [
     "RewardModelHandle",
     "RewardModelPublisher",
     "RewardModelScorer",
+    "GenerativeJudge",
+    "JudgeStats",
+    "JudgeParseError",
+    "parse_score",
     "RewardModelTrainingMode",
     "RewardRL",
     "RewardResult",

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ValidationError
 from rewardplane.protocol import (
     DEFAULT_SLEEP_TIMEOUT_S,
     VERSION_HEADER,
+    ChatCompletionResponse,
     ClassifyResponse,
     Endpoints,
     RuntimeVersionResponse,
@@ -273,6 +274,23 @@ class BaseRewardClient:
 
     def _chat_payload(self, chat: Sequence[Mapping[str, Any]], normalize: bool) -> dict[str, Any]:
         return {"model": self.model_name, "messages": [dict(m) for m in chat], "use_activation": normalize}
+
+    def _chat_completion_payload(
+        self, messages: Sequence[Mapping[str, Any]], sampling: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        # Only the fields given: the server's defaults are OpenAI's.
+        given = {k: v for k, v in sampling.items() if v is not None}
+        return {"model": self.model_name, "messages": [dict(m) for m in messages], **given}
+
+    @staticmethod
+    def _parse_chat_completion(resp: httpx.Response, url: str) -> ChatCompletionResponse:
+        try:
+            return ChatCompletionResponse.model_validate(resp.json())
+        except (ValueError, ValidationError) as exc:
+            raise RewardClientError(
+                f"server {url} sent an unreadable /v1/chat/completions reply ({exc}); is it a rewardplane "
+                "server of task generate (or another OpenAI-compatible server)?"
+            ) from exc
 
     @staticmethod
     def _parse_classify(resp: httpx.Response, url: str) -> Score:
@@ -526,6 +544,31 @@ class AsyncRewardClient(BaseRewardClient):
 
         return await gather_or_cancel([one(c) for c in chats])
 
+    async def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        n: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        **extra: Any,
+    ) -> ChatCompletionResponse:
+        """Answer one chat with a generative model (a server of task ``generate``, an LLM judge):
+        ``POST /v1/chat/completions`` (OpenAI's shape), round robin over the servers, under the
+        client's timeouts and retries. Fields left ``None`` take the server's (OpenAI's)
+        defaults; ``extra`` fields are sent as they are (e.g. ``chat_template_kwargs``)."""
+        self._check_open()
+        sampling = dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed, stop=stop, **extra
+        )
+        payload = self._chat_completion_payload(messages, sampling)
+        path = Endpoints.V1_PREFIX + Endpoints.CHAT_COMPLETIONS
+        resp, url, _ = await self._request("POST", next(self._round_robin), path, json=payload)
+        return self._parse_chat_completion(resp, url)
+
     async def get_runtime_versions(self) -> dict[str, RuntimeVersionResponse]:
         """``/runtime_version`` of every endpoint (version and state), asked concurrently."""
         self._check_open()
@@ -717,6 +760,28 @@ class RewardClient(BaseRewardClient):
             return call
 
         return self._fan_out([one(c) for c in chats])
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        n: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        **extra: Any,
+    ) -> ChatCompletionResponse:
+        """Answer one chat with a generative model (as :meth:`AsyncRewardClient.chat`)."""
+        self._check_open()
+        sampling = dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed, stop=stop, **extra
+        )
+        payload = self._chat_completion_payload(messages, sampling)
+        path = Endpoints.V1_PREFIX + Endpoints.CHAT_COMPLETIONS
+        resp, url, _ = self._request("POST", next(self._round_robin), path, json=payload)
+        return self._parse_chat_completion(resp, url)
 
     def get_runtime_versions(self) -> dict[str, RuntimeVersionResponse]:
         """``/runtime_version`` of every endpoint (version and state)."""

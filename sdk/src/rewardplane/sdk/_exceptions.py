@@ -11,6 +11,7 @@
     ├── ClusterError                   the RewardModel is missing or not in the state asked for
     ├── RewardplaneTimeout             a bounded wait ran out (also a TimeoutError)
     ├── CreditAssignmentError          rollouts cannot be turned into weights (also a ValueError)
+    ├── JudgeParseError                a judge's answers could not be read as scores (ValueError)
     └── RewardFunctionError            a reward function failed or returned something unusable
 
 The built-in second bases keep ``except ValueError`` / ``except RuntimeError`` /
@@ -181,3 +182,12 @@ def _format_detail(detail: Any) -> str:
     if isinstance(detail, str):
         return detail
     return json.dumps(detail)[:2000]
+
+
+class JudgeParseError(RewardplaneError, ValueError):
+    """A generative judge's answers could not be read as scores and no ``default`` was given;
+    nothing was written. ``failures`` holds ``(where, answer)`` pairs, e.g. ``("rollout 'r3'", "...")``."""
+
+    def __init__(self, message: str, failures: Sequence[tuple[str, str]] = ()) -> None:
+        super().__init__(message)
+        self.failures = list(failures)

@@ -72,6 +72,21 @@ def chat_template_text(
     return render
 
 
+def write_scores(
+    rollouts: Sequence[Rollout], scores: Sequence[Any], score_key: str, score_level: ScoreLevel
+) -> None:
+    """Scores in the order of the rollouts (of their steps at step level) into ``meta[score_key]``
+    (``step.info[score_key]``): where a credit assigner reads them."""
+    it = iter(scores)
+    if score_level == "step":
+        for r in rollouts:
+            for s in r.steps:
+                s.info[score_key] = next(it)
+    else:
+        for r in rollouts:
+            r.meta[score_key] = next(it)
+
+
 class RewardModelScorer:
     """Scores rollouts through a reward-model client and stores the scores in them.
 
@@ -136,11 +151,4 @@ class RewardModelScorer:
                     "nothing was written"
                 )
             scores.extend(got)
-        it = iter(scores)
-        if self.score_level == "step":
-            for r in rollouts:
-                for s in r.steps:
-                    s.info[self.score_key] = next(it)
-        else:
-            for r in rollouts:
-                r.meta[self.score_key] = next(it)
+        write_scores(rollouts, scores, self.score_key, self.score_level)

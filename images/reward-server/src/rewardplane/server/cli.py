@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rewardplane.protocol import ModelTask
 from rewardplane.protocol.auth import resolve_token
 
 from .config import ServerConfig, parse_args
@@ -29,9 +30,13 @@ def create_engine(cfg: ServerConfig, metrics: ServerMetrics) -> RewardEngine:
 
         check_model_source(cfg.model)
         return VLLMEngine(cfg, metrics)
+    check_model_source(cfg.model)
+    if cfg.task == ModelTask.GENERATE:
+        from .hf_generate import HFGenerativeEngine
+
+        return HFGenerativeEngine(cfg, metrics)
     from .hf_engine import HFEngine
 
-    check_model_source(cfg.model)
     return HFEngine(cfg, metrics)
 
 

@@ -1,6 +1,7 @@
 """Drop-in routes: the request shapes of vLLM's pooling API (``/classify``, ``/pooling``,
-``/embeddings``, ``/models``, ``/tokenize``, ``/detokenize``) and OpenRLHF's remote reward model
-(``/get_reward``), each at the root and under ``/v1`` so that a client whose base URL ends in
+``/embeddings``, ``/models``, ``/tokenize``, ``/detokenize``), OpenRLHF's remote reward model
+(``/get_reward``) and, for generative models (task ``generate``), OpenAI's
+``/chat/completions``, each at the root and under ``/v1`` so that a client whose base URL ends in
 ``/v1`` (the ``openai`` package) works too.
 
 Every route scores through the shared ``ScoringService`` (same limits, batching, weights version
@@ -19,9 +20,14 @@ from fastapi import APIRouter, Response
 
 from rewardplane.protocol import (
     VERSION_HEADER,
+    ChatCompletionChoice,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
     ClassificationData,
     ClassifyRequest,
     ClassifyResponse,
+    CompletionUsage,
     DetokenizeRequest,
     DetokenizeResponse,
     EmbeddingData,
@@ -32,6 +38,7 @@ from rewardplane.protocol import (
     GetRewardResponse,
     ModelCard,
     ModelList,
+    ModelTask,
     PooledRequest,
     PoolingData,
     PoolingRequest,
@@ -66,19 +73,23 @@ def compat_router(service: ScoringService) -> APIRouter:
                 responses=SCORING_ERRORS if method == "POST" else None,
             )
 
+    def chat_text(req: PooledRequest | TokenizeRequest | ChatCompletionRequest, messages: list[Any]) -> str:
+        """A request's chat through the model's (or the request's) chat template."""
+        return render_chat(
+            tokenizer,
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template=req.chat_template,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
+
     async def prompts_of(req: PooledRequest) -> tuple[list[list[int]], bool]:
         """Token ids of the request (chat rendered first) and whether over-long ones are cut."""
         special = req.special_tokens()
         keep = req.truncate_prompt_tokens
         if req.messages is not None:
-            text = render_chat(
-                tokenizer,
-                req.messages,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                chat_template=req.chat_template,
-                chat_template_kwargs=req.chat_template_kwargs,
-            )
+            text = chat_text(req, req.messages)
             prompts = await service.tokenize([text], truncate=keep is not None, add_special_tokens=special)
         else:
             prompts = await service.prompts(req.input, truncate=keep is not None, add_special_tokens=special)
@@ -162,14 +173,7 @@ def compat_router(service: ScoringService) -> APIRouter:
         service.check_model(req.model)
         text = req.prompt
         if req.messages is not None:
-            text = render_chat(
-                tokenizer,
-                req.messages,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                chat_template=req.chat_template,
-                chat_template_kwargs=req.chat_template_kwargs,
-            )
+            text = chat_text(req, req.messages)
         (ids,) = await service.tokenize([text or ""], truncate=False, add_special_tokens=req.special_tokens())
         return TokenizeResponse(
             count=len(ids),
@@ -202,6 +206,35 @@ def compat_router(service: ScoringService) -> APIRouter:
             version=version,
         )
 
+    async def chat_completions(req: ChatCompletionRequest, response: Response) -> ChatCompletionResponse:
+        service.check_model(req.model)
+        service.require_task(ModelTask.GENERATE)  # before rendering: a scorer may have no template
+        text = chat_text(req, req.messages)
+        (prompt,) = await service.tokenize([text], truncate=False, add_special_tokens=False)
+        answers, version = await service.generate(prompt, req)
+        response.headers[VERSION_HEADER] = str(version)
+        completion_tokens = sum(a.num_tokens for a in answers)
+        return ChatCompletionResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=info.served_model_name,
+            choices=[
+                ChatCompletionChoice(
+                    index=i,
+                    message=ChatCompletionMessage(content=a.text),
+                    finish_reason=a.finish_reason,  # type: ignore[arg-type]
+                )
+                for i, a in enumerate(answers)
+            ],
+            usage=CompletionUsage(
+                prompt_tokens=len(prompt),
+                completion_tokens=completion_tokens,
+                total_tokens=len(prompt) + completion_tokens,
+            ),
+            version=version,
+        )
+
+    route(Endpoints.CHAT_COMPLETIONS, chat_completions, ChatCompletionResponse)
     route(Endpoints.CLASSIFY, classify, ClassifyResponse)
     route(Endpoints.POOLING, pooling, PoolingResponse)
     route(Endpoints.EMBEDDINGS, embeddings, EmbeddingResponse)

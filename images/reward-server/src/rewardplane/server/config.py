@@ -8,12 +8,13 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from rewardplane.protocol import DEFAULT_HTTP_PORT, PoolingType
+from rewardplane.protocol import DEFAULT_HTTP_PORT, ModelTask, PoolingType
 
 
 class ServerConfig(BaseModel):
     model: str
     engine: Literal["hf", "vllm"] = "hf"
+    task: ModelTask = ModelTask.SCORE
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535)
     served_model_name: str | None = None
@@ -57,6 +58,13 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--model", required=True, help="HF checkpoint folder (or id where a hub is reachable)")
     p.add_argument(
         "--engine", choices=["hf", "vllm"], default="hf", help="transformers (CPU/GPU) or vLLM (GPU)"
+    )
+    p.add_argument(
+        "--task",
+        choices=[t.value for t in ModelTask],
+        default=ModelTask.SCORE.value,
+        help="score: a score head (the scoring endpoints); generate: a causal LM answering "
+        "/v1/chat/completions (an LLM judge)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT)
@@ -114,9 +122,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     )
     p.add_argument("--max-batch-items", type=int, default=256)
     p.add_argument("--batch-wait-ms", type=float, default=2.0, help="how long a batch waits for company")
-    p.add_argument(
-        "--pooling", choices=[t.value for t in PoolingType if t != PoolingType.STEP], default="last"
-    )
+    p.add_argument("--pooling", choices=[t.value for t in PoolingType if t != PoolingType.STEP], default=None)
     p.add_argument("--num-labels", type=int, default=None, help="expected labels; start fails on a mismatch")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -167,6 +173,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     args, extra = p.parse_known_args(argv)
     if extra and args.engine != "vllm":
         p.error(f"unknown arguments {extra} (extra engine arguments are passed only to --engine vllm)")
+    if args.task == ModelTask.GENERATE.value:
+        given = [
+            f for f, v in (("--num-labels", args.num_labels), ("--pooling", args.pooling)) if v is not None
+        ]
+        if given:
+            p.error(
+                f"{' and '.join(given)} apply to score heads only; a generative model (--task generate) "
+                "has none: drop them (RewardModel spec.model.numLabels / pooling)"
+            )
     served = args.served_model_name or []
     if any(not n.strip() for n in [*served, *(args.model_aliases or [])]):
         p.error("--served-model-name and --model-alias take non-empty names")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rewardplane.protocol import ParamMeta, PoolingType
+from rewardplane.protocol import ModelTask, ParamMeta, PoolingType
 
 from .locking import WeightsGuard
 
@@ -26,6 +26,7 @@ class EngineInfo:
     world_size: int = 1
     # 0: adapter-only pushes are refused; else the largest LoRA rank served (--enable-lora)
     max_lora_rank: int = 0
+    task: ModelTask = ModelTask.SCORE
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,32 @@ class ServedAdapter:
     @property
     def name(self) -> str:
         return f"rp-adapter-{self.adapter_id}"
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How one chat is answered (OpenAI's sampling fields, resolved: ``max_tokens`` is set)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One generated answer: its text (cut before a stop string), how many tokens were generated
+    and why generation ended (``stop``: end of sequence or a stop string; ``length``: max_tokens)."""
+
+    text: str
+    num_tokens: int
+    finish_reason: str
 
 
 class WeightSyncPort(Protocol):
@@ -99,6 +126,11 @@ class RewardEngine(Protocol):
     async def wake(self, level: int) -> None:
         """Take the device memory back. After level 1 the weights are those from before the sleep;
         after level 2 their contents are undefined until reloaded (``sleep.SleepService`` does)."""
+        ...
+
+    async def generate(self, prompt: list[int], options: SamplingOptions) -> tuple[list[Completion], int]:
+        """``options.n`` answers to one token-id prompt and the weights version that made them
+        (engines of task ``generate``; the others are never called: ``ScoringService`` checks)."""
         ...
 
     def weight_port(self) -> WeightSyncPort:

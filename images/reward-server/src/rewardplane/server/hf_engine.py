@@ -16,8 +16,9 @@ from rewardplane.protocol import ParamMeta, PoolingType
 
 from .batching import plan_micro_batches
 from .config import ServerConfig
-from .engine import EngineInfo, ServedAdapter
+from .engine import Completion, EngineInfo, SamplingOptions, ServedAdapter
 from .errors import BadRequest
+from .generation import wrong_task
 from .locking import WeightsGuard
 from .metrics import ServerMetrics
 from .threads import run_in_daemon_thread
@@ -42,6 +43,29 @@ def resolve_dtype(choice: str, device: torch.device) -> torch.dtype:
     return _DTYPES[choice]
 
 
+def load_checkpoint(cfg: ServerConfig, auto_cls: Any) -> tuple[torch.device, torch.dtype, Any, Any]:
+    """The device, dtype, tokenizer and model (as ``auto_cls``, an ``AutoModelFor...``) of ``cfg``."""
+    from transformers import AutoTokenizer
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    return device, dtype, tokenizer, load_model(auto_cls, cfg, device, dtype)
+
+
+def load_model(auto_cls: Any, cfg: ServerConfig, device: torch.device, dtype: torch.dtype) -> Any:
+    """The checkpoint as ``auto_cls``, in eval mode on ``device``."""
+    from transformers import AutoConfig
+
+    if cfg.load_format == "dummy":  # random weights, built directly on the device (fast for large models)
+        with device:
+            model = auto_cls.from_config(AutoConfig.from_pretrained(cfg.model), dtype=dtype)
+    else:
+        model = auto_cls.from_pretrained(cfg.model, dtype=dtype)
+    model.eval().requires_grad_(False)
+    return model.to(device)
+
+
 @dataclass
 class _Pending:
     prompts: list[list[int]]
@@ -58,22 +82,12 @@ class HFEngine:
     """
 
     def __init__(self, cfg: ServerConfig, metrics: ServerMetrics | None = None) -> None:
-        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
 
         self.cfg = cfg
         self.metrics = metrics or ServerMetrics()
-        self.device = resolve_device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype, self.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        if cfg.load_format == "dummy":  # random weights, built directly on the device (fast for large models)
-            with self.device:
-                model = AutoModelForSequenceClassification.from_config(
-                    AutoConfig.from_pretrained(cfg.model), dtype=dtype
-                )
-        else:
-            model = AutoModelForSequenceClassification.from_pretrained(cfg.model, dtype=dtype)
-        model.eval().requires_grad_(False)
-        self.model = model.to(self.device)
+        self.device, dtype, self.tokenizer, model = load_checkpoint(cfg, AutoModelForSequenceClassification)
+        self.model = model
         num_labels = int(model.config.num_labels)
         if cfg.num_labels is not None and cfg.num_labels != num_labels:
             raise ValueError(
@@ -267,6 +281,9 @@ class HFEngine:
             self._sleep_shapes.clear()
 
         await asyncio.get_running_loop().run_in_executor(self._forward_pool, run)
+
+    async def generate(self, prompt: list[int], options: SamplingOptions) -> tuple[list[Completion], int]:
+        raise wrong_task(self.info)
 
     # ---- weight sync -----------------------------------------------------------------------
     def weight_port(self) -> HFWeightPort:

@@ -25,6 +25,7 @@ from rewardplane.protocol import (
     HealthResponse,
     InitCommunicatorRequest,
     ModelInfo,
+    ModelTask,
     ParamChecksumsResponse,
     ParamMeta,
     RestoreWeightsRequest,
@@ -172,6 +173,7 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
             pooling_type=info.pooling_types[0],
             version=engine.guard.version,
             max_lora_rank=info.max_lora_rank,
+            task=info.task,
         )
 
     @router.get(
@@ -188,6 +190,7 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
     @router.post(Endpoints.SCORE, response_model=ScoringResponse, responses=SCORING_ERRORS)
     async def score(req: ScoringRequest, response: Response) -> ScoringResponse:
         scoring.check_model(req.model)
+        scoring.require_task(ModelTask.SCORE)  # before the label check: a judge has no labels
         if req.n_labels is not None and req.n_labels != info.num_labels:
             raise BadRequest(
                 f"n_labels {req.n_labels} does not match the served model, which has {info.num_labels} "

@@ -12,10 +12,11 @@ import asyncio
 from concurrent.futures import Executor
 from typing import Any
 
-from rewardplane.protocol import PoolingType
+from rewardplane.protocol import ChatCompletionRequest, ModelTask, PoolingType
 
-from .engine import EngineInfo, RewardEngine
+from .engine import Completion, EngineInfo, RewardEngine
 from .errors import BadRequest
+from .generation import sampling_options, wrong_task
 from .inputs import (
     Limits,
     apply_length_limit,
@@ -75,13 +76,28 @@ class ScoringService:
         check_token_ids(ids, self.info.vocab_size)
         return ids
 
+    def require_task(self, task: ModelTask) -> None:
+        """A 400 naming the right endpoints when the served model is not of ``task``."""
+        if self.info.task != task:
+            raise wrong_task(self.info)
+
     async def run(
         self, prompts: list[list[int]], pooling: PoolingType, truncate: bool
     ) -> tuple[list[list[float]], int, list[list[int]]]:
         """Raw head rows, the weights version that made all of them, and the prompts as scored."""
+        self.require_task(ModelTask.SCORE)
         check_items(len(prompts), self.limits)
         prompts = apply_length_limit(prompts, self.limits, truncate=truncate)
         rows, version = await self.engine.score(prompts, pooling)
         self.metrics.items.inc(len(prompts))
         self.metrics.tokens.inc(sum(len(p) for p in prompts))
         return rows, version, prompts
+
+    async def generate(self, prompt: list[int], req: ChatCompletionRequest) -> tuple[list[Completion], int]:
+        """The answers to one rendered chat and the weights version that generated all of them."""
+        self.require_task(ModelTask.GENERATE)
+        options = sampling_options(req, len(prompt), self.info.max_model_len)
+        answers, version = await self.engine.generate(prompt, options)
+        self.metrics.items.inc(1)
+        self.metrics.tokens.inc(len(prompt) + sum(a.num_tokens for a in answers))
+        return answers, version

@@ -1,6 +1,7 @@
 """The vLLM engine: a ``*ForSequenceClassification`` reward model on vLLM's pooling runner
-(``AsyncLLM``, token-id prompts, raw head outputs), with weight sync through the shared worker
-extension (``worker_extension_cls`` + ``collective_rpc``).
+(``AsyncLLM``, token-id prompts, raw head outputs) or, with ``--task generate``, a causal LM on
+the generate runner answering chats (an LLM judge); with weight sync through the shared worker
+extension (``worker_extension_cls`` + ``collective_rpc``) either way.
 
 Written against vLLM 0.24.0 (the version the reward-server image pins). Needs a CUDA GPU.
 
@@ -41,13 +42,15 @@ import dataclasses
 import logging
 import os
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 try:  # import-guarded: the vLLM engine needs the `vllm` extra and a CUDA GPU
     from vllm.config import PoolerConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.pooling_params import PoolingParams
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.exceptions import EngineDeadError
 except ImportError as _exc:  # pragma: no cover - exercised where vllm is absent (CI)
@@ -59,17 +62,19 @@ except ImportError as _exc:  # pragma: no cover - exercised where vllm is absent
 
 import torch
 
-from rewardplane.protocol import ParamMeta, PoolingType
+from rewardplane.protocol import ModelTask, ParamMeta, PoolingType
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, is_head_key
 
 from .checkpoint import checkpoint_files
 from .config import ServerConfig
-from .engine import EngineInfo, ServedAdapter
+from .engine import Completion, EngineInfo, SamplingOptions, ServedAdapter
 from .errors import BadRequest, ServerError, Unavailable
+from .generation import wrong_task
 from .locking import WeightsGuard
 from .metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 WORKER_EXTENSION = "rewardplane.server.worker_extension.RewardWeightSyncExtension"
 
@@ -100,7 +105,7 @@ _FLOAT_WIRE = {"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "fl
 # Engine arguments the server sets from its own options: name → the server option to use instead.
 _OWNED_ARGS = {
     "model": "--model",
-    "runner": "(the reward server always uses the pooling runner)",
+    "runner": "--task (score: the pooling runner; generate: the generate runner)",
     "worker_extension_cls": "(the reward server installs its own weight-sync extension)",
     "served_model_name": "--served-model-name",
     "dtype": "--dtype",
@@ -149,22 +154,24 @@ def parse_extra_engine_args(extra: list[str]) -> dict[str, Any]:
 
 def build_engine_args(cfg: ServerConfig, max_model_len: int) -> AsyncEngineArgs:
     """``AsyncEngineArgs`` from the server's options plus the user's extra vLLM flags."""
+    generate = cfg.task == ModelTask.GENERATE
     base: dict[str, Any] = {
         "model": cfg.model,
-        "runner": "pooling",
+        "runner": "generate" if generate else "pooling",
         "worker_extension_cls": WORKER_EXTENSION,
         "served_model_name": cfg.name,
         "dtype": _vllm_dtype(cfg.dtype),
         "max_model_len": max_model_len,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "tensor_parallel_size": cfg.tensor_parallel_size,
-        "pooler_config": PoolerConfig(pooling_type=cfg.pooling.value.upper()),  # type: ignore[arg-type]
         # Nothing here calls do_log_stats(); collecting unused stats only costs time per step.
         "disable_log_stats": True,
     }
     if getattr(cfg, "enable_sleep_mode", False):
         # vLLM then allocates weights and KV cache through its CuMem allocator (see ServerConfig)
         base["enable_sleep_mode"] = True
+    if not generate:
+        base["pooler_config"] = PoolerConfig(pooling_type=cfg.pooling.value.upper())  # type: ignore[arg-type]
     owned = dict(_OWNED_ARGS)
     load_format = getattr(cfg, "load_format", None)  # the server may own --load-format (e.g. dummy)
     if load_format not in (None, "", "auto"):
@@ -205,12 +212,15 @@ def build_engine_args(cfg: ServerConfig, max_model_len: int) -> AsyncEngineArgs:
     # wrong scores under torch.compile; #48214, #47971: crashes and silent stalls). Our scoring
     # server stalled under load with chunked prefill on (benchmarks/README.md). A reward must be
     # right; whole prompts per step cost little for prompts up to max_model_len.
-    base["enable_chunked_prefill"] = False
+    # (Generation keeps vLLM's default: the race is in the pooling path, and decoding wants it.)
+    if not generate:
+        base["enable_chunked_prefill"] = False
     overrides = user.pop("hf_overrides", None) or {}
     if not isinstance(overrides, dict):
         raise ValueError("--hf-overrides must be a JSON object with the reward server")
     overrides = dict(overrides)
-    overrides.setdefault("head_dtype", _head_dtype_override(cfg.head_dtype))
+    if not generate:  # the score head's dtype; a causal LM's lm_head runs in the model dtype
+        overrides.setdefault("head_dtype", _head_dtype_override(cfg.head_dtype))
     return AsyncEngineArgs(**{**base, **user, "hf_overrides": overrides})
 
 
@@ -230,6 +240,7 @@ def read_manifest(
     *,
     dtype: str,
     head_dtype: str,
+    task: ModelTask = ModelTask.SCORE,
 ) -> dict[str, ParamMeta]:
     """HF parameter names and shapes of the checkpoint, with the dtypes the server holds them in.
 
@@ -266,10 +277,11 @@ def read_manifest(
                         shape=tuple(int(d) for d in sl.get_shape()),
                     )
         return manifest
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    auto_cls = AutoModelForCausalLM if task == ModelTask.GENERATE else AutoModelForSequenceClassification
     with torch.device("meta"):
-        meta = AutoModelForSequenceClassification.from_config(config)
+        meta = auto_cls.from_config(config)
     for name, p in meta.state_dict().items():
         stored = str(p.dtype).removeprefix("torch.")
         manifest[name] = ParamMeta(name=name, dtype=served_dtype(name, stored), shape=tuple(p.shape))
@@ -277,7 +289,8 @@ def read_manifest(
 
 
 class VLLMEngine:
-    """``RewardEngine`` on vLLM's pooling runner (``AsyncLLM``)."""
+    """``RewardEngine`` on vLLM's pooling runner (``AsyncLLM``), or its generate runner for
+    ``--task generate``."""
 
     def __init__(self, cfg: ServerConfig, metrics: ServerMetrics | None = None) -> None:
         from transformers import AutoConfig, AutoTokenizer
@@ -289,14 +302,21 @@ class VLLMEngine:
         self.cfg = cfg
         self.metrics = metrics or ServerMetrics()
         config = AutoConfig.from_pretrained(cfg.model)
-        num_labels = int(getattr(config, "num_labels", 1))
-        if cfg.num_labels is not None and cfg.num_labels != num_labels:
+        self.task = cfg.task
+        generate = cfg.task == ModelTask.GENERATE
+        num_labels = 0 if generate else int(getattr(config, "num_labels", 1))
+        if not generate and cfg.num_labels is not None and cfg.num_labels != num_labels:
             raise ValueError(
                 f"--num-labels {cfg.num_labels} but the checkpoint {cfg.model} has {num_labels} labels; "
                 "fix the RewardModel's numLabels or the checkpoint"
             )
         archs = list(getattr(config, "architectures", None) or [])
-        if archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        if generate and any(a.endswith("ForSequenceClassification") for a in archs):
+            raise ValueError(
+                f"--task generate needs a causal LM, but {cfg.model} is {archs}: serve it with --task score, "
+                "or point --model at a *ForCausalLM checkpoint"
+            )
+        if not generate and archs and not any(a.endswith("ForSequenceClassification") for a in archs):
             log.warning(
                 "architectures %s are not *ForSequenceClassification; vLLM will convert the model "
                 "to a classifier (--convert classify) and the head may be untrained",
@@ -309,7 +329,9 @@ class VLLMEngine:
         dtype = _vllm_dtype(cfg.dtype)
         # What vLLM will hold: the hf_overrides head_dtype (ours, or the user's --hf-overrides).
         override = (self.engine_args.hf_overrides or {}).get("head_dtype")  # type: ignore[union-attr]
-        head_dtype = dtype if override in (None, "model") else str(override).removeprefix("torch.")
+        head_dtype = (
+            dtype if generate or override in (None, "model") else str(override).removeprefix("torch.")
+        )
         id2label = {int(k): str(v) for k, v in (getattr(config, "id2label", None) or {}).items()}
         self.info = EngineInfo(
             served_model_name=cfg.name,
@@ -320,11 +342,12 @@ class VLLMEngine:
             max_model_len=max_len,
             vocab_size=int(config.vocab_size),
             pooling_types=(cfg.pooling,),  # vLLM fixes the pooling method at start
-            id2label=id2label,
+            id2label={} if generate else id2label,
             world_size=cfg.tensor_parallel_size,
             max_lora_rank=cfg.max_lora_rank if cfg.enable_lora else 0,
+            task=cfg.task,
         )
-        self.manifest = read_manifest(cfg.model, config, dtype=dtype, head_dtype=head_dtype)
+        self.manifest = read_manifest(cfg.model, config, dtype=dtype, head_dtype=head_dtype, task=cfg.task)
         if not self.manifest:
             raise ValueError(f"no parameters found in {cfg.model}: expected *.safetensors files or a config")
         self.guard = WeightsGuard()
@@ -350,16 +373,22 @@ class VLLMEngine:
         # One tiny request before the server reports healthy: the first inference compiles a few
         # Triton kernels (vLLM logs "JIT compilation during inference"), a stall the first real
         # requests would otherwise pay. A failure here means the engine cannot score: fail the start.
+        warmup_ids = [min(1, self.info.vocab_size - 1)] * 16
         try:
-            await asyncio.wait_for(
-                self._encode(self.llm, "rp-warmup", [min(1, self.info.vocab_size - 1)] * 16),
-                SHORT_RPC_TIMEOUT_S,
-            )
+            if self.task == ModelTask.GENERATE:
+                warmup: Awaitable[Any] = self._generate(
+                    self.llm, "rp-warmup", warmup_ids, SamplingOptions(max_tokens=2, temperature=0.0)
+                )
+            else:
+                warmup = self._encode(self.llm, "rp-warmup", warmup_ids)
+            await asyncio.wait_for(warmup, SHORT_RPC_TIMEOUT_S)
         except Exception as exc:
             raise RuntimeError(
-                f"vLLM started but could not score a warm-up prompt: {type(exc).__name__}: {exc}"
+                f"vLLM started but could not answer a warm-up prompt: {type(exc).__name__}: {exc}"
             ) from exc
         mc = self.llm.model_config
+        if self.task == ModelTask.GENERATE:
+            return
         served_head = str(mc.head_dtype).removeprefix("torch.")
         if served_head != self.info.head_dtype or int(mc.max_model_len) != self.info.max_model_len:
             log.warning(
@@ -386,6 +415,8 @@ class VLLMEngine:
 
     # ---- scoring ---------------------------------------------------------------------------
     async def score(self, prompts: list[list[int]], pooling: PoolingType) -> tuple[list[list[float]], int]:
+        if self.task != ModelTask.SCORE:
+            raise wrong_task(self.info)
         if pooling not in self.info.pooling_types:
             raise BadRequest(
                 f"pooling {pooling.value!r} is not available on this server (vLLM fixes it at start); "
@@ -393,20 +424,35 @@ class VLLMEngine:
             )
         if not prompts:
             return [], self.guard.version
-        llm = self._require_llm()
         base_id = uuid.uuid4().hex
+
+        def work(llm: AsyncLLM) -> Awaitable[list[list[float]]]:
+            return asyncio.gather(
+                *(self._encode(llm, f"rp-{base_id}-{i}", ids) for i, ids in enumerate(prompts))
+            )
+
+        rows, version = await self._guarded(work, f"scoring {len(prompts)} input(s)")
+        return list(rows), version
+
+    async def generate(self, prompt: list[int], options: SamplingOptions) -> tuple[list[Completion], int]:
+        if self.task != ModelTask.GENERATE:
+            raise wrong_task(self.info)
+        request_id = f"rp-gen-{uuid.uuid4().hex}"
+        return await self._guarded(
+            lambda llm: self._generate(llm, request_id, prompt, options), "answering a chat"
+        )
+
+    async def _guarded(self, work: Callable[[AsyncLLM], Awaitable[T]], what: str) -> tuple[T, int]:
+        """``work`` under the weights lock (one weights version for all of it), bounded in time, with
+        vLLM's errors turned into answers."""
+        llm = self._require_llm()
         async with self.guard.scoring() as version:
             try:
-                rows = await asyncio.wait_for(
-                    asyncio.gather(
-                        *(self._encode(llm, f"rp-{base_id}-{i}", ids) for i, ids in enumerate(prompts))
-                    ),
-                    SCORE_TIMEOUT_S,
-                )
+                result = await asyncio.wait_for(work(llm), SCORE_TIMEOUT_S)
             except TimeoutError as exc:  # wait_for cancelled the requests; vLLM aborts them
                 raise Unavailable(
-                    f"scoring {len(prompts)} input(s) took longer than {SCORE_TIMEOUT_S:.0f}s "
-                    "(REWARDPLANE_VLLM_SCORE_TIMEOUT_S); the replica is overloaded — retry or send fewer inputs"
+                    f"{what} took longer than {SCORE_TIMEOUT_S:.0f}s (REWARDPLANE_VLLM_SCORE_TIMEOUT_S); the "
+                    "replica is overloaded — retry or send less"
                 ) from exc
             except EngineDeadError as exc:
                 raise Unavailable(f"the vLLM engine died ({exc}); restart this replica") from exc
@@ -415,8 +461,35 @@ class VLLMEngine:
             except ServerError:
                 raise
             except Exception as exc:
-                raise ServerError(f"vLLM failed to score the request: {type(exc).__name__}: {exc}") from exc
-        return list(rows), version
+                raise ServerError(f"vLLM failed {what}: {type(exc).__name__}: {exc}") from exc
+        return result, version
+
+    async def _generate(
+        self, llm: AsyncLLM, request_id: str, ids: list[int], options: SamplingOptions
+    ) -> list[Completion]:
+        params = SamplingParams(
+            n=1 if options.greedy else options.n,  # vLLM refuses greedy with n > 1: repeat instead
+            temperature=options.temperature,
+            top_p=options.top_p,
+            seed=options.seed,
+            stop=list(options.stop) or None,
+            max_tokens=options.max_tokens,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # one output at the end, every choice in it
+        )
+        final = None
+        async for out in llm.generate(_token_prompt(ids), params, request_id):
+            final = out
+        if final is None or not final.outputs:
+            raise ServerError(f"vLLM returned no output for request {request_id}")
+        answers = [
+            Completion(
+                text=o.text,
+                num_tokens=len(o.token_ids),
+                finish_reason="length" if o.finish_reason == "length" else "stop",
+            )
+            for o in sorted(final.outputs, key=lambda o: o.index)
+        ]
+        return answers * options.n if options.greedy else answers
 
     async def _encode(self, llm: AsyncLLM, request_id: str, ids: list[int]) -> list[float]:
         # A fresh PoolingParams per request: vLLM fills defaults into it during validation.
