@@ -27,6 +27,7 @@ from .inputs import Limits
 from .metrics import ServerMetrics
 from .model_names import ModelNames
 from .persistence import WeightsStore
+from .request_body import BodyLimitMiddleware
 from .routes import control_router, persistence_router, scoring_router
 from .service import ScoringService
 from .threads import tokenizer_pool
@@ -85,45 +86,6 @@ class ObserveMiddleware:
         if path != Endpoints.METRICS:
             self.metrics.requests.labels(path, str(status)).inc()
             self.metrics.latency.labels(path).observe(time.perf_counter() - start)
-
-
-class BodyLimitMiddleware:
-    """413 for a request body over ``max_bytes``, decided before the body is parsed: at once from
-    ``Content-Length``, else while the body streams in. A 10 MB input then costs the server
-    nothing but the bytes it reads."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    def _message(self, size: str) -> str:
-        return (
-            f"the request body is {size} bytes; this server takes at most {self.max_bytes} "
-            "(--max-request-bytes): send fewer or shorter inputs per request"
-        )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await error_response(413, self._message(value.decode()))(scope, receive, send)
-                return
-        seen = 0
-
-        async def counted_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    # An HTTPException reaches the app's handler as it is (FastAPI turns other
-                    # errors while reading the body into a 400).
-                    raise StarletteHTTPException(413, self._message(f"more than {self.max_bytes}"))
-            return message
-
-        await self.app(scope, counted_receive, send)
 
 
 def build_app(
