@@ -79,7 +79,9 @@ class ObserveMiddleware:
             self.metrics.errors.labels(path, "internal").inc()
             self.metrics.requests.labels(path, "500").inc()
             if not started:
-                await error_response(500, "internal server error; see the server log")(scope, receive, send)
+                await error_response(500, "internal server error; see the server log", path=path)(
+                    scope, receive, send
+                )
             return
         if status == 404:
             path = UNMATCHED  # one label for every unknown path: a scanner must not grow the registry
@@ -125,7 +127,7 @@ def build_app(
     @app.exception_handler(ServerError)
     async def _server_error(request: Request, exc: ServerError) -> JSONResponse:
         metrics.errors.labels(request.url.path, type(exc).__name__).inc()
-        return error_response(exc.status_code, exc.message, exc.detail)
+        return error_response(exc.status_code, exc.message, exc.detail, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -133,7 +135,7 @@ def build_app(
         detail = [
             {"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()
         ]
-        return error_response(422, _validation_message(exc), detail)
+        return error_response(422, _validation_message(exc), detail, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -141,7 +143,7 @@ def build_app(
         label = UNMATCHED if exc.status_code == 404 else request.url.path
         metrics.errors.labels(label, str(exc.status_code)).inc()
         hint = {404: f"no endpoint {request.url.path}; see /docs for the endpoints"}.get(exc.status_code)
-        response = error_response(exc.status_code, hint or str(exc.detail))
+        response = error_response(exc.status_code, hint or str(exc.detail), path=request.url.path)
         for key, value in (exc.headers or {}).items():
             response.headers[key] = value
         if exc.status_code == 405 and request.url.path in allowed:

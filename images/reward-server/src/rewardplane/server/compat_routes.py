@@ -44,7 +44,7 @@ from rewardplane.protocol import (
 
 from .errors import BadRequest
 from .inputs import check_items, check_token_ids, render_chat
-from .routes import SCORING_ERRORS, JSONRoute
+from .routes import OPENAI_SCORING_ERRORS, SCORING_ERRORS, JSONRoute
 from .scoring import activation, to_score
 from .service import ScoringService
 
@@ -63,7 +63,7 @@ def compat_router(service: ScoringService) -> APIRouter:
                 endpoint,
                 methods=[method],
                 response_model=response_model,
-                responses=SCORING_ERRORS if method == "POST" else None,
+                responses=(OPENAI_SCORING_ERRORS if prefix else SCORING_ERRORS) if method == "POST" else None,
             )
 
     async def prompts_of(req: PooledRequest) -> tuple[list[list[int]], bool]:

@@ -76,7 +76,7 @@ class BodyLimitMiddleware:
             return
         length = content_length(scope)
         if length is not None and length > self.max_bytes:
-            await error_response(413, self._message(str(length)))(scope, receive, send)
+            await error_response(413, self._message(str(length)), path=scope["path"])(scope, receive, send)
             return
         if not is_large(scope, self.large_bytes):
             await self.app(scope, self._counted(receive), send)

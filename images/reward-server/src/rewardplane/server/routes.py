@@ -16,6 +16,7 @@ import pydantic_core
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
 from rewardplane.protocol import (
     VERSION_HEADER,
@@ -25,6 +26,7 @@ from rewardplane.protocol import (
     HealthResponse,
     InitCommunicatorRequest,
     ModelInfo,
+    OpenAIErrorResponse,
     ParamChecksumsResponse,
     ParamMeta,
     RestoreWeightsRequest,
@@ -88,13 +90,15 @@ class JSONRoute(APIRoute):
         return handle
 
 
-def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` for the error answers a route gives, all in the one error shape."""
-    return {code: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[code]} for code in codes}
+def errors(*codes: int, shape: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for the error answers a route gives, all in the one error shape
+    (``OpenAIErrorResponse`` under /v1/, see ``errors.speaks_openai``)."""
+    return {code: {"model": shape, "description": _ERROR_DESCRIPTIONS[code]} for code in codes}
 
 
 # What every scoring route can answer besides 200 (bad request, too large, schema, replica not serving).
 SCORING_ERRORS = errors(400, 413, 422, 503)
+OPENAI_SCORING_ERRORS = errors(400, 413, 422, 503, shape=OpenAIErrorResponse)
 
 
 def require_token(token: str | None) -> Callable[[Request], None]:
