@@ -7,40 +7,21 @@ trainer (world size 3), so every byte leaves the trainer once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 
-from rewardplane.testing.servers import ServerHandle
 from tests.gpu.vllm_support import (
     Trainer,
     check_after_push,
     fill_prefix_cache,
-    running_replicas,
-    trainer_views,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.gpus(3)]
 
 
-@pytest.fixture(scope="module")
-def replicas(
-    tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[ServerHandle]]:
-    with running_replicas(
-        tiny_seqcls_1label, tmp_path_factory.mktemp("vllm-replicas"), [{"gpu": 0}, {"gpu": 1}]
-    ) as handles:
-        yield handles
-
-
-@pytest.fixture(scope="module")
-def trainers(replicas: list[ServerHandle], tiny_seqcls_1label: Path) -> Iterator[list[Trainer]]:
-    import torch
-
-    with trainer_views(replicas, tiny_seqcls_1label, torch.device("cuda", 2)) as views:
-        yield views
+# the replicas and trainers fixtures (tests/gpu/conftest.py) place the servers and trainer here
+PLACEMENTS = [{"gpu": 0}, {"gpu": 1}]
+TRAINER_GPU = 2
 
 
 def test_one_broadcast_updates_both_replicas(trainers: list[Trainer]) -> None:

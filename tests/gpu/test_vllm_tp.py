@@ -9,47 +9,28 @@ trainer's, and every shard equals the trainer's tensor split the way vLLM splits
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
 import pytest
 
-from rewardplane.testing.servers import ServerHandle
 from tests.gpu.vllm_support import (
     TOKEN,
     Trainer,
     assert_same_parameters,
     check_after_push,
     fill_prefix_cache,
-    running_replicas,
     server_checksums,
-    trainer_views,
     vllm_llama_checksums,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.gpus(4)]
 
 
-@pytest.fixture(scope="module")
-def replicas(
-    tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[ServerHandle]]:
-    with running_replicas(
-        tiny_seqcls_1label,
-        tmp_path_factory.mktemp("vllm-tp"),
-        [{"gpu": "0,1", "tensor_parallel_size": 2}, {"gpu": 2}],
-    ) as handles:
-        yield handles
-
-
-@pytest.fixture(scope="module")
-def trainers(replicas: list[ServerHandle], tiny_seqcls_1label: Path) -> Iterator[list[Trainer]]:
-    import torch
-
-    with trainer_views(replicas, tiny_seqcls_1label, torch.device("cuda", 3)) as views:
-        yield views
+# the replicas and trainers fixtures (tests/gpu/conftest.py) place the servers and trainer here
+PLACEMENTS = [{"gpu": "0,1", "tensor_parallel_size": 2}, {"gpu": 2}]
+TRAINER_GPU = 3
 
 
 def _check(trainers: list[Trainer], version: int, before: list[float], what: str) -> None:
