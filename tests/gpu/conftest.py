@@ -7,10 +7,14 @@ tokenizer trained with ``rewardplane.tinymodel.train_tokenizer``): no downloads.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from rewardplane.testing.servers import ServerHandle
+from tests.gpu.vllm_support import Trainer, running_replicas, trainer_views
 
 GPU_DIR = Path(__file__).resolve().parent
 
@@ -111,3 +115,26 @@ def tiny_seqcls_3labels(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def seqcls_0_4b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_llama_seqcls(tmp_path_factory.mktemp("vllm-0.4b"), SIZES["0.4b"], num_labels=1, seed=2)
+
+
+# Multi-replica modules declare where their servers and trainer run: ``PLACEMENTS`` (one
+# ``start_vllm_server`` options dict per replica) and ``TRAINER_GPU``.
+@pytest.fixture(scope="module")
+def replicas(
+    request: pytest.FixtureRequest, tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[ServerHandle]]:
+    log_dir = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    with running_replicas(tiny_seqcls_1label, log_dir, request.module.PLACEMENTS) as handles:
+        yield handles
+
+
+@pytest.fixture(scope="module")
+def trainers(
+    request: pytest.FixtureRequest, replicas: list[ServerHandle], tiny_seqcls_1label: Path
+) -> Iterator[list[Trainer]]:
+    import torch
+
+    with trainer_views(
+        replicas, tiny_seqcls_1label, torch.device("cuda", request.module.TRAINER_GPU)
+    ) as views:
+        yield views

@@ -7,69 +7,21 @@ trainer (world size 3), so every byte leaves the trainer once.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 
-from rewardplane.testing.servers import ServerHandle, free_port
 from tests.gpu.vllm_support import (
-    TOKEN,
     Trainer,
     check_after_push,
     fill_prefix_cache,
-    load_trainer_model,
-    start_vllm_server,
-    stop,
-    wait_ready,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.gpus(3)]
 
 
-@pytest.fixture(scope="module")
-def replicas(
-    tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[ServerHandle]]:
-    log_dir = tmp_path_factory.mktemp("vllm-replicas")
-    handles: list[ServerHandle] = []
-    try:
-        handles = [start_vllm_server(tiny_seqcls_1label, log_dir, gpu=g) for g in (0, 1)]
-        for h in handles:
-            wait_ready(h)
-        yield handles
-    finally:
-        for h in handles:
-            stop(h)
-
-
-@pytest.fixture(scope="module")
-def trainers(replicas: list[ServerHandle], tiny_seqcls_1label: Path) -> Iterator[list[Trainer]]:
-    import torch
-    from transformers import AutoTokenizer
-
-    from rewardplane.sdk.direct_sync import DirectWeightSync
-
-    device = torch.device("cuda", 2)
-    sync = DirectWeightSync(
-        [h.url for h in replicas],
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
-        device=device,
-        bucket_bytes=1 << 20,
-        timeout_s=300,
-        connect_timeout_s=120,
-    )
-    model = load_trainer_model(tiny_seqcls_1label, device)
-    tok = AutoTokenizer.from_pretrained(tiny_seqcls_1label)
-    # One Trainer view per replica: the same model and sync, each checked against its own server.
-    views = [Trainer(model, tok, sync, device, h.url) for h in replicas]
-    try:
-        yield views
-    finally:
-        sync.close()
+# the replicas and trainers fixtures (tests/gpu/conftest.py) place the servers and trainer here
+PLACEMENTS = [{"gpu": 0}, {"gpu": 1}]
+TRAINER_GPU = 2
 
 
 def test_one_broadcast_updates_both_replicas(trainers: list[Trainer]) -> None:

@@ -14,11 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rewardplane.testing.servers import free_port
 from tests.gpu.vllm_support import (
     TEXTS,
     TOKEN,
     assert_close,
+    direct_sync,
     load_trainer_model,
     reference_scores,
     served,
@@ -50,7 +50,6 @@ def test_pushed_weights_survive_a_restart(tiny_seqcls_1label: Path, tmp_path: Pa
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
     from rewardplane.protocol.naming import select_head
-    from rewardplane.sdk.direct_sync import DirectWeightSync
 
     weights = tmp_path / "weights"
     device = torch.device("cuda", 1)
@@ -66,16 +65,7 @@ def test_pushed_weights_survive_a_restart(tiny_seqcls_1label: Path, tmp_path: Pa
         )
     )
     try:
-        sync = DirectWeightSync(
-            [server.url],
-            group_port=free_port(),
-            token=TOKEN,
-            trainer_host="127.0.0.1",
-            device=device,
-            bucket_bytes=1 << 20,
-            timeout_s=300,
-            connect_timeout_s=120,
-        )
+        sync = direct_sync([server.url], device)
         try:
             torch.manual_seed(7)
             with torch.no_grad():

@@ -9,75 +9,28 @@ trainer's, and every shard equals the trainer's tensor split the way vLLM splits
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
 import pytest
 
-from rewardplane.testing.servers import ServerHandle, free_port
 from tests.gpu.vllm_support import (
     TOKEN,
     Trainer,
     assert_same_parameters,
     check_after_push,
     fill_prefix_cache,
-    load_trainer_model,
     server_checksums,
-    start_vllm_server,
-    stop,
     vllm_llama_checksums,
-    wait_ready,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.gpus(4)]
 
 
-@pytest.fixture(scope="module")
-def replicas(
-    tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[list[ServerHandle]]:
-    log_dir = tmp_path_factory.mktemp("vllm-tp")
-    handles: list[ServerHandle] = []
-    try:
-        handles = [
-            start_vllm_server(tiny_seqcls_1label, log_dir, gpu="0,1", tensor_parallel_size=2),
-            start_vllm_server(tiny_seqcls_1label, log_dir, gpu=2),
-        ]
-        for h in handles:
-            wait_ready(h)
-        yield handles
-    finally:
-        for h in handles:
-            stop(h)
-
-
-@pytest.fixture(scope="module")
-def trainers(replicas: list[ServerHandle], tiny_seqcls_1label: Path) -> Iterator[list[Trainer]]:
-    import torch
-    from transformers import AutoTokenizer
-
-    from rewardplane.sdk.direct_sync import DirectWeightSync
-
-    device = torch.device("cuda", 3)
-    sync = DirectWeightSync(
-        [h.url for h in replicas],
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
-        device=device,
-        bucket_bytes=1 << 20,
-        timeout_s=300,
-        connect_timeout_s=120,
-    )
-    model = load_trainer_model(tiny_seqcls_1label, device)
-    tok = AutoTokenizer.from_pretrained(tiny_seqcls_1label)
-    views = [Trainer(model, tok, sync, device, h.url) for h in replicas]
-    try:
-        yield views
-    finally:
-        sync.close()
+# the replicas and trainers fixtures (tests/gpu/conftest.py) place the servers and trainer here
+PLACEMENTS = [{"gpu": "0,1", "tensor_parallel_size": 2}, {"gpu": 2}]
+TRAINER_GPU = 3
 
 
 def _check(trainers: list[Trainer], version: int, before: list[float], what: str) -> None:

@@ -3,17 +3,19 @@ the transformers model (the reference), and checking a push landed."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
 import shlex
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from rewardplane.testing.servers import ServerHandle, launch_server, wait_healthy
+from rewardplane.testing.servers import ServerHandle, free_port, launch_server, wait_healthy
 
 TOKEN = "gpu-test-token"
 MAX_ABS = 0.05  # bf16 noise on unit-scale scores (README: 0.020 measured on 0.39B)
@@ -257,3 +259,55 @@ def assert_same_parameters(
         assert diff == [], (
             f"{what}, rank {rank}: {len(diff)} of {len(want[rank])} parameters differ: {diff[:5]}"
         )
+
+
+# ---- fixtures' bodies, shared by the multi-replica tests -------------------------------------
+
+
+@contextlib.contextmanager
+def running_replicas(
+    model_dir: Path, log_dir: Path, placements: Sequence[Mapping[str, Any]]
+) -> Iterator[list[ServerHandle]]:
+    """One vLLM server per placement (``start_vllm_server`` options: ``gpu``, ...), all ready;
+    every one started is stopped afterwards."""
+    handles: list[ServerHandle] = []
+    try:
+        for placement in placements:
+            handles.append(start_vllm_server(model_dir, log_dir, **placement))
+        for h in handles:
+            wait_ready(h)
+        yield handles
+    finally:
+        for h in handles:
+            stop(h)
+
+
+def direct_sync(urls: list[str], device: Any) -> Any:
+    """The trainer's ``DirectWeightSync`` to ``urls`` as every GPU test configures it."""
+    from rewardplane.sdk.direct_sync import DirectWeightSync
+
+    return DirectWeightSync(
+        urls,
+        group_port=free_port(),
+        token=TOKEN,
+        trainer_host="127.0.0.1",
+        device=device,
+        bucket_bytes=1 << 20,
+        timeout_s=300,
+        connect_timeout_s=120,
+    )
+
+
+@contextlib.contextmanager
+def trainer_views(replicas: list[ServerHandle], model_dir: Path, device: Any) -> Iterator[list[Trainer]]:
+    """One ``Trainer`` view per replica: the same model and sync, each checked against its own
+    server; the sync is closed afterwards."""
+    from transformers import AutoTokenizer
+
+    sync = direct_sync([h.url for h in replicas], device)
+    try:
+        model = load_trainer_model(model_dir, device)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        yield [Trainer(model, tok, sync, device, h.url) for h in replicas]
+    finally:
+        sync.close()

@@ -227,9 +227,20 @@ def test_openai_package_against_v1(server, model_dir):
     (expected_chat,) = hf_scores(model_dir, [rendered(model_dir, CHAT)], add_special_tokens=False)
     assert close(pooled["data"][0]["data"][0], expected_chat[0])
 
+    # Errors under /v1/ come in OpenAI's shape, so the package shows the message, not just the code
     with pytest.raises(openai.BadRequestError) as err:
         client.embeddings.create(model="gpt-4o", input="x")
-    assert "not served here" in str(err.value.body)  # the package keeps the body's "error"
+    assert "not served here" in str(err.value) and err.value.code == "400", str(err.value)
+    assert err.value.type == "invalid_request_error"
+    with pytest.raises(openai.UnprocessableEntityError) as invalid:
+        client.post("/classify", body={"model": "tiny-rm", "input": 5}, cast_to=httpx.Response)
+    assert "input" in str(invalid.value) and invalid.value.param == "input", str(invalid.value)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.get("/no_such_route", cast_to=httpx.Response)
+    assert "/v1/no_such_route" in str(missing.value)
+    # outside /v1/ the project's one shape stays
+    root = httpx.post(f"{server.url}/embeddings", json={"model": "gpt-4o", "input": "x"})
+    assert root.status_code == 400 and "not served here" in root.json()["error"]
 
 
 # ------------------------------------------------------------------ vLLM request shapes

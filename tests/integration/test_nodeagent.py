@@ -105,24 +105,41 @@ def test_http_server_pod_gets_its_own_ip_and_becomes_ready(
 @pytest.mark.cluster
 def test_crashing_process_is_restarted(kube_api: Any, node_agent: Any, k8s_namespace: str) -> None:
     core = _core(kube_api)
+    crash = "import sys; print('starting'); sys.exit('RuntimeError: the cause of the crash')"
     core.create_namespaced_pod(
         k8s_namespace,
-        _pod("crash", node_agent.name, ["python", "-c", "import sys; sys.exit(1)"]),
+        _pod(
+            "crash",
+            node_agent.name,
+            ["python", "-c", crash],
+            terminationMessagePolicy="FallbackToLogsOnError",
+        ),
         _request_timeout=10,
     )
+    # As the kubelet: restarted at once after the first exit, then CrashLoopBackOff for 10 s
     got = _wait_pod(
         core,
         k8s_namespace,
         "crash",
-        lambda p: bool(p.status.container_statuses) and p.status.container_statuses[0].restart_count > 0,
-        "restarted",
+        lambda p: (
+            bool(p.status.container_statuses)
+            and p.status.container_statuses[0].state.waiting is not None
+            and p.status.container_statuses[0].state.waiting.reason == "CrashLoopBackOff"
+        ),
+        "in CrashLoopBackOff",
         node_agent,
     )
     cs = got.status.container_statuses[0]
-    assert cs.last_state.terminated is not None and cs.last_state.terminated.exit_code == 1
-    assert got.status.phase == "Running"  # restartPolicy Always keeps the pod Running
-    # between runs the container waits in CrashLoopBackOff; right after a restart it runs again
-    assert cs.state.running is not None or cs.state.waiting.reason == "CrashLoopBackOff"
+    assert cs.restart_count == 1 and got.status.phase == "Running"  # restartPolicy Always keeps it Running
+    uid = got.metadata.uid
+    assert (
+        cs.state.waiting.message
+        == f"back-off 10s restarting failed container=main pod=crash_{k8s_namespace}({uid})"
+    )
+    # the cause, as the kubelet keeps it with FallbackToLogsOnError: this run's log tail
+    terminated = cs.last_state.terminated
+    assert terminated is not None and terminated.exit_code == 1 and terminated.reason == "Error"
+    assert terminated.message == "starting\nRuntimeError: the cause of the crash\n", terminated.message
 
 
 @pytest.mark.cluster

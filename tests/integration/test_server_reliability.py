@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import statistics
 import threading
 import time
@@ -173,6 +174,64 @@ def test_body_over_the_request_limit_is_413_before_parsing(limited):
     assert httpx.get(f"{limited.url}/health").status_code == 200
 
 
+def _request_head(path: str, length: int) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+        f"content-length: {length}\r\n\r\n"
+    ).encode()
+
+
+def _read_answer(sock: socket.socket) -> tuple[int, dict[str, Any]]:
+    """Status and JSON body of one HTTP/1.1 answer read from a raw socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before an answer: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    length = next(
+        int(v) for k, _, v in (x.partition(": ") for x in lines[1:]) if k.lower() == "content-length"
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "connection closed mid-answer"
+        body += chunk
+    return int(lines[0].split()[1]), json.loads(body)
+
+
+def test_body_announced_over_the_limit_is_refused_before_it_is_sent(limited):
+    # Only the headers go out: the 413 can only come from Content-Length, before any byte is read.
+    with socket.create_connection(("127.0.0.1", limited.port), timeout=30) as sock:
+        sock.sendall(_request_head("/score", 17 << 20))
+        status, body = _read_answer(sock)
+    assert status == 413 and "--max-request-bytes" in body["error"] and str(17 << 20) in body["error"]
+
+
+def test_health_and_small_requests_are_served_while_large_bodies_take_turns(limited):
+    big = json.dumps({"input": ["word " * (2 << 18)]}).encode()  # 2.5 MiB: a "large" body
+    with (
+        socket.create_connection(("127.0.0.1", limited.port), timeout=30) as first,
+        socket.create_connection(("127.0.0.1", limited.port), timeout=30) as second,
+    ):
+        first.sendall(_request_head("/score", len(big)) + big[: len(big) // 2])  # ... and stalls
+        time.sleep(0.5)  # the server starts reading it: its turn is taken
+        # the second large body is complete, but waits for the first one's turn to end
+        second.sendall(_request_head("/classify", len(big)) + big)
+        second.settimeout(2)
+        with pytest.raises(TimeoutError):
+            second.recv(1)
+        # meanwhile /health and a small scoring request do not wait for either
+        assert httpx.get(f"{limited.url}/health", timeout=10).status_code == 200
+        small = httpx.post(f"{limited.url}/score", json={"input": ["a short text"]}, timeout=30)
+        assert small.status_code == 200, small.text
+        first.sendall(big[len(big) // 2 :])
+        for sock in (first, second):
+            sock.settimeout(30)
+            status, body = _read_answer(sock)
+            assert status == 400 and "bytes per input" in body["error"], body
+
+
 @pytest.mark.parametrize("path", ["/classify", "/pooling", "/score"])
 def test_counts_and_sizes_are_checked_before_tokenizing(limited, path):
     # 200,000 short texts: tokenizing them all first took seconds before the 400
@@ -236,9 +295,10 @@ def test_openapi_documents_the_errors_each_endpoint_gives(limited):
     assert {"200", "401", "403", "409", "413", "422"} <= codes("/init_communicator")
     assert {"200", "401", "403", "409", "413", "422", "503"} <= codes("/restore_weights")
     assert {"200", "503"} <= codes("/health", "get")
-    # every error answer is the project's one shape, FastAPI's 422 included
+    # every error answer is the project's one shape, FastAPI's 422 included; OpenAI's under /v1/
     for (path, method), op in ops.items():
+        shape = "/OpenAIErrorResponse" if path.startswith("/v1/") else "/ErrorResponse"
         for code, answer in op["responses"].items():
             if code.startswith(("4", "5")) and not (path == "/health" and code == "503"):
                 ref = answer["content"]["application/json"]["schema"]["$ref"]
-                assert ref.endswith("/ErrorResponse"), (path, method, code, ref)
+                assert ref.endswith(shape), (path, method, code, ref)

@@ -14,12 +14,13 @@ itself). For each pod it:
 - runs the first container's ``command`` + ``args`` (``$(VAR)`` expanded; ``python``/``python3``
   become the agent's own interpreter) in its own process group, output to a per-pod log file;
 - reports status through the status subresource: phase, podIP, containerStatuses, conditions,
-  Ready only once the readinessProbe passes; restarts crashed processes with capped back-off;
+  Ready only once the readinessProbe passes; restarts crashed processes with the kubelet's
+  back-off (:mod:`.backoff`: CrashLoopBackOff, the log's tail as the cause);
 - on deletion stops the process (SIGTERM, SIGKILL after the grace period) and deletes the Pod
   with gracePeriodSeconds=0, as the kubelet does.
 
-Pure logic lives in :mod:`.podspec`, :mod:`.probes` and :mod:`.gpus`; this module is the I/O
-around it.
+Pure logic lives in :mod:`.podspec`, :mod:`.probes`, :mod:`.gpus` and :mod:`.backoff`; this module is
+the I/O around it.
 Run it as ``rewardplane node`` or ``python -m rewardplane.localcluster.nodeagent``.
 """
 
@@ -44,6 +45,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from rewardplane.localcluster.backoff import KUBELET, crash_loop_message, fallback_termination_message
 from rewardplane.localcluster.gpus import GpuInventory, pinned_devices
 from rewardplane.localcluster.podspec import (
     ContainerRuntime,
@@ -68,10 +70,8 @@ log = logging.getLogger("rewardplane.nodeagent")
 
 TICK_S = 0.25  # how often a pod worker looks at its process and probes
 API_TIMEOUT_S = 10  # every API call is bounded
-BACKOFF_BASE_S = 1.0  # restart back-off 1, 2, 4, 8, 10, 10 ... s (the kubelet's goes to 5 min;
-BACKOFF_CAP_S = 10.0  # a local dev loop wants crashes retried quickly)
-BACKOFF_RESET_AFTER_S = 60.0  # a process that ran this long starts its back-off over
 CONFIG_RETRY_S = 2.0  # retry a pod whose Secret/ConfigMap is missing
+START_MARKER = "rewardplane node agent: start #"  # the agent's line before each run in a pod's log
 MARKER_ENV = "REWARDPLANE_NODE_AGENT_ID"  # finds our processes left over after an agent crash
 
 
@@ -265,7 +265,7 @@ class PodWorker(threading.Thread):
         self.proc: subprocess.Popen[bytes] | None = None
         self.plan: ProcessPlan | None = None
         self.starts = 0
-        self.crashes = 0
+        self.backoff_s: float | None = None  # the kubelet's per-container back-off (None: no crash yet)
         self.next_start = 0.0
         rp, lp = self.container.get("readinessProbe"), self.container.get("livenessProbe")
         self.readiness = ProbeTracker(rp, healthy=False) if rp else None
@@ -384,9 +384,7 @@ class PodWorker(threading.Thread):
         cwd = plan.cwd if plan.cwd and Path(plan.cwd).is_dir() else str(self.pod_dir)
         restarting = self.starts > 0
         with open(self.log_path, "ab") as logf:
-            logf.write(
-                f"--- {rfc3339(now)} rewardplane node agent: start #{self.starts + 1}: {plan.argv}\n".encode()
-            )
+            logf.write(f"--- {rfc3339(now)} {START_MARKER}{self.starts + 1}: {plan.argv}\n".encode())
             logf.flush()
             try:
                 self.proc = subprocess.Popen(
@@ -528,6 +526,7 @@ class PodWorker(threading.Thread):
         reason = reason or ("Completed" if code == 0 else "Error")
         started = self.rt.running_since or now
         self.rt.last_exit = (code, reason, started, now)
+        self.rt.last_exit_message = message if message is not None else self._log_cause(code)
         self.rt.running_since = None
         self.rt.pid = None
         self.rt.ready = False
@@ -537,15 +536,28 @@ class PodWorker(threading.Thread):
         if not (self.restart_policy == "Always" or (self.restart_policy == "OnFailure" and code != 0)):
             self.rt.terminal_phase = "Succeeded" if code == 0 else "Failed"
             return
-        if now - started > BACKOFF_RESET_AFTER_S:
-            self.crashes = 0
-        delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**self.crashes)
-        self.crashes += 1
+        delay, self.backoff_s = KUBELET.after_exit(self.backoff_s, now - started)
         self.next_start = now + delay
+        if delay == 0:  # the kubelet restarts at once: no back-off to show
+            self.rt.waiting_reason, self.rt.waiting_message = None, None
+            return
         self.rt.waiting_reason = "CrashLoopBackOff"  # also after exit 0: Always means keep running
-        self.rt.waiting_message = message or (
-            f"back-off {delay:g}s restarting failed container={self.rt.name} pod={self.pod_name}"
-        )
+        self.rt.waiting_message = crash_loop_message(delay, self.rt.name, self.pod_name, self.ns, self.uid)
+
+    def _log_cause(self, code: int) -> str | None:
+        """``FallbackToLogsOnError``: a failed run's log tail (this run's lines only) as its cause."""
+        if code == 0 or self.container.get("terminationMessagePolicy") != "FallbackToLogsOnError":
+            return None
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            return None
+        marker = text.rfind(START_MARKER)
+        if marker >= 0:
+            text = text[text.find("\n", marker) + 1 :]
+        return fallback_termination_message(text) or None
 
     def _stop_process(self, grace_s: float) -> None:
         if self.proc is None:
@@ -558,6 +570,7 @@ class PodWorker(threading.Thread):
             self.rt.running_since or time.time(),
             time.time(),
         )
+        self.rt.last_exit_message = None
         self.rt.running_since = self.rt.pid = None
         self.rt.ready = False
         self.proc = None

@@ -395,6 +395,7 @@ class ContainerRuntime:
     waiting_message: str | None = None
     # the last termination: (exitCode, reason, startedAt, finishedAt)
     last_exit: tuple[int, str, float, float] | None = None
+    last_exit_message: str | None = None  # the termination message (the failed log's tail)
     terminal_phase: str | None = None  # Succeeded / Failed once the pod will not run again
     # lastTransitionTime per condition type, so a condition's time changes only when it flips
     transitions: dict[str, tuple[bool, float]] = field(default_factory=dict)
@@ -407,15 +408,18 @@ class ContainerRuntime:
         return prev[1]
 
 
-def _terminated(exit_code: int, reason: str, started: float, finished: float) -> dict[str, Any]:
-    return {
-        "terminated": {
-            "exitCode": exit_code,
-            "reason": reason,
-            "startedAt": rfc3339(started),
-            "finishedAt": rfc3339(finished),
-        }
+def _terminated(rt: ContainerRuntime) -> dict[str, Any]:
+    assert rt.last_exit is not None
+    exit_code, reason, started, finished = rt.last_exit
+    terminated: dict[str, Any] = {
+        "exitCode": exit_code,
+        "reason": reason,
+        "startedAt": rfc3339(started),
+        "finishedAt": rfc3339(finished),
     }
+    if rt.last_exit_message:
+        terminated["message"] = rt.last_exit_message
+    return {"terminated": terminated}
 
 
 def build_pod_status(rt: ContainerRuntime, now: float) -> dict[str, Any]:
@@ -430,7 +434,7 @@ def build_pod_status(rt: ContainerRuntime, now: float) -> dict[str, Any]:
     if rt.running_since is not None:
         state: dict[str, Any] = {"running": {"startedAt": rfc3339(rt.running_since)}}
     elif rt.terminal_phase and rt.last_exit:
-        state = _terminated(*rt.last_exit)
+        state = _terminated(rt)
     else:
         state = {"waiting": {"reason": rt.waiting_reason or "ContainerCreating"}}
         if rt.waiting_message:
@@ -444,7 +448,7 @@ def build_pod_status(rt: ContainerRuntime, now: float) -> dict[str, Any]:
         "started": rt.running_since is not None,
         "restartCount": rt.restart_count,
         "state": state,
-        "lastState": _terminated(*rt.last_exit) if rt.last_exit and not rt.terminal_phase else {},
+        "lastState": _terminated(rt) if rt.last_exit and not rt.terminal_phase else {},
     }
     if rt.pid is not None:
         cs["containerID"] = f"rewardplane-node://{rt.pid}"

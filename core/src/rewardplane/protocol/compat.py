@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import struct
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, WithJsonSchema, model_validator
 
@@ -27,6 +27,7 @@ PromptInput = str | list[str] | list[StrictInt] | list[list[StrictInt]]
 # One chat message as the model's chat template reads it (role, content, and whatever else it uses).
 ChatMessage = dict[str, Any]
 EncodingFormat = Literal["float", "base64"]
+ItemT = TypeVar("ItemT", bound=BaseModel)
 
 
 def encode_base64_floats(values: Sequence[float]) -> str:
@@ -127,14 +128,20 @@ class ClassificationData(BaseModel):
     num_classes: int
 
 
-class ClassifyResponse(BaseModel):
+class ListResponse(BaseModel, Generic[ItemT]):
+    """The envelope of vLLM's pooling-family answers: one ``data`` item per input, in order."""
+
     id: str
     object: str = "list"
     created: int
     model: str
-    data: list[ClassificationData]
+    data: list[ItemT]
     usage: Usage
     version: int = 0
+
+
+class ClassifyResponse(ListResponse[ClassificationData]):
+    pass
 
 
 class PoolingData(BaseModel):
@@ -143,14 +150,8 @@ class PoolingData(BaseModel):
     data: list[float] | str
 
 
-class PoolingResponse(BaseModel):
-    id: str
-    object: str = "list"
-    created: int
-    model: str
-    data: list[PoolingData]
-    usage: Usage
-    version: int = 0
+class PoolingResponse(ListResponse[PoolingData]):
+    pass
 
 
 class EmbeddingData(BaseModel):
@@ -159,14 +160,8 @@ class EmbeddingData(BaseModel):
     embedding: list[float] | str
 
 
-class EmbeddingResponse(BaseModel):
-    id: str
-    object: str = "list"
-    created: int
-    model: str
-    data: list[EmbeddingData]
-    usage: Usage
-    version: int = 0
+class EmbeddingResponse(ListResponse[EmbeddingData]):
+    pass
 
 
 class ModelCard(BaseModel):
@@ -344,3 +339,18 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: CompletionUsage
     version: int = 0
+
+
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class OpenAIErrorResponse(BaseModel):
+    """The error body under ``/v1/...``: OpenAI's shape, whose ``error.message`` the ``openai``
+    package shows to its user (it shows only the status code for any other body). Everywhere else
+    the server answers ``ErrorResponse``."""
+
+    error: OpenAIError

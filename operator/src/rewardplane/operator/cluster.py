@@ -29,6 +29,8 @@ class ClusterReader(Protocol):
 
     def pods(self) -> list[Mapping[str, Any]]: ...
 
+    def pods_of(self, namespace: str, model: str) -> list[dict[str, Any]]: ...
+
     def weightsyncs(self, namespace: str, model: str) -> list[Mapping[str, Any]]: ...
 
 
@@ -52,6 +54,9 @@ class ApiCluster:
 
     def pods(self) -> list[Mapping[str, Any]]:
         return list(self._cluster_wide(core_path("pods"), core_path("pods", self.namespace), LABEL_MODEL))
+
+    def pods_of(self, namespace: str, model: str) -> list[dict[str, Any]]:
+        return self.kube.list(core_path("pods", namespace), label_selector=f"{LABEL_MODEL}={model}")
 
     def weightsyncs(self, namespace: str, model: str) -> list[Mapping[str, Any]]:
         return [
@@ -95,6 +100,9 @@ class IndexedCluster:
 
     def pods(self) -> list[Mapping[str, Any]]:
         return _values(self._pods)
+
+    def pods_of(self, namespace: str, model: str) -> list[dict[str, Any]]:
+        return _values(self._pods, (namespace, model))
 
     def weightsyncs(self, namespace: str, model: str) -> list[Mapping[str, Any]]:
         return _values(self._ws, (namespace, model))

@@ -220,7 +220,8 @@ class Reconciler:
         elif existing.get("spec") != policy["spec"]:
             self.kube.merge_patch(path, {"spec": policy["spec"]})
 
-    def _apply_pods(self, ns: str, desired: list[dict[str, Any]], pods: list[dict[str, Any]]) -> None:
+    def _apply_pods(self, ns: str, desired: list[dict[str, Any]], pods: list[dict[str, Any]]) -> bool:
+        """Create and delete Pods one rollout step; True when there was anything to do."""
         actions = pod_actions(desired, pods)
         for name, why in actions.delete:
             self._delete_pod(ns, name, why)
@@ -228,6 +229,7 @@ class Reconciler:
             if self.kube.create(core_path("pods", ns), pod) is not None:
                 metrics.POD_ACTIONS.labels(action="create").inc()
                 log.info("created pod %s/%s on node %s", ns, pod["metadata"]["name"], pod["spec"]["nodeName"])
+        return actions.any()
 
     def _delete_pod(self, ns: str, name: str, why: str) -> None:
         if self.kube.delete(core_path("pods", ns, name)):
@@ -295,9 +297,18 @@ class Reconciler:
         rm = self.kube.get(custom_path(ns, name))
         if rm is None or rm["metadata"].get("deletionTimestamp"):
             return "gone"  # the delete handler cleans up
-        pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
+        cluster = self.cluster or ApiCluster(self.kube, self.namespace)
+        # The model's Pods as kopf's watch last saw them: a LIST per reconcile made the API server
+        # decode every Pod of the namespace, seconds per call at 1000 models (benchmarks/README.md).
+        # Whatever is to be created or deleted is decided again on a fresh LIST below.
+        pods = cluster.pods_of(ns, name)
         try:
             plan = plan_reward_model(rm, self._cluster_view(rm, pods))
+            desired, service = render_children(rm, plan)
+            if self.cluster is not None and pod_actions(desired, pods).any():
+                pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
+                plan = plan_reward_model(rm, self._cluster_view(rm, pods))
+                desired, service = render_children(rm, plan)
         except InvalidSpecError as exc:
             # Leave running children alone (a typo must not take a model down) and say what to fix.
             status = compute_status(
@@ -306,13 +317,11 @@ class Reconciler:
             self._write_status(rm, status)
             return "invalid"
         self._ensure_secret(rm)
-        desired, service = render_children(rm, plan)
         self._ensure_service(ns, service)
         self._ensure_network_policy(rm, plan)
-        self._apply_pods(ns, desired, pods)
-        pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
+        if self._apply_pods(ns, desired, pods):
+            pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
         hashes = {p["metadata"]["name"]: p["metadata"]["annotations"][ANNOTATION_SPEC_HASH] for p in desired}
-        cluster = self.cluster or ApiCluster(self.kube, self.namespace)
         known = completed_version(cluster.weightsyncs(ns, name), name)
         probes = self._probe(plan, pods)
         target = max(

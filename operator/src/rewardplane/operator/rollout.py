@@ -17,6 +17,9 @@ class PodActions:
     create: list[dict[str, Any]] = field(default_factory=list)
     """Pods to create now."""
 
+    def any(self) -> bool:
+        return bool(self.delete or self.create)
+
 
 def _terminating(pod: Mapping[str, Any]) -> bool:
     return bool(pod["metadata"].get("deletionTimestamp"))

@@ -23,13 +23,14 @@ in ``info["versions"]`` and ``ScoringResponse.metadata["versions"]``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -333,37 +334,8 @@ class BaseRewardClient:
 
     # -- retry bookkeeping shared by the sync and async request loops --------------------------
 
-    def _after_failure(
-        self, exc: BaseException, idx: int, tried: list[str], method: str, path: str, failover: bool
-    ) -> int:
-        """Log a retryable failure; the endpoint index of the next attempt (failover on connect
-        errors: the request never reached a server, so resending elsewhere cannot duplicate work)."""
-        if not self.retry.is_retryable(exc):
-            return idx
-        logger.warning(
-            "attempt %d/%d: %s %s%s failed: %s",
-            len(tried),
-            self.retry.max_attempts,
-            method,
-            tried[-1],
-            path,
-            exc,
-        )
-        n = len(self.endpoints)
-        if failover and self.retry.failover and n > 1 and self.retry.should_failover(exc):
-            return (idx + 1) % n
-        return idx
-
-    def _unavailable(
-        self, exc: BaseException | None, tried: list[str], start: float, idx: int
-    ) -> RewardServerUnavailable:
-        return RewardServerUnavailable(
-            tried[-1] if tried else self.endpoints[idx],
-            len(tried),
-            exc,
-            urls=tried,
-            elapsed_s=time.monotonic() - start,
-        )
+    def _attempts(self, index: int, method: str, path: str, failover: bool) -> _Attempts:
+        return _Attempts(self, index % len(self.endpoints), method, path, failover)
 
     # -- health (blocking; used at construction by VLLMRewardClient) ---------------------------
 
@@ -430,6 +402,71 @@ class BaseRewardClient:
         return f"{type(self).__name__}(endpoints={self.endpoints!r}, model_name={self.model_name!r})"
 
 
+class _Attempts:
+    """One request's attempts under the retry policy, shared by the sync and async loops (which
+    differ only in how they wait): the endpoint each attempt goes to (failover on connect errors:
+    the request never reached a server, so resending elsewhere cannot duplicate work), the log line
+    of each retryable failure, and the ``RewardServerUnavailable`` that ends a request."""
+
+    def __init__(self, client: BaseRewardClient, idx: int, method: str, path: str, failover: bool) -> None:
+        self.client = client
+        self.idx = idx
+        self.method = method
+        self.path = path
+        self.failover = failover
+        self.tried: list[str] = []
+        self.start = time.monotonic()
+
+    @contextlib.contextmanager
+    def next_url(self) -> Iterator[str]:
+        """The base URL of this attempt; a failure inside picks the next attempt's endpoint."""
+        url = self.client.endpoints[self.idx]
+        self.tried.append(url)
+        try:
+            yield url
+        except (httpx.TransportError, RewardServerError) as exc:
+            self._failed(exc)
+            raise
+
+    def _failed(self, exc: BaseException) -> None:
+        retry = self.client.retry
+        if not retry.is_retryable(exc):
+            return
+        logger.warning(
+            "attempt %d/%d: %s %s%s failed: %s",
+            len(self.tried),
+            retry.max_attempts,
+            self.method,
+            self.tried[-1],
+            self.path,
+            exc,
+        )
+        n = len(self.client.endpoints)
+        if self.failover and retry.failover and n > 1 and retry.should_failover(exc):
+            self.idx = (self.idx + 1) % n
+
+    @contextlib.contextmanager
+    def giving_up(self) -> Iterator[None]:
+        """Turns the policy giving up (or a transport error it does not retry) into
+        ``RewardServerUnavailable`` naming every URL tried and the time spent."""
+        try:
+            yield
+        except tenacity.RetryError as err:
+            last = err.last_attempt.exception()
+            raise self._unavailable(last) from last
+        except httpx.TransportError as exc:
+            raise self._unavailable(exc) from exc
+
+    def _unavailable(self, exc: BaseException | None) -> RewardServerUnavailable:
+        return RewardServerUnavailable(
+            self.tried[-1] if self.tried else self.client.endpoints[self.idx],
+            len(self.tried),
+            exc,
+            urls=self.tried,
+            elapsed_s=time.monotonic() - self.start,
+        )
+
+
 class AsyncRewardClient(BaseRewardClient):
     """The asyncio scoring client (see :class:`BaseRewardClient` for the arguments).
 
@@ -461,25 +498,12 @@ class AsyncRewardClient(BaseRewardClient):
     ) -> tuple[httpx.Response, str, int]:
         """One request to endpoint ``index`` under the retry policy: (response, url, attempts)."""
         client = self._aclient()
-        idx = index % len(self.endpoints)
-        tried: list[str] = []
-        start = time.monotonic()
-        try:
+        attempts = self._attempts(index, method, path, failover)
+        with attempts.giving_up():
             async for attempt in self.retry.async_retrying():
-                with attempt:
-                    url = self.endpoints[idx]
-                    tried.append(url)
-                    try:
-                        resp = check_response(await client.request(method, url + path, json=json))
-                    except (httpx.TransportError, RewardServerError) as exc:
-                        idx = self._after_failure(exc, idx, tried, method, path, failover)
-                        raise
-                    return resp, url, len(tried)
-        except tenacity.RetryError as err:
-            last = err.last_attempt.exception()
-            raise self._unavailable(last, tried, start, idx) from last
-        except httpx.TransportError as exc:  # a transport error the policy does not retry
-            raise self._unavailable(exc, tried, start, idx) from exc
+                with attempt, attempts.next_url() as url:
+                    resp = check_response(await client.request(method, url + path, json=json))
+                    return resp, url, len(attempts.tried)
         raise AssertionError("unreachable: tenacity returns, raises or gives RetryError")
 
     async def _score_piece(self, index: int, rows: range, base: dict[str, Any], inputs: list[str]) -> _Piece:
@@ -626,6 +650,9 @@ class AsyncRewardClient(BaseRewardClient):
         if self._closed:
             return
         self._closed = True
+        await self._close_pools()
+
+    async def _close_pools(self) -> None:
         current = asyncio.get_running_loop()
         for loop, pool in self._detach_pools():
             if pool.is_closed or loop.is_closed():
@@ -689,25 +716,12 @@ class RewardClient(BaseRewardClient):
     ) -> tuple[httpx.Response, str, int]:
         """One request to endpoint ``index`` under the retry policy: (response, url, attempts)."""
         client = self._client()
-        idx = index % len(self.endpoints)
-        tried: list[str] = []
-        start = time.monotonic()
-        try:
+        attempts = self._attempts(index, method, path, failover)
+        with attempts.giving_up():
             for attempt in self.retry.retrying():
-                with attempt:
-                    url = self.endpoints[idx]
-                    tried.append(url)
-                    try:
-                        resp = check_response(client.request(method, url + path, json=json))
-                    except (httpx.TransportError, RewardServerError) as exc:
-                        idx = self._after_failure(exc, idx, tried, method, path, failover)
-                        raise
-                    return resp, url, len(tried)
-        except tenacity.RetryError as err:
-            last = err.last_attempt.exception()
-            raise self._unavailable(last, tried, start, idx) from last
-        except httpx.TransportError as exc:  # a transport error the policy does not retry
-            raise self._unavailable(exc, tried, start, idx) from exc
+                with attempt, attempts.next_url() as url:
+                    resp = check_response(client.request(method, url + path, json=json))
+                    return resp, url, len(attempts.tried)
         raise AssertionError("unreachable: tenacity returns, raises or gives RetryError")
 
     def _score_piece(self, index: int, rows: range, base: dict[str, Any], inputs: list[str]) -> _Piece:

@@ -15,10 +15,13 @@ import math
 import statistics
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import replace
-from typing import Any, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict, get_args
 
 from ._exceptions import CreditAssignmentError
 from ._rollout import Rollout, RolloutStepKey, Step
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 CombineMode = Literal["replace", "add", "multiply", "weighted", "bonus"]
 ScoreLevel = Literal["sequence", "step"]
@@ -316,9 +319,24 @@ class GroupNormalizedAssigner:
         return weights
 
 
-def make_rm_grpo_assigner(
+class RMGroupOptions(TypedDict, total=False):
+    """Keyword options of the reward-model group presets (defaults in brackets): ``rm_coeff``
+    [1.0], ``alpha`` [0.5], ``rm_score_key`` ["rm_score"], ``score_level`` ["sequence"],
+    ``group_key`` [None: consecutive runs of ``group_size``], ``reduce`` [None], ``eps`` [1e-8]."""
+
+    rm_coeff: float
+    alpha: float
+    rm_score_key: str
+    score_level: ScoreLevel
+    group_key: str | None
+    reduce: Reduction | None
+    eps: float
+
+
+def _rm_group_assigner(
     group_size: int | None,
-    mode: CombineMode = "bonus",
+    mode: CombineMode,
+    std_scope: StdScope,
     *,
     rm_coeff: float = 1.0,
     alpha: float = 0.5,
@@ -327,42 +345,32 @@ def make_rm_grpo_assigner(
     group_key: str | None = None,
     reduce: Reduction | None = None,
     eps: float = 1e-8,
+) -> RewardModelCreditAssigner:
+    return RewardModelCreditAssigner(
+        mode,
+        rm_coeff,
+        alpha,
+        rm_score_key,
+        score_level,
+        GroupNormalizedAssigner(group_size, group_key=group_key, eps=eps, std_scope=std_scope),
+        reduce=reduce,
+    )
+
+
+def make_rm_grpo_assigner(
+    group_size: int | None, mode: CombineMode = "bonus", **options: Unpack[RMGroupOptions]
 ) -> RewardModelCreditAssigner:
     """GRPO with a reward model: combine env and RM per ``mode``, then per group of ``group_size``
     rollouts of one prompt, ``(R − mean) / (std + eps)`` with the group's std; every step of a
-    rollout gets its advantage."""
-    return RewardModelCreditAssigner(
-        mode,
-        rm_coeff,
-        alpha,
-        rm_score_key,
-        score_level,
-        GroupNormalizedAssigner(group_size, group_key=group_key, eps=eps, std_scope="group"),
-        reduce=reduce,
-    )
+    rollout gets its advantage. ``options``: see :class:`RMGroupOptions`."""
+    return _rm_group_assigner(group_size, mode, "group", **options)
 
 
 def make_rm_scalerl_assigner(
-    group_size: int | None,
-    mode: CombineMode = "bonus",
-    *,
-    rm_coeff: float = 1.0,
-    alpha: float = 0.5,
-    rm_score_key: str = "rm_score",
-    score_level: ScoreLevel = "sequence",
-    group_key: str | None = None,
-    reduce: Reduction | None = None,
-    eps: float = 1e-8,
+    group_size: int | None, mode: CombineMode = "bonus", **options: Unpack[RMGroupOptions]
 ) -> RewardModelCreditAssigner:
     """ScaleRL-style: like :func:`make_rm_grpo_assigner` but the group-centred returns are divided
     by the standard deviation over the whole batch (more stable when a group's rewards barely
-    differ); a group whose rewards are all equal gets 0 (no signal)."""
-    return RewardModelCreditAssigner(
-        mode,
-        rm_coeff,
-        alpha,
-        rm_score_key,
-        score_level,
-        GroupNormalizedAssigner(group_size, group_key=group_key, eps=eps, std_scope="batch"),
-        reduce=reduce,
-    )
+    differ); a group whose rewards are all equal gets 0 (no signal). ``options``: see
+    :class:`RMGroupOptions`."""
+    return _rm_group_assigner(group_size, mode, "batch", **options)

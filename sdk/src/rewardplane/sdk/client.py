@@ -290,14 +290,7 @@ class VLLMRewardClient(AsyncRewardClient):
         """Close this loop's pools, then everything else (without blocking the loop)."""
         if self._closed:
             return
-        current = asyncio.get_running_loop()
-        for loop, pool in self._detach_pools():
-            if pool.is_closed or loop.is_closed():
-                continue
-            if loop is current:
-                await pool.aclose()
-            elif loop.is_running():
-                asyncio.run_coroutine_threadsafe(pool.aclose(), loop)
+        await self._close_pools()
         await asyncio.to_thread(self.close)
 
     def __enter__(self) -> VLLMRewardClient:

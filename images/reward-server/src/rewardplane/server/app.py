@@ -27,6 +27,7 @@ from .inputs import Limits
 from .metrics import ServerMetrics
 from .model_names import ModelNames
 from .persistence import WeightsStore
+from .request_body import BodyLimitMiddleware
 from .routes import control_router, persistence_router, scoring_router, sleep_router
 from .service import ScoringService
 from .sleep import SleepService
@@ -79,52 +80,15 @@ class ObserveMiddleware:
             self.metrics.errors.labels(path, "internal").inc()
             self.metrics.requests.labels(path, "500").inc()
             if not started:
-                await error_response(500, "internal server error; see the server log")(scope, receive, send)
+                await error_response(500, "internal server error; see the server log", path=path)(
+                    scope, receive, send
+                )
             return
         if status == 404:
             path = UNMATCHED  # one label for every unknown path: a scanner must not grow the registry
         if path != Endpoints.METRICS:
             self.metrics.requests.labels(path, str(status)).inc()
             self.metrics.latency.labels(path).observe(time.perf_counter() - start)
-
-
-class BodyLimitMiddleware:
-    """413 for a request body over ``max_bytes``, decided before the body is parsed: at once from
-    ``Content-Length``, else while the body streams in. A 10 MB input then costs the server
-    nothing but the bytes it reads."""
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    def _message(self, size: str) -> str:
-        return (
-            f"the request body is {size} bytes; this server takes at most {self.max_bytes} "
-            "(--max-request-bytes): send fewer or shorter inputs per request"
-        )
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await error_response(413, self._message(value.decode()))(scope, receive, send)
-                return
-        seen = 0
-
-        async def counted_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    # An HTTPException reaches the app's handler as it is (FastAPI turns other
-                    # errors while reading the body into a 400).
-                    raise StarletteHTTPException(413, self._message(f"more than {self.max_bytes}"))
-            return message
-
-        await self.app(scope, counted_receive, send)
 
 
 def build_app(
@@ -165,7 +129,7 @@ def build_app(
     @app.exception_handler(ServerError)
     async def _server_error(request: Request, exc: ServerError) -> JSONResponse:
         metrics.errors.labels(request.url.path, type(exc).__name__).inc()
-        return error_response(exc.status_code, exc.message, exc.detail)
+        return error_response(exc.status_code, exc.message, exc.detail, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -173,7 +137,7 @@ def build_app(
         detail = [
             {"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in exc.errors()
         ]
-        return error_response(422, _validation_message(exc), detail)
+        return error_response(422, _validation_message(exc), detail, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -181,7 +145,7 @@ def build_app(
         label = UNMATCHED if exc.status_code == 404 else request.url.path
         metrics.errors.labels(label, str(exc.status_code)).inc()
         hint = {404: f"no endpoint {request.url.path}; see /docs for the endpoints"}.get(exc.status_code)
-        response = error_response(exc.status_code, hint or str(exc.detail))
+        response = error_response(exc.status_code, hint or str(exc.detail), path=request.url.path)
         for key, value in (exc.headers or {}).items():
             response.headers[key] = value
         if exc.status_code == 405 and request.url.path in allowed:

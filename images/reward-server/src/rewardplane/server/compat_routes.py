@@ -51,7 +51,7 @@ from rewardplane.protocol import (
 
 from .errors import BadRequest
 from .inputs import check_items, check_token_ids, render_chat
-from .routes import SCORING_ERRORS, JSONRoute
+from .routes import OPENAI_SCORING_ERRORS, SCORING_ERRORS, JSONRoute
 from .scoring import activation, to_score
 from .service import ScoringService
 
@@ -70,7 +70,7 @@ def compat_router(service: ScoringService) -> APIRouter:
                 endpoint,
                 methods=[method],
                 response_model=response_model,
-                responses=SCORING_ERRORS if method == "POST" else None,
+                responses=(OPENAI_SCORING_ERRORS if prefix else SCORING_ERRORS) if method == "POST" else None,
             )
 
     def chat_text(req: PooledRequest | TokenizeRequest | ChatCompletionRequest, messages: list[Any]) -> str:
