@@ -57,8 +57,10 @@ class PushListener:
         self._thread = threading.Thread(target=self._run, name=f"rp-push-watch-{group_id}", daemon=True)
 
     def start(self) -> None:
+        # the trainer checks this key before using the data plane. Written before the thread
+        # starts: a store client serves one call at a time, and the thread's wait holds it
+        put(self.store, PushKeys.listening(self.replica), "1")
         self._thread.start()
-        put(self.store, PushKeys.listening(self.replica), "1")  # the trainer checks this before using it
 
     def stop(self) -> None:
         """Ends this thread and the workers' listeners (each blocked on its key: a stop is written
