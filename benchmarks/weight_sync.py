@@ -159,11 +159,14 @@ def timeline(urls: list[str], stats: dict[str, float], version: int) -> dict[str
     """One push's events in ms after the trainer's call: the trainer's own, and each server's
     (``last_update`` of /get_num_background_tasks; same host, so one monotonic clock)."""
     out = {
+        # HTTP start: the announce answered; data-plane start: the header written
         "trainer.announce_answered": 1000 * stats["announced_at_s"],
         "trainer.synchronized": 1000 * stats["synchronized_at_s"],
         "trainer.status_reduced": 1000 * stats["flagged_at_s"],
         "trainer.served": 1000 * stats["total_s"],
     }
+    if "ready_at_s" in stats:  # data-plane start: every replica accepted (the ready reduction)
+        out["trainer.ready"] = 1000 * stats["ready_at_s"]
     for i, url in enumerate(urls):
         for _ in range(50):  # the server records it just after the commit that answered the trainer
             last = (
@@ -183,6 +186,7 @@ def timeline(urls: list[str], stats: dict[str, float], version: int) -> dict[str
         offset = 1000 * (last["announced_at"] - stats["started_at"])
         out[f"server{i}.announce_arrived"] = offset
         out.update({f"server{i}.{k}": offset + v for k, v in last["after_announce_ms"].items()})
+        out[f"server{i}.via_data_plane"] = float(last.get("via") == "data_plane")
     return dict(sorted(out.items(), key=lambda kv: kv[1]))
 
 
@@ -209,6 +213,7 @@ def timed_pushes(
         full.append(time.perf_counter() - t0)
         stats.append(dict(sync.open().last_stats))
         timelines.append(timeline(urls, stats[-1], version))
+    via = [t.get("server0.via_data_plane", 0.0) for t in timelines]
     head = select_head(params)
     head_times, head_timelines = [], []
     for _ in range(head_reps):
@@ -225,14 +230,32 @@ def timed_pushes(
         "head_only_ms_median": 1000 * statistics.median(head_times),
         "head_only_ms_p90": 1000 * sorted(head_times)[int(0.9 * (len(head_times) - 1))],
         "world_size": sync.open().comm.world_size,
+        "full_pushes_started_from_data_plane": sum(via),
         "breakdown": stats,
         "timeline_ms": median_timeline(timelines),
         "head_only_timeline_ms": median_timeline(head_timelines),
     }
 
 
+def save(results: dict[str, object], engine: str) -> None:
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], f"weight_sync-{engine}.json").write_text(json.dumps(results, indent=2))
+
+
+def print_run(replicas: int, data_plane: bool, atomic: bool, p: dict[str, object]) -> None:
+    full, head = p["full_push_median_s"], p["head_only_ms_median"]
+    assert isinstance(full, float) and isinstance(head, float)
+    start = "data plane" if data_plane else "HTTP"
+    print(
+        f"-- {replicas} replica(s), {start} start{', atomic' if atomic else ''}: full push {1000 * full:.1f} ms "
+        f"median ({p['full_pushes_started_from_data_plane']:.0f} of them from the data plane), head-only "
+        f"{head:.2f} ms\n   timeline: {p['timeline_ms']}\n   head-only timeline: {p['head_only_timeline_ms']}",
+        flush=True,
+    )
+
+
 def median_timeline(timelines: list[dict[str, float]]) -> dict[str, float]:
-    keys = [k for k in timelines[0] if all(k in t for t in timelines)]
+    keys = [k for k in timelines[0] if all(k in t for t in timelines) and not k.endswith("via_data_plane")]
     med = {k: round(statistics.median(t[k] for t in timelines), 3) for k in keys}
     return dict(sorted(med.items(), key=lambda kv: kv[1]))
 
@@ -264,6 +287,23 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--bucket-mib", type=int, default=1024)
     ap.add_argument("--head-reps", type=int, default=20)
+    ap.add_argument(
+        "--http-baseline",
+        action="store_true",
+        help="also push into one replica with every push announced over HTTP (the path before data-plane "
+        "starts), same servers",
+    )
+    ap.add_argument(
+        "--http-baseline-all",
+        action="store_true",
+        help="the HTTP baseline for every replica count, not only 1",
+    )
+    ap.add_argument(
+        "--atomic-reps",
+        type=int,
+        default=0,
+        help="also time atomic pushes into one replica (the scoring pause)",
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM servers' memory fraction")
     ap.add_argument(
         "--server-args", default="", help="extra server flags, e.g. --enforce-eager (vLLM: faster start)"
@@ -331,7 +371,14 @@ def main() -> int:
         results.update(params=nparams, bytes=nbytes)
         urls = [s.url for s in servers]
 
-        def run(target: list[str], params: dict[str, torch.Tensor]) -> dict[str, object]:
+        def run(
+            target: list[str],
+            params: dict[str, torch.Tensor],
+            data_plane: bool = True,
+            atomic: bool = False,
+            reps: int = args.reps,
+            head_reps: int = args.head_reps,
+        ) -> dict[str, object]:
             sync = DirectWeightSync(
                 target,
                 group_port=free_port(),
@@ -339,20 +386,34 @@ def main() -> int:
                 trainer_host="127.0.0.1",
                 device=trainer,
                 bucket_bytes=bucket_bytes,
-                connect_timeout_s=300,
+                connect_timeout_s=60,  # also bounds every collective: a stuck push fails within it
                 timeout_s=600,
+                data_plane=data_plane,
+                atomic=atomic,
             )
             try:
-                return timed_pushes(sync, params, versions, args.reps, args.head_reps, trainer, target)
+                result = timed_pushes(sync, params, versions, reps, head_reps, trainer, target)
+                last = next(versions) - 1  # the last pushed: what these replicas must serve
+                expected.update(dict.fromkeys(target, last))
+                print_run(len(target), data_plane, atomic, result)  # in the log even if the run is cut short
+                return result
             finally:
                 sync.close()
 
-        pushes = {"1": run(urls[:1], params)} if n > 1 else {}
-        pushes[str(n)] = run(urls, params)
+        # the same servers, one after the other: pushes announced over HTTP (before), then pushes
+        # started from the data plane (after); keys "N" are the latter, "N-http" the former
+        pushes: dict[str, dict[str, object]] = {}
+        expected: dict[str, int] = {}
+        for k in sorted({1, n}):
+            if args.http_baseline and (k == 1 or args.http_baseline_all):
+                pushes[f"{k}-http"] = run(urls[:k], params, data_plane=False)
+            pushes[str(k)] = run(urls[:k], params)
+        if args.atomic_reps:
+            pushes["1-atomic"] = run(urls[:1], params, atomic=True, reps=args.atomic_reps, head_reps=3)
         results["pushes"] = pushes
-        last = next(versions) - 1
+        save(results, args.engine)  # the pushes survive a run cut short in the raw broadcasts below
         served = [httpx.get(f"{u}/runtime_version", timeout=30).json()["version"] for u in urls]
-        assert served == [last] * n, f"replicas serve {served}, the last push was version {last}"
+        assert served == [expected[u] for u in urls], f"replicas serve {served}, expected {expected}"
         results["score_check"] = score_check(urls, model, ckpt, trainer)
     finally:
         for s in servers:
@@ -369,6 +430,12 @@ def main() -> int:
     med = {k: statistics.median(v) for k, v in raw.items()}
     full_n = pushes[str(n)]["full_push_median_s"]
     assert isinstance(full_n, float)
+    ratios = {}
+    for key, p in pushes.items():
+        fm = p["full_push_median_s"]
+        assert isinstance(fm, float)
+        ratios[key] = med[key.split("-")[0]] / fm
+    results["ratio_full_push_over_raw"] = ratios  # per run: the goal (>= 0.9) is for "1"
     results.update(
         raw_bucketed_s=raw,
         raw_bucketed_gbps={k: gb / v for k, v in med.items()},
@@ -380,19 +447,26 @@ def main() -> int:
         full_1 = pushes["1"]["full_push_median_s"]
         assert isinstance(full_1, float)
         results["ratio_push_n_over_push_1"] = full_n / full_1
+        if f"{n}-http" in pushes:
+            fh1, fhn = pushes["1-http"]["full_push_median_s"], pushes[f"{n}-http"]["full_push_median_s"]
+            assert isinstance(fh1, float) and isinstance(fhn, float)
+            results["ratio_push_n_over_push_1_http"] = fhn / fh1
         results["ratio_raw_n_over_raw_1"] = med[str(n)] / med["1"]
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], f"weight_sync-{args.engine}.json").write_text(json.dumps(results, indent=2))
+    save(results, args.engine)
     print(json.dumps({k: v for k, v in results.items() if k != "pushes"}, indent=1))
     print(
         f"\n== weight sync, {args.engine} engine, {args.size} ({nparams / 1e9:.2f}B params, {gb:.2f} GB), "
         f"{results['gpu']}, {n} replica(s) =="
     )
-    for k in sorted(pushes, key=int):
+    for k in pushes:
         p = pushes[k]
         fm = p["full_push_median_s"]
         assert isinstance(fm, float)
-        print(f"[{k} replica(s), world size {p['world_size']}]")
+        print(
+            f"[{k} replica(s), world size {p['world_size']}; full pushes from the data plane: "
+            f"{p['full_pushes_started_from_data_plane']:.0f}]"
+        )
+        k = k.split("-")[0]
         print(
             f"  raw NCCL broadcast, {args.bucket_mib} MiB pieces : {gb / med[k]:7.1f} GB/s  ({1000 * med[k]:.1f} ms)"
         )

@@ -6,6 +6,7 @@
 #                                                 # or the test files / options given
 #   bash scripts/gpu-run.sh bench-sync [ARGS]     # benchmarks/weight_sync.py
 #   bash scripts/gpu-run.sh bench-score [ARGS]    # benchmarks/scoring_gpu.py
+#   bash scripts/gpu-run.sh bench-pending         # benchmarks/pending_receive.py (2 GPUs)
 #   bash scripts/gpu-run.sh bench-http [ARGS]     # benchmarks/http_client.py (CPU only)
 #   bash scripts/gpu-run.sh bench-sleep [ARGS]    # benchmarks/sleep_wake.py (1 GPU, ~5 min)
 #   bash scripts/gpu-run.sh all
@@ -43,11 +44,12 @@ case "$what" in
     python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" "$@" 2>&1 | tee "$OUT/gpu-tests.log" ;;
   bench-sync) python3 benchmarks/weight_sync.py "$@" 2>&1 | tee "$OUT/bench-sync.log" ;;
   bench-score) python3 benchmarks/scoring_gpu.py "$@" 2>&1 | tee "$OUT/bench-score.log" ;;
+  bench-pending) python3 benchmarks/pending_receive.py "$@" 2>&1 | tee "$OUT/bench-pending.log" ;;
   bench-http) python3 benchmarks/http_client.py "$@" 2>&1 | tee "$OUT/bench-http.log" ;;
   bench-sleep) [ $# -gt 0 ] || set -- --out "$OUT/sleep_wake.json"
     python3 benchmarks/sleep_wake.py "$@" 2>&1 | tee "$OUT/bench-sleep.log" ;;
   all)
     python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/gpu 2>&1 | tee "$OUT/gpu-tests.log"
     python3 benchmarks/weight_sync.py 2>&1 | tee "$OUT/bench-sync.log" ;;
-  *) echo "usage: gpu-run.sh tests|bench-sync|bench-score|bench-http|bench-sleep|all [args]"; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench-sync|bench-score|bench-pending|bench-http|bench-sleep|all [args]"; exit 2 ;;
 esac

@@ -339,6 +339,37 @@ def test_bad_metadata_rejected_before_any_byte(trainer: Trainer) -> None:
     )
 
 
+@pytest.mark.gpus(2)
+def test_later_pushes_start_from_the_data_plane(trainer: Trainer) -> None:
+    """A layout pushed before starts its next push from the data plane (a header in the group's
+    store; the worker's listener thread receives): exact weights, fresh prefix cache, the version
+    served as soon as the push returns (confirmed in the commit reduction)."""
+    import torch
+
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    served_version = httpx.get(f"{trainer.url}/runtime_version", timeout=30).json()["version"]
+    for step, version in enumerate((served_version + 1, served_version + 2)):
+        before = fill_prefix_cache(trainer.url)
+        torch.manual_seed(10 + step)
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.mul_(1.0 + 0.1 * torch.randn_like(p))
+        assert (
+            trainer.sync.sync(trainer.model.state_dict(), version=version, training_mode=Mode.FULL) == version
+        )
+        assert httpx.get(f"{trainer.url}/runtime_version", timeout=30).json()["version"] == version
+        check_after_push(trainer, version, before, f"full, push {step + 1}")
+    last = httpx.get(f"{trainer.url}/get_num_background_tasks", headers=auth, timeout=30).json()[
+        "last_update"
+    ]
+    assert (last["via"], last["version"], last["ok"]) == ("data_plane", served_version + 2, True), last
+    got_version, got = server_checksums(trainer.url)
+    assert got_version == served_version + 2
+    assert_same_parameters(got, vllm_llama_checksums(trainer.model.state_dict()), "full (data plane)")
+
+
 # ---- optional: a ~0.4B model (RP_GPU_TESTS_LARGE=1) ---------------------------------------------
 
 

@@ -269,7 +269,7 @@ def test_layout_announced_once_then_named_by_id(server, tiny_model_dir):
         httpx.get(f"{server.url}/get_num_background_tasks", headers=auth).json()["num_background_tasks"] == 0
     )
 
-    sync = sync_for(server, bucket_bytes=1 << 16)
+    sync = sync_for(server, bucket_bytes=1 << 16, data_plane=False)  # every push announced over HTTP
     announces: list[dict] = []
 
     def record(request: httpx.Request) -> None:

@@ -351,3 +351,81 @@ class SendWeightsRequest(BaseModel):
     bucket_bytes: int = Field(default=DEFAULT_BUCKET_BYTES, ge=BUCKET_ALIGN)
     timeout_s: float = Field(default=300.0, gt=0)
     group_id: str | None = None
+
+
+# ---- pushes started from the data plane (docs/weight-sync.md) ------------------------------------
+# After a layout was announced over HTTP once, a trainer starts a push by writing a header into its
+# group's TCPStore (which every server already reaches), not by an HTTP request: each server's
+# control plane waits on it, takes the weights lock and tells its workers, which wait on their own
+# key; accept or refuse is agreed in a status reduction before any byte moves, the commit in one
+# after. Every message is a small JSON document under a key below, in the group's store namespace.
+# Rank offsets name the replicas (unique in a group); seq counts the group's data-plane pushes.
+
+
+class PushHeader(BaseModel):
+    """Trainer → every replica's control plane: one push of an announced layout."""
+
+    seq: StrictInt = Field(ge=0)
+    version: StrictInt = Field(ge=0)
+    layout_id: str = Field(pattern=LAYOUT_ID_PATTERN)
+    bucket_bytes: StrictInt = Field(ge=BUCKET_ALIGN)
+    training_mode: RewardModelTrainingMode = RewardModelTrainingMode.FULL
+    atomic: StrictBool = False
+    timeout_s: StrictFloat = Field(default=600.0, gt=0)
+
+
+class PushGo(BaseModel):
+    """A replica's control plane → its workers: receive (the lock is held) or refuse, or stop listening."""
+
+    seq: StrictInt
+    layout_id: str = ""
+    bucket_bytes: StrictInt = 0
+    apply: StrictBool = True  # False: stage (atomic); the control plane swaps under the lock later
+    error: str | None = None  # refused: join the ready reduction with a failure, move nothing
+    stop: StrictBool = False
+
+
+class PushLoaded(BaseModel):
+    """A worker → its control plane: what it received and loaded (or staged)."""
+
+    ok: StrictBool
+    partial: StrictBool = False  # some weights were overwritten before the failure
+    refused: StrictBool = False  # a rank refused in the ready reduction: nothing moved
+    bytes: StrictInt = 0
+    error: str | None = None
+    times: dict[str, float] = Field(default_factory=dict)
+
+
+class PushVerdict(BaseModel):
+    """A replica's control plane → its workers and the trainer: committed, refused or failed."""
+
+    committed: StrictBool
+    error: str | None = None
+    code: Literal["ok", "refused", "unknown_layout", "failed"] = "ok"
+
+
+STOP_LISTENING = "stop"  # a header slot holding this value ends a control plane's wait
+
+
+class PushKeys:
+    """Key names in the group's store (one definition for the trainer, control plane and workers)."""
+
+    @staticmethod
+    def listening(replica: int) -> str:
+        return f"push/listening/{replica}"
+
+    @staticmethod
+    def header(seq: int) -> str:
+        return f"push/{seq}/header"
+
+    @staticmethod
+    def go(seq: int, replica: int) -> str:
+        return f"push/{seq}/go/{replica}"
+
+    @staticmethod
+    def loaded(seq: int, rank: int) -> str:
+        return f"push/{seq}/loaded/{rank}"
+
+    @staticmethod
+    def verdict(seq: int, replica: int) -> str:
+        return f"push/{seq}/verdict/{replica}"

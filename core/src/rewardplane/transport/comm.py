@@ -94,6 +94,8 @@ class Communicator:
         self.timeout = timedelta(seconds=timeout_s)
         self.backend = resolve_backend(backend, device)
         prefixed = dist.PrefixStore(f"rewardplane/{group_id}/", store)
+        # the group's namespace in the store: pushes started from the data plane signal through it
+        self.store = prefixed
         if self.backend == "nccl":
             # On a collective timeout, abort the communicators but keep the process: a reward
             # server must survive a trainer that died mid-push (the default tears it down).

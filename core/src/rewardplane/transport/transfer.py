@@ -11,6 +11,7 @@ peer. On CPU (gloo) it runs bucket by bucket.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -144,19 +145,23 @@ def receive_buckets(
             out.error = f"loading parameters failed: {type(exc).__name__}: {exc}"
 
     if load is None or device.type != "cuda":
-        reuse: torch.Tensor | None = None
-        for bucket in plan:
-            if load is None or reuse is None or reuse.numel() < bucket.nbytes:
-                reuse = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-            buf = reuse[: bucket.nbytes]
-            out.posted_at = out.posted_at or time.monotonic()
-            comm.broadcast(buf, src)
-            out.bytes += bucket.nbytes
-            if load is None:
-                out.staged.append((bucket, buf))
-            else:
-                apply(bucket, buf)
-        comm.synchronize()
+        # staging on CUDA runs on the transfer stream: scoring kernels (an atomic update keeps
+        # serving) must never queue behind a receive that waits for the trainer
+        side = torch.cuda.stream(_streams(device)[0]) if device.type == "cuda" else contextlib.nullcontext()
+        with side:
+            reuse: torch.Tensor | None = None
+            for bucket in plan:
+                if load is None or reuse is None or reuse.numel() < bucket.nbytes:
+                    reuse = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+                buf = reuse[: bucket.nbytes]
+                out.posted_at = out.posted_at or time.monotonic()
+                comm.broadcast(buf, src)
+                out.bytes += bucket.nbytes
+                if load is None:
+                    out.staged.append((bucket, buf))
+                else:
+                    apply(bucket, buf)
+            comm.synchronize()
         return out
 
     caller = torch.cuda.current_stream(device)

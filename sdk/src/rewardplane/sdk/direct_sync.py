@@ -21,6 +21,7 @@ from rewardplane.protocol import (
 from rewardplane.protocol.naming import WeightValidationError
 from rewardplane.transport.comm import Backend, Communicator, default_device
 
+from .data_plane import DataPlaneStarter
 from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards, open_trainer_group
 from .retry import RewardServerError
 
@@ -77,6 +78,8 @@ class WeightPusher:
         atomic: servers stage a whole push and swap it in under the scoring lock (costs a copy
             of the pushed parameters on each server; scoring continues during the transfer).
         head_name_patterns: what counts as the head for head-only pushes.
+        data_plane: once every server accepted a layout over HTTP, start its later pushes from
+            the data plane (a header in the group's store, no HTTP request; one group only).
 
     The group is formed on the first push (or :meth:`open`) and kept for the next ones; a failed
     transfer drops it and the next push forms it again.
@@ -99,8 +102,10 @@ class WeightPusher:
         atomic: bool = False,
         per_server_groups: bool = False,
         head_name_patterns: Sequence[str] | None = None,
+        data_plane: bool = True,
     ) -> None:
         self.urls = list(urls)
+        self.data_plane = data_plane
         self.group_port = group_port
         self.group_ports = (
             list(group_ports) if group_ports else replica_group_ports(group_port, len(self.urls))
@@ -164,6 +169,11 @@ class WeightPusher:
                 timeout_s=self.connect_timeout_s,
             )
             src = comm.world_size - 1
+        starter = (
+            DataPlaneStarter(comm.store, self.control.rank_offsets())
+            if self.data_plane and isinstance(comm, Communicator)
+            else None
+        )
         self._publisher = RewardModelPublisher(
             self.control,
             comm,
@@ -171,6 +181,8 @@ class WeightPusher:
             head_name_patterns=self.head_name_patterns,
             bucket_bytes=self.bucket_bytes,
             atomic=self.atomic,
+            data_plane=starter,
+            timeout_s=self.timeout_s,
         )
         return self._publisher
 

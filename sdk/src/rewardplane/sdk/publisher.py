@@ -41,8 +41,9 @@ from rewardplane.transport.comm import Backend, Communicator, TensorCommunicator
 from rewardplane.transport.transfer import send_buckets
 
 from ._exceptions import WeightSyncError
+from .data_plane import DataPlaneStarter, describe
 from .push_checks import check_fits, names_for_mode
-from .retry import RetryPolicy, call_with_retry, check_response
+from .retry import RetryPolicy, RewardServerError, call_with_retry, check_response
 
 log = logging.getLogger(__name__)
 
@@ -342,15 +343,22 @@ class RewardModelPublisher:
         head_name_patterns: Sequence[str] | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         atomic: bool = False,
+        data_plane: DataPlaneStarter | None = None,
+        timeout_s: float = 600.0,
     ) -> None:
         self.control = control
         self.comm = comm
         self.src_rank = src_rank
+        # where set, pushes of a layout every server accepted start from the data plane
+        self.data_plane = data_plane
+        self.timeout_s = timeout_s
         self.head_name_patterns = tuple(head_name_patterns or DEFAULT_HEAD_PATTERNS)
         self.bucket_bytes = bucket_bytes
         self.atomic = atomic
         self.last_stats: dict[str, float] = {}
-        self._layout_cache: tuple[Any, list[tuple[str, str]], list[ParamMeta], list[Bucket]] | None = None
+        self._layout_cache: tuple[Any, list[tuple[str, str]], list[ParamMeta], list[Bucket], str] | None = (
+            None
+        )
 
     def prepare(
         self,
@@ -361,7 +369,7 @@ class RewardModelPublisher:
         adapter: AdapterConfig | None = None,
     ) -> dict[str, torch.Tensor]:
         """Normalised names → tensors, validated for the mode (and against the served manifest)."""
-        names, _, _ = self._layout(state_dict, training_mode, keep_lora, adapter)
+        names, _, _, _ = self._layout(state_dict, training_mode, keep_lora, adapter)
         return {server: state_dict[key] for server, key in names}
 
     def _layout(
@@ -370,14 +378,15 @@ class RewardModelPublisher:
         mode: RewardModelTrainingMode,
         keep_lora: bool,
         adapter: AdapterConfig | None = None,
-    ) -> tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket]]:
-        """(server name, caller's key) in broadcast order, the metadata to announce, its buckets.
+    ) -> tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket], str]:
+        """(server name, caller's key) in broadcast order, the metadata to announce, its buckets,
+        its layout id.
 
         Cached by the names, shapes and dtypes: a trainer pushes the same layout every step, and
         this work would otherwise sit on the critical path of every push."""
         key = (mode, keep_lora, adapter, tuple((k, tuple(v.shape), v.dtype) for k, v in state_dict.items()))
         if self._layout_cache is not None and self._layout_cache[0] == key:
-            return self._layout_cache[1], self._layout_cache[2], self._layout_cache[3]
+            return self._layout_cache[1:]
         manifest = self.control.manifest()
         renamed = names_for_mode(
             {k: k for k in state_dict},
@@ -392,8 +401,9 @@ class RewardModelPublisher:
         if manifest:  # the server would answer 400: say so before anything moves
             check_fits(metadata, manifest, mode, adapter)
         plan = plan_buckets(metadata, self.bucket_bytes)
-        self._layout_cache = (key, order, metadata, plan)
-        return order, metadata, plan
+        lid = layout_id(metadata, self.bucket_bytes)
+        self._layout_cache = (key, order, metadata, plan, lid)
+        return order, metadata, plan, lid
 
     def publish(
         self,
@@ -407,9 +417,28 @@ class RewardModelPublisher:
         start = time.perf_counter()
         started_at = time.monotonic()  # the servers' timelines use this clock too (same host)
         mode = RewardModelTrainingMode(training_mode)
-        order, metadata, plan = self._layout(state_dict, mode, keep_lora, adapter)
+        order, metadata, plan, lid = self._layout(state_dict, mode, keep_lora, adapter)
         tensors = {server: state_dict[k].detach() for server, k in order}
         prepared = time.perf_counter()
+        # An adapter push is announced over HTTP: its adapter settings are not in the push header.
+        dp = self.data_plane if adapter is None else None
+        if dp is not None and dp.usable(lid):
+            stats = self._publish_from_data_plane(dp, tensors, metadata, plan, lid, version, mode)
+            if stats is not None:
+                self.last_stats = {
+                    "bytes": stats["bytes"],
+                    "prepare_s": prepared - start,
+                    "transfer_s": stats["synchronized"] - prepared,
+                    "finalize_s": stats["committed"] - stats["synchronized"],
+                    "total_s": stats["committed"] - start,
+                    "started_at": started_at,
+                    "announced_at_s": stats["header"] - start,  # the header is written
+                    "ready_at_s": stats["ready"] - start,  # every replica accepted it
+                    "synchronized_at_s": stats["synchronized"] - start,
+                    "flagged_at_s": stats["committed"] - start,  # every replica committed
+                }
+                return version
+            # the servers lost the layout: announce it over HTTP, below
         # The announce first, on this thread: a refusal then costs nothing, and while the servers
         # set up their receive (the longer part) this thread packs and enqueues the first buckets.
         # (Announcing from a helper thread during packing was slower: it waited for the GIL.)
@@ -430,6 +459,8 @@ class RewardModelPublisher:
             )
         sent = time.perf_counter()
         self.control.finalize_update(version)
+        if dp is not None:
+            dp.learned(lid)  # every server accepted it: the next pushes start from the data plane
         done = time.perf_counter()
         # phases, and a timeline (seconds after the call) to set beside the servers' (last_update)
         self.last_stats = {
@@ -444,6 +475,50 @@ class RewardModelPublisher:
             "flagged_at_s": sent - start,
         }
         return version
+
+    def _publish_from_data_plane(
+        self,
+        dp: DataPlaneStarter,
+        tensors: dict[str, torch.Tensor],
+        metadata: list[ParamMeta],
+        plan: list[Bucket],
+        lid: str,
+        version: int,
+        mode: RewardModelTrainingMode,
+    ) -> dict[str, float] | None:
+        """Header → ready reduction → buckets → commit reduction. None: a server no longer knows the
+        layout (nothing moved; announce it over HTTP). Raises the servers' reasons otherwise."""
+        seq = dp.start(
+            version=version,
+            layout=lid,
+            bucket_bytes=self.bucket_bytes,
+            training_mode=mode,
+            atomic=self.atomic,
+            timeout_s=self.timeout_s,
+        )
+        header = time.perf_counter()
+        if self.comm.max_flag(0) != 0:  # some replica refused: nothing moved, the group is intact
+            verdicts = dp.verdicts(seq, 10.0)
+            if any(v.code == "unknown_layout" for v in verdicts.values()):
+                dp.forget(lid)
+                return None
+            raise RewardServerError(
+                409, describe(verdicts, dp.replicas), url="the group's store (data-plane push)"
+            )
+        ready = time.perf_counter()
+        total = send_buckets(self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, plan=plan)
+        synchronized = time.perf_counter()
+        if self.comm.max_flag(0) != 0:  # every replica's commit, confirmed in one reduction
+            reasons = describe(dp.verdicts(seq, 5.0), dp.replicas)
+            raise WeightSyncError(f"a reward server did not commit version {version}: {reasons}")
+        committed = time.perf_counter()
+        return {
+            "bytes": total,
+            "header": header,
+            "ready": ready,
+            "synchronized": synchronized,
+            "committed": committed,
+        }
 
 
 class Rank0OnlyPublisher:

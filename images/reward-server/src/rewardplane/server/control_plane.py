@@ -6,18 +6,22 @@ the whole update. Built once per server by ``app.build_app``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rewardplane.protocol import (
     MAX_LAYOUTS,
     InitCommunicatorRequest,
     ParamMeta,
+    PushHeader,
+    PushLoaded,
+    PushVerdict,
     RewardModelTrainingMode,
     UpdateParamBatchRequest,
     check_adapter_metadata,
@@ -26,6 +30,7 @@ from rewardplane.protocol import (
     remember_layout,
 )
 
+from .data_push import PushListener
 from .engine import ServedAdapter, WeightSyncPort
 from .errors import BadRequest, Conflict, Unavailable
 from .locking import WeightsGuard
@@ -44,6 +49,24 @@ class Layout:
     names: list[str]
     metadata: list[dict[str, Any]]  # ParamMeta as JSON, for the worker calls
     adapter: bool = False  # validated as an adapter push (LoRA tensors), not against the manifest alone
+
+
+@dataclass
+class DataPush:
+    """One push started from the data plane, from its admission to its commit."""
+
+    header: PushHeader
+    arrived: float  # time.monotonic() when the header was seen
+    layout: Layout | None = None
+    error: str | None = None  # refused before any byte moved
+    code: str = "ok"
+    lock: contextlib.AbstractAsyncContextManager[None] | None = None  # the exclusive lock, held (streamed)
+    reset: asyncio.Task[None] | None = None  # the cache reset, sent alongside the receive
+    stamps: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def apply(self) -> bool:
+        return not self.header.atomic
 
 
 @dataclass(frozen=True)
@@ -93,6 +116,10 @@ class WeightSyncService:
         # Layouts the workers hold (their cache, mirrored with the same remember_layout): the
         # receive call then carries the id only — ~290 entries cost ~0.4 ms per vLLM RPC.
         self._worker_layouts: dict[str, None] = {}
+        # Pushes started from the data plane: the thread waiting for the group's headers, and the
+        # push it admitted (an update is running while it is set).
+        self._listener: PushListener | None = None
+        self._data_push: DataPush | None = None
 
     def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
@@ -103,7 +130,7 @@ class WeightSyncService:
 
     def busy(self) -> bool:
         """A weight update (receive, apply, commit) is running."""
-        return self._update_task is not None and not self._update_task.done()
+        return self._data_push is not None or (self._update_task is not None and not self._update_task.done())
 
     def failed_idle(self) -> bool:
         """The last update failed and none is running: waiting for a newer version is pointless."""
@@ -127,6 +154,7 @@ class WeightSyncService:
                 "or wait until it gives up (GET /get_num_background_tasks shows its outcome) and join again"
             )
         group_id = req.group_id or uuid.uuid4().hex[:12]
+        self._stop_listening()
 
         async def join() -> None:
             try:
@@ -142,6 +170,7 @@ class WeightSyncService:
                 )
                 self._has_comm = True
                 self.last_error = None
+                await self._listen(req, group_id)
             except Exception as exc:
                 self._has_comm = False
                 self.last_error = f"joining the trainer's group at {req.host}:{req.port} failed: {exc}"
@@ -157,6 +186,7 @@ class WeightSyncService:
         pending = self._joining()
         if pending is not None:
             raise Conflict(f"{pending.describe()}; close the communicator after it finishes")
+        self._stop_listening()
         await self.port.call_workers("rp_close_communicator")
         self._has_comm = False
 
@@ -312,9 +342,30 @@ class WeightSyncService:
             result = {"ok": False, "partial": False, "bytes": 0, "error": f"{type(exc).__name__}: {exc}"}
             if guard.state == "updating":
                 guard.mark_broken(f"update to version {version} failed: {exc}")
+        self._record(version, mode, result, stamps, arrived, start)
+        if not result["ok"]:
+            self._has_comm = False  # a failed transfer leaves the group unusable; the trainer re-inits
+            try:
+                await self.port.call_workers("rp_close_communicator")
+            except Exception:
+                log.debug("closing the communicator after a failure failed", exc_info=True)
+
+    def _record(
+        self,
+        version: int,
+        mode: str,
+        result: dict[str, Any],
+        stamps: dict[str, float | None],
+        arrived: float,
+        start: float,
+        via: str = "http",
+    ) -> None:
+        """The finished update's timeline, metrics, log line and error (HTTP or data-plane start)."""
+        guard = self.guard
         self.last_update = {
             "version": version,
             "mode": mode,
+            "via": via,
             "ok": bool(result["ok"]),
             "bytes": result.get("bytes", 0),
             "announced_at": arrived,  # time.monotonic() of this host, to line up with the trainer's clock
@@ -329,10 +380,11 @@ class WeightSyncService:
         if result["ok"]:
             self.last_error = None
             log.info(
-                "weights version %d loaded (%s, %d bytes, %.1f ms; waited %.1f ms for the lock, received "
+                "weights version %d loaded (%s, %s, %d bytes, %.1f ms; waited %.1f ms for the lock, received "
                 "in %.1f ms)",
                 version,
                 mode,
+                via,
                 result["bytes"],
                 1000 * (time.monotonic() - start),
                 1000 * result.get("lock_s", 0.0),
@@ -341,11 +393,154 @@ class WeightSyncService:
         else:
             self.last_error = f"update to version {version} failed: {result['error']}"
             log.error(self.last_error)
-            self._has_comm = False  # a failed transfer leaves the group unusable; the trainer re-inits
-            try:
-                await self.port.call_workers("rp_close_communicator")
-            except Exception:
-                log.debug("closing the communicator after a failure failed", exc_info=True)
+
+    # ---- pushes started from the data plane (data_push.PushListener calls these) ------------------
+    async def _listen(self, req: InitCommunicatorRequest, group_id: str) -> None:
+        """After a join: wait for the trainer's push headers on the group's store. Where the workers
+        cannot listen, or the store cannot be reached, pushes keep going over HTTP only."""
+        try:
+            listening = await self.port.call_workers("rp_listen", req.rank_offset)
+            if not listening or not all(listening):
+                return
+            ranks = [req.rank_offset + i for i in range(len(listening))]
+            group = (req.host, req.port, group_id, req.timeout_s)
+            loop = asyncio.get_running_loop()
+            listener = await asyncio.to_thread(PushListener, self, loop, group, req.rank_offset, ranks)
+            await asyncio.to_thread(listener.start)
+            self._listener = listener
+        except Exception as exc:
+            log.warning("pushes from this group go over HTTP only: listening for them failed (%s)", exc)
+
+    def _stop_listening(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.stop()
+
+    async def admit_data_push(self, header: PushHeader, arrived: float) -> DataPush:
+        """Validate a push header like an announce (same checks, same messages), then take the
+        exclusive lock (streamed) and send the cache reset; or refuse it, moving nothing."""
+        push = DataPush(header, arrived)
+        guard = self.guard
+        layout = self._layouts.get(header.layout_id)
+        if (
+            layout is None
+            or layout.bucket_bytes != header.bucket_bytes
+            or layout.id not in self._worker_layouts
+        ):
+            push.error, push.code = (
+                f"layout {header.layout_id} is not known to this replica's workers (restarted, or forgotten); "
+                "announce it over HTTP — the SDK does so by itself",
+                "unknown_layout",
+            )
+        elif header.version <= guard.version and guard.state != "broken":
+            push.error = f"version {header.version} is not newer than the served version {guard.version}; versions must increase"
+        elif self.busy():
+            push.error = "another weight update is in progress; wait for it to finish"
+        elif guard.state == "sleeping":  # as the HTTP path's lock would answer (409)
+            push.error = guard.asleep_message()
+        elif not self._has_comm:
+            push.error = "no communicator: the group failed; form it again (/init_communicator)"
+        if push.error is not None:
+            push.code = "unknown_layout" if push.code == "unknown_layout" else "refused"
+            return push
+        push.layout = layout
+        self._layouts.move_to_end(layout.id)
+        self._data_push = push
+        push.stamps["task"] = time.monotonic()
+        if header.atomic:
+            return push  # staged while the old weights serve; the lock only for the swap
+        lock = guard.updating(timeout_s=header.timeout_s)
+        try:
+            await lock.__aenter__()
+        except TimeoutError:
+            self._data_push = None
+            push.error = f"scoring in flight did not finish within timeout_s={header.timeout_s:g}s; retry"
+            push.code = "refused"
+            return push
+        push.lock = lock
+        push.stamps["locked"] = time.monotonic()
+        # nothing is scored while the lock is held: cached blocks of the old weights are dropped
+        # while the bytes arrive (as in the HTTP path)
+        push.reset = asyncio.ensure_future(self.port.reset_cache())
+        return push
+
+    async def finish_data_push(self, push: DataPush, results: list[PushLoaded]) -> PushVerdict:
+        """The workers' reports in: commit (atomic: swap under the lock first), or mark broken
+        where weights were partly overwritten; release the lock. The verdict goes to the workers,
+        which tell the trainer in the commit reduction."""
+        header, guard = push.header, self.guard
+        if push.error is not None:  # refused at admission: nothing was held
+            return PushVerdict(committed=False, code="refused", error=push.error)
+        version, layout = header.version, push.layout
+        assert layout is not None
+        merged = _merge([r.model_dump() for r in results])
+        push.stamps.update(merged.pop("times"))
+        push.stamps["returned"] = time.monotonic()
+        refused = any(r.refused for r in results)
+        committed = False
+        try:
+            if refused:
+                merged["error"] = merged["error"] or "another replica refused the push"
+            elif header.atomic and merged["ok"]:
+                async with guard.updating(timeout_s=header.timeout_s):
+                    push.stamps["locked"] = time.monotonic()
+                    await self.port.call_workers("rp_apply_staged", layout.metadata)
+                    await self._drop_adapter_under(header.training_mode)
+                    await self.port.reset_cache()
+                    guard.commit(version)
+                    committed = True
+            elif header.atomic:
+                await self.port.call_workers("rp_drop_staged")
+            else:
+                assert push.reset is not None
+                reset_error = await _outcome(push.reset)
+                if merged["ok"] and reset_error is None:
+                    # a full or merged push replaces what a served adapter adapted (HTTP path alike)
+                    await self._drop_adapter_under(header.training_mode)
+                    guard.commit(version)
+                    committed = True
+                elif merged["ok"] or merged["partial"]:
+                    reason = merged["error"] or f"the prefix cache was not reset: {reset_error}"
+                    guard.mark_broken(f"update to version {version} failed part-way: {reason}")
+        except Exception as exc:
+            merged["error"] = f"{type(exc).__name__}: {exc}"
+            if guard.state == "updating":
+                guard.mark_broken(f"update to version {version} failed: {exc}")
+        finally:
+            if push.lock is not None:
+                await push.lock.__aexit__(None, None, None)
+            self._data_push = None
+            guard.signal_change()
+        if committed:
+            push.stamps["committed"] = time.monotonic()
+        merged["ok"] = committed
+        stamps = push.stamps  # for the log line: waited for the lock, then received (streamed)
+        if not header.atomic and "locked" in stamps:
+            merged["lock_s"] = stamps["locked"] - stamps["task"]
+            merged["receive_s"] = stamps["returned"] - stamps["locked"]
+        if refused:  # nothing moved: not a failure of this replica
+            log.info("push of version %d refused: %s", version, merged["error"])
+            return PushVerdict(committed=False, code="refused", error=merged["error"])
+        self._record(
+            version,
+            header.training_mode.value,
+            merged,
+            dict(push.stamps),
+            push.arrived,
+            push.arrived,
+            "data_plane",
+        )
+        if not committed:
+            self._has_comm = False  # the workers leave the group after the commit reduction
+            return PushVerdict(committed=False, code="failed", error=merged["error"])
+        if self.store is not None:
+            self._spawn(self._persist(version), f"persist-start-v{version}")
+        return PushVerdict(committed=True)
+
+    async def push_outcomes(self, seq: int, timeout_s: float) -> list[PushLoaded]:
+        """The workers' reports of push ``seq`` asked over the engine (the store is gone)."""
+        outcomes = await self.port.call_workers("rp_push_outcome", seq, timeout_s)
+        return [PushLoaded.model_validate(o) for o in outcomes]
 
     async def _apply_adapter(self, layout: Layout, req: UpdateParamBatchRequest) -> None:
         """Under the exclusive lock: every worker serves the staged adapter under a fresh id, then
@@ -505,6 +700,15 @@ class WeightSyncService:
         async with self.guard.scoring() as version:
             workers = await self.port.call_workers("rp_param_checksums")
         return version, workers
+
+
+async def _outcome(task: asyncio.Task[None]) -> str | None:
+    """None when ``task`` succeeded, else its error."""
+    try:
+        await task
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:

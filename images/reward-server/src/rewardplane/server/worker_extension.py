@@ -21,12 +21,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from rewardplane.protocol import AdapterConfig, Bucket, ParamMeta, plan_buckets, remember_layout
+from rewardplane.protocol import (
+    AdapterConfig,
+    Bucket,
+    ParamMeta,
+    PushGo,
+    PushKeys,
+    PushLoaded,
+    PushVerdict,
+    plan_buckets,
+    remember_layout,
+)
 from rewardplane.protocol.adapters import LORA_PAIR, lora_pairs
 from rewardplane.transport.buckets import unpack_bucket
 from rewardplane.transport.checksums import digests
 from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.signals import StoreClosed, group_store, put, wait_value
 from rewardplane.transport.transfer import Received, receive_buckets
 
 from .checkpoint import iter_checkpoint
@@ -58,6 +70,12 @@ class RewardWeightSyncExtension:
     _rp_writer: threading.Thread | None = None
     # The adapter this worker serves (adapter-only sync): its id and where it was written.
     _rp_adapter: tuple[int, Path] | None = None
+    # Pushes started from the data plane: the group's rendezvous (host, port, timeout, id), the
+    # listener thread waiting for this replica's go, and its last outcome (seq, what it reported).
+    _rp_group: tuple[str, int, float, str] | None = None
+    _rp_listener: threading.Thread | None = None
+    _rp_listen_stop: threading.Event | None = None
+    _rp_push_outcome: tuple[int, PushLoaded] | None = None
 
     # ---- accessors (vLLM defaults) ------------------------------------------------------------
     def rp_model(self) -> torch.nn.Module:
@@ -99,6 +117,7 @@ class RewardWeightSyncExtension:
             timeout_s=timeout_s,
             group_id=group_id,
         )
+        self._rp_group = (host, port, timeout_s, group_id)
         return rank
 
     def rp_receive(
@@ -256,9 +275,117 @@ class RewardWeightSyncExtension:
         return None
 
     def rp_close_communicator(self) -> None:
+        self._rp_stop_listening()
         if self._rp_comm is not None:
             self._rp_comm.close()
             self._rp_comm = None
+
+    # ---- pushes started from the data plane ----------------------------------------------------
+    def rp_listen(self, replica: int) -> bool:
+        """Wait, on a thread of this worker, for pushes the control plane lets through
+        (``PushKeys.go``); False without a communicator. Between pushes the thread is blocked on a
+        socket: no GPU work is pending and the GIL is free, so scoring runs as without it."""
+        comm, group = self._rp_comm, self._rp_group
+        if comm is None or group is None:
+            return False
+        self._rp_stop_listening()
+        host, port, timeout_s, group_id = group
+        store = group_store(host, port, group_id, timeout_s)
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=self._rp_listen_loop,
+            args=(comm, store, replica, stop),
+            name="rp-push-listener",
+            daemon=True,
+        )
+        self._rp_listener, self._rp_listen_stop = thread, stop
+        thread.start()
+        return True
+
+    def _rp_stop_listening(self) -> None:
+        # The thread sees the flag when its wait returns: the control plane also writes it a stop.
+        if self._rp_listen_stop is not None:
+            self._rp_listen_stop.set()
+        self._rp_listen_stop = None
+
+    def _rp_listen_loop(
+        self, comm: Communicator, store: dist.Store, replica: int, stop: threading.Event
+    ) -> None:
+        if comm.device.type == "cuda":
+            torch.cuda.set_device(comm.device)  # the device is per thread
+        seq = 0
+        try:
+            while True:
+                raw = wait_value(store, PushKeys.go(seq, replica), None, stop)
+                if raw is None:
+                    return
+                go = PushGo.model_validate_json(raw)
+                if go.stop or self._rp_comm is not comm or not self._rp_data_push(comm, store, replica, go):
+                    return
+                seq += 1
+        except StoreClosed as exc:
+            log.info("stopped waiting for pushes: %s", exc)
+        except Exception:
+            log.exception("the push listener failed; pushes go over HTTP until the group is formed again")
+
+    def _rp_data_push(self, comm: Communicator, store: dist.Store, replica: int, go: PushGo) -> bool:
+        """One push: the ready reduction, the transfer, the report, the commit reduction. Returns
+        whether to wait for the next one (False once the group is unusable)."""
+        entered = time.monotonic()
+        layout = None if go.error else self._rp_layout(None, go.bucket_bytes, go.layout_id)
+        refusal = go.error or (None if layout else f"layout {go.layout_id} is not cached in this worker")
+        got = Received()
+
+        def report(ok: bool, *, refused: bool = False, error: str | None = None) -> None:
+            times = {"worker_in": entered, "worker_out": time.monotonic()}
+            if got.posted_at is not None:
+                times["worker_posted"] = got.posted_at
+            partial = got.applied_any and not ok
+            msg = PushLoaded(
+                ok=ok, partial=partial, refused=refused, bytes=got.bytes, error=error, times=times
+            )
+            self._rp_push_outcome = (go.seq, msg)
+            put(store, PushKeys.loaded(go.seq, comm.rank), msg)
+
+        try:
+            if comm.max_flag(1 if refusal else 0) != 0:  # every rank agrees before a byte moves
+                report(False, refused=True, error=refusal or "another replica refused the push")
+                return True
+            assert layout is not None
+            metas, plan = layout
+            self._rp_kept = {} if go.apply and self._rp_keeps() else None
+            load = self._rp_load_kept if go.apply else None
+            receive_buckets(comm, metas, go.bucket_bytes, comm.world_size - 1, load, out=got, plan=plan)
+        except Exception as exc:  # communication failed: the trainer died or timed out
+            if self._rp_comm is comm:
+                self.rp_close_communicator()
+            report(False, error=str(exc))
+            return False
+        if got.error is not None:
+            report(False, error=got.error)
+        else:
+            self._rp_staged = None if go.apply else got.staged
+            report(True)
+        # the control plane commits (or not) and says so; the trainer learns it in one reduction
+        raw = wait_value(store, PushKeys.verdict(go.seq, replica), comm.timeout.total_seconds())
+        committed = raw is not None and PushVerdict.model_validate_json(raw).committed
+        # False when some replica failed: the trainer forms a new group
+        return comm.max_flag(0 if committed else 1) == 0
+
+    def rp_push_outcome(self, seq: int, timeout_s: float) -> dict[str, Any]:
+        """What the listener reported for push ``seq`` (for the control plane when the store is gone);
+        waits for it, bounded. Unknown → a failure that may have overwritten weights."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            outcome = self._rp_push_outcome
+            if outcome is not None and outcome[0] == seq:
+                return outcome[1].model_dump()
+            if self._rp_listener is None or not self._rp_listener.is_alive():
+                break
+            time.sleep(0.01)
+        return PushLoaded(
+            ok=False, partial=True, error=f"push {seq}: the worker reported no outcome"
+        ).model_dump()
 
     # ---- persistence (the server's --weights-dir) ----------------------------------------------
     def rp_persist_to(self, directory: str, base: str = "") -> None:
