@@ -124,6 +124,13 @@ def test_sampling_follows_the_seed_and_stop_strings_cut_the_answer(judge_server)
     assert cut["finish_reason"] == "stop"
 
 
+def error_text(resp: httpx.Response) -> str:
+    """The message of either error shape: the project's ``{"error": str}`` or, under ``/v1/``,
+    OpenAI's ``{"error": {"message": str}}``."""
+    error = resp.json()["error"]
+    return error["message"] if isinstance(error, dict) else error
+
+
 def test_wrong_task_requests_get_a_clear_400(judge_server, server_factory, tiny_model_dir):
     for path, body in [
         ("/score", {"input": ["x"]}),
@@ -133,7 +140,7 @@ def test_wrong_task_requests_get_a_clear_400(judge_server, server_factory, tiny_
     ]:
         resp = httpx.post(judge_server.url + path, json=body, timeout=30)
         assert resp.status_code == 400, (path, resp.text)
-        assert "/v1/chat/completions" in resp.json()["error"]
+        assert "/v1/chat/completions" in error_text(resp)
     info = httpx.get(f"{judge_server.url}/model_info").json()
     assert info["task"] == "generate"
     # tokenizing works on either task
@@ -142,14 +149,14 @@ def test_wrong_task_requests_get_a_clear_400(judge_server, server_factory, tiny_
     scorer = server_factory(tiny_model_dir)
     resp = chat(scorer.url, max_tokens=4)
     assert resp.status_code == 400
-    assert "--task generate" in resp.json()["error"]
+    assert "--task generate" in resp.json()["error"]["message"]  # OpenAI's error shape under /v1
     assert httpx.get(f"{scorer.url}/model_info").json()["task"] == "score"
 
 
 def test_bad_chat_requests_are_refused_with_what_to_change(judge_server):
-    assert "stream" in chat(judge_server.url, stream=True).json()["error"]
+    assert "stream" in chat(judge_server.url, stream=True).json()["error"]["message"]
     too_long = chat(judge_server.url, max_tokens=100_000)
-    assert too_long.status_code == 400 and "lower max_tokens" in too_long.json()["error"]
+    assert too_long.status_code == 400 and "lower max_tokens" in too_long.json()["error"]["message"]
     assert chat(judge_server.url, temperature=-1).status_code == 422
     resp = httpx.post(f"{judge_server.url}/v1/chat/completions", json={"messages": []}, timeout=30)
     assert resp.status_code == 422

@@ -149,6 +149,21 @@ def test_error_message_from_fastapi_validation_list() -> None:
     assert err.detail == body["detail"]
 
 
+def test_error_message_from_openai_shape() -> None:
+    # the server's /v1/... routes answer OpenAI's shape; the SDK's chat() goes there
+    body = {
+        "error": {
+            "message": "stream is not supported",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": 400,
+        }
+    }
+    err = RewardServerError.from_response(reply(400, body))
+    assert err.message == "stream is not supported"
+    assert err.detail == body["error"]
+
+
 def test_error_message_from_plain_text() -> None:
     assert RewardServerError.from_response(reply(502, text="Bad Gateway\n")).message == "Bad Gateway"
 

@@ -152,7 +152,8 @@ def _describe(exc: BaseException | None) -> str:
 
 
 def _error_message(response: httpx.Response) -> tuple[str, Any]:
-    """The server's explanation from ``{"error", "detail"}`` or FastAPI's ``{"detail"}``."""
+    """The server's explanation from ``{"error", "detail"}``, OpenAI's ``{"error": {"message"}}`` or
+    FastAPI's ``{"detail"}``."""
     try:
         body = response.json()
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
@@ -161,6 +162,8 @@ def _error_message(response: httpx.Response) -> tuple[str, Any]:
     if not isinstance(body, dict):
         return json.dumps(body)[:2000], body
     error, detail = body.get("error"), body.get("detail")
+    if isinstance(error, dict) and "message" in error:  # OpenAI's shape (the server's /v1/... routes)
+        return str(error["message"])[:2000], error
     parts: list[str] = []
     if error:
         parts.append(str(error))
