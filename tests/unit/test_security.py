@@ -73,6 +73,10 @@ def test_with_persist_dir_the_server_keeps_root_to_write_the_hostpath() -> None:
     ctx = _container(render_pod(body, plan, plan.replicas[0]))["securityContext"]
     # explicitly root: the image's own user (65532) could not write the root-owned hostPath
     assert ctx["readOnlyRootFilesystem"] and "runAsNonRoot" not in ctx and ctx["runAsUser"] == 0
+    # root without capabilities cannot write a directory another user owns (found by the main job:
+    # a persistDir left by an earlier release's uid 65532); only DAC_OVERRIDE comes back
+    assert ctx["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
+    assert not ctx["allowPrivilegeEscalation"]
 
 
 def test_reconciler_keeps_the_policy_as_rendered_and_removes_it_when_disabled() -> None:

@@ -197,7 +197,8 @@ def _resources(plan: Plan, replica: ReplicaPlan) -> dict[str, Any]:
 def security_context(plan: Plan) -> dict[str, Any]:
     """Least privilege for the server container: no privilege escalation, no capabilities, a
     read-only root filesystem (scratch space is an emptyDir), and a non-root user, except with
-    ``persistDir``: the kubelet creates that hostPath owned by root, so only root can write there."""
+    ``persistDir``: the kubelet creates that hostPath owned by root, so only root can write there (with
+    DAC_OVERRIDE alone added back, for a directory that already existed under another owner)."""
     ctx: dict[str, Any] = {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
@@ -207,7 +208,9 @@ def security_context(plan: Plan) -> dict[str, Any]:
     if not plan.spec.weight_sync.persist_dir:
         ctx |= {"runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID}
     else:  # explicit: the image's own user is 65532
-        ctx |= {"runAsUser": 0, "runAsGroup": 0}
+        # root without capabilities still cannot write a directory someone else owns (a persistDir
+        # made by an earlier release's uid 65532, or by an administrator): DAC_OVERRIDE, only then
+        ctx |= {"runAsUser": 0, "runAsGroup": 0, "capabilities": {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}}
     return ctx
 
 
