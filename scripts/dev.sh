@@ -13,14 +13,24 @@ bash scripts/setup.sh
 export PATH="${REWARDPLANE_CACHE:-$HOME/.cache/rewardplane}/bin:$PWD/.venv/bin:$PATH"
 
 python examples/make_tiny_model.py --out /tmp/rewardplane-tiny-rm >/dev/null
-# The server runs as uid 65532 in its container and persists pushed weights here (a hostPath).
-install -d -m 0755 -o 65532 -g 65532 /tmp/rewardplane-weights
+# Pushed weights persist here (a hostPath): with persistDir the server runs as root in its container.
+install -d -m 0755 -o 0 -g 0 /tmp/rewardplane-weights
 eval "$(rewardplane dev up --node "$NODE")"
 echo "KUBECONFIG=$KUBECONFIG"
 # start from version 0 on every run (a cluster left up by an earlier run keeps its objects)
 kubectl delete -f examples/rewardmodel.yaml --ignore-not-found --wait=true --timeout=120s
 kubectl apply -f examples/rewardmodel.yaml
-kubectl wait --for=condition=Available rewardmodel/tiny-rm --timeout=300s
+# Bounded, and saying what it waits for: the RewardModel's phase and message every 10 s; on a
+# timeout, its conditions and events (they name the cause, e.g. a crash-looping server's error).
+for i in $(seq 1 30); do
+  kubectl wait --for=condition=Available rewardmodel/tiny-rm --timeout=10s >/dev/null 2>&1 && break
+  echo "waiting for tiny-rm to be Available: $(kubectl get rm tiny-rm -o jsonpath='{.status.phase}: {.status.message}')"
+  if [[ $i -eq 30 ]]; then
+    echo "tiny-rm is not Available after 300 s:" >&2
+    kubectl describe rm tiny-rm | tail -n 25 >&2
+    exit 1
+  fi
+done
 kubectl get rm
 python examples/cluster_demo.py --name tiny-rm
 kubectl get rm
