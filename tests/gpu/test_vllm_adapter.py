@@ -19,13 +19,12 @@ import httpx
 import pytest
 
 from rewardplane.protocol import Endpoints
-from rewardplane.testing.servers import free_port
 from tests.gpu.vllm_support import (
-    TOKEN,
     Trainer,
     assert_same_parameters,
     check_after_push,
     device_count,
+    direct_sync,
     fill_prefix_cache,
     load_trainer_model,
     server_checksums,
@@ -57,8 +56,6 @@ def lora_trainer(tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFact
     import torch
     from transformers import AutoTokenizer
 
-    from rewardplane.sdk.direct_sync import DirectWeightSync
-
     if device_count() < 2:
         pytest.skip("adapter pushes over NCCL need 2 GPUs (server on GPU 0, trainer on GPU 1)")
     handle = start_vllm_server(
@@ -72,16 +69,7 @@ def lora_trainer(tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFact
     sync = None
     try:
         wait_ready(handle)
-        sync = DirectWeightSync(
-            [handle.url],
-            group_port=free_port(),
-            token=TOKEN,
-            trainer_host="127.0.0.1",
-            device=device,
-            bucket_bytes=1 << 20,
-            timeout_s=300,
-            connect_timeout_s=120,
-        )
+        sync = direct_sync([handle.url], device)
         yield Trainer(
             load_trainer_model(tiny_seqcls_1label, device),
             AutoTokenizer.from_pretrained(tiny_seqcls_1label),

@@ -31,6 +31,7 @@ from tests.gpu.vllm_support import (
     assert_same_parameters,
     check_after_push,
     device_count,
+    direct_sync,
     fill_prefix_cache,
     load_trainer_model,
     post,
@@ -196,22 +197,11 @@ def trainer(vllm_servers: dict[int, ServerHandle], model_dirs: dict[int, Path]) 
     import torch
     from transformers import AutoTokenizer
 
-    from rewardplane.sdk.direct_sync import DirectWeightSync
-
     if device_count() < 2:
         pytest.skip("weight pushes over NCCL need 2 GPUs (server on GPU 0, trainer on GPU 1)")
     device = torch.device("cuda", 1)
     url = vllm_servers[1].url
-    sync = DirectWeightSync(
-        [url],
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
-        device=device,
-        bucket_bytes=1 << 20,  # several buckets even for the tiny model
-        timeout_s=300,
-        connect_timeout_s=120,
-    )
+    sync = direct_sync([url], device)
     t = Trainer(
         load_trainer_model(model_dirs[1], device),
         AutoTokenizer.from_pretrained(model_dirs[1]),

@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from rewardplane.testing.servers import ServerHandle, free_port
+from rewardplane.testing.servers import ServerHandle
 from tests.gpu.vllm_support import (
-    TOKEN,
     assert_same_parameters,
+    direct_sync,
     post,
     server_checksums,
     start_vllm_server,
@@ -167,7 +167,6 @@ def test_full_push_from_a_trainer_matches_a_server_loaded_with_its_weights(
     from transformers import AutoModelForCausalLM
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
-    from rewardplane.sdk.direct_sync import DirectWeightSync
 
     device = torch.device("cuda", 1)
     model = AutoModelForCausalLM.from_pretrained(tiny_lm, dtype=torch.bfloat16).to(device)
@@ -176,16 +175,7 @@ def test_full_push_from_a_trainer_matches_a_server_loaded_with_its_weights(
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
-    sync = DirectWeightSync(
-        [judge_server.url],
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
-        device=device,
-        bucket_bytes=1 << 20,
-        timeout_s=300,
-        connect_timeout_s=120,
-    )
+    sync = direct_sync([judge_server.url], device)
     try:
         assert sync.sync(model.state_dict(), version=1, training_mode=Mode.FULL) == 1
     finally:
