@@ -221,6 +221,41 @@ def test_secret_env_and_mounted_secret_reach_the_process(
 
 
 @pytest.mark.cluster
+def test_a_process_can_bind_unix_sockets_in_its_scratch_volume(
+    kube_api: Any, node_agent: Any, k8s_namespace: str, tmp_path: Path
+) -> None:
+    """vLLM binds ``ipc://$TMPDIR/<uuid>`` sockets (107-byte limit); with long pod and volume names
+    the agent's per-pod directory alone is longer than that, so it must reach volumes by a short path."""
+    core = _core(kube_api)
+    out = tmp_path / "socket.txt"
+    script = (
+        "import os, pathlib, socket, uuid; "
+        "path = os.path.join(os.environ['TMPDIR'], str(uuid.uuid4())); "
+        "s = socket.socket(socket.AF_UNIX); s.bind(path); s.close(); os.unlink(path); "
+        "pathlib.Path(os.environ['OUT']).write_text(path)"
+    )
+    name = "a-reward-model-with-a-rather-long-name-0"
+    volume = "engine-scratch"
+    pod = _pod(
+        name,
+        node_agent.name,
+        ["python", "-c", script],
+        restartPolicy="Never",
+        env=[{"name": "TMPDIR", "value": "/scratch"}, {"name": "OUT", "value": str(out)}],
+        volumeMounts=[{"name": volume, "mountPath": "/scratch"}],
+    )
+    pod["spec"]["volumes"] = [{"name": volume, "emptyDir": {}}]
+    core.create_namespaced_pod(k8s_namespace, pod, _request_timeout=10)
+    got = _wait_pod(
+        core, k8s_namespace, name, lambda p: p.status.phase in ("Succeeded", "Failed"), "finished", node_agent
+    )
+    assert got.status.phase == "Succeeded", f"{got.status}\n{node_agent.log_tail()}"
+    bound = out.read_text()
+    assert len(bound.encode()) < 107, bound
+    assert Path(bound).parent.resolve().name == volume  # the short path is the pod's own volume
+
+
+@pytest.mark.cluster
 def test_node_advertises_capacity_and_labels(kube_api: Any, node_agent: Any) -> None:
     node = _core(kube_api).read_node(node_agent.name, _request_timeout=10)
     assert node.status.capacity["nvidia.com/gpu"] == "1"

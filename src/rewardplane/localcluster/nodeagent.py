@@ -37,6 +37,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -300,6 +301,7 @@ class PodWorker(threading.Thread):
                 kill_group(self.proc, 2.0)
                 self.proc = None
             shutil.rmtree(self.pod_dir / "volumes", ignore_errors=True)  # secrets off the disk
+            remove_short_link(short_link_path(self.uid))
             self.agent.worker_done(self)
 
     def _loop(self) -> None:
@@ -438,14 +440,16 @@ class PodWorker(threading.Thread):
         with self._lock:
             pod = self.pod
         secrets, configmaps = self.agent.read_refs(pod)
+        per_pod = short_volumes_link(self.uid, self.pod_dir / "volumes")
         volumes = plan_volumes(
             pod,
             pod_dir=self.pod_dir,
+            volumes_dir=per_pod,
             shared_dir=self.agent.cfg.state_dir / "volumes",
             secrets=secrets,
             configmaps=configmaps,
         )
-        write_volumes(volumes.values(), pod, self.pod_dir)
+        write_volumes(volumes.values(), per_pod)
         plan = plan_process(
             pod, pod_ip=self.rt.pod_ip or "127.0.0.1", secrets=secrets, configmaps=configmaps, volumes=volumes
         )
@@ -623,11 +627,43 @@ class PodWorker(threading.Thread):
                 log.warning("pod %s/%s: final delete failed: %s", self.ns, self.pod_name, exc)
 
 
-def write_volumes(volumes: Any, pod: Pod, pod_dir: Path) -> None:
-    """Create each volume's directory and (re)write Secret/ConfigMap keys as files."""
+# Unix socket paths are limited to 107 bytes (sockaddr_un); programs put sockets under $TMPDIR
+# (vLLM: ``ipc://$TMPDIR/<uuid>``, 43 bytes of it). A pod's emptyDir under a long state directory
+# leaves no room, so the node agent reaches the per-pod volumes through a short link instead.
+SHORT_LINK_PREFIX = "rp-"
+
+
+def short_link_path(pod_uid: str, root: Path | None = None) -> Path:
+    return (root or Path(tempfile.gettempdir())) / f"{SHORT_LINK_PREFIX}{pod_uid.replace('-', '')[:12]}"
+
+
+def short_volumes_link(pod_uid: str, target: Path, root: Path | None = None) -> Path:
+    """A short symlink (``<tmp>/rp-<uid>``) to ``target`` (the pod's volumes directory), made or
+    refreshed here; the pod's processes see its volumes through it. ``remove_short_link`` drops it."""
+    link = short_link_path(pod_uid, root)
+    target.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink():
+        if Path(os.readlink(link)) == target:
+            return link
+        link.unlink()
+    elif link.exists():  # not ours: keep the long path rather than touch it
+        log.warning("%s exists and is not a link; pod volumes keep their long path %s", link, target)
+        return target
+    link.symlink_to(target, target_is_directory=True)
+    return link
+
+
+def remove_short_link(link: Path) -> None:
+    if link.is_symlink():
+        link.unlink(missing_ok=True)
+
+
+def write_volumes(volumes: Any, per_pod_dir: Path) -> None:
+    """Create each volume's directory and (re)write Secret/ConfigMap keys as files; the pod's own
+    (under ``per_pod_dir``) are private to it."""
     for vol in volumes:
         assert isinstance(vol, VolumePlan)
-        if vol.files or vol.directory.is_relative_to(pod_dir / "volumes"):
+        if vol.files or vol.directory.is_relative_to(per_pod_dir):
             if vol.files:
                 shutil.rmtree(vol.directory, ignore_errors=True)  # keys removed upstream vanish
             vol.directory.mkdir(parents=True, exist_ok=True)

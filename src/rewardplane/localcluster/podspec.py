@@ -164,19 +164,27 @@ class VolumePlan:
 
 
 def plan_volumes(
-    pod: Pod, *, pod_dir: Path, shared_dir: Path, secrets: Objects, configmaps: Objects
+    pod: Pod,
+    *,
+    pod_dir: Path,
+    shared_dir: Path,
+    secrets: Objects,
+    configmaps: Objects,
+    volumes_dir: Path | None = None,
 ) -> dict[str, VolumePlan]:
     """Local directories for the pod's volumes.
 
     secret / configMap → a per-pod directory holding the keys as files; emptyDir → an empty
     per-pod directory; hostPath → that path; persistentVolumeClaim → a directory per claim under
-    ``shared_dir`` that outlives pods (as a PV would).
+    ``shared_dir`` that outlives pods (as a PV would). The per-pod ones live in ``volumes_dir``
+    (default ``pod_dir/volumes``; the node agent passes a short link to it: Unix socket paths).
     """
     namespace = pod.get("metadata", {}).get("namespace", "default")
     plans: dict[str, VolumePlan] = {}
+    per_pod = volumes_dir if volumes_dir is not None else pod_dir / "volumes"
     for vol in pod.get("spec", {}).get("volumes") or []:
         name = vol["name"]
-        local = pod_dir / "volumes" / name
+        local = per_pod / name
         if "secret" in vol or "configMap" in vol:
             is_secret = "secret" in vol
             src = vol["secret"] if is_secret else vol["configMap"]
