@@ -62,16 +62,21 @@ def send_buckets(
     bucket_bytes: int,
     src: int,
     plan: list[Bucket] | None = None,
+    before_first: Callable[[], bool] | None = None,
 ) -> int:
     """Broadcast ``tensors`` (ordered as ``metadata``) from rank ``src``; returns bytes sent.
 
     The receivers must have accepted the push (the announce) before: on CUDA everything is enqueued
     and waited for here, bounded by the group's timeout. ``plan``: ``plan_buckets(metadata,
-    bucket_bytes)`` when the caller has it already.
+    bucket_bytes)`` when the caller has it already. ``before_first``: called once the first bucket's
+    packing is enqueued and before any byte is sent (the receivers' agreement, so the packing
+    overlaps with it); False → nothing is sent and 0 is returned.
     """
     plan = plan if plan is not None else plan_buckets(list(metadata), bucket_bytes)
     device = comm.device
     if device.type != "cuda":
+        if before_first is not None and not before_first():
+            return 0
         buf: torch.Tensor | None = None
         for bucket in plan:
             buf = pack_bucket(bucket, metadata, tensors, device, out=buf)
@@ -84,6 +89,17 @@ def send_buckets(
     largest = max(b.nbytes for b in plan)
     bufs = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(min(2, len(plan)))]
     free: list[torch.cuda.Event | None] = [None] * len(bufs)
+
+    def pack(k: int) -> torch.cuda.Event:
+        with torch.cuda.stream(pack_stream):
+            pack_bucket(plan[k], metadata, tensors, device, out=bufs[k % len(bufs)])
+            packed = torch.cuda.Event()
+            packed.record(pack_stream)
+        return packed
+
+    first = pack(0)
+    if before_first is not None and not before_first():
+        return 0
     with torch.cuda.stream(main):
         for k, bucket in enumerate(plan):
             i = k % len(bufs)
@@ -92,11 +108,7 @@ def send_buckets(
                 # at most two buckets in flight (a progress bar follows the link), and a dead peer
                 # is noticed here, within the timeout
                 comm.wait_event(previous)
-            with torch.cuda.stream(pack_stream):
-                pack_bucket(bucket, metadata, tensors, device, out=bufs[i])
-                packed = torch.cuda.Event()
-                packed.record(pack_stream)
-            main.wait_event(packed)
+            main.wait_event(first if k == 0 else pack(k))
             comm.broadcast(bufs[i][: bucket.nbytes], src)
             done = torch.cuda.Event()
             done.record(main)

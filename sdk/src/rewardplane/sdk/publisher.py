@@ -439,19 +439,28 @@ class RewardModelPublisher:
                 }
                 return version
             # the servers lost the layout: announce it over HTTP, below
-        # The announce first, on this thread: a refusal then costs nothing, and while the servers
-        # set up their receive (the longer part) this thread packs and enqueues the first buckets.
-        # (Announcing from a helper thread during packing was slower: it waited for the GIL.)
-        self.control.announce_update_batch(
-            metadata,
-            version=version,
-            training_mode=mode,
-            bucket_bytes=self.bucket_bytes,
-            atomic=self.atomic,
-            adapter=adapter,
+        # The announce on this thread, once the first bucket's packing is enqueued (the GPU packs
+        # while the servers accept); a refusal raises before a byte is sent. While the servers set
+        # up their receive this thread enqueues the first buckets. (Announcing from a helper
+        # thread during packing was slower: it waited for the GIL.)
+        announced = prepared
+
+        def announce() -> bool:
+            nonlocal announced
+            self.control.announce_update_batch(
+                metadata,
+                version=version,
+                training_mode=mode,
+                bucket_bytes=self.bucket_bytes,
+                atomic=self.atomic,
+                adapter=adapter,
+            )
+            announced = time.perf_counter()
+            return True
+
+        total = send_buckets(
+            self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, plan=plan, before_first=announce
         )
-        announced = time.perf_counter()
-        total = send_buckets(self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, plan=plan)
         synchronized = time.perf_counter()
         if self.comm.max_flag(0) != 0:
             raise WeightSyncError(
@@ -497,7 +506,18 @@ class RewardModelPublisher:
             timeout_s=self.timeout_s,
         )
         header = time.perf_counter()
-        if self.comm.max_flag(0) != 0:  # some replica refused: nothing moved, the group is intact
+        agreement = {"ok": False, "at": header}
+
+        def agreed() -> bool:
+            # every replica accepted (the ready reduction), while the first bucket is being packed
+            agreement.update(ok=self.comm.max_flag(0) == 0, at=time.perf_counter())
+            return bool(agreement["ok"])
+
+        total = send_buckets(
+            self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, plan=plan, before_first=agreed
+        )
+        ready = float(agreement["at"])
+        if not agreement["ok"]:  # some replica refused: nothing moved, the group is intact
             verdicts = dp.verdicts(seq, 10.0)
             if any(v.code == "unknown_layout" for v in verdicts.values()):
                 dp.forget(lid)
@@ -505,8 +525,6 @@ class RewardModelPublisher:
             raise RewardServerError(
                 409, describe(verdicts, dp.replicas), url="the group's store (data-plane push)"
             )
-        ready = time.perf_counter()
-        total = send_buckets(self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, plan=plan)
         synchronized = time.perf_counter()
         if self.comm.max_flag(0) != 0:  # every replica's commit, confirmed in one reduction
             reasons = describe(dp.verdicts(seq, 5.0), dp.replicas)
