@@ -72,20 +72,6 @@ def create_store(
         ) from exc
 
 
-def _flag_from_env(name: str, default: bool) -> bool:
-    raw = os.environ.get(name, "").strip().lower()
-    if raw in ("", "default"):
-        return default
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={raw!r}: give 1 or 0")
-
-
-NCCL_HIGH_PRIORITY = _flag_from_env("REWARDPLANE_NCCL_HIGH_PRIORITY", False)
-
-
 class Communicator:
     """One process group for weight pushes: broadcast of flat buckets, a status reduction, close."""
 
@@ -119,9 +105,6 @@ class Communicator:
             # Our own bounded waits (wait_event/synchronize) fire first and abort cleanly; the
             # watchdog is the backstop.
             opts._timeout = self.timeout * 2 + timedelta(seconds=10)
-            # NCCL's kernels on a high-priority stream: the receivers' loads and the trainer's
-            # packing (copy kernels on normal streams) then never delay a broadcast's blocks.
-            opts.is_high_priority_stream = NCCL_HIGH_PRIORITY
             # Any: torch's stubs declare no collectives on the backend classes we call them on.
             self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         else:

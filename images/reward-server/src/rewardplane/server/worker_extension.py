@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -290,11 +289,6 @@ class RewardWeightSyncExtension:
         if comm is None or group is None:
             return False
         self._rp_stop_listening()
-        switch = os.environ.get("REWARDPLANE_WORKER_SWITCH_INTERVAL_S")
-        if switch:
-            # the listener competes for the GIL with the engine's own loop; a short interval
-            # bounds how long it waits for it when the go arrives
-            sys.setswitchinterval(float(switch))
         host, port, timeout_s, group_id = group
         store = group_store(host, port, group_id, timeout_s)
         stop = threading.Event()
