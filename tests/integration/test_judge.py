@@ -162,6 +162,28 @@ def test_bad_chat_requests_are_refused_with_what_to_change(judge_server):
     assert resp.status_code == 422
 
 
+def test_a_judge_sleeps_and_wakes_to_the_same_answers(judge_server):
+    """The generative engine sleeps as the scoring one does (it once lacked sleep and wake: /sleep
+    answered 500), and a level-2 wake reloads its base checkpoint."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def greedy() -> str:
+        resp = chat(judge_server.url, max_tokens=MAX_TOKENS, temperature=0)
+        assert resp.status_code == 200, resp.text
+        return str(resp.json()["choices"][0]["message"]["content"])
+
+    before = greedy()
+    for level in (1, 2):
+        asleep = httpx.post(f"{judge_server.url}/sleep", json={"level": level}, headers=auth, timeout=60)
+        assert asleep.status_code == 200, asleep.text
+        assert asleep.json()["state"] == "sleeping" and asleep.json()["level"] == level
+        refused = chat(judge_server.url, max_tokens=MAX_TOKENS, temperature=0)
+        assert refused.status_code == 503 and "/wake" in error_text(refused)
+        woke = httpx.post(f"{judge_server.url}/wake", headers=auth, timeout=60)
+        assert woke.status_code == 200 and woke.json()["weights"] == "serving", woke.text
+        assert greedy() == before
+
+
 def test_pushes_change_the_answers_to_the_trainers(judge_server, tiny_causal_lm_dir):
     before = chat(judge_server.url, max_tokens=MAX_TOKENS, temperature=0).json()["choices"][0]["message"]
     sync = sync_for(judge_server)

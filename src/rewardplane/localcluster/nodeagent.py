@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -177,10 +178,12 @@ def node_status(
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGKILL it if the agent's spawning thread dies, so a killed
     agent leaves no pod processes behind (Linux only; harmless elsewhere)."""
-    with contextlib.suppress(Exception):
-        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if _PRCTL is not None:
+        with contextlib.suppress(Exception):
+            _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+_PRCTL: Callable[..., int] | None
 try:
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux
@@ -779,7 +782,8 @@ class NodeAgent:
     def _register(self) -> None:
         body = node_object(self.cfg)
         try:
-            self.core.create_node(body, _request_timeout=API_TIMEOUT_S)
+            # the client serializes a plain dict as it would a V1Node; its stubs only name V1Node
+            self.core.create_node(body, _request_timeout=API_TIMEOUT_S)  # type: ignore[arg-type]
         except Exception as exc:
             if getattr(exc, "status", None) != 409:
                 raise

@@ -440,7 +440,7 @@ class WeightSyncService:
             push.error = guard.asleep_message()
         elif not self._has_comm:
             push.error = "no communicator: the group failed; form it again (/init_communicator)"
-        if push.error is not None:
+        if push.error is not None or layout is None:  # an unknown layout was refused above
             push.code = "unknown_layout" if push.code == "unknown_layout" else "refused"
             return push
         push.layout = layout

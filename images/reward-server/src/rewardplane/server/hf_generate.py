@@ -12,19 +12,19 @@ from typing import Any
 import torch
 
 from rewardplane.protocol import ModelTask, PoolingType
+from rewardplane.protocol.compat import FinishReason
 
 from .config import ServerConfig
 from .engine import Completion, EngineInfo, SamplingOptions
 from .generation import cut_at_stop, wrong_task
-from .hf_engine import HFWeightPort, load_checkpoint
+from .hf_engine import HFWeights, load_checkpoint
 from .locking import WeightsGuard
 from .metrics import ServerMetrics
-from .worker_extension import HFWeightSyncWorker
 
 log = logging.getLogger(__name__)
 
 
-class HFGenerativeEngine:
+class HFGenerativeEngine(HFWeights):
     """``RewardEngine`` of task ``generate`` on transformers. Generation holds the weights lock
     (``guard.scoring()``) for the whole request, so every choice of one answer comes from one
     weights version; it runs on a thread of its own (one request at a time)."""
@@ -34,8 +34,10 @@ class HFGenerativeEngine:
 
         self.cfg = cfg
         self.metrics = metrics or ServerMetrics()
-        self.device, dtype, self.tokenizer, model = load_checkpoint(cfg, AutoModelForCausalLM)
-        self.model = model
+        device, dtype, self.tokenizer, model = load_checkpoint(cfg, AutoModelForCausalLM)
+        super().__init__(
+            cfg, model, device, ThreadPoolExecutor(max_workers=1, thread_name_prefix="rp-generate")
+        )
         self.eos_ids = _eos_ids(model, self.tokenizer)
         self.pad_id = int(
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -54,7 +56,6 @@ class HFGenerativeEngine:
             task=ModelTask.GENERATE,
         )
         self.guard = WeightsGuard()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rp-generate")
 
     async def start(self) -> None:
         """Nothing to start: the model is loaded."""
@@ -103,11 +104,8 @@ class HFGenerativeEngine:
         tokens = row if ended is None else row[: ended + 1]
         text = self.tokenizer.decode(tokens if ended is None else tokens[:-1], skip_special_tokens=True)
         text, stopped = cut_at_stop(text, options.stop)
-        finish = "stop" if ended is not None or stopped else "length"
+        finish: FinishReason = "stop" if ended is not None or stopped else "length"
         return Completion(text=text, num_tokens=len(tokens), finish_reason=finish)
-
-    def weight_port(self) -> HFWeightPort:
-        return HFWeightPort(HFWeightSyncWorker(self.model, self.device))
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
