@@ -74,17 +74,23 @@ class _Pending:
     enqueued: float = field(default_factory=time.perf_counter)
 
 
-class HFWeights:
-    """What both transformers engines (scoring and ``hf_generate``) do alike with the weights of
-    ``model`` in this process: sleep, wake and the weight-sync port. ``pool`` is the one thread the
-    engine's forwards run on; sleep and wake run there too, so never beside a forward."""
+class HFEngineBase:
+    """What both transformers engines (scoring here, generation in ``hf_generate``) share: the
+    checkpoint loaded as ``auto_cls`` (an ``AutoModelFor...``), the one thread their forwards run
+    on (``thread_name``; sleep and wake run there too, so never beside a forward), the weights
+    lock, sleep, wake and the weight-sync port."""
 
-    def __init__(self, cfg: ServerConfig, model: Any, device: torch.device, pool: ThreadPoolExecutor) -> None:
-        self.model = model
-        self.device = device
-        self._pool = pool
+    def __init__(
+        self, cfg: ServerConfig, metrics: ServerMetrics | None, auto_cls: Any, thread_name: str
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or ServerMetrics()
+        self.device, self.dtype, self.tokenizer, self.model = load_checkpoint(cfg, auto_cls)
+        self.max_model_len = cfg.model_len(self.model.config)
+        self.guard = WeightsGuard()
         self.base_checkpoint = cfg.model if cfg.load_format != "dummy" else None
-        self._params = dict(model.named_parameters())
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        self._params = dict(self.model.named_parameters())
         self._sleep_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
 
     # ---- sleep and wake --------------------------------------------------------------------
@@ -135,7 +141,7 @@ class HFWeights:
         return HFWeightPort(HFWeightSyncWorker(self.model, self.device))
 
 
-class HFEngine(HFWeights):
+class HFEngine(HFEngineBase):
     """Runs the model in a worker thread; one asyncio task forms batches from whatever is queued.
 
     All items of one request are scored in one round, under one hold of the weights lock, so a
@@ -145,13 +151,8 @@ class HFEngine(HFWeights):
     def __init__(self, cfg: ServerConfig, metrics: ServerMetrics | None = None) -> None:
         from transformers import AutoModelForSequenceClassification
 
-        self.cfg = cfg
-        self.metrics = metrics or ServerMetrics()
-        device, dtype, self.tokenizer, model = load_checkpoint(cfg, AutoModelForSequenceClassification)
-        # Forwards run one at a time on a thread of their own, which nothing else may occupy.
-        super().__init__(
-            cfg, model, device, ThreadPoolExecutor(max_workers=1, thread_name_prefix="rp-forward")
-        )
+        super().__init__(cfg, metrics, AutoModelForSequenceClassification, "rp-forward")
+        model, dtype = self.model, self.dtype
         num_labels = int(model.config.num_labels)
         if cfg.num_labels is not None and cfg.num_labels != num_labels:
             raise ValueError(
@@ -179,7 +180,6 @@ class HFEngine(HFWeights):
             if self.head is not None
             else (PoolingType.LAST,)
         )
-        max_len = cfg.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or 4096)
         id2label = {int(k): str(v) for k, v in (getattr(model.config, "id2label", None) or {}).items()}
         self.info = EngineInfo(
             served_model_name=cfg.name,
@@ -187,13 +187,12 @@ class HFEngine(HFWeights):
             num_labels=num_labels,
             dtype=str(dtype).removeprefix("torch."),
             head_dtype=str(head_dtype).removeprefix("torch."),
-            max_model_len=max_len,
+            max_model_len=self.max_model_len,
             vocab_size=int(model.config.vocab_size),
             pooling_types=pooling_types,
             id2label=id2label,
             max_lora_rank=cfg.max_lora_rank if cfg.enable_lora else 0,
         )
-        self.guard = WeightsGuard()
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
 

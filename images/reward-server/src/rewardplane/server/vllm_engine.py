@@ -326,7 +326,7 @@ class VLLMEngine:
             )
         # The same tokenizer as the transformers engine, so /score tokenizes texts identically.
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        max_len = cfg.max_model_len or int(getattr(config, "max_position_embeddings", 0) or 4096)
+        max_len = cfg.model_len(config)
         self.engine_args = build_engine_args(cfg, max_len)
         dtype = _vllm_dtype(cfg.dtype)
         # What vLLM will hold: the hf_overrides head_dtype (ours, or the user's --hf-overrides).
