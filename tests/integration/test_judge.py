@@ -26,6 +26,7 @@ from rewardplane.sdk import (
     Rollout,
     Step,
 )
+from rewardplane.sdk._exceptions import _error_message  # reads both error shapes
 from rewardplane.sdk.direct_sync import DirectWeightSync
 from rewardplane.testing.servers import free_port
 
@@ -124,13 +125,6 @@ def test_sampling_follows_the_seed_and_stop_strings_cut_the_answer(judge_server)
     assert cut["finish_reason"] == "stop"
 
 
-def error_text(resp: httpx.Response) -> str:
-    """The message of either error shape: the project's ``{"error": str}`` or, under ``/v1/``,
-    OpenAI's ``{"error": {"message": str}}``."""
-    error = resp.json()["error"]
-    return error["message"] if isinstance(error, dict) else error
-
-
 def test_wrong_task_requests_get_a_clear_400(judge_server, server_factory, tiny_model_dir):
     for path, body in [
         ("/score", {"input": ["x"]}),
@@ -140,7 +134,7 @@ def test_wrong_task_requests_get_a_clear_400(judge_server, server_factory, tiny_
     ]:
         resp = httpx.post(judge_server.url + path, json=body, timeout=30)
         assert resp.status_code == 400, (path, resp.text)
-        assert "/v1/chat/completions" in error_text(resp)
+        assert "/v1/chat/completions" in _error_message(resp)[0]
     info = httpx.get(f"{judge_server.url}/model_info").json()
     assert info["task"] == "generate"
     # tokenizing works on either task
@@ -160,6 +154,28 @@ def test_bad_chat_requests_are_refused_with_what_to_change(judge_server):
     assert chat(judge_server.url, temperature=-1).status_code == 422
     resp = httpx.post(f"{judge_server.url}/v1/chat/completions", json={"messages": []}, timeout=30)
     assert resp.status_code == 422
+
+
+def test_a_judge_sleeps_and_wakes_to_the_same_answers(judge_server):
+    """The generative engine sleeps as the scoring one does (it once lacked sleep and wake: /sleep
+    answered 500), and a level-2 wake reloads its base checkpoint."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+
+    def greedy() -> str:
+        resp = chat(judge_server.url, max_tokens=MAX_TOKENS, temperature=0)
+        assert resp.status_code == 200, resp.text
+        return str(resp.json()["choices"][0]["message"]["content"])
+
+    before = greedy()
+    for level in (1, 2):
+        asleep = httpx.post(f"{judge_server.url}/sleep", json={"level": level}, headers=auth, timeout=60)
+        assert asleep.status_code == 200, asleep.text
+        assert asleep.json()["state"] == "sleeping" and asleep.json()["level"] == level
+        refused = chat(judge_server.url, max_tokens=MAX_TOKENS, temperature=0)
+        assert refused.status_code == 503 and "/wake" in _error_message(refused)[0]
+        woke = httpx.post(f"{judge_server.url}/wake", headers=auth, timeout=60)
+        assert woke.status_code == 200 and woke.json()["weights"] == "serving", woke.text
+        assert greedy() == before
 
 
 def test_pushes_change_the_answers_to_the_trainers(judge_server, tiny_causal_lm_dir):

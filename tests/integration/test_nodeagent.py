@@ -85,7 +85,7 @@ def test_http_server_pod_gets_its_own_ip_and_becomes_ready(
 
     assert got.status.phase == "Running"
     ip = got.status.pod_ip
-    assert re.fullmatch(r"127\.0\.\d+\.\d+", ip) and ip not in ("127.0.0.0", "127.0.0.1")
+    assert re.fullmatch(r"127\.\d+\.\d+\.\d+", ip) and not ip.startswith("127.0.")  # the fixture's own range
     assert [i.ip for i in got.status.pod_ips] == [ip]
     assert got.status.host_ip == "127.0.0.1"
     assert got.status.start_time is not None
@@ -406,6 +406,36 @@ def test_ip_allocation_is_unique_and_reuses_released_addresses() -> None:
     assert ips.allocate("d", preferred="127.0.0.2") == "127.0.0.4"  # taken: next free
     ips.release("a")
     assert ips.allocate("e") == "127.0.0.2"
+
+
+def test_each_agent_can_have_a_pod_network_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from rewardplane.localcluster.nodeagent import POD_NETWORK_ENV, build_parser
+    from rewardplane.localcluster.podspec import IPAllocator
+    from tests.fixtures.cluster import free_pod_network
+
+    ips = IPAllocator(network=7)
+    assert [ips.allocate(u) for u in ("a", "b")] == ["127.7.0.2", "127.7.0.3"]
+    # an address from another network (the pod's before the agent's network changed) is not kept
+    assert ips.allocate("c", preferred="127.0.0.9") == "127.7.0.4"
+    assert ips.allocate("d", preferred="127.7.0.9") == "127.7.0.9"
+    with pytest.raises(ValueError, match="0-255"):
+        IPAllocator(network=256)
+
+    monkeypatch.delenv(POD_NETWORK_ENV, raising=False)
+    assert build_parser().parse_args([]).pod_network == 0  # users' default: 127.0.0.2, ...
+    assert build_parser().parse_args(["--pod-network", "3"]).pod_network == 3
+    monkeypatch.setenv(POD_NETWORK_ENV, "9")
+    assert build_parser().parse_args([]).pod_network == 9
+
+    # the fixture's choice avoids a network in which a server on this host listens
+    n = free_pod_network()
+    assert 1 <= n <= 255
+    with socket.socket() as taken:
+        taken.bind((f"127.{n}.0.2", 0))
+        taken.listen()
+        assert free_pod_network() != n
 
 
 def test_status_reports_crash_loop_and_readiness() -> None:

@@ -90,6 +90,22 @@ def test_seed_names_and_precise_types() -> None:
         asyncio.run(client.score_batch(["x"]))
 
 
+def test_the_blocking_client_takes_the_async_clients_parameters() -> None:
+    # Each client spells its methods' keywords out (help() and IDEs show them, defaults included);
+    # this keeps the two copies alike.
+    shared = [
+        n
+        for n in vars(sdk.AsyncRewardClient)
+        if not n.startswith("_") and callable(getattr(sdk.RewardClient, n, None))
+    ]
+    assert {"chat", "score_batch", "score_chats", "sleep", "wake"} <= set(shared)
+    for name in shared:
+        async_sig = inspect.signature(getattr(sdk.AsyncRewardClient, name))
+        sync_sig = inspect.signature(getattr(sdk.RewardClient, name))
+        assert async_sig.parameters == sync_sig.parameters, name
+        assert async_sig.return_annotation == sync_sig.return_annotation, name
+
+
 def test_cluster_handle_reads_through_methods_and_the_old_properties_warn() -> None:
     from rewardplane.sdk.cluster import RewardModelHandle
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
+from rewardplane.server.errors import Conflict
 from rewardplane.server.locking import WeightsGuard
 
 
@@ -45,3 +48,23 @@ def test_wait_change_wakes_on_commit_and_on_failure_and_times_out() -> None:
     assert (version, state) == (7, "broken")
     assert woke_commit < 1.0 and woke_broken < 1.0  # woken by the change, not the 10 s bound
     assert 0.04 <= idle < 1.0
+
+
+def test_writes_are_refused_with_one_reason_while_asleep() -> None:
+    async def run() -> None:
+        guard = WeightsGuard()
+        assert guard.write_refusal() is None
+        async with guard.updating(timeout_s=5):
+            guard.fall_asleep(1)
+        reason = guard.write_refusal()
+        assert reason is not None and "asleep (sleep level 1)" in reason and "/wake" in reason
+        # the lock refuses with the same reason that paths admitting a write early ask for
+        with pytest.raises(Conflict) as refused:
+            async with guard.updating(timeout_s=5):
+                pass
+        assert refused.value.message == reason
+        async with guard.updating(timeout_s=5, waking=True):
+            guard.woke()
+        assert guard.write_refusal() is None
+
+    asyncio.run(run())

@@ -4,7 +4,8 @@ It registers a Node (capacity incl. ``nvidia.com/gpu``), keeps it Ready with hea
 watches Pods bound to it (``spec.nodeName``; there is no scheduler, the operator binds pods
 itself). For each pod it:
 
-- gives the pod its own loopback address 127.0.0.x (x from 2 up) as ``status.podIP``;
+- gives the pod its own loopback address 127.N.0.x (x from 2 up; N: ``--pod-network``, 0 by
+  default) as ``status.podIP``;
 - writes Secret / ConfigMap volumes into a per-pod directory and rewrites each volumeMount's
   ``mountPath`` prefix in command, args and env values to that directory (there is no mount
   namespace: the process sees the host's filesystem);
@@ -41,6 +42,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -74,6 +76,7 @@ API_TIMEOUT_S = 10  # every API call is bounded
 CONFIG_RETRY_S = 2.0  # retry a pod whose Secret/ConfigMap is missing
 START_MARKER = "rewardplane node agent: start #"  # the agent's line before each run in a pod's log
 MARKER_ENV = "REWARDPLANE_NODE_AGENT_ID"  # finds our processes left over after an agent crash
+POD_NETWORK_ENV = "REWARDPLANE_POD_NETWORK"  # --pod-network's default
 
 
 @dataclass
@@ -88,6 +91,7 @@ class AgentConfig:
     heartbeat_s: float = 10.0
     max_grace_s: float = 30.0  # upper bound on any pod's termination grace period
     watch_timeout_s: int = 30  # the watch is re-opened (with a full re-list) this often
+    pod_network: int = 0  # pods get 127.<pod_network>.x.y; agents sharing a host need different ones
 
     @property
     def agent_id(self) -> str:
@@ -178,10 +182,12 @@ def node_status(
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGKILL it if the agent's spawning thread dies, so a killed
     agent leaves no pod processes behind (Linux only; harmless elsewhere)."""
-    with contextlib.suppress(Exception):
-        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if _PRCTL is not None:
+        with contextlib.suppress(Exception):
+            _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+_PRCTL: Callable[..., int] | None
 try:
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux
@@ -694,7 +700,7 @@ class NodeAgent:
         self.cfg = cfg
         self.core = client.CoreV1Api(api_client)
         self.stop_event = threading.Event()
-        self._ips = IPAllocator()
+        self._ips = IPAllocator(network=cfg.pod_network)
         self._gpus = GpuInventory(cfg.gpus)
         self._alloc_lock = threading.Lock()
         self._workers: dict[str, PodWorker] = {}
@@ -815,7 +821,8 @@ class NodeAgent:
     def _register(self) -> None:
         body = node_object(self.cfg)
         try:
-            self.core.create_node(body, _request_timeout=API_TIMEOUT_S)
+            # the client serializes a plain dict as it would a V1Node; its stubs only name V1Node
+            self.core.create_node(body, _request_timeout=API_TIMEOUT_S)  # type: ignore[arg-type]
         except Exception as exc:
             if getattr(exc, "status", None) != 409:
                 raise
@@ -986,6 +993,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--heartbeat-s", type=float, default=10.0)
     p.add_argument("--max-grace-s", type=float, default=30.0)
+    p.add_argument(
+        "--pod-network",
+        type=int,
+        default=os.environ.get(POD_NETWORK_ENV, "0"),  # a string default goes through type=int too
+        metavar="N",
+        help=(
+            f"pods get the loopback addresses 127.N.0.2, 127.N.0.3, ... (default 0, or ${POD_NETWORK_ENV}); "
+            "node agents on one host need different values"
+        ),
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -1000,6 +1017,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.gpus < 0:
         print("rewardplane node: --gpus must be >= 0", file=sys.stderr)
+        return 2
+    if not 0 <= args.pod_network <= 255:
+        print(
+            "rewardplane node: --pod-network must be 0-255 (the second octet of 127.N.x.y)", file=sys.stderr
+        )
         return 2
     from kubernetes import config as kconfig
 
@@ -1019,6 +1041,7 @@ def main(argv: list[str] | None = None) -> int:
         state_dir=state_dir.expanduser(),
         heartbeat_s=args.heartbeat_s,
         max_grace_s=args.max_grace_s,
+        pod_network=args.pod_network,
     )
     agent = NodeAgent(api, cfg)
 

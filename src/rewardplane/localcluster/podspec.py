@@ -7,7 +7,8 @@ Nothing here does I/O, so it is unit-testable without a cluster:
 - ``rewrite_mount_paths``: a volumeMount's ``mountPath`` prefix → the local directory that holds
   the volume's files (there are no mount namespaces: the process sees the host filesystem).
 - ``plan_process``: argv, env and working directory for the first container.
-- ``IPAllocator``: one loopback address 127.0.0.x per live pod (x from 2 up).
+- ``IPAllocator``: one loopback address 127.N.0.x per live pod (x from 2 up; N is the agent's
+  pod network, 0 by default).
 - ``ContainerRuntime`` + ``build_pod_status``: what the agent knows → the Pod's ``status``.
 """
 
@@ -335,20 +336,22 @@ def gpu_request(pod: Pod) -> int:
 
 # -- loopback IPs --------------------------------------------------------------------------------
 class IPAllocator:
-    """Unique loopback addresses for live pods: 127.0.0.2, 127.0.0.3, ... (all of 127/8 reaches
-    ``lo`` on Linux, so each pod can bind its own ports without clashing)."""
+    """Unique loopback addresses for live pods: 127.N.0.2, 127.N.0.3, ... (all of 127/8 reaches
+    ``lo`` on Linux, so each pod can bind its own ports without clashing). ``network`` is N: node
+    agents on one host need different ones, or their pods take each other's addresses."""
 
-    def __init__(self, first: int = 2, last: int = 65534) -> None:
-        self._first, self._last = first, last
+    def __init__(self, first: int = 2, last: int = 65534, *, network: int = 0) -> None:
+        if not 0 <= network <= 255:
+            raise ValueError(f"pod network {network} is not an octet (0-255): pods get 127.<network>.x.y")
+        self._first, self._last, self._network = first, last, network
         self._by_owner: dict[str, str] = {}
 
-    @staticmethod
-    def _addr(i: int) -> str:
-        return f"127.0.{i // 256}.{i % 256}"
+    def _addr(self, i: int) -> str:
+        return f"127.{self._network}.{i // 256}.{i % 256}"
 
     def _index(self, ip: str) -> int | None:
         parts = ip.split(".")
-        if len(parts) != 4 or parts[0] != "127" or parts[1] != "0":
+        if len(parts) != 4 or parts[0] != "127" or parts[1] != str(self._network):
             return None
         try:
             i = int(parts[2]) * 256 + int(parts[3])

@@ -22,6 +22,7 @@ machine-wide): ``OWNER_FILE`` records the state dir of the one that runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rewardplane.localcluster.binaries import cache_dir, find_binary
 from rewardplane.localcluster.controlplane import (
@@ -425,7 +427,7 @@ class RealNode:
             ("stop kubelet", lambda: self._stop("kubelet")),
             ("kill containers", self._kill_containers),
         ]
-        steps += [(f"stop {n}", lambda n=n: self._stop(n)) for n in COMPONENTS if n not in first]
+        steps += [(f"stop {n}", functools.partial(self._stop, n)) for n in COMPONENTS if n not in first]
         steps += [
             ("stop leftover processes", self._stop_leftover_processes),
             ("unmount", self._unmount),
@@ -869,7 +871,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 
     def _api(
         self, path: str, *, method: str = "GET", body: dict[str, object] | None = None
-    ) -> dict[str, object]:
+    ) -> dict[str, Any]:  # parsed JSON
         import ssl
         import urllib.request
 
@@ -890,7 +892,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             node = self._api(f"/api/v1/nodes/{NODE_NAME}")
         except Exception:
             return False
-        conds = (node.get("status") or {}).get("conditions") or []  # type: ignore[union-attr]
+        conds = (node.get("status") or {}).get("conditions") or []
         return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
     def _default_sa_ready(self) -> bool:
@@ -909,7 +911,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         if _read_pid(self.layout, "kube-apiserver") is None or _read_pid(self.layout, "kubelet") is None:
             return
         pods = self._api("/api/v1/pods").get("items") or []
-        for pod in pods:  # type: ignore[union-attr]
+        for pod in pods:
             meta = pod["metadata"]
             with contextlib.suppress(Exception):
                 self._api(

@@ -568,6 +568,9 @@ class AsyncRewardClient(BaseRewardClient):
 
         return await gather_or_cancel([one(c) for c in chats])
 
+    # The keywords are spelled out here and in RewardClient.chat rather than shared as an
+    # Unpack[TypedDict]: help() and IDEs then show them with their defaults, and **extra still passes
+    # any other OpenAI field (test_sdk_surface keeps the two signatures alike).
     async def chat(
         self,
         messages: Sequence[Mapping[str, Any]],

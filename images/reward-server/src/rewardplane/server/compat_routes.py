@@ -222,7 +222,7 @@ def compat_router(service: ScoringService) -> APIRouter:
                 ChatCompletionChoice(
                     index=i,
                     message=ChatCompletionMessage(content=a.text),
-                    finish_reason=a.finish_reason,  # type: ignore[arg-type]
+                    finish_reason=a.finish_reason,
                 )
                 for i, a in enumerate(answers)
             ],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -48,6 +48,10 @@ class ServerConfig(BaseModel):
     @property
     def name(self) -> str:
         return self.served_model_name or "reward-model"
+
+    def model_len(self, hf_config: Any) -> int:
+        """``--max-model-len``, else the checkpoint's context (4096 where its config names none)."""
+        return self.max_model_len or int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
 
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:

@@ -242,8 +242,8 @@ class WeightSyncService:
         arrived = time.monotonic()
         layout = self._layout_of(req)
         guard = self.guard
-        if guard.state == "sleeping":
-            raise Conflict(guard.asleep_message())
+        if (refusal := guard.write_refusal()) is not None:
+            raise Conflict(refusal)
         if guard.needs_full_push and set(layout.names) != set(self.manifest):
             raise Conflict(
                 f"this replica's weights are gone ({guard.broken_reason}); only a push of every parameter "
@@ -436,11 +436,11 @@ class WeightSyncService:
             push.error = f"version {header.version} is not newer than the served version {guard.version}; versions must increase"
         elif self.busy():
             push.error = "another weight update is in progress; wait for it to finish"
-        elif guard.state == "sleeping":  # as the HTTP path's lock would answer (409)
-            push.error = guard.asleep_message()
+        elif (refusal := guard.write_refusal()) is not None:  # as the HTTP path's lock would answer (409)
+            push.error = refusal
         elif not self._has_comm:
             push.error = "no communicator: the group failed; form it again (/init_communicator)"
-        if push.error is not None:
+        if push.error is not None or layout is None:  # an unknown layout was refused above
             push.code = "unknown_layout" if push.code == "unknown_layout" else "refused"
             return push
         push.layout = layout
@@ -634,8 +634,8 @@ class WeightSyncService:
         one parameter at a time on the device) and commit it; returns the parameters restored."""
         if self.busy():
             raise Conflict("a weight update is in progress; restore after it finishes")
-        if self.guard.state == "sleeping":
-            raise Conflict(self.guard.asleep_message())
+        if (refusal := self.guard.write_refusal()) is not None:
+            raise Conflict(refusal)
         store = await self.restorable(version)
         assert store is not None
         guard = self.guard

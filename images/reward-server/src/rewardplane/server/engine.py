@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from rewardplane.protocol import ModelTask, ParamMeta, PoolingType
+from rewardplane.protocol.compat import FinishReason
 
 from .locking import WeightsGuard
 
@@ -66,7 +67,7 @@ class Completion:
 
     text: str
     num_tokens: int
-    finish_reason: str
+    finish_reason: FinishReason
 
 
 class WeightSyncPort(Protocol):

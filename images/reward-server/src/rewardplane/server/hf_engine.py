@@ -74,7 +74,74 @@ class _Pending:
     enqueued: float = field(default_factory=time.perf_counter)
 
 
-class HFEngine:
+class HFEngineBase:
+    """What both transformers engines (scoring here, generation in ``hf_generate``) share: the
+    checkpoint loaded as ``auto_cls`` (an ``AutoModelFor...``), the one thread their forwards run
+    on (``thread_name``; sleep and wake run there too, so never beside a forward), the weights
+    lock, sleep, wake and the weight-sync port."""
+
+    def __init__(
+        self, cfg: ServerConfig, metrics: ServerMetrics | None, auto_cls: Any, thread_name: str
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or ServerMetrics()
+        self.device, self.dtype, self.tokenizer, self.model = load_checkpoint(cfg, auto_cls)
+        self.max_model_len = cfg.model_len(self.model.config)
+        self.guard = WeightsGuard()
+        self.base_checkpoint = cfg.model if cfg.load_format != "dummy" else None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
+        self._params = dict(self.model.named_parameters())
+        self._sleep_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
+
+    # ---- sleep and wake --------------------------------------------------------------------
+    # Level 1 moves the parameters to host memory (on a CPU device they are there already: nothing
+    # is freed); level 2 discards them (each keeps an empty tensor; its shape is remembered here)
+    # and a wake allocates them again on the device, uninitialised, for ``sleep.SleepService`` to
+    # reload. The Parameter objects stay the same (only ``.data`` changes), so the weight-sync
+    # worker's references stay valid. Buffers (rotary frequencies, ...) are small and stay put.
+    def sleep_problem(self) -> str | None:
+        return None
+
+    def _device_bytes(self) -> int:
+        # by type: the engine's device is "cuda", a parameter's "cuda:0"
+        on_device = (p for p in self._params.values() if p.device.type == self.device.type)
+        return sum(p.numel() * p.element_size() for p in on_device)
+
+    async def sleep(self, level: int) -> int | None:
+        def run() -> int:
+            before = self._device_bytes()
+            with torch.no_grad():
+                for p in self._params.values():
+                    if level == 2:
+                        self._sleep_shapes[id(p)] = (p.shape, p.dtype)
+                        p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+                    else:
+                        p.data = p.data.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # hand the freed blocks back to the driver, for the actor
+            return before - self._device_bytes()
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, run)
+
+    async def wake(self, level: int) -> None:
+        def run() -> None:
+            with torch.no_grad():
+                for p in self._params.values():
+                    if id(p) in self._sleep_shapes:
+                        shape, dtype = self._sleep_shapes[id(p)]
+                        p.data = torch.empty(shape, dtype=dtype, device=self.device)
+                    else:
+                        p.data = p.data.to(self.device)
+            self._sleep_shapes.clear()
+
+        await asyncio.get_running_loop().run_in_executor(self._pool, run)
+
+    # ---- weight sync -----------------------------------------------------------------------
+    def weight_port(self) -> HFWeightPort:
+        return HFWeightPort(HFWeightSyncWorker(self.model, self.device))
+
+
+class HFEngine(HFEngineBase):
     """Runs the model in a worker thread; one asyncio task forms batches from whatever is queued.
 
     All items of one request are scored in one round, under one hold of the weights lock, so a
@@ -84,10 +151,8 @@ class HFEngine:
     def __init__(self, cfg: ServerConfig, metrics: ServerMetrics | None = None) -> None:
         from transformers import AutoModelForSequenceClassification
 
-        self.cfg = cfg
-        self.metrics = metrics or ServerMetrics()
-        self.device, dtype, self.tokenizer, model = load_checkpoint(cfg, AutoModelForSequenceClassification)
-        self.model = model
+        super().__init__(cfg, metrics, AutoModelForSequenceClassification, "rp-forward")
+        model, dtype = self.model, self.dtype
         num_labels = int(model.config.num_labels)
         if cfg.num_labels is not None and cfg.num_labels != num_labels:
             raise ValueError(
@@ -115,7 +180,6 @@ class HFEngine:
             if self.head is not None
             else (PoolingType.LAST,)
         )
-        max_len = cfg.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or 4096)
         id2label = {int(k): str(v) for k, v in (getattr(model.config, "id2label", None) or {}).items()}
         self.info = EngineInfo(
             served_model_name=cfg.name,
@@ -123,20 +187,14 @@ class HFEngine:
             num_labels=num_labels,
             dtype=str(dtype).removeprefix("torch."),
             head_dtype=str(head_dtype).removeprefix("torch."),
-            max_model_len=max_len,
+            max_model_len=self.max_model_len,
             vocab_size=int(model.config.vocab_size),
             pooling_types=pooling_types,
             id2label=id2label,
             max_lora_rank=cfg.max_lora_rank if cfg.enable_lora else 0,
         )
-        self.guard = WeightsGuard()
-        self.base_checkpoint = cfg.model if cfg.load_format != "dummy" else None
-        self._params = dict(model.named_parameters())
-        self._sleep_shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
-        # Forwards run one at a time on a thread of their own, which nothing else may occupy.
-        self._forward_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rp-forward")
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -151,7 +209,7 @@ class HFEngine:
             except asyncio.CancelledError:
                 pass
             self._worker = None
-        self._forward_pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- scoring ---------------------------------------------------------------------------
     async def score(self, prompts: list[list[int]], pooling: PoolingType) -> tuple[list[list[float]], int]:
@@ -204,7 +262,7 @@ class HFEngine:
             )
             for batch in plan:
                 ids_list = [items[i][2] for i in batch]
-                rows = await loop.run_in_executor(self._forward_pool, self.forward, ids_list, pooling)
+                rows = await loop.run_in_executor(self._pool, self.forward, ids_list, pooling)
                 self.metrics.batch_items.observe(len(batch))
                 self.metrics.batch_tokens.observe(len(batch) * max(len(x) for x in ids_list))
                 for i, row in zip(batch, rows, strict=True):
@@ -225,7 +283,7 @@ class HFEngine:
             input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             mask[row, : len(ids)] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        if self.head is None:
+        if self.head is None or self.base is None:  # both set or neither (__init__)
             logits = self.model(input_ids=input_ids, attention_mask=mask).logits
         else:
             hidden = self.base(input_ids=input_ids, attention_mask=mask).last_hidden_state
@@ -239,55 +297,8 @@ class HFEngine:
             logits = self.head(pooled.to(self.head.weight.dtype))
         return logits.float().cpu().tolist()
 
-    # ---- sleep and wake --------------------------------------------------------------------
-    # Level 1 moves the parameters to host memory (on a CPU device they are there already: nothing
-    # is freed); level 2 discards them (each keeps an empty tensor; its shape is remembered here)
-    # and a wake allocates them again on the device, uninitialised, for ``sleep.SleepService`` to
-    # reload. The Parameter objects stay the same (only ``.data`` changes), so the weight-sync
-    # worker's references stay valid. Buffers (rotary frequencies, ...) are small and stay put.
-    def sleep_problem(self) -> str | None:
-        return None
-
-    def _device_bytes(self) -> int:
-        # by type: the engine's device is "cuda", a parameter's "cuda:0"
-        on_device = (p for p in self._params.values() if p.device.type == self.device.type)
-        return sum(p.numel() * p.element_size() for p in on_device)
-
-    async def sleep(self, level: int) -> int | None:
-        def run() -> int:
-            before = self._device_bytes()
-            with torch.no_grad():
-                for p in self._params.values():
-                    if level == 2:
-                        self._sleep_shapes[id(p)] = (p.shape, p.dtype)
-                        p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-                    else:
-                        p.data = p.data.to("cpu")
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # hand the freed blocks back to the driver, for the actor
-            return before - self._device_bytes()
-
-        return await asyncio.get_running_loop().run_in_executor(self._forward_pool, run)
-
-    async def wake(self, level: int) -> None:
-        def run() -> None:
-            with torch.no_grad():
-                for p in self._params.values():
-                    if id(p) in self._sleep_shapes:
-                        shape, dtype = self._sleep_shapes[id(p)]
-                        p.data = torch.empty(shape, dtype=dtype, device=self.device)
-                    else:
-                        p.data = p.data.to(self.device)
-            self._sleep_shapes.clear()
-
-        await asyncio.get_running_loop().run_in_executor(self._forward_pool, run)
-
     async def generate(self, prompt: list[int], options: SamplingOptions) -> tuple[list[Completion], int]:
         raise wrong_task(self.info)
-
-    # ---- weight sync -----------------------------------------------------------------------
-    def weight_port(self) -> HFWeightPort:
-        return HFWeightPort(HFWeightSyncWorker(self.model, self.device))
 
 
 class HFWeightPort:

@@ -6,25 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from rewardplane.protocol import ModelTask, PoolingType
+from rewardplane.protocol.compat import FinishReason
 
 from .config import ServerConfig
 from .engine import Completion, EngineInfo, SamplingOptions
 from .generation import cut_at_stop, wrong_task
-from .hf_engine import HFWeightPort, load_checkpoint
-from .locking import WeightsGuard
+from .hf_engine import HFEngineBase
 from .metrics import ServerMetrics
-from .worker_extension import HFWeightSyncWorker
 
 log = logging.getLogger(__name__)
 
 
-class HFGenerativeEngine:
+class HFGenerativeEngine(HFEngineBase):
     """``RewardEngine`` of task ``generate`` on transformers. Generation holds the weights lock
     (``guard.scoring()``) for the whole request, so every choice of one answer comes from one
     weights version; it runs on a thread of its own (one request at a time)."""
@@ -32,29 +30,23 @@ class HFGenerativeEngine:
     def __init__(self, cfg: ServerConfig, metrics: ServerMetrics | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.cfg = cfg
-        self.metrics = metrics or ServerMetrics()
-        self.device, dtype, self.tokenizer, model = load_checkpoint(cfg, AutoModelForCausalLM)
-        self.model = model
-        self.eos_ids = _eos_ids(model, self.tokenizer)
+        super().__init__(cfg, metrics, AutoModelForCausalLM, "rp-generate")
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self.pad_id = int(
             self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         )
-        max_len = cfg.max_model_len or int(getattr(model.config, "max_position_embeddings", 0) or 4096)
-        name = str(dtype).removeprefix("torch.")
+        name = str(self.dtype).removeprefix("torch.")
         self.info = EngineInfo(
             served_model_name=cfg.name,
             engine="hf",
             num_labels=0,
             dtype=name,
             head_dtype=name,
-            max_model_len=max_len,
-            vocab_size=int(model.config.vocab_size),
+            max_model_len=self.max_model_len,
+            vocab_size=int(self.model.config.vocab_size),
             pooling_types=(PoolingType.LAST,),
             task=ModelTask.GENERATE,
         )
-        self.guard = WeightsGuard()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rp-generate")
 
     async def start(self) -> None:
         """Nothing to start: the model is loaded."""
@@ -103,11 +95,8 @@ class HFGenerativeEngine:
         tokens = row if ended is None else row[: ended + 1]
         text = self.tokenizer.decode(tokens if ended is None else tokens[:-1], skip_special_tokens=True)
         text, stopped = cut_at_stop(text, options.stop)
-        finish = "stop" if ended is not None or stopped else "length"
+        finish: FinishReason = "stop" if ended is not None or stopped else "length"
         return Completion(text=text, num_tokens=len(tokens), finish_reason=finish)
-
-    def weight_port(self) -> HFWeightPort:
-        return HFWeightPort(HFWeightSyncWorker(self.model, self.device))
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -85,8 +85,9 @@ class WeightsGuard:
             finally:
                 self._writers_waiting -= 1
                 self._cond.notify_all()  # scoring waits on writers_waiting too
-            if self.state == "sleeping" and not waking:
-                raise Conflict(self.asleep_message())
+            refusal = None if waking else self.write_refusal()
+            if refusal is not None:
+                raise Conflict(refusal)
             self._writer = True
             previous_state = self._state_before_write = self.state
             self.state = "updating"
@@ -113,11 +114,15 @@ class WeightsGuard:
         self.needs_full_push = False
         self.signal_change()
 
-    def asleep_message(self) -> str:
-        return (
-            f"this replica is asleep (sleep level {self.sleep_level}); its weights cannot change while it "
-            f"sleeps: {WAKE_HINT}, then retry"
-        )
+    def write_refusal(self) -> str | None:
+        """Why the weights cannot change now (409), or None. ``updating`` refuses with it; paths that
+        admit a write before taking the lock (pushes, a restore) ask first."""
+        if self.state == "sleeping":
+            return (
+                f"this replica is asleep (sleep level {self.sleep_level}); its weights cannot change while "
+                f"it sleeps: {WAKE_HINT}, then retry"
+            )
+        return None
 
     def fall_asleep(self, level: int) -> None:
         """Called inside ``updating()`` once the engine released its memory."""

@@ -63,7 +63,7 @@ class SleepService:
         asleep = g.state == "sleeping"
         return SleepResponse(
             state="sleeping" if asleep else "awake",
-            level=g.sleep_level if asleep else None,  # type: ignore[arg-type]
+            level=g.sleep_level if asleep else None,
             changed=changed,
             seconds=round(seconds, 6),
             version=g.version,

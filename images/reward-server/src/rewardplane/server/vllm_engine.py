@@ -46,6 +46,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+# vLLM's own types are checked only where vllm is installed (not in CI): the `type: ignore`s for them
+# below also name `unused-ignore`, which mypy reports where vllm (and so the error) is absent.
 try:  # import-guarded: the vLLM engine needs the `vllm` extra and a CUDA GPU
     from vllm.config import PoolerConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -145,7 +147,7 @@ def parse_extra_engine_args(extra: list[str]) -> dict[str, Any]:
             "passed to vLLM's engine; see `vllm serve --help` for the engine arguments"
         )
 
-    parser.error = _error  # type: ignore[method-assign]
+    parser.error = _error  # type: ignore[method-assign, unused-ignore]
     defaults = vars(parser.parse_args([]))
     given = vars(parser.parse_args(list(extra)))
     fields = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
@@ -171,7 +173,7 @@ def build_engine_args(cfg: ServerConfig, max_model_len: int) -> AsyncEngineArgs:
         # vLLM then allocates weights and KV cache through its CuMem allocator (see ServerConfig)
         base["enable_sleep_mode"] = True
     if not generate:
-        base["pooler_config"] = PoolerConfig(pooling_type=cfg.pooling.value.upper())  # type: ignore[arg-type]
+        base["pooler_config"] = PoolerConfig(pooling_type=cfg.pooling.value.upper())  # type: ignore[arg-type, unused-ignore]
     owned = dict(_OWNED_ARGS)
     load_format = getattr(cfg, "load_format", None)  # the server may own --load-format (e.g. dummy)
     if load_format not in (None, "", "auto"):
@@ -324,11 +326,11 @@ class VLLMEngine:
             )
         # The same tokenizer as the transformers engine, so /score tokenizes texts identically.
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        max_len = cfg.max_model_len or int(getattr(config, "max_position_embeddings", 0) or 4096)
+        max_len = cfg.model_len(config)
         self.engine_args = build_engine_args(cfg, max_len)
         dtype = _vllm_dtype(cfg.dtype)
         # What vLLM will hold: the hf_overrides head_dtype (ours, or the user's --hf-overrides).
-        override = (self.engine_args.hf_overrides or {}).get("head_dtype")  # type: ignore[union-attr]
+        override = (self.engine_args.hf_overrides or {}).get("head_dtype")  # type: ignore[union-attr, unused-ignore]
         head_dtype = (
             dtype if generate or override in (None, "model") else str(override).removeprefix("torch.")
         )

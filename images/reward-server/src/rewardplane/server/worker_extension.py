@@ -16,9 +16,9 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,12 @@ if (
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
+class _VLLMModel(Protocol):
+    """What vLLM models add to ``torch.nn.Module`` (untyped there): their own weight loader."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any: ...
+
+
 class RewardWeightSyncExtension:
     """Receive flat buckets from the trainer and load them. vLLM workers provide ``model_runner``,
     ``device`` and ``rank``; other hosts override the ``rp_`` accessors."""
@@ -76,6 +82,8 @@ class RewardWeightSyncExtension:
     _rp_listener: threading.Thread | None = None
     _rp_listen_stop: threading.Event | None = None
     _rp_push_outcome: tuple[int, PushLoaded] | None = None
+    # Parsed layouts by key (rp_init_communicator); made per worker on first use, never shared.
+    _rp_layouts: dict[str, tuple[list[ParamMeta], list[Bucket]]] | None = None
 
     # ---- accessors (vLLM defaults) ------------------------------------------------------------
     def rp_model(self) -> torch.nn.Module:
@@ -92,7 +100,7 @@ class RewardWeightSyncExtension:
 
     def rp_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         # vLLM's loader takes HF names and full tensors; it fuses q/k/v, gate/up and shards for TP.
-        self.rp_model().load_weights(weights=weights)
+        cast("_VLLMModel", self.rp_model()).load_weights(weights=weights)
 
     # ---- collective RPCs -----------------------------------------------------------------------
     def rp_init_communicator(
@@ -190,7 +198,7 @@ class RewardWeightSyncExtension:
 
         Eviction is ``protocol.remember_layout``'s (first in, first out): ``control_plane`` mirrors
         it to know which layouts it can name by id alone, so every worker of a replica decides alike."""
-        cache: dict[str, tuple[list[ParamMeta], list[Bucket]]] | None = getattr(self, "_rp_layouts", None)
+        cache = self._rp_layouts
         if cache is None:
             cache = self._rp_layouts = {}
         hit = cache.get(layout_key)
@@ -553,7 +561,7 @@ class HFWeightSyncWorker(RewardWeightSyncExtension):
     def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
         self._model = model
         self._device = device
-        self._params = dict(model.named_parameters())
+        self._params: dict[str, torch.Tensor] = dict(model.named_parameters())
         self._lora = LoraHooks(model)
 
     def rp_model(self) -> torch.nn.Module:
