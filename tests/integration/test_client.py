@@ -126,16 +126,15 @@ def test_400_is_not_retried_and_the_message_reaches_the_caller(
     servers: list[ServerHandle], fresh_proxies: list[FlakyProxy]
 ) -> None:
     proxy = fresh_proxies[0]
-    with VLLMRewardClient(endpoints=[proxy.url], retry=FAST) as client:
-        start = time.monotonic()
-        with pytest.raises(RewardServerError) as err:
-            client.score_batch_sync(TEXTS[:2], n_labels=3)  # the served model has 1 label
-        elapsed = time.monotonic() - start
+    with (
+        VLLMRewardClient(endpoints=[proxy.url], retry=FAST) as client,
+        pytest.raises(RewardServerError) as err,
+    ):
+        client.score_batch_sync(TEXTS[:2], n_labels=3)  # the served model has 1 label
     assert err.value.status_code == 400
     assert "n_labels 3 does not match" in err.value.message
     assert "n_labels 3 does not match" in str(err.value) and proxy.url in str(err.value)
-    assert proxy.count("/score") == 1
-    assert elapsed < 5
+    assert proxy.count("/score") == 1  # one request: not retried
 
 
 def test_too_many_items_is_a_400_with_the_limit(tiny_model_dir: Path, server_factory) -> None:  # type: ignore[no-untyped-def]
@@ -171,8 +170,9 @@ def test_dead_endpoint_raises_unavailable_within_the_retry_budget() -> None:
         elapsed = time.monotonic() - start
     assert err.value.attempts == 3 and err.value.url == url
     assert url in str(err.value) and "3 attempt" in str(err.value)
-    # Refused connections fail at once, so the time is the backoff: 0.1 + 0.2 s, plus slack.
-    assert policy.max_total_backoff_s() <= elapsed < policy.max_total_backoff_s() + 2
+    # Refused connections fail at once, so the time is the backoff (0.1 + 0.2 s), far below the
+    # three 5 s request timeouts a client waiting on each attempt would take (slack for a loaded CI).
+    assert policy.max_total_backoff_s() <= elapsed < policy.max_total_backoff_s() + 5
 
 
 def test_connection_error_fails_over_to_the_next_endpoint(servers: list[ServerHandle]) -> None:
@@ -193,7 +193,7 @@ def test_startup_check_fails_fast_with_an_actionable_message() -> None:
     start = time.monotonic()
     with pytest.raises(RewardServerUnavailable) as err:
         VLLMRewardClient(endpoints=[url], connection_timeout_s=1)
-    assert time.monotonic() - start < 4
+    assert time.monotonic() - start < 8  # not the default timeouts (tens of seconds); slack for load
     assert url in str(err.value) and "check_server=False" in str(err.value)
 
 
