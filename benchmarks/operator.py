@@ -16,8 +16,12 @@ operator, not model loading.
 
 4. scale (``--scale N``): N RewardModels (1 replica each, default 1000) reconciled, then the steady
    state over ``--window`` seconds with the operator's default resync period: the operator's CPU
-   (cores, from /proc utime+stime), its RSS, and apply → pods created p50 at that scale; each
-   against the same figure measured first on the empty cluster (the ratio).
+   (cores, from /proc utime+stime), its RSS, the API requests it made (the API server's own
+   counters), and apply → pods created p50 at that scale; each against the same figure measured
+   first on the empty cluster (the ratio). The window starts once the resync backlog left by the
+   creation burst is gone: when as many timer resyncs as there are models have run since every
+   model was reconciled (each model's timer has come round about once), so it measures the
+   steady state, not the catch-up.
 
 Usage:
 
@@ -45,6 +49,7 @@ import httpx
 import yaml
 
 from rewardplane.api.kube import Kube, core_path, custom_path
+from rewardplane.api.names import pod_name
 from rewardplane.localcluster.controlplane import LocalControlPlane, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +103,13 @@ def _crd_ready(kube: Kube) -> bool:
     )
 
 
+def pods_exist(kube: Kube, name: str, replicas: int) -> bool:
+    """Every replica's Pod exists, by a GET of each stable name: cheap whatever the namespace
+    holds (a label-selected LIST decodes every Pod of the namespace, ~0.1-1 s at 1000 models, and
+    polling it every 20 ms loaded the API server the applies were timed on)."""
+    return all(kube.get(core_path("pods", NAMESPACE, pod_name(name, i))) is not None for i in range(replicas))
+
+
 def pod_names(kube: Kube, name: str) -> set[str]:
     return {
         p["metadata"]["name"]
@@ -112,7 +124,21 @@ def delete_model(kube: Kube, name: str) -> None:
         kube._call("DELETE", core_path("pods", NAMESPACE, pod), params={"gracePeriodSeconds": "0"})
 
 
-def bench_apply(kube: Kube, runs: int, replicas: int, timeout_s: float = 60.0) -> dict[str, Any]:
+def pods_listed(kube: Kube, name: str, replicas: int) -> bool:
+    """Every replica's Pod exists, by a label-selected LIST (runs 1 and 2 of the README used this)."""
+    return len(pod_names(kube, name)) == replicas
+
+
+APPLY_CHECKS = {"get": pods_exist, "list": pods_listed}
+
+
+def bench_apply(
+    kube: Kube,
+    runs: int,
+    replicas: int,
+    timeout_s: float = 60.0,
+    check: Callable[[Kube, str, int], bool] = pods_exist,
+) -> dict[str, Any]:
     """Create one model, time until its Pods exist, delete it; ``runs`` times.
 
     A run that passes ``timeout_s`` is counted (``timeouts``) at ``timeout_s`` rather than ending
@@ -125,7 +151,7 @@ def bench_apply(kube: Kube, runs: int, replicas: int, timeout_s: float = 60.0) -
         started = time.perf_counter()
         kube.create(custom_path(NAMESPACE), model(name, replicas))
         try:
-            wait(f"{replicas} pods of {name}", lambda n=name: len(pod_names(kube, n)) == replicas, timeout_s)
+            wait(f"{replicas} pods of {name}", lambda n=name: check(kube, n, replicas), timeout_s)
             times.append(time.perf_counter() - started)
         except TimeoutError:
             timeouts += 1
@@ -139,6 +165,64 @@ def bench_apply(kube: Kube, runs: int, replicas: int, timeout_s: float = 60.0) -
         "p50_s": statistics.median(times),
         "p90_s": times[int(0.9 * (len(times) - 1))],
         "max_s": times[-1],
+    }
+
+
+def _samples(text: str, metric: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of each sample of ``metric`` in a Prometheus text exposition."""
+    out = []
+    for line in text.splitlines():
+        if not line.startswith(metric + "{"):
+            continue
+        labels_s, _, value = line[len(metric) + 1 :].rpartition("} ")
+        labels = dict(kv.split("=", 1) for kv in labels_s.split('",') if "=" in kv)
+        out.append(({k: v.strip('"') for k, v in labels.items()}, float(value)))
+    return out
+
+
+def timer_reconciles(metrics_port: int) -> float:
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    return sum(
+        v
+        for labels, v in _samples(text, "rewardplane_operator_reconciles_total")
+        if labels["trigger"] == "timer"
+    )
+
+
+def api_requests(kube: Kube) -> dict[str, float]:
+    """Requests the API server has answered so far, by "VERB resource[/subresource]" (WATCHes and
+    the benchmark's own calls included; compare two snapshots)."""
+    text = kube._http.get("/metrics", headers=kube._headers()).text
+    out: dict[str, float] = {}
+    for labels, value in _samples(text, "apiserver_request_total"):
+        resource = labels.get("resource", "") + (
+            f"/{labels['subresource']}" if labels.get("subresource") else ""
+        )
+        if resource:
+            key = f"{labels.get('verb', '?')} {resource}"
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def requests_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in sorted(after) if after[k] - before.get(k, 0.0) > 0}
+
+
+def wait_resync_backlog(metrics_port: int, count: int, timeout_s: float) -> dict[str, Any]:
+    """Until ``count`` timer resyncs ran since now (each model's timer came round about once after
+    the creation burst); what was waited for and how long."""
+    started, start_count = time.monotonic(), timer_reconciles(metrics_port)
+    done = 0.0
+    while time.monotonic() - started < timeout_s:
+        done = timer_reconciles(metrics_port) - start_count
+        if done >= count:
+            break
+        time.sleep(1)
+    return {
+        "waited_for": f"{count} timer resyncs after every model was reconciled",
+        "timer_resyncs": done,
+        "waited_s": time.monotonic() - started,
+        "reached": done >= count,
     }
 
 
@@ -204,24 +288,39 @@ def steady_cpu(pid: int, window_s: float) -> float:
     return (cpu_seconds(pid) - before) / (time.monotonic() - started)
 
 
-def bench_scale(kube: Kube, count: int, operator_pid: int, args: argparse.Namespace) -> dict[str, Any]:
+def bench_scale(
+    kube: Kube, count: int, operator_pid: int, metrics_port: int, args: argparse.Namespace
+) -> dict[str, Any]:
     """Baseline on the empty cluster, then ``count`` models: steady CPU, RSS, apply p50."""
     empty = {
         "cpu_cores": steady_cpu(operator_pid, min(args.window, 30)),
         "rss_mib": rss_mib(operator_pid),
-        "apply": bench_apply(kube, args.runs, 1),
+        "apply": bench_apply(kube, args.runs, 1, check=APPLY_CHECKS[args.apply_check]),
     }
     many = bench_many(kube, count, operator_pid)
-    time.sleep(5)  # the creation burst's stragglers
+    # The resync period is 30 s; the timers that came due during the burst are worked off first.
+    backlog = wait_resync_backlog(metrics_port, count, timeout_s=max(300.0, count * 0.5))
+    requests_before = api_requests(kube)
+    cpu = steady_cpu(operator_pid, args.window)
+    window_requests = requests_between(requests_before, api_requests(kube))
+    requests_before = api_requests(kube)
+    apply = bench_apply(kube, args.runs, 1, timeout_s=30, check=APPLY_CHECKS[args.apply_check])
     loaded = {
-        "cpu_cores": steady_cpu(operator_pid, args.window),
+        "cpu_cores": cpu,
         "rss_mib": rss_mib(operator_pid),
-        "apply": bench_apply(kube, args.runs, 1, timeout_s=30),
+        "api_requests_in_window": window_requests,
+        "apply": apply,
+        # Per apply: the operator's and the benchmark's own (GET pods polls, the model's delete).
+        "api_requests_per_apply": {
+            k: v / args.runs for k, v in requests_between(requests_before, api_requests(kube)).items()
+        },
     }
     return {
         "models": count,
         "window_s": args.window,
+        "apply_check": args.apply_check,
         "create_all": many,
+        "resync_backlog": backlog,
         "empty": empty,
         "loaded": loaded,
         "apply_p50_ratio": loaded["apply"]["p50_s"] / empty["apply"]["p50_s"],
@@ -384,6 +483,12 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4, help="layers of the pushed tiny model")
     p.add_argument("--scale", type=int, default=0, help="steady state with this many RewardModels instead")
     p.add_argument("--window", type=float, default=90.0, help="seconds of steady state measured (--scale)")
+    p.add_argument(
+        "--apply-check",
+        choices=sorted(APPLY_CHECKS),
+        default="get",
+        help="how an apply's Pods are seen to exist: a GET per name (default) or a label-selected LIST",
+    )
     p.add_argument("--tmp", help="directory for etcd's data and the logs (default: /dev/shm where it exists)")
     args = p.parse_args()
     if args.push:
@@ -428,14 +533,17 @@ def main() -> int:
         try:
             time.sleep(2)  # kopf starts its watches
             if args.scale:
-                results = {"scale": bench_scale(kube, args.scale, operator.pid, args)}
+                results = {"scale": bench_scale(kube, args.scale, operator.pid, metrics_port, args)}
                 sc = results["scale"]
                 print(
                     f"{sc['models']} models: operator CPU {sc['loaded']['cpu_cores']:.3f} cores "
                     f"(empty {sc['empty']['cpu_cores']:.3f}), RSS {sc['loaded']['rss_mib']:.0f} MiB "
                     f"(empty {sc['empty']['rss_mib']:.0f}), apply→pods p50 {sc['loaded']['apply']['p50_s']:.3f} s "
                     f"p90 {sc['loaded']['apply']['p90_s']:.3f} s ({sc['loaded']['apply']['timeouts']} timeouts) "
-                    f"(empty {sc['empty']['apply']['p50_s']:.3f} s, ratio {sc['apply_p50_ratio']:.2f}x)"
+                    f"(empty {sc['empty']['apply']['p50_s']:.3f} s, ratio {sc['apply_p50_ratio']:.2f}x); "
+                    f"all reconciled after {sc['create_all']['all_reconciled_s']:.0f} s; the window started "
+                    f"after waiting {sc['resync_backlog']['waited_s']:.0f} s for "
+                    f"{sc['resync_backlog']['waited_for']} (reached: {sc['resync_backlog']['reached']})"
                 )
             else:
                 results = {

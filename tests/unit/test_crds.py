@@ -274,12 +274,12 @@ OPERATOR_USES = {
     ("rewardplane.io", "weightsyncs"): {"get", "list", "watch", "patch", "delete"},  # pushes; cleanup
     ("rewardplane.io", "weightsyncs/status"): {"patch"},  # push progress
     ("", "pods"): {"list", "watch", "create", "delete"},  # replicas; kopf watches readiness
-    ("", "services"): {"get", "list", "create", "patch", "delete"},  # the headless Service
-    ("", "secrets"): {"get", "list", "create", "delete"},  # the control-plane token
+    ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},  # headless; kopf index
+    ("", "secrets"): {"get", "list", "watch", "create", "delete"},  # the control-plane token; index
     ("", "configmaps"): {"get", "list", "delete"},  # WeightSync manifests (written by trainers)
     ("", "nodes"): {"list", "watch"},  # placement: GPUs and reservations (kopf index)
     ("", "events"): {"create"},
-    ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch", "delete"},  # per model
+    ("networking.k8s.io", "networkpolicies"): {"get", "list", "watch", "create", "patch", "delete"},  # index
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},  # kopf
     ("", "namespaces"): {"list", "watch"},  # kopf, cluster-wide
 }

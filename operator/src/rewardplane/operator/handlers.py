@@ -14,20 +14,22 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import aiohttp
 import kopf
 
 from rewardplane.api.names import FINALIZER, GROUP, LABEL_MODEL, VERSION, WS_PLURAL
 from rewardplane.api.names import RM_PLURAL as PLURAL
 
-from .cluster import IndexedCluster, plain
+from .cluster import NETWORK_POLICIES, SECRETS, SERVICES, IndexedCluster, plain, summary
 from .planning import NodeInfo, node_info
 from .status import pod_ready
 
 RESOURCE = (GROUP, VERSION, PLURAL)
 # How often every RewardModel is re-checked besides its events (spec changes, Pod changes, pushes
 # finished): catches what no event announces (a server that turned broken, an API error to retry).
-# Every resync costs a GET, a Pod list and a probe per ready replica, so it sets the operator's
-# steady-state load: 1000 models at 30 s is ~33 reconciles per second (benchmarks/README.md).
+# A resync reads kopf's indexes and probes each ready replica; it calls the API server only when
+# something differs from the plan. 1000 models at 30 s is ~33 reconciles per second
+# (benchmarks/README.md).
 RESYNC_INTERVAL_S = float(os.environ.get("REWARDPLANE_RESYNC_INTERVAL", "30"))
 # Pushes run in handler threads for as long as a transfer lasts; reconciles need threads meanwhile.
 EXECUTOR_THREADS = 32
@@ -52,10 +54,22 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.background.cancellation_polling = 0.5
 
 
+# kopf's own HTTP client has no limit on its pool: it opens a connection per concurrent request and
+# keeps each one. After a burst of creates that was a TLS connection per model, each holding
+# ~128 KiB of buffers (a quarter of the RSS at 1000 models, benchmarks/README.md). Bounded here,
+# with room for the long-lived watch streams (~10) beside the patches.
+KOPF_CONNECTIONS = 32
+
+
 @kopf.on.login()
-def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+async def login(memo: kopf.Memo, **_: Any) -> kopf.AiohttpSession:
     # One source of credentials for kopf and our own client: what --kubeconfig (or in-cluster) says.
-    return kopf.ConnectionInfo(**memo.reconciler.kube.connection_details())
+    info = kopf.ConnectionInfo(**memo.reconciler.kube.connection_details())
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=KOPF_CONNECTIONS, ssl=info.as_ssl_context()),
+        headers=info.as_http_headers(),
+    )
+    return kopf.AiohttpSession(server=info.server, aiohttp_session=session)
 
 
 # ------------------------------------------------------------------------------ indexes
@@ -80,6 +94,35 @@ def pods_by_model(
     return {(namespace or "", labels[LABEL_MODEL]): plain(body)}
 
 
+# The Secret, Service and NetworkPolicy of every model, so a resync compares them with the plan
+# without a GET each (4 GETs per model every 30 s kept the API server busy at 1000 models).
+
+
+def _child_key(namespace: str | None, name: str) -> tuple[str, str]:
+    return (namespace or "", name)
+
+
+@kopf.index("v1", SECRETS, labels={LABEL_MODEL: kopf.PRESENT})
+def secrets_by_name(
+    namespace: str | None, name: str, body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], Any]:
+    return {_child_key(namespace, name): summary(body)}
+
+
+@kopf.index("v1", SERVICES, labels={LABEL_MODEL: kopf.PRESENT})
+def services_by_name(
+    namespace: str | None, name: str, body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], Any]:
+    return {_child_key(namespace, name): summary(body)}
+
+
+@kopf.index("networking.k8s.io", "v1", NETWORK_POLICIES, labels={LABEL_MODEL: kopf.PRESENT})
+def network_policies_by_name(
+    namespace: str | None, name: str, body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], Any]:
+    return {_child_key(namespace, name): summary(body)}
+
+
 def _attach(memo: kopf.Memo, kwargs: dict[str, Any]) -> None:
     if memo.reconciler.cluster is None:
         memo.reconciler.cluster = IndexedCluster(
@@ -87,6 +130,11 @@ def _attach(memo: kopf.Memo, kwargs: dict[str, Any]) -> None:
             kwargs["models_by_key"],
             kwargs["pods_by_model"],
             kwargs["weightsyncs_by_model"],
+            {
+                SECRETS: kwargs["secrets_by_name"],
+                SERVICES: kwargs["services_by_name"],
+                NETWORK_POLICIES: kwargs["network_policies_by_name"],
+            },
         )
 
 

@@ -25,7 +25,16 @@ from rewardplane.api.spec import GpuMode, InvalidSpecError
 from rewardplane.protocol import RestoreWeightsRequest
 
 from . import metrics
-from .cluster import ApiCluster, ClusterReader
+from .cluster import (
+    NETWORK_POLICIES,
+    SECRETS,
+    SERVICES,
+    ApiCluster,
+    ClusterReader,
+    freshest,
+    network_policy_path,
+    plain,
+)
 from .coalesce import Coalescer
 from .planning import ClusterView, Plan, gpus_in_use, plan_reward_model
 from .recovery import Identity, identity, restore_plan, stale_replicas
@@ -54,11 +63,6 @@ from .status import (
 from .weightsync import completed_version
 
 log = logging.getLogger("rewardplane.operator")
-
-
-def network_policy_path(namespace: str, name: str | None = None) -> str:
-    path = f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies"
-    return path + (f"/{name}" if name else "")
 
 
 COMPONENT = "rewardplane-operator"
@@ -107,6 +111,8 @@ class Reconciler:
         # (ns, pod) → (identity, monotonic deadline) of a peer restore in flight (or its retry delay)
         self._restoring: dict[Key, tuple[Identity, float]] = {}
         self._unrecoverable_told: dict[Key, Identity] = {}
+        # The model as our last status PATCH answered, until the index has caught up with it.
+        self._written: dict[Key, dict[str, Any]] = {}
 
     # ---------------------------------------------------------------- entry points
 
@@ -145,16 +151,29 @@ class Reconciler:
 
     def forget(self, key: Key) -> None:
         self._phases.pop(key, None)
+        self._written.pop(key, None)
         self._stale.pop(key, None)
         self._serving.pop(key, None)
         self._update_phase_gauge()
 
     # ---------------------------------------------------------------- read
 
+    def _reader(self) -> ClusterReader:
+        return self.cluster or ApiCluster(self.kube, self.namespace)
+
+    def _model(self, key: Key) -> dict[str, Any] | None:
+        if self.cluster is None:
+            return self.kube.get(custom_path(*key))
+        indexed = self.cluster.model(*key)
+        rm = freshest(indexed, self._written.get(key))
+        if rm is indexed:
+            self._written.pop(key, None)  # the index has caught up (or the model is gone)
+        return rm
+
     def _cluster_view(self, rm: Mapping[str, Any], own_pods: list[dict[str, Any]]) -> ClusterView:
         meta = rm["metadata"]
         key = (meta["namespace"], meta["name"])
-        cluster = self.cluster or ApiCluster(self.kube, self.namespace)
+        cluster = self._reader()
         on_cpu = ((rm.get("spec") or {}).get("gpu") or {}).get("mode") == GpuMode.NONE.value
         # Device memory is a cluster-wide resource: every RewardModel and Pod counts, whatever its
         # namespace; a model on CPU holds none, so its plan needs only the nodes.
@@ -189,15 +208,18 @@ class Reconciler:
 
     # ---------------------------------------------------------------- apply
 
+    # The children are read from the indexes: one the index has not seen yet is created again
+    # (answered 409, nothing changes) and one patched moments ago is patched again to the same spec.
+
     def _ensure_secret(self, rm: Mapping[str, Any]) -> None:
         ns, name = rm["metadata"]["namespace"], rm["metadata"]["name"]
         # Created once: servers read the token at start, rotating it would lock everyone out.
-        if self.kube.get(core_path("secrets", ns, token_secret_name(name))) is None:
+        if self._reader().child(SECRETS, ns, token_secret_name(name)) is None:
             self.kube.create(core_path("secrets", ns), render_token_secret(rm, new_token()))
 
     def _ensure_service(self, ns: str, service: dict[str, Any]) -> None:
         path = core_path("services", ns, service["metadata"]["name"])
-        existing = self.kube.get(path)
+        existing = self._reader().child(SERVICES, ns, service["metadata"]["name"])
         if existing is None:
             self.kube.create(core_path("services", ns), service)
             return
@@ -209,7 +231,7 @@ class Reconciler:
     def _ensure_network_policy(self, rm: Mapping[str, Any], plan: Plan) -> None:
         ns, name = rm["metadata"]["namespace"], rm["metadata"]["name"]
         path = network_policy_path(ns, network_policy_name(name))
-        existing = self.kube.get(path)
+        existing = self._reader().child(NETWORK_POLICIES, ns, network_policy_name(name))
         if not plan.spec.network_policy.enabled:
             if existing is not None:
                 self.kube.delete(path)
@@ -220,16 +242,25 @@ class Reconciler:
         elif existing.get("spec") != policy["spec"]:
             self.kube.merge_patch(path, {"spec": policy["spec"]})
 
-    def _apply_pods(self, ns: str, desired: list[dict[str, Any]], pods: list[dict[str, Any]]) -> bool:
-        """Create and delete Pods one rollout step; True when there was anything to do."""
+    def _apply_pods(
+        self, ns: str, desired: list[dict[str, Any]], pods: list[dict[str, Any]]
+    ) -> list[dict[str, Any]] | None:
+        """Create and delete Pods one rollout step; the model's Pods afterwards when that follows
+        from what the API server answered (nothing deleted, every create accepted), else None."""
         actions = pod_actions(desired, pods)
         for name, why in actions.delete:
             self._delete_pod(ns, name, why)
+        after: list[dict[str, Any]] | None = None if actions.delete else list(pods)
         for pod in actions.create:
-            if self.kube.create(core_path("pods", ns), pod) is not None:
-                metrics.POD_ACTIONS.labels(action="create").inc()
-                log.info("created pod %s/%s on node %s", ns, pod["metadata"]["name"], pod["spec"]["nodeName"])
-        return actions.any()
+            created = self.kube.create(core_path("pods", ns), pod)
+            if created is None:
+                after = None  # it existed already: what it is, only a read can say
+                continue
+            metrics.POD_ACTIONS.labels(action="create").inc()
+            log.info("created pod %s/%s on node %s", ns, pod["metadata"]["name"], pod["spec"]["nodeName"])
+            if after is not None:
+                after.append(plain(created))
+        return after
 
     def _delete_pod(self, ns: str, name: str, why: str) -> None:
         if self.kube.delete(core_path("pods", ns, name)):
@@ -245,7 +276,9 @@ class Reconciler:
         self._update_phase_gauge()
         if all(previous.get(k) == v for k, v in status.items()):
             return  # unchanged: no write, no watch event, no churn
-        self.kube.merge_patch(custom_path(key[0], key[1]) + "/status", {"status": status})
+        written = self.kube.merge_patch(custom_path(key[0], key[1]) + "/status", {"status": status})
+        if self.cluster is not None and written:
+            self._written[key] = plain(written)
         for event in transition_events(previous, status):
             self._post_event(rm, event)
 
@@ -294,18 +327,19 @@ class Reconciler:
     def reconcile(self, key: Key) -> str:
         """One pass for one RewardModel; returns the metrics result label."""
         ns, name = key
-        rm = self.kube.get(custom_path(ns, name))
+        rm = self._model(key)
         if rm is None or rm["metadata"].get("deletionTimestamp"):
             return "gone"  # the delete handler cleans up
-        cluster = self.cluster or ApiCluster(self.kube, self.namespace)
+        cluster = self._reader()
         # The model's Pods as kopf's watch last saw them: a LIST per reconcile made the API server
         # decode every Pod of the namespace, seconds per call at 1000 models (benchmarks/README.md).
-        # Whatever is to be created or deleted is decided again on a fresh LIST below.
+        # Deletions are decided again on a fresh LIST below (a Pod the index shows may have been
+        # replaced under the same name since); a create needs none: a Pod that exists is a 409.
         pods = cluster.pods_of(ns, name)
         try:
             plan = plan_reward_model(rm, self._cluster_view(rm, pods))
             desired, service = render_children(rm, plan)
-            if self.cluster is not None and pod_actions(desired, pods).any():
+            if self.cluster is not None and pod_actions(desired, pods).delete:
                 pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
                 plan = plan_reward_model(rm, self._cluster_view(rm, pods))
                 desired, service = render_children(rm, plan)
@@ -319,8 +353,11 @@ class Reconciler:
         self._ensure_secret(rm)
         self._ensure_service(ns, service)
         self._ensure_network_policy(rm, plan)
-        if self._apply_pods(ns, desired, pods):
+        after = self._apply_pods(ns, desired, pods)
+        if after is None:
             pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
+        else:
+            pods = after
         hashes = {p["metadata"]["name"]: p["metadata"]["annotations"][ANNOTATION_SPEC_HASH] for p in desired}
         known = completed_version(cluster.weightsyncs(ns, name), name)
         probes = self._probe(plan, pods)
@@ -491,7 +528,12 @@ class Reconciler:
         return restored
 
     def _token(self, ns: str, name: str) -> str:
-        secret = self.kube.get(core_path("secrets", ns, token_secret_name(name))) or {}
+        secret_name = token_secret_name(name)
+        secret = (  # the index lags a Secret created moments ago
+            self._reader().child(SECRETS, ns, secret_name)
+            or self.kube.get(core_path("secrets", ns, secret_name))
+            or {}
+        )
         return base64.b64decode((secret.get("data") or {}).get(TOKEN_KEY, "")).decode()
 
     @staticmethod
