@@ -1,5 +1,7 @@
 """``/health`` latency of a real reward server while clients send 10 MB inputs, against the same
-server idle (the baseline, measured in the same run); the server's peak RSS.
+server idle (the baseline, measured in the same run); the server's CPU time per 10 MB request
+(on a shared machine less noisy than the latency tail, and what the server takes from the cores
+the clients and /health share); the server's peak RSS.
 
     python benchmarks/server_abuse.py [--abusers 3] [--seconds 5]
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import tempfile
 import time
@@ -51,6 +54,12 @@ def _hwm_mib(pid: int) -> float:
     raise RuntimeError("no VmHWM in /proc status")
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (/proc/<pid>/stat fields 14, 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _fmt(xs: list[float]) -> str:
     p99 = xs[int(0.99 * (len(xs) - 1))]
     return f"p50 {statistics.median(xs) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {xs[-1] * 1e3:.1f} ms (n={len(xs)})"
@@ -67,6 +76,7 @@ def main() -> None:
         try:
             idle = _health(server.url, args.seconds)
             idle_hwm = _hwm_mib(server.process.pid)
+            cpu_before = _cpu_s(server.process.pid)
             q: mp.Queue = mp.Queue()  # type: ignore[type-arg]
             stop_at = time.monotonic() + args.seconds + 1
             paths = ["/score", "/classify", "/pooling"]
@@ -82,6 +92,7 @@ def main() -> None:
             for p in procs:
                 p.join(timeout=60)
             hwm = _hwm_mib(server.process.pid)
+            cpu = _cpu_s(server.process.pid) - cpu_before
         finally:
             server.stop()
     statuses = sorted({s for s, _ in answers})
@@ -94,6 +105,7 @@ def main() -> None:
     print(
         f"10 MB requests: {len(answers)} answered {statuses}, time to the answer p50 {statistics.median(refusal) * 1e3:.0f} ms"
     )
+    print(f"server CPU per 10 MB request: {cpu / len(answers) * 1e3:.0f} ms ({cpu:.1f} s for {len(answers)})")
     print(f"server peak RSS (VmHWM): {idle_hwm:.0f} MiB before the 10 MB requests, {hwm:.0f} MiB after")
 
 

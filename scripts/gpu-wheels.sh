@@ -13,7 +13,7 @@ WHEELS=(
   "pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types==0.8.0" "typing-inspection==0.4.5"
   "fastapi==0.165.0" "starlette==1.10.0" "annotated-doc==0.0.7" "opentelemetry-api==1.45.2"
   "importlib-metadata" "zipp" "uvicorn==0.54.0" "h11==0.16.0" "click==8.5.1" "tenacity==9.2.1"
-  "prometheus-client==0.26.0" "pytest" "pluggy" "iniconfig" "packaging"
+  "prometheus-client==0.26.0" "httptools==0.9.0" "pytest" "pluggy" "iniconfig" "packaging"
 )
 for w in "${WHEELS[@]}"; do
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -14,6 +14,8 @@ from rewardplane.protocol.auth import resolve_token
 
 from .config import ServerConfig, parse_args
 from .engine import RewardEngine
+from .heap import keep_freed_memory
+from .http_stack import choose_http_stack
 from .inputs import limits_for
 from .metrics import ServerMetrics
 
@@ -114,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
+    log = logging.getLogger(__name__)
+    stack = choose_http_stack()
+    log.info("serving with %s", stack.describe())
+    # After the model load, so the weights keep the allocations glibc chose for them.
+    log.info("%s", keep_freed_memory())
     # On SIGTERM uvicorn stops accepting, waits at most --graceful-shutdown-s for requests in
     # flight (a long-poll on /runtime_version may hold 300 s), then stops the engine. Control-plane
     # waits run on daemon threads (threads.py), so nothing else can keep the process alive.
@@ -121,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         app,
         host=cfg.host,
         port=cfg.port,
+        http=stack.http,
+        loop=stack.loop,
         log_level=cfg.log_level.lower(),
         access_log=False,
         timeout_graceful_shutdown=cfg.graceful_shutdown_s,

@@ -1,20 +1,18 @@
-"""Request bodies, before any route sees them: the size limit, large bodies read one at a time,
-and a body read into one preallocated buffer.
+"""Request bodies, before any route sees them: the size limit, and large bodies read one at a time.
 
-The event loop does every byte of HTTP parsing (h11), so a client streaming 10 MB bodies makes the
-loop busy for as long as those bytes arrive. Read one at a time, large bodies cost the loop what one
-client costs, however many clients send them: the others' bytes wait in the kernel (uvicorn stops
-reading a request the app does not consume), and ``/health`` and small scoring requests, which never
-queue here, are served between the chunks.
+The event loop handles every byte of a body (parsing it: httptools, or h11 where that is missing,
+see ``http_stack``; copying it into uvicorn's buffer and the app's), so a client streaming 10 MB
+bodies makes the loop busy for as long as those bytes arrive. Read one at a time, large bodies
+cost the loop what one client costs, however many clients send them: the others' bytes wait in
+the kernel (uvicorn stops reading a request the app does not consume), and ``/health`` and small
+scoring requests, which never queue here, are served between the chunks.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import cast
 
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_response
@@ -155,23 +153,3 @@ class _Turn:
             return message
 
         return receive_in_turn
-
-
-async def read_body(request: Request) -> bytes:
-    """The whole body. One announced by ``Content-Length`` is read into one buffer of that size:
-    joining the chunks at the end would copy 10 MB in one go on the event loop (tens of ms on a busy
-    machine). The buffer is a ``bytearray``, which every reader here (pydantic's parser) takes."""
-    length = content_length(request.scope)
-    if length is None or length <= 1 << 16:
-        return b"".join([chunk async for chunk in request.stream()])
-    buf = bytearray(length)
-    filled = 0
-    with memoryview(buf) as view:
-        async for chunk in request.stream():
-            end = filled + len(chunk)
-            if end > length:  # h11 refuses this already; never write past the buffer
-                raise HTTPException(400, f"the request body is longer than its Content-Length ({length})")
-            view[filled:end] = chunk
-            filled = end
-    # bytes-like and never written again; a bytes() copy would be the very copy this avoids
-    return cast(bytes, buf if filled == length else buf[:filled])
