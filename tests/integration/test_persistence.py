@@ -55,6 +55,27 @@ def test_union_of_pushes_is_persisted_and_restored_after_a_restart(server_factor
     assert version == 2 and close(got, want)
 
 
+def test_back_to_back_pushes_are_not_refused_while_the_last_one_is_being_saved(
+    server_factory, tiny_model_dir, tmp_path
+):
+    """With --weights-dir an update hands its host copies to the saving thread after it commits; a
+    trainer pushing again right away (the SDK returns once the version is served) must not get a
+    409 "another weight update is in progress" for that moment."""
+    server = server_factory(tiny_model_dir, token=TOKEN, weights_dir=tmp_path / "weights")
+    full = perturbed(tiny_model_dir, seed=21).state_dict()
+    head = select_head(perturbed(tiny_model_dir, seed=22, head_only=True).state_dict())
+    sync = sync_for(server, bucket_bytes=1 << 16)
+    try:
+        for version in range(1, 21):  # alternating layouts: every push is announced over HTTP
+            if version % 2:
+                sync.sync(full, version=version, training_mode=Mode.FULL)
+            else:
+                sync.sync(head, version=version, training_mode=Mode.HEAD_ONLY)
+    finally:
+        sync.close()
+    assert served(server)[1] == 20
+
+
 def test_restore_without_weights_dir_says_how_to_enable_it(server_factory, tiny_model_dir):
     server = server_factory(tiny_model_dir, token=TOKEN)
     resp = httpx.post(f"{server.url}/restore_weights", json={"version": 1}, headers=AUTH, timeout=30)

@@ -110,6 +110,9 @@ class WeightSyncService:
         self._init_task: asyncio.Task[None] | None = None
         self._pending_join: PendingJoin | None = None
         self._update_task: asyncio.Task[None] | None = None
+        # the running HTTP-started update has committed and only hands its host copies to the
+        # persisting thread: a push right behind it waits for that moment instead of a 409
+        self._update_committed = False
         self._has_comm = False
         # Validated push layouts by layout_id (most recent last): later pushes name them by id.
         self._layouts: OrderedDict[str, Layout] = OrderedDict()
@@ -127,6 +130,12 @@ class WeightSyncService:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task
+
+    async def _let_committed_update_finish(self, timeout_s: float) -> None:
+        task = self._update_task
+        if task is not None and not task.done() and self._update_committed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(task), timeout_s)
 
     def busy(self) -> bool:
         """A weight update (receive, apply, commit) is running."""
@@ -254,6 +263,7 @@ class WeightSyncService:
             raise Conflict(
                 f"version {version} is not newer than the served version {guard.version}; versions must increase"
             )
+        await self._let_committed_update_finish(req.timeout_s)
         if self.busy():
             raise Conflict("another weight update is in progress; wait for it to finish")
         if self._init_task is not None and not self._init_task.done():
@@ -277,6 +287,7 @@ class WeightSyncService:
         self, req: UpdateParamBatchRequest, layout: Layout, version: int, arrived: float
     ) -> None:
         guard = self.guard
+        self._update_committed = False
         metadata = layout.metadata
         mode = req.training_mode.value
         start = time.monotonic()
@@ -299,6 +310,7 @@ class WeightSyncService:
                             await self._drop_adapter_under(req.training_mode)
                         await self.port.reset_cache()
                         guard.commit(version)
+                        self._update_committed = True
                         stamps["committed"] = time.monotonic()
                         if adapter:
                             if self.store is not None:
@@ -334,6 +346,7 @@ class WeightSyncService:
                     if result["ok"]:
                         await self._drop_adapter_under(req.training_mode)
                         guard.commit(version)
+                        self._update_committed = True
                         stamps["committed"] = time.monotonic()
                         await self._persist(version)
                     elif result["partial"]:
@@ -421,6 +434,7 @@ class WeightSyncService:
         exclusive lock (streamed) and send the cache reset; or refuse it, moving nothing."""
         push = DataPush(header, arrived)
         guard = self.guard
+        await self._let_committed_update_finish(header.timeout_s)
         layout = self._layouts.get(header.layout_id)
         if (
             layout is None
