@@ -132,10 +132,10 @@ def run(
         merged = {k: v.detach() for k, v in copy.deepcopy(model).merge_and_unload().state_dict().items()}
 
         def adapter_push(v: int) -> None:
-            sync.sync(tensors, version=v, training_mode=Mode.ADAPTER, adapter=adapter)  # type: ignore[union-attr]
+            sync.sync(tensors, version=v, training_mode=Mode.ADAPTER, adapter=adapter)
 
         def merged_push(v: int) -> None:
-            sync.sync(merged, version=v, training_mode=Mode.LORA)  # type: ignore[union-attr]
+            sync.sync(merged, version=v, training_mode=Mode.LORA)
 
         adapter_push(next(versions))  # warm-up: layouts announced, adapter machinery loaded
         adapter_s = timed(adapter_push, args.reps, versions, trainer)

@@ -33,6 +33,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -151,7 +152,7 @@ def bench_apply(
         started = time.perf_counter()
         kube.create(custom_path(NAMESPACE), model(name, replicas))
         try:
-            wait(f"{replicas} pods of {name}", lambda n=name: check(kube, n, replicas), timeout_s)
+            wait(f"{replicas} pods of {name}", functools.partial(check, kube, name, replicas), timeout_s)
             times.append(time.perf_counter() - started)
         except TimeoutError:
             timeouts += 1
@@ -292,7 +293,7 @@ def bench_scale(
     kube: Kube, count: int, operator_pid: int, metrics_port: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     """Baseline on the empty cluster, then ``count`` models: steady CPU, RSS, apply p50."""
-    empty = {
+    empty: dict[str, Any] = {
         "cpu_cores": steady_cpu(operator_pid, min(args.window, 30)),
         "rss_mib": rss_mib(operator_pid),
         "apply": bench_apply(kube, args.runs, 1, check=APPLY_CHECKS[args.apply_check]),
@@ -305,7 +306,7 @@ def bench_scale(
     window_requests = requests_between(requests_before, api_requests(kube))
     requests_before = api_requests(kube)
     apply = bench_apply(kube, args.runs, 1, timeout_s=30, check=APPLY_CHECKS[args.apply_check])
-    loaded = {
+    loaded: dict[str, Any] = {
         "cpu_cores": cpu,
         "rss_mib": rss_mib(operator_pid),
         "api_requests_in_window": window_requests,
@@ -363,6 +364,10 @@ def bench_push(kube: Kube, kubeconfig: Path, tmp: Path, args: argparse.Namespace
     )
     handle = RewardModelHandle(name, NAMESPACE, kubeconfig=str(kubeconfig))
     handle.wait_ready(300)
+
+    def serves_at_least(version: int) -> bool:
+        return handle.get_weights_version() >= version
+
     urls, token = handle.get_urls(), handle.token()
     version = 0
     out: dict[str, Any] = {
@@ -389,7 +394,7 @@ def bench_push(kube: Kube, kubeconfig: Path, tmp: Path, args: argparse.Namespace
                 sync.close()
             direct.append(time.perf_counter() - started)
             # The operator's next push must be newer than what direct mode pushed.
-            wait("the model status to follow", lambda v=version: handle.get_weights_version() >= v, 30)
+            wait("the model status to follow", functools.partial(serves_at_least, version), 30)
         out[mode] = {
             "operator_p50_s": _p50(via_operator),
             "direct_p50_s": _p50(direct),

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rewardplane.localcluster import realnode
 from rewardplane.localcluster.binaries import cache_dir
@@ -101,7 +101,10 @@ def real_cluster(state: Path) -> Iterator[tuple[Path, Callable[[], list[int]]]]:
         from kubernetes import client
 
         [pod] = client.CoreV1Api(api).list_namespaced_pod(OPERATOR_NAMESPACE).items
-        cid = pod.status.container_statuses[0].container_id.removeprefix("containerd://")
+        statuses = pod.status.container_statuses if pod.status else None
+        if not statuses or not statuses[0].container_id:
+            raise RuntimeError("the operator pod's container has not started")
+        cid = statuses[0].container_id.removeprefix("containerd://")
         api.close()
         out = subprocess.run(
             ["ctr", "-a", str(node.layout.containerd_sock), "-n", "k8s.io", "tasks", "ls"],
@@ -156,12 +159,22 @@ def bench(
 
     def available() -> bool:
         try:
-            rm = custom.get_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", NAME)
+            # the client types the decoded JSON as ``object``: one object is a dict
+            rm = cast(
+                dict[str, Any], custom.get_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", NAME)
+            )
         except client.ApiException:
             return False
         st = rm.get("status") or {}
         conds = {c["type"]: c["status"] for c in st.get("conditions") or []}
         return st.get("readyReplicas") == 1 and conds.get("Available") == "True"
+
+    def models() -> list[dict[str, Any]]:
+        listed = cast(
+            dict[str, Any], custom.list_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels")
+        )
+        items: list[dict[str, Any]] = listed["items"]
+        return items
 
     def no_pods() -> bool:
         return not core.list_namespaced_pod(NS, label_selector=f"rewardplane.io/model={NAME}").items
@@ -178,7 +191,7 @@ def bench(
             wait("the model gone", lambda: no_pods() and not available(), 120)
             wait(
                 "the model object gone",
-                lambda: not custom.list_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels")["items"],
+                lambda: not models(),
                 120,
             )
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 SIZES: dict[str, dict[str, int]] = {
     # ~0.39B: the model of the device README's measurement
@@ -46,6 +46,15 @@ SIZES: dict[str, dict[str, int]] = {
 VOCAB = 32000
 GOAL_VS_OFFLINE = 0.9
 GOAL_VS_HF = 2.0
+
+
+class Prompts(TypedDict):
+    """Token-id prompts (``prompts.json``): the measured set, the warm-up set, and one fresh set per
+    further ``--items-per-request`` value."""
+
+    main: list[list[int]]
+    warmup: list[list[int]]
+    extra: list[list[list[int]]]
 
 
 # ---- phases (each runs in a fresh process) ---------------------------------------------------
@@ -59,7 +68,8 @@ def phase_build(model_dir: Path, size: str, max_len: int) -> dict[str, Any]:
 
     s = SIZES[size]
     tokenizer = train_tokenizer()
-    config = LlamaConfig(
+    # num_labels is a documented PretrainedConfig argument that transformers 5's typed __init__ omits
+    config = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=VOCAB,
         hidden_size=s["hidden"],
         intermediate_size=s["intermediate"],
@@ -75,7 +85,8 @@ def phase_build(model_dir: Path, size: str, max_len: int) -> dict[str, Any]:
     )
     torch.manual_seed(0)
     with torch.device("cuda"):  # random init on the GPU: seconds instead of minutes for 1.4B
-        model = LlamaForSequenceClassification(config).to(torch.bfloat16)
+        # transformers wraps .to with functools.wraps, whose stub is not a method: self is not bound
+        model = LlamaForSequenceClassification(config).to(torch.bfloat16)  # type: ignore[arg-type]
         with torch.no_grad():
             model.score.weight.normal_(0.0, s["hidden"] ** -0.5)  # unit-scale scores
     params = sum(p.numel() for p in model.parameters())
@@ -106,7 +117,7 @@ def vllm_kwargs(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def phase_offline(model_dir: Path, prompts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def phase_offline(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM, PoolingParams
     from vllm.inputs import TokensPrompt
 
@@ -129,7 +140,7 @@ def phase_offline(model_dir: Path, prompts: dict[str, Any], args: argparse.Names
     return {"seconds": seconds, "startup_s": startup, "scores": scores}
 
 
-def phase_hf(model_dir: Path, prompts: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def phase_hf(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForSequenceClassification
 
@@ -240,9 +251,7 @@ def process_cpu_s(root: int) -> dict[str, float]:
     return out
 
 
-def measure_server(
-    model_dir: Path, prompts: dict[str, Any], args: argparse.Namespace, work: Path
-) -> dict[str, Any]:
+def measure_server(model_dir: Path, prompts: Prompts, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [
@@ -394,7 +403,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path) -> dict[str, Any
     print(f"[{size}] building a random-weight model in {model_dir}", flush=True)
     built = run_phase("build", model_dir, work, args, ["--size", size])
     n_extra = len(args.items_per_request_list) - 1
-    prompts = {
+    prompts: Prompts = {
         "main": make_prompts(args.prompts, args.min_len, args.max_len, seed=1),
         "warmup": make_prompts(64, args.min_len, args.max_len, seed=2),
         "extra": [

@@ -24,7 +24,7 @@ from rewardplane.testing.servers import start_server
 from rewardplane.tinymodel import build_tiny_reward_model
 
 
-def _abuse(url: str, path: str, stop_at: float, out: mp.Queue) -> None:  # type: ignore[type-arg]
+def _abuse(url: str, path: str, stop_at: float, out: mp.Queue[list[tuple[int, float]]]) -> None:
     body = json.dumps({"input": ["word " * (2 * 1024 * 1024)]}).encode()
     answers = []
     with httpx.Client(timeout=120) as c:
@@ -77,7 +77,7 @@ def main() -> None:
             idle = _health(server.url, args.seconds)
             idle_hwm = _hwm_mib(server.process.pid)
             cpu_before = _cpu_s(server.process.pid)
-            q: mp.Queue = mp.Queue()  # type: ignore[type-arg]
+            q: mp.Queue[list[tuple[int, float]]] = mp.Queue()
             stop_at = time.monotonic() + args.seconds + 1
             paths = ["/score", "/classify", "/pooling"]
             procs = [

@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict
 
 import httpx
 import torch
@@ -42,9 +43,21 @@ from rewardplane.testing.servers import free_port, launch_server, wait_healthy  
 from rewardplane.tinymodel import train_tokenizer  # noqa: E402
 from rewardplane.transport.comm import Communicator, create_store  # noqa: E402
 
-SIZES = {
+
+class LlamaShape(TypedDict):
+    """The LlamaConfig arguments that set a model's size."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+
+
+SIZES: dict[str, LlamaShape] = {
     # Llama-2-7B's shape: 6.6B parameters in the backbone
-    "7b": dict(
+    "7b": LlamaShape(
         hidden_size=4096,
         intermediate_size=11008,
         num_hidden_layers=32,
@@ -52,7 +65,7 @@ SIZES = {
         num_key_value_heads=32,
         vocab_size=32000,
     ),
-    "small": dict(
+    "small": LlamaShape(
         hidden_size=896,
         intermediate_size=4864,
         num_hidden_layers=24,
@@ -133,7 +146,8 @@ def make_checkpoint(size: str, root: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     tok.save_pretrained(out)
-    cfg = LlamaConfig(
+    # num_labels is a documented PretrainedConfig argument that transformers 5's typed __init__ omits
+    cfg = LlamaConfig(  # type: ignore[call-arg]
         **SIZES[size],
         num_labels=1,
         pad_token_id=tok.pad_token_id,
@@ -222,6 +236,8 @@ def timed_pushes(
         sync.sync(head, version=version, training_mode=Mode.HEAD_ONLY)
         head_times.append(time.perf_counter() - t0)
         head_timelines.append(timeline(urls, dict(sync.open().last_stats), version))
+    group = sync.open().comm
+    assert isinstance(group, Communicator)  # one group for all the servers (no per_server_groups)
     return {
         "first_push_s": first,
         "full_push_s": full,
@@ -229,7 +245,7 @@ def timed_pushes(
         "head_only_s": head_times,
         "head_only_ms_median": 1000 * statistics.median(head_times),
         "head_only_ms_p90": 1000 * sorted(head_times)[int(0.9 * (len(head_times) - 1))],
-        "world_size": sync.open().comm.world_size,
+        "world_size": group.world_size,
         "full_pushes_started_from_data_plane": sum(via),
         "breakdown": stats,
         "timeline_ms": median_timeline(timelines),

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from rewardplane.protocol import Score
 from rewardplane.sdk import RewardModelTrainingMode, VLLMRewardClient, select_head
 from rewardplane.tinymodel import build_tiny_reward_model
 
@@ -28,6 +29,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def one_label(scores: list[Score]) -> list[float]:
+    """The scores of a one-label model (the tiny one): a float per text, where several labels
+    would give a list per text."""
+    out = []
+    for s in scores:
+        if isinstance(s, list):
+            raise TypeError(f"expected one score per text, got {len(s)} labels")
+        out.append(s)
+    return out
 
 
 def main() -> int:
@@ -53,7 +65,7 @@ def main() -> int:
             connection_timeout_s=120,
             trainer_host="127.0.0.1",
         )
-        before = client.score_batch_sync(TEXTS, normalize=False)
+        before = one_label(client.score_batch_sync(TEXTS, normalize=False))
         print(f"scores (version {client.get_model_version_sync()}): {[round(s, 4) for s in before]}")
 
         trainer = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
@@ -66,7 +78,7 @@ def main() -> int:
         print(
             f"pushed head-only weights as version {version} in {1000 * (time.perf_counter() - start):.1f} ms"
         )
-        after = client.score_batch_sync(TEXTS, normalize=False)
+        after = one_label(client.score_batch_sync(TEXTS, normalize=False))
         print(f"scores (version {client.get_model_version_sync()}): {[round(s, 4) for s in after]}")
         assert all(abs(a + b) < 1e-4 for a, b in zip(after, before, strict=True)), "the push did not take"
         client.close()

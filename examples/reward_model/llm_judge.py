@@ -17,6 +17,7 @@ import random
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 from _common import Pair, arguments, local_server, split_sets
@@ -33,6 +34,17 @@ from rewardplane.tinymodel import build_tiny_causal_lm
 
 TEMPLATE = "Rate the answer.\nQuestion: {prompt}\nAnswer: {response}"
 GOOD, BAD = "[[9]]", "[[1]]"
+
+
+class JudgeResult(TypedDict):
+    """The ``RESULT`` line: held-out pair accuracy and unreadable answers, before and after the push."""
+
+    example: str
+    before: float
+    after: float
+    failures_before: int
+    failures_after: int
+    version: int
 
 
 def rollouts_of(pairs: Sequence[Pair]) -> list[Rollout]:
@@ -105,7 +117,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rewardplane-judge-example-"))
     with local_server(work, build_tiny_causal_lm(work / "judge", seed=0), task="generate") as setup:
 
-        async def run() -> dict[str, object]:
+        async def run() -> JudgeResult:
             async with AsyncRewardClient(setup.server.url) as client:
                 judge = GenerativeJudge(client, TEMPLATE, default=0.0, max_tokens=6, max_concurrency=8)
                 test = rollouts_of(held_out)
@@ -138,7 +150,7 @@ def main() -> None:
     print("RESULT " + json.dumps(result))
     assert result["failures_after"] == 0 and result["after"] >= 0.9, (
         "the pushed judge did not learn the verdicts"
-    )  # type: ignore[operator]
+    )
 
 
 if __name__ == "__main__":
