@@ -639,14 +639,14 @@ class PodWorker(threading.Thread):
 SHORT_LINK_PREFIX = "rp-"
 
 
-def short_link_path(pod_uid: str, root: Path | None = None) -> Path:
-    return (root or Path(tempfile.gettempdir())) / f"{SHORT_LINK_PREFIX}{pod_uid.replace('-', '')[:12]}"
+def short_link_path(pod_uid: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"{SHORT_LINK_PREFIX}{pod_uid.replace('-', '')[:12]}"
 
 
-def short_volumes_link(pod_uid: str, target: Path, root: Path | None = None) -> Path:
+def short_volumes_link(pod_uid: str, target: Path) -> Path:
     """A short symlink (``<tmp>/rp-<uid>``) to ``target`` (the pod's volumes directory), made or
     refreshed here; the pod's processes see its volumes through it. ``remove_short_link`` drops it."""
-    link = short_link_path(pod_uid, root)
+    link = short_link_path(pod_uid)
     target.mkdir(parents=True, exist_ok=True)
     if link.is_symlink():
         if Path(os.readlink(link)) == target:

@@ -506,18 +506,20 @@ class RewardModelPublisher:
             timeout_s=self.timeout_s,
         )
         header = time.perf_counter()
-        agreement = {"ok": False, "at": header}
+        ready: float | None = None  # when every replica had accepted it; None: one refused
 
         def agreed() -> bool:
-            # every replica accepted (the ready reduction), while the first bucket is being packed
-            agreement.update(ok=self.comm.max_flag(0) == 0, at=time.perf_counter())
-            return bool(agreement["ok"])
+            # the ready reduction, while the first bucket is being packed
+            nonlocal ready
+            if self.comm.max_flag(0) != 0:
+                return False
+            ready = time.perf_counter()
+            return True
 
         total = send_buckets(
             self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, plan=plan, before_first=agreed
         )
-        ready = float(agreement["at"])
-        if not agreement["ok"]:  # some replica refused: nothing moved, the group is intact
+        if ready is None:  # some replica refused: nothing moved, the group is intact
             verdicts = dp.verdicts(seq, 10.0)
             if any(v.code == "unknown_layout" for v in verdicts.values()):
                 dp.forget(lid)
