@@ -8,8 +8,11 @@ session); the last test brings the node down and checks that nothing is left on 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -410,8 +413,77 @@ def trainer_pod_model() -> tuple[Any, Any]:
     return model, tok
 
 
-def test_scale_1_3_1_and_sigterm_ends_replicas_fast(real_cluster: RealCluster) -> None:
+def container_state(pod: Any) -> str:
+    """The reward container's state in a line (for messages: was it starting, serving, restarting?)."""
+    for st in pod.status.container_statuses or []:
+        state = st.state
+        now = "running" if state.running else "waiting" if state.waiting else "terminated"
+        return f"{now}, ready={st.ready}, restarts={st.restart_count}"
+    return f"phase {pod.status.phase}, no container status"
 
+
+def seconds_to_stop(c: RealCluster, name: str, delete: Callable[[], None]) -> tuple[float, str]:
+    """``delete`` the pod (or have the operator delete it), then the seconds from its deletion
+    timestamp to its removal, and its container's state when the deletion was seen. (By uid: the
+    operator may create a pod of the same name again at once.)"""
+    uid = c.core.read_namespaced_pod(name, NS).metadata.uid
+    delete()
+
+    def this_pod() -> Any:
+        return next((p for p in model_pods(c) if p.metadata.uid == uid), None)
+
+    def terminating() -> tuple[float, str] | None:
+        pod = this_pod()
+        if pod is None:
+            return time.monotonic(), "gone before the first look"
+        return (time.monotonic(), container_state(pod)) if pod.metadata.deletion_timestamp else None
+
+    asked, state = wait_for(f"{name} to be deleted", terminating, 60, 0.2)
+    wait_for(f"{name} gone", lambda: this_pod() is None, 60, 0.2)
+    return time.monotonic() - asked, state
+
+
+def pod_uid(c: RealCluster, name: str) -> str | None:
+    pod = {p.metadata.name: p for p in model_pods(c)}.get(name)
+    return pod.metadata.uid if pod is not None else None
+
+
+def server_pid_in_pod(uid: str) -> int | None:
+    """The host pid of the reward server in the pod ``uid`` (the node runs on this machine: its
+    containers are processes here, in the pod's cgroup)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (
+                b"rewardplane.server" in (entry / "cmdline").read_bytes()
+                and f"pod{uid}" in (entry / "cgroup").read_text()
+            ):
+                return int(entry.name)
+        except OSError:  # gone meanwhile
+            continue
+    return None
+
+
+def wait_for_process_exit(pid: int, timeout_s: float) -> str:
+    """'' once ``pid`` has exited (or is a zombie), else its pid inside its container (NSpid)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return ""
+        if "\nState:\tZ" in status:
+            return ""
+        if time.monotonic() > deadline:
+            return next((ln.split()[-1] for ln in status.splitlines() if ln.startswith("NSpid:")), "?")
+        time.sleep(0.05)
+
+
+def test_scale_1_3_1_and_sigterm_ends_replicas_fast(real_cluster: RealCluster) -> None:
+    """Replicas stop well inside their 30 s grace period, serving or still starting: the server
+    handles SIGTERM itself (stops accepting, drains, exits), and it is never the container's PID 1
+    (which ignores a signal it has no handler for yet), so no stop waits for the kubelet's SIGKILL."""
     c = real_cluster
 
     def scale(n: int) -> None:
@@ -419,24 +491,24 @@ def test_scale_1_3_1_and_sigterm_ends_replicas_fast(real_cluster: RealCluster) -
             GROUP, VERSION, NS, "rewardmodels", RM, {"spec": {"replicas": n}}
         )
 
-    scale(1)
-
-    def terminating() -> float | None:
-        pods = {p.metadata.name: p for p in model_pods(c)}
-        gone = f"{RM}-1" not in pods
-        return time.monotonic() if gone or pods[f"{RM}-1"].metadata.deletion_timestamp else None
-
-    asked = wait_for("the operator to delete the removed replica", terminating, 60, 0.2)
-    wait_for(
-        "the removed replica gone", lambda: f"{RM}-1" not in {p.metadata.name for p in model_pods(c)}, 60, 0.2
-    )
-    # SIGTERM ended it well inside its 30 s grace period: the server handles the signal itself
-    # (stops accepting, drains, exits) instead of waiting for the kubelet's SIGKILL.
-    assert time.monotonic() - asked < 20, f"the replica took {time.monotonic() - asked:.0f} s to stop"
+    took, state = seconds_to_stop(c, f"{RM}-1", lambda: scale(1))
+    assert took < 20, f"the serving replica took {took:.0f} s to stop (its container when deleted: {state})"
     wait_for("1 replica", lambda: ready_at(c, 1, S.version), READY_TIMEOUT_S, 1)
     scale(3)
-    # e2e-rm-1 was a replica before: its saved weights restore it; e2e-rm-2 never served, so a
-    # healthy peer sends it the current weights. Until then each stays out of the endpoints.
+
+    # SIGTERM at the first instant of a server process (as the kubelet's stop of a replica that a
+    # rollout or scale-down catches while it starts): it must end it, not be dropped because the
+    # process is its container's PID 1 and Python has not installed a handler yet.
+    uid = wait_for(f"{RM}-2 created", lambda: pod_uid(c, f"{RM}-2"), 60, 0.2)
+    pid = wait_for(
+        f"{RM}-2's server process to start", lambda: server_pid_in_pod(uid), READY_TIMEOUT_S, 0.005
+    )
+    os.kill(pid, signal.SIGTERM)
+    still = wait_for_process_exit(pid, 10)
+    assert not still, f"the starting server ignored SIGTERM (pid {pid}, pid in its container: {still})"
+    # The kubelet starts it again. e2e-rm-1 was a replica before: its saved weights restore it;
+    # e2e-rm-2 never served, so a healthy peer sends it the current weights. Until then each stays
+    # out of the endpoints.
     wait_for("3 replicas on the current version", lambda: ready_at(c, 3, S.version), READY_TIMEOUT_S, 2)
     with handle(c) as rm:
         assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)

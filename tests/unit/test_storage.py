@@ -75,3 +75,5 @@ def test_reward_pod_runs_non_root_with_probes_token_file_and_the_model_volume() 
     assert ctr["resources"] == {"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}}
     # the server drains on SIGTERM (--graceful-shutdown-s, default 10 s) inside the grace period
     assert spec["terminationGracePeriodSeconds"] > 10
+    # ...and is never PID 1 (which would ignore a SIGTERM that lands before its handler exists)
+    assert spec["shareProcessNamespace"] is True

@@ -303,6 +303,11 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
             "subdomain": service_name(plan.name),
             "restartPolicy": "Always",
             "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+            # The pause container is PID 1, not the server: the kernel drops a signal to PID 1 that
+            # has no handler, so a SIGTERM that lands while Python is still starting (before the
+            # server installs its handler) would wait out the whole grace period. Any image, with
+            # or without an init, now stops at once; pause also reaps the engine's orphans.
+            "shareProcessNamespace": True,
             # The server never calls the Kubernetes API: no credentials in its pod.
             "automountServiceAccountToken": False,
             # Volumes (the token Secret, a PVC, emptyDirs) readable by the server's group.

@@ -18,6 +18,7 @@ from .heap import keep_freed_memory
 from .http_stack import choose_http_stack
 from .inputs import limits_for
 from .metrics import ServerMetrics
+from .shutdown import bounded_shutdown_server
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -123,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     log.info("%s", keep_freed_memory())
     # On SIGTERM uvicorn stops accepting, waits at most --graceful-shutdown-s for requests in
     # flight (a long-poll on /runtime_version may hold 300 s), then stops the engine. Control-plane
-    # waits run on daemon threads (threads.py), so nothing else can keep the process alive.
-    uvicorn.run(
+    # waits run on daemon threads (threads.py), so nothing else should keep the process alive;
+    # should something still, the exit deadline ends it with every thread's stack printed.
+    config = uvicorn.Config(
         app,
         host=cfg.host,
         port=cfg.port,
@@ -134,4 +136,5 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         timeout_graceful_shutdown=cfg.graceful_shutdown_s,
     )
+    bounded_shutdown_server(config, cfg.graceful_shutdown_s).run()
     return 0

@@ -1,0 +1,70 @@
+"""Stopping the server: a SIGTERM ends the process in bounded time, whatever still runs.
+
+uvicorn drains requests for ``--graceful-shutdown-s``, then the engine stops. Should anything
+after that hang (an engine teardown, a library's exit hook, a C call that never returns), the
+process would otherwise sit until the kubelet's SIGKILL, and nobody would learn what held it.
+``exit_deadline`` prints every thread's stack and exits once the deadline passes.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+import threading
+from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import uvicorn
+
+log = logging.getLogger(__name__)
+
+# What the engine may take to stop after the requests drained (vLLM tears down its engine core
+# and frees the GPU); the pod's grace period leaves room for drain + this.
+ENGINE_STOP_ALLOWANCE_S = 10.0
+EXIT_CODE_SHUTDOWN_HUNG = 70  # EX_SOFTWARE: tells a hung stop apart from SIGKILL (137)
+
+
+def exit_deadline(seconds: float) -> threading.Timer:
+    """Start a daemon timer that dumps every thread's stack to stderr and ends the process
+    (``os._exit``: no exit hooks, they may be what hangs) after ``seconds``."""
+
+    def expire() -> None:
+        print(
+            f"rewardplane server: shutdown did not finish within {seconds:g} s of the stop "
+            "signal; exiting. Threads still running:",
+            file=sys.stderr,
+            flush=True,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(EXIT_CODE_SHUTDOWN_HUNG)
+
+    timer = threading.Timer(seconds, expire)
+    timer.name = "rp-exit-deadline"
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def bounded_shutdown_server(config: uvicorn.Config, graceful_shutdown_s: float) -> uvicorn.Server:
+    """A uvicorn server whose first stop signal also arms ``exit_deadline`` (drain time plus
+    ``ENGINE_STOP_ALLOWANCE_S``)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if not self.should_exit:
+                deadline = graceful_shutdown_s + ENGINE_STOP_ALLOWANCE_S
+                log.info(
+                    "stop signal %d: draining for up to %ss, exiting within %ss",
+                    sig,
+                    graceful_shutdown_s,
+                    deadline,
+                )
+                exit_deadline(deadline)
+            super().handle_exit(sig, frame)
+
+    return Server(config)
