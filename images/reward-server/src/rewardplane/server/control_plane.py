@@ -30,7 +30,7 @@ from rewardplane.protocol import (
     remember_layout,
 )
 
-from .data_push import PushListener
+from .data_push import RESET_CACHE_AFTER_GO, PushListener
 from .engine import ServedAdapter, WeightSyncPort
 from .errors import BadRequest, Conflict, Unavailable
 from .locking import WeightsGuard
@@ -473,10 +473,17 @@ class WeightSyncService:
             return push
         push.lock = lock
         push.stamps["locked"] = time.monotonic()
-        # nothing is scored while the lock is held: cached blocks of the old weights are dropped
-        # while the bytes arrive (as in the HTTP path)
-        push.reset = asyncio.ensure_future(self.port.reset_cache())
+        if not RESET_CACHE_AFTER_GO:
+            self.start_cache_reset(push)
         return push
+
+    def start_cache_reset(self, push: DataPush) -> None:
+        """Nothing is scored while the lock is held: cached blocks of the old weights are dropped
+        while the bytes arrive (as in the HTTP path). Sent once the workers were told to receive
+        (``PushListener``): in vLLM the reset runs in the engine process, where it would compete
+        for the GIL with the worker thread that is about to post the first receive."""
+        if push.lock is not None and push.reset is None:
+            push.reset = asyncio.ensure_future(self.port.reset_cache())
 
     async def finish_data_push(self, push: DataPush, results: list[PushLoaded]) -> PushVerdict:
         """The workers' reports in: commit (atomic: swap under the lock first), or mark broken
@@ -506,6 +513,7 @@ class WeightSyncService:
             elif header.atomic:
                 await self.port.call_workers("rp_drop_staged")
             else:
+                self.start_cache_reset(push)  # where the go never went out
                 assert push.reset is not None
                 reset_error = await _outcome(push.reset)
                 if merged["ok"] and reset_error is None:

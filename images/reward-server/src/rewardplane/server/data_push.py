@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import Coroutine
@@ -21,6 +22,11 @@ from rewardplane.transport.signals import StoreClosed, group_store, put, wait_va
 
 log = logging.getLogger(__name__)
 
+# Where a streamed push sends the engine's cache reset: after this replica's workers were told to
+# receive (default), or as soon as the lock is held (REWARDPLANE_RESET_CACHE_AFTER_GO=0, the
+# earlier order, for comparison in benchmarks/weight_sync.py).
+RESET_CACHE_AFTER_GO = os.environ.get("REWARDPLANE_RESET_CACHE_AFTER_GO", "1") != "0"
+
 T = TypeVar("T")
 STOP_TIMEOUT_S = 5.0
 
@@ -30,6 +36,10 @@ class PushHost(Protocol):
 
     async def admit_data_push(self, header: PushHeader, arrived: float) -> Any:
         """A ``control_plane.DataPush``: ``error`` (refused, with ``code``) or admitted, ``apply``."""
+        ...
+
+    def start_cache_reset(self, push: Any) -> None:
+        """Send the engine's cache reset of an admitted streamed push (once)."""
         ...
 
     async def finish_data_push(self, push: Any, results: list[PushLoaded]) -> PushVerdict: ...
@@ -127,7 +137,10 @@ class PushListener:
             error=push.error,
         )
         try:
+            push.stamps["go"] = time.monotonic()  # the control plane's part ends: the workers' starts
             put(self.store, PushKeys.go(seq, replica), go)
+            if RESET_CACHE_AFTER_GO and push.error is None:
+                self.loop.call_soon_threadsafe(self.host.start_cache_reset, push)
             results = [
                 PushLoaded.model_validate_json(
                     wait_value(self.store, PushKeys.loaded(seq, r), wait_s) or b"{}"

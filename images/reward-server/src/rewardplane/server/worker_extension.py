@@ -42,6 +42,7 @@ from rewardplane.transport.signals import StoreClosed, group_store, put, wait_va
 from rewardplane.transport.transfer import Received, receive_buckets
 
 from .checkpoint import iter_checkpoint
+from .copy_plan import CopyPlan
 from .lora_hooks import LoraHooks
 from .persistence import WeightsStore
 
@@ -84,6 +85,8 @@ class RewardWeightSyncExtension:
     _rp_push_outcome: tuple[int, PushLoaded] | None = None
     # Parsed layouts by key (rp_init_communicator); made per worker on first use, never shared.
     _rp_layouts: dict[str, tuple[list[ParamMeta], list[Bucket]]] | None = None
+    # Where each pushed name lands in vLLM's parameters (copy_plan.py), learned on first load.
+    _rp_copy_plan: CopyPlan | None = None
 
     # ---- accessors (vLLM defaults) ------------------------------------------------------------
     def rp_model(self) -> torch.nn.Module:
@@ -100,7 +103,14 @@ class RewardWeightSyncExtension:
 
     def rp_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         # vLLM's loader takes HF names and full tensors; it fuses q/k/v, gate/up and shards for TP.
-        cast("_VLLMModel", self.rp_model()).load_weights(weights=weights)
+        # The copy plan learns from it where each name lands and then copies there directly.
+        plan = self._rp_copy_plan
+        if plan is None:
+            model = self.rp_model()
+            plan = self._rp_copy_plan = CopyPlan(
+                lambda w: cast("_VLLMModel", model).load_weights(weights=w), model
+            )
+        plan.load(weights)
 
     # ---- collective RPCs -----------------------------------------------------------------------
     def rp_init_communicator(
@@ -464,6 +474,8 @@ class RewardWeightSyncExtension:
         at a time through the engine's own loader; the names loaded."""
         loaded: list[str] = []
         device = self.rp_device()
+        if self._rp_copy_plan is not None:
+            self._rp_copy_plan.forget()  # the weights were discarded: learn their places again
         with torch.no_grad():
             for name, tensor in iter_checkpoint(Path(model_dir)):
                 if self.rp_accepts(name):

@@ -1,0 +1,95 @@
+"""The copy plan loads pushed tensors exactly as the model's own loader would, and learns which
+names it may copy straight into the parameters (copy_plan.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from rewardplane.server.copy_plan import CopyPlan
+
+
+class FusedModel(torch.nn.Module):
+    """vLLM's shape of things: q/k/v fused into one parameter, loaders that narrow and copy, one
+    that transforms, one that copies into scratch, one name it skips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(6, 3), requires_grad=False)
+        self.o = torch.nn.Parameter(torch.zeros(3, 3), requires_grad=False)
+        self.head = torch.nn.Parameter(torch.zeros(1, 3, dtype=torch.float32), requires_grad=False)
+        self.scaled = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+        self.moved = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+        self.calls: list[list[str]] = []
+
+    @torch.no_grad()
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        self.calls.append([n for n, _ in weights])
+        rows = {"q": (0, 2), "k": (2, 2), "v": (4, 2)}
+        for name, w in weights:
+            if name in rows:
+                start, size = rows[name]
+                assert w.shape == (size, 3)  # metadata reads are fine
+                self.qkv.data.narrow(0, start, size).copy_(w)
+            elif name == "scaled":
+                self.scaled.data.copy_(w * 2)  # a loader that computes from the tensor
+            elif name == "moved":
+                scratch = torch.empty_like(self.moved)
+                scratch.copy_(w)  # copied unchanged, but into scratch, then rearranged
+                self.moved.data.copy_(scratch.flip(0))
+            elif name == "rotary.inv_freq":
+                continue
+            else:
+                getattr(self, name).data.copy_(w)
+
+
+def push(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q": (2, 3), "k": (2, 3), "v": (2, 3), "o": (3, 3), "scaled": (2,), "moved": (2,)}
+    weights = [(n, torch.randn(*s, generator=g)) for n, s in shapes.items()]
+    weights.append(("head", torch.randn(1, 3, generator=g).to(torch.bfloat16)))  # bf16 into fp32
+    weights.append(("rotary.inv_freq", torch.randn(4, generator=g)))
+    return weights
+
+
+def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_the_plan_loads_what_the_loader_loads_and_copies_directly_where_it_may() -> None:
+    planned, reference = FusedModel(), FusedModel()
+    plan = CopyPlan(planned.load_weights, planned)
+    for seed in range(3):
+        weights = push(seed)
+        plan.load(weights)
+        reference.load_weights(weights)
+        got, want = params(planned), params(reference)
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), (seed, name)
+    # learned on the first push: the fused slices, the plain parameters and the cast head
+    assert plan.direct_names == {"q", "k", "v", "o", "head"}
+    # later pushes hand the loader only what it alone can load
+    assert planned.calls[0] == [n for n, _ in push(0)]
+    assert planned.calls[1] == planned.calls[2] == ["scaled", "moved", "rotary.inv_freq"]
+
+
+def test_forget_sends_everything_through_the_loader_again() -> None:
+    model = FusedModel()
+    plan = CopyPlan(model.load_weights, model)
+    plan.load(push(0))
+    plan.forget()
+    plan.load(push(1))
+    assert plan.direct_names == {"q", "k", "v", "o", "head"}
+    assert model.calls[1] == [n for n, _ in push(1)]
+
+
+def test_a_name_pushed_in_another_shape_goes_through_the_loader() -> None:
+    model = FusedModel()
+    plan = CopyPlan(model.load_weights, model)
+    plan.load(push(0))
+    wrong = [("o", torch.ones(9))]
+    try:
+        plan.load(wrong)
+    except Exception:
+        pass  # the loader's own error; what matters is that no direct copy reshaped it silently
+    assert model.calls[-1] == ["o"]
