@@ -44,7 +44,7 @@ def test_later_pushes_start_from_the_data_plane(server, tiny_model_dir):
             last = last_update(server)
             assert (last["via"], last["version"], last["ok"]) == ("data_plane", version, True)
             ms = last["after_announce_ms"]
-            order = ["task", "locked", "worker_in", "worker_posted", "worker_out", "returned", "committed"]
+            order = ["task", "locked", "go", "worker_in", "worker_posted", "worker_out", "returned", "committed"]
             assert [ms[k] for k in order] == sorted(ms[k] for k in order), ms
         stats = sync.open().last_stats
         assert (
