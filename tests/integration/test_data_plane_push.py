@@ -30,7 +30,11 @@ def server(server_factory, tiny_model_dir):
     return server_factory(tiny_model_dir, token=TOKEN)
 
 
-def test_later_pushes_start_from_the_data_plane(server, tiny_model_dir):
+@pytest.mark.parametrize("reset_cache_after_go", [False, True], ids=["reset-at-lock", "reset-after-go"])
+def test_later_pushes_start_from_the_data_plane(server_factory, tiny_model_dir, reset_cache_after_go):
+    # both orders of the engine's cache reset (data_push.RESET_CACHE_AFTER_GO) keep every guarantee
+    env = {"REWARDPLANE_RESET_CACHE_AFTER_GO": "1" if reset_cache_after_go else "0"}
+    server = server_factory(tiny_model_dir, token=TOKEN, env_extra=env)
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:
         sync.sync(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
@@ -44,7 +48,16 @@ def test_later_pushes_start_from_the_data_plane(server, tiny_model_dir):
             last = last_update(server)
             assert (last["via"], last["version"], last["ok"]) == ("data_plane", version, True)
             ms = last["after_announce_ms"]
-            order = ["task", "locked", "go", "worker_in", "worker_posted", "worker_out", "returned", "committed"]
+            order = [
+                "task",
+                "locked",
+                "go",
+                "worker_in",
+                "worker_posted",
+                "worker_out",
+                "returned",
+                "committed",
+            ]
             assert [ms[k] for k in order] == sorted(ms[k] for k in order), ms
         stats = sync.open().last_stats
         assert (

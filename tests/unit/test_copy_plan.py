@@ -57,7 +57,7 @@ def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def test_the_plan_loads_what_the_loader_loads_and_copies_directly_where_it_may() -> None:
     planned, reference = FusedModel(), FusedModel()
-    plan = CopyPlan(planned.load_weights, planned)
+    plan = CopyPlan(planned.load_weights, planned, enabled=True)
     for seed in range(3):
         weights = push(seed)
         plan.load(weights)
@@ -75,7 +75,7 @@ def test_the_plan_loads_what_the_loader_loads_and_copies_directly_where_it_may()
 
 def test_forget_sends_everything_through_the_loader_again() -> None:
     model = FusedModel()
-    plan = CopyPlan(model.load_weights, model)
+    plan = CopyPlan(model.load_weights, model, enabled=True)
     plan.load(push(0))
     plan.forget()
     plan.load(push(1))
@@ -85,7 +85,7 @@ def test_forget_sends_everything_through_the_loader_again() -> None:
 
 def test_a_name_pushed_in_another_shape_goes_through_the_loader() -> None:
     model = FusedModel()
-    plan = CopyPlan(model.load_weights, model)
+    plan = CopyPlan(model.load_weights, model, enabled=True)
     plan.load(push(0))
     wrong = [("o", torch.ones(9))]
     try:
@@ -93,3 +93,12 @@ def test_a_name_pushed_in_another_shape_goes_through_the_loader() -> None:
     except Exception:
         pass  # the loader's own error; what matters is that no direct copy reshaped it silently
     assert model.calls[-1] == ["o"]
+
+
+def test_switched_off_every_tensor_goes_through_the_loader() -> None:
+    model = FusedModel()
+    plan = CopyPlan(model.load_weights, model, enabled=False)
+    plan.load(push(0))
+    plan.load(push(1))
+    assert not plan.direct_names
+    assert model.calls == [[n for n, _ in push(0)], [n for n, _ in push(1)]]

@@ -28,8 +28,10 @@ log = logging.getLogger(__name__)
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
-# REWARDPLANE_DIRECT_LOAD=0 sends every tensor through the model's loader (for comparison).
-ENABLED = os.environ.get("REWARDPLANE_DIRECT_LOAD", "1") != "0"
+# Off unless REWARDPLANE_DIRECT_LOAD=1: checked on CPU against loaders of vLLM's shape
+# (tests/unit/test_copy_plan.py), not yet against vLLM's own on a GPU nor measured there
+# (docs/gpu.md, "Next GPU session"). Off, every tensor goes through the model's loader, as before.
+ENABLED = os.environ.get("REWARDPLANE_DIRECT_LOAD", "0") == "1"
 
 # Reading a tensor's metadata does not change what the loader copies.
 _METADATA = frozenset(
@@ -80,9 +82,10 @@ class _Probe(torch.Tensor):
 class CopyPlan:
     """Where each pushed name lands in the model, learned from ``load`` (the model's loader)."""
 
-    def __init__(self, load: Loader, model: torch.nn.Module) -> None:
+    def __init__(self, load: Loader, model: torch.nn.Module, *, enabled: bool = ENABLED) -> None:
         self._load = load
         self._model = model
+        self._enabled = enabled
         self._views: dict[str, list[torch.Tensor]] = {}  # name -> parameter views it is copied into
         self._opaque: set[str] = set()  # names only the loader can load
 
@@ -104,7 +107,7 @@ class CopyPlan:
             if views is not None and all(v.shape == tensor.shape for v in views):
                 direct_dst.extend(views)
                 direct_src.extend([tensor] * len(views))
-            elif name in self._opaque or not ENABLED or name in learning:
+            elif name in self._opaque or not self._enabled or name in learning:
                 through_loader.append((name, tensor))
             else:
                 learning[name] = []

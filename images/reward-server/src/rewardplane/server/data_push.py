@@ -22,10 +22,11 @@ from rewardplane.transport.signals import StoreClosed, group_store, put, wait_va
 
 log = logging.getLogger(__name__)
 
-# Where a streamed push sends the engine's cache reset: after this replica's workers were told to
-# receive (default), or as soon as the lock is held (REWARDPLANE_RESET_CACHE_AFTER_GO=0, the
-# earlier order, for comparison in benchmarks/weight_sync.py).
-RESET_CACHE_AFTER_GO = os.environ.get("REWARDPLANE_RESET_CACHE_AFTER_GO", "1") != "0"
+# Where a streamed push sends the engine's cache reset: as soon as the lock is held (default, the
+# order measured on GPUs so far), or after this replica's workers were told to receive
+# (REWARDPLANE_RESET_CACHE_AFTER_GO=1: keeps the reset's work in vLLM's engine process off the GIL
+# while the worker thread wakes; to be measured, docs/gpu.md "Next GPU session").
+RESET_CACHE_AFTER_GO = os.environ.get("REWARDPLANE_RESET_CACHE_AFTER_GO", "0") == "1"
 
 T = TypeVar("T")
 STOP_TIMEOUT_S = 5.0
