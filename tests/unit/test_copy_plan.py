@@ -102,3 +102,48 @@ def test_switched_off_every_tensor_goes_through_the_loader() -> None:
     plan.load(push(1))
     assert not plan.direct_names
     assert model.calls == [[n for n, _ in push(0)], [n for n, _ in push(1)]]
+
+
+class OwnTorchFunction(torch.nn.Parameter):
+    """A parameter type with its own ``__torch_function__``, as vLLM's ``BasevLLMParameter``: it
+    answers torch calls on it before any other tensor type would see them."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class NarrowingModel(torch.nn.Module):
+    """vLLM 0.24's loaders for unquantized linear layers (``weight_loader_v2``): the loaded tensor
+    is always narrowed to this rank's shard — the whole tensor at tensor-parallel size 1."""
+
+    def __init__(self, tp_size: int) -> None:
+        super().__init__()
+        self.tp_size = tp_size
+        self.gate_up = OwnTorchFunction(torch.zeros(8 // tp_size, 3), requires_grad=False)
+
+    @torch.no_grad()
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, w in weights:
+            shard = ("gate", "up").index(name)
+            size = 4 // self.tp_size
+            dst = self.gate_up.data.narrow(0, shard * size, size)
+            dst.copy_(w.narrow(0, 0, size))  # rank 0's shard
+
+
+def test_full_size_views_and_parameter_types_with_their_own_torch_function_are_followed() -> None:
+    model = NarrowingModel(tp_size=1)
+    plan = CopyPlan(model.load_weights, model, enabled=True)
+    first = [("gate", torch.randn(4, 3)), ("up", torch.randn(4, 3))]
+    plan.load(first)
+    assert plan.direct_names == {"gate", "up"}
+    second = [("gate", torch.randn(4, 3)), ("up", torch.randn(4, 3))]
+    plan.load(second)
+    assert torch.equal(model.gate_up.data, torch.cat([second[0][1], second[1][1]]))
+
+
+def test_a_real_shard_stays_with_the_loader() -> None:
+    model = NarrowingModel(tp_size=2)
+    plan = CopyPlan(model.load_weights, model, enabled=True)
+    plan.load([("gate", torch.randn(4, 3)), ("up", torch.randn(4, 3))])
+    assert not plan.direct_names

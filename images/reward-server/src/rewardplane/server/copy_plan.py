@@ -4,12 +4,13 @@ vLLM's ``load_weights`` takes Hugging Face names and fuses (q/k/v into ``qkv_pro
 ``gate_up_proj``) or shards them. It is Python that walks the model on every call: on a 7B model
 about as long per 1 GiB bucket as the link needs to deliver the bucket, so a push can wait on the
 CPU. Each tensor is, in the end, copied into a slice of one parameter. ``CopyPlan`` learns that
-slice by watching the loader the first time a name arrives: the tensor goes in wrapped as a
-``_Probe``, whose ``__torch_function__`` records each ``copy_`` into which it is the source. A name
-whose loader did exactly that (copies of the unchanged tensor, nothing computed from it) is copied
-straight into the recorded views from then on, in one ``torch._foreach_copy_``; any other use of
-the tensor (a transpose, a scale, a narrow at tensor parallelism) leaves the name to the loader for
-good. Names are learned in the same call that loads them, so the first push costs what it did.
+slice by watching the loader the first time a name arrives: under a ``TorchFunctionMode`` it sees
+every torch call the loader makes with the pushed tensor. A name whose tensor was only read for
+its metadata, passed through views that are the very same tensor (vLLM's loaders ``narrow`` to
+the full size at tensor-parallel size 1) and copied into parameters is copied straight into the
+recorded views from then on, in one ``torch._foreach_copy_``. Any other use (a cast, a real
+narrow, an in-place change, a copy into scratch) leaves the name to the loader for good. Names are
+learned in the same call that loads them, so the first push costs what it did.
 
 The views share the parameters' storage. Anything that may move the parameters (a sleep that
 discards the weights) calls ``forget``.
@@ -19,10 +20,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 log = logging.getLogger(__name__)
 
@@ -39,44 +42,82 @@ _METADATA = frozenset(
         torch.Tensor.size,
         torch.Tensor.dim,
         torch.Tensor.numel,
+        torch.Tensor.stride,
+        torch.Tensor.is_contiguous,
         torch.Tensor.__len__,
-        torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
-        torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
-        torch.Tensor.device.__get__,
-        torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
-        torch.Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
-        torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
+        *(
+            getattr(torch.Tensor, prop).__get__
+            for prop in ("shape", "dtype", "device", "ndim", "is_cuda", "requires_grad")
+        ),
     }
 )
 
 
-class _Probe(torch.Tensor):
-    """A pushed tensor that tells ``CopyPlan`` where the loader copied it."""
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same bytes seen the same way (a full-size view, ``detach``, a no-op ``to``)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
-    _rp_record: Callable[[torch.Tensor | None], None]
 
-    @classmethod
+def _in_place(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"
+
+
+class _Watch(TorchFunctionMode):
+    """Follows the pushed tensors through one loader call: where each was copied, and whether
+    anything else was done with it."""
+
+    def __init__(self, sources: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        # id -> (name, tensor): every alias of a pushed tensor (the tensor itself is kept, so the
+        # id stays its own while the call runs)
+        self._alias: dict[int, tuple[str, torch.Tensor]] = {id(t): (n, t) for n, t in sources.items()}
+        self.copies: dict[str, list[torch.Tensor] | None] = {n: [] for n in sources}
+
+    def _name(self, value: Any) -> str | None:
+        hit = self._alias.get(id(value))
+        return hit[0] if hit is not None and hit[1] is value else None
+
+    def _spoil(self, name: str) -> None:
+        self.copies[name] = None
+
     def __torch_function__(
-        cls,
-        func: Any,
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func not in _METADATA:
-            probe = next((a for a in (*args, *kwargs.values()) if isinstance(a, _Probe)), None)
-            if probe is not None:
-                is_source_of_copy = (
-                    func is torch.Tensor.copy_
-                    and len(args) >= 2
-                    and args[1] is probe
-                    and not isinstance(args[0], _Probe)
-                )
-                probe._rp_record(args[0] if is_source_of_copy else None)
-        with torch._C.DisableTorchFunctionSubclass():
-            plain_args = [a.as_subclass(torch.Tensor) if isinstance(a, _Probe) else a for a in args]
-            return func(*plain_args, **kwargs)
+        result = func(*args, **kwargs)
+        if func in _METADATA:
+            return result
+        # nested too: a tensor inside a list (torch.cat([q, k])) is used as much as a direct argument
+        involved = {n for a in tree_leaves((args, kwargs)) if (n := self._name(a)) is not None}
+        if not involved:
+            return result
+        if func is torch.Tensor.copy_ and len(args) >= 2 and self._name(args[0]) is None:
+            name = self._name(args[1])
+            if name is not None and involved == {name}:
+                copies = self.copies[name]
+                if copies is not None:
+                    copies.append(args[0])
+                return result
+        source = self._name(args[0]) if args else None
+        if (
+            source is not None
+            and involved == {source}
+            and not _in_place(func)
+            and isinstance(result, torch.Tensor)
+            and _same_tensor(result, self._alias[id(args[0])][1])
+        ):
+            self._alias[id(result)] = (source, result)  # the same tensor under another name
+            return result
+        for name in involved:
+            self._spoil(name)
+        return result
 
 
 class CopyPlan:
@@ -101,48 +142,34 @@ class CopyPlan:
         direct_dst: list[torch.Tensor] = []
         direct_src: list[torch.Tensor] = []
         through_loader: list[tuple[str, torch.Tensor]] = []
-        learning: dict[str, list[torch.Tensor] | None] = {}
+        learning: dict[str, torch.Tensor] = {}
         for name, tensor in weights:
             views = self._views.get(name)
             if views is not None and all(v.shape == tensor.shape for v in views):
                 direct_dst.extend(views)
                 direct_src.extend([tensor] * len(views))
-            elif name in self._opaque or not self._enabled or name in learning:
-                through_loader.append((name, tensor))
-            else:
-                learning[name] = []
-                through_loader.append((name, self._probe(tensor, learning, name)))
+                continue
+            through_loader.append((name, tensor))
+            if self._enabled and name not in self._opaque and name not in learning:
+                learning[name] = tensor
         if direct_dst:
             with torch.no_grad():
                 _copy_all(direct_dst, direct_src)
-        if through_loader:
+        if not through_loader:
+            return
+        if not learning:
             self._load(through_loader)
-        if learning:
-            # a copy into a scratch tensor that the loader then placed elsewhere is no plan
-            live = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
-        for name, copies in learning.items():
+            return
+        watch = _Watch(learning)
+        with watch:
+            self._load(through_loader)
+        # a copy into a scratch tensor that the loader then placed elsewhere is no plan
+        live = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
+        for name, copies in watch.copies.items():
             if copies and all(v.untyped_storage().data_ptr() in live for v in copies):
                 self._views[name] = copies  # copied, unchanged, into parameters: a plain copy from now on
             else:  # transformed, skipped or copied elsewhere: the loader's, for good
                 self._opaque.add(name)
-
-    @staticmethod
-    def _probe(
-        tensor: torch.Tensor, learning: dict[str, list[torch.Tensor] | None], name: str
-    ) -> torch.Tensor:
-        probe = tensor.as_subclass(_Probe)
-
-        def record(destination: torch.Tensor | None) -> None:
-            copies = learning.get(name)
-            if copies is None:
-                return  # already disqualified
-            if destination is None or destination.shape != tensor.shape:
-                learning[name] = None
-            else:
-                copies.append(destination)
-
-        probe._rp_record = record
-        return probe
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

@@ -1,0 +1,95 @@
+"""The copy plan against vLLM's own layers and weight loaders (``server/copy_plan.py``): what it
+copies directly equals what vLLM's loaders load, bit for bit, and after the first push it learned
+every name of a Llama-shaped layer set (fused q/k/v and gate/up through ``weight_loader_v2``'s
+full-size ``narrow``, row-parallel projections, the vocabulary embedding, a norm, an fp32 score
+head fed bf16). In a subprocess: vLLM's parallel state is process-wide. Needs vLLM only; it runs
+on CPU tensors. (The same script ran on this project's CPU machine against vLLM 0.24's sources
+with the platform forced to CPU.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rewardplane.testing.servers import free_port
+
+pytestmark = [pytest.mark.vllm]
+
+SCRIPT = textwrap.dedent(
+    """
+import sys
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+ctx = set_current_vllm_config(VllmConfig()); ctx.__enter__()
+from vllm.distributed import init_distributed_environment, initialize_model_parallel
+init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{sys.argv[1]}", backend="gloo")
+initialize_model_parallel(1, 1)
+from vllm.model_executor.layers.linear import QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, ReplicatedLinear
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from rewardplane.server.copy_plan import CopyPlan
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(50, 16)
+        self.qkv_proj = QKVParallelLinear(16, 4, 4, 2, bias=False)
+        self.o_proj = RowParallelLinear(16, 16, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(16, [24, 24], bias=False)
+        self.down_proj = RowParallelLinear(24, 16, bias=False)
+        self.norm = RMSNorm(16)
+        self.score = ReplicatedLinear(16, 1, bias=False, params_dtype=torch.float32)
+        self.calls = []
+    @torch.no_grad()
+    def load_weights(self, weights):  # LlamaModel.load_weights' loop
+        stacked = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
+                   (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
+        params = dict(self.named_parameters())
+        self.calls.append([n for n, _ in weights])
+        for name, w in weights:
+            name = "." + name
+            for pn, wn, sid in stacked:
+                if wn not in name: continue
+                name = name.replace(wn, pn)
+                p = params[name[1:]]
+                p.weight_loader(p, w, sid)
+                break
+            else:
+                p = params[name[1:]]
+                getattr(p, "weight_loader", default_weight_loader)(p, w)
+
+shapes = {"embed_tokens.weight": (50, 16), "q_proj.weight": (16, 16), "k_proj.weight": (8, 16), "v_proj.weight": (8, 16),
+          "o_proj.weight": (16, 16), "gate_proj.weight": (24, 16), "up_proj.weight": (24, 16), "down_proj.weight": (16, 24),
+          "norm.weight": (16,), "score.weight": (1, 16)}
+def push(seed):
+    g = torch.Generator().manual_seed(seed)
+    out = [(n, torch.randn(*s, generator=g)) for n, s in shapes.items()]
+    out[-1] = (out[-1][0], out[-1][1].to(torch.bfloat16))
+    return out
+a, b = Tiny(), Tiny()
+with torch.no_grad():
+    for p in list(a.parameters()) + list(b.parameters()): p.zero_()
+plan = CopyPlan(a.load_weights, a, enabled=True)
+for seed in range(3):
+    w = push(seed)
+    plan.load(w); b.load_weights(w)
+    for (n, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), (seed, n)
+assert plan.direct_names == set(shapes), sorted(plan.direct_names)
+assert a.calls[1:] == [], a.calls[1:]  # learned on the first push: the loader is not called again
+print("OK")
+    """
+)
+
+
+def test_the_copy_plan_learns_every_name_of_vllms_llama_layers_and_loads_them_bit_for_bit() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(free_port())], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), (
+        done.stdout[-2000:] + done.stderr[-4000:]
+    )
