@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -93,3 +94,17 @@ def test_the_copy_plan_learns_every_name_of_vllms_llama_layers_and_loads_them_bi
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), (
         done.stdout[-2000:] + done.stderr[-4000:]
     )
+
+
+def test_the_copy_plan_learns_every_name_of_vllms_llama_for_sequence_classification() -> None:
+    # the benchmark checks every parameter bit for bit against vLLM's loader after every push
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "copy_plan.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--layers", "2", "--reps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    learned = next(line for line in done.stdout.splitlines() if "learned by the plan" in line)
+    assert learned.split(":")[1].split()[0] == learned.split("of")[1].split()[0], learned

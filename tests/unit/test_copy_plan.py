@@ -147,3 +147,40 @@ def test_a_real_shard_stays_with_the_loader() -> None:
     plan = CopyPlan(model.load_weights, model, enabled=True)
     plan.load([("gate", torch.randn(4, 3)), ("up", torch.randn(4, 3))])
     assert not plan.direct_names
+
+
+class CloningModel(FusedModel):
+    """vLLM's pooling adapter clones the first tensor of every call before loading it."""
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        weights = list(weights)
+        if weights:
+            weights[0] = (weights[0][0], weights[0][1].clone())
+        super().load_weights(weights)
+
+
+def test_a_clone_of_the_pushed_tensor_is_followed_like_the_tensor() -> None:
+    planned, reference = CloningModel(), FusedModel()
+    plan = CopyPlan(planned.load_weights, planned, enabled=True)
+    for seed in range(2):
+        weights = push(seed)
+        plan.load(weights)
+        reference.load_weights(weights)
+        for (name, got), (_, want) in zip(
+            planned.named_parameters(), reference.named_parameters(), strict=True
+        ):
+            assert torch.equal(got, want), (seed, name)
+    assert "q" in plan.direct_names  # the first tensor, cloned by the loader
+
+
+def test_a_tensor_changed_in_place_stays_with_the_loader() -> None:
+    class Scaling(FusedModel):
+        def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+            for _, w in weights:
+                w.mul_(1.0)  # in place: whatever it does, the pushed values are not what is copied
+            super().load_weights(weights)
+
+    model = Scaling()
+    plan = CopyPlan(model.load_weights, model, enabled=True)
+    plan.load(push(0))
+    assert not plan.direct_names

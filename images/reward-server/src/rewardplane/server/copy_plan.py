@@ -7,7 +7,8 @@ CPU. Each tensor is, in the end, copied into a slice of one parameter. ``CopyPla
 slice by watching the loader the first time a name arrives: under a ``TorchFunctionMode`` it sees
 every torch call the loader makes with the pushed tensor. A name whose tensor was only read for
 its metadata, passed through views that are the very same tensor (vLLM's loaders ``narrow`` to
-the full size at tensor-parallel size 1) and copied into parameters is copied straight into the
+the full size at tensor-parallel size 1) or through plain copies of it (``clone``) and copied into
+parameters is copied straight into the
 recorded views from then on, in one ``torch._foreach_copy_``. Any other use (a cast, a real
 narrow, an in-place change, a copy into scratch) leaves the name to the loader for good. Names are
 learned in the same call that loads them, so the first push costs what it did.
@@ -64,6 +65,22 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
+# Calls whose result holds the same values as the tensor they were given: copying from the result
+# is copying from the tensor (vLLM's pooling adapter clones the first tensor of every call).
+_VALUE_COPIES = frozenset({torch.Tensor.clone, torch.clone, torch.Tensor.contiguous, torch.Tensor.detach})
+
+
+def _same_values(func: Any, result: torch.Tensor, source: torch.Tensor) -> bool:
+    if _same_tensor(result, source):
+        return True
+    return (
+        func in _VALUE_COPIES
+        and result.shape == source.shape
+        and result.dtype == source.dtype
+        and result.device == source.device
+    )
+
+
 def _in_place(func: Any) -> bool:
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"
@@ -111,9 +128,9 @@ class _Watch(TorchFunctionMode):
             and involved == {source}
             and not _in_place(func)
             and isinstance(result, torch.Tensor)
-            and _same_tensor(result, self._alias[id(args[0])][1])
+            and _same_values(func, result, self._alias[id(args[0])][1])
         ):
-            self._alias[id(result)] = (source, result)  # the same tensor under another name
+            self._alias[id(result)] = (source, result)  # the same values under another name
             return result
         for name in involved:
             self._spoil(name)
