@@ -479,9 +479,10 @@ class WeightSyncService:
 
     def start_cache_reset(self, push: DataPush) -> None:
         """Nothing is scored while the lock is held: cached blocks of the old weights are dropped
-        while the bytes arrive (as in the HTTP path). Sent once the workers were told to receive
-        (``PushListener``): in vLLM the reset runs in the engine process, where it would compete
-        for the GIL with the worker thread that is about to post the first receive."""
+        while the bytes arrive (as in the HTTP path). Sent as the lock is taken, or, with
+        ``RESET_CACHE_AFTER_GO``, once the workers were told to receive (``PushListener``): in vLLM
+        the reset runs in the engine process, where it competes for the GIL with the worker thread
+        that is about to post the first receive. Once per push."""
         if push.lock is not None and push.reset is None:
             push.reset = asyncio.ensure_future(self.port.reset_cache())
 
