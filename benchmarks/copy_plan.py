@@ -1,5 +1,6 @@
 """CPU time of loading a push into vLLM: the model's own ``load_weights`` against the copy plan
-(``rewardplane.server.copy_plan``), on vLLM's real ``LlamaForSequenceClassification``.
+(``rewardplane.server.copy_plan``), on vLLM's real ``LlamaForSequenceClassification`` (or
+``Qwen2ForSequenceClassification``: ``--arch qwen2``).
 
 The tensors are small CPU tensors, so the figures are the Python time per call that a GPU push
 spends beside the copies themselves (the copies are the same either way). Each call gets one
@@ -39,10 +40,13 @@ def force_cpu_platform() -> None:
     registry._run_in_subprocess = lambda fn: fn()
 
 
-def llama_checkpoint(root: Path, layers: int) -> Path:
-    from transformers import LlamaConfig
+def checkpoint(root: Path, arch: str, layers: int) -> Path:
+    """A config-only checkpoint of a small ``<Arch>ForSequenceClassification``: vLLM builds it with
+    random weights (Qwen2 adds q/k/v biases to Llama's layout)."""
+    from transformers import LlamaConfig, Qwen2Config
 
-    cfg = LlamaConfig(  # type: ignore[call-arg]
+    config_class, name = {"llama": (LlamaConfig, "Llama"), "qwen2": (Qwen2Config, "Qwen2")}[arch]
+    cfg = config_class(
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
@@ -50,7 +54,7 @@ def llama_checkpoint(root: Path, layers: int) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         num_labels=1,
-        architectures=["LlamaForSequenceClassification"],
+        architectures=[f"{name}ForSequenceClassification"],
         tie_word_embeddings=False,
     )
     cfg.save_pretrained(root)
@@ -98,6 +102,7 @@ def push(shapes: list[tuple[str, tuple[int, ...]]], seed: int) -> list[tuple[str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
     ap.add_argument("--layers", type=int, default=32, help="decoder layers (a 7B Llama has 32)")
     ap.add_argument("--per-bucket", type=int, default=25, help="tensors per load call")
     ap.add_argument("--reps", type=int, default=20)
@@ -106,7 +111,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.force_cpu_platform:
         force_cpu_platform()
-    ckpt = llama_checkpoint(Path(tempfile.mkdtemp(prefix="copy-plan-")), args.layers)
+    ckpt = checkpoint(Path(tempfile.mkdtemp(prefix="copy-plan-")), args.arch, args.layers)
     shapes = trainer_shapes(ckpt)
     stack = contextlib.ExitStack()
     planned, reference = build_models(ckpt, stack)
@@ -130,6 +135,7 @@ def main() -> None:
     n_tensors = len(shapes)
     med = {k: 1000 * statistics.median(v) for k, v in times.items()}
     result: dict[str, Any] = {
+        "model": type(planned).__name__,
         "layers": args.layers,
         "tensors": n_tensors,
         "per_bucket": args.per_bucket,
@@ -139,7 +145,7 @@ def main() -> None:
         "ratio_plan_over_loader": round(med["plan"] / med["loader"], 4),
         "bit_identical": True,
     }
-    print(f"vLLM LlamaForSequenceClassification, {args.layers} layers, {n_tensors} tensors")
+    print(f"vLLM {type(planned).__name__}, {args.layers} layers, {n_tensors} tensors")
     print(f"  learned by the plan      : {len(plan.direct_names)} of {n_tensors} names")
     print(
         f"  loader, per bucket of {args.per_bucket} : {med['loader']:.3f} ms (median of {len(times['loader'])})"

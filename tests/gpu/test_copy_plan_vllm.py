@@ -96,11 +96,12 @@ def test_the_copy_plan_learns_every_name_of_vllms_llama_layers_and_loads_them_bi
     )
 
 
-def test_the_copy_plan_learns_every_name_of_vllms_llama_for_sequence_classification() -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_copy_plan_learns_every_name_of_vllms_sequence_classification_models(arch: str) -> None:
     # the benchmark checks every parameter bit for bit against vLLM's loader after every push
     bench = Path(__file__).resolve().parents[2] / "benchmarks" / "copy_plan.py"
     done = subprocess.run(
-        [sys.executable, str(bench), "--layers", "2", "--reps", "2"],
+        [sys.executable, str(bench), "--arch", arch, "--layers", "2", "--reps", "2"],
         capture_output=True,
         text=True,
         timeout=300,
