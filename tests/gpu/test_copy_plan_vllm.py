@@ -8,6 +8,7 @@ with the platform forced to CPU.)"""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -109,3 +110,81 @@ def test_the_copy_plan_learns_every_name_of_vllms_sequence_classification_models
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     learned = next(line for line in done.stdout.splitlines() if "learned by the plan" in line)
     assert learned.split(":")[1].split()[0] == learned.split("of")[1].split()[0], learned
+
+
+WORKER_PUSHES = """
+import sys, threading, tempfile, contextlib
+from pathlib import Path
+import torch
+from benchmarks.copy_plan import build_models, checkpoint, push, trainer_shapes
+from rewardplane.protocol import ParamMeta
+from rewardplane.server.worker_extension import RewardWeightSyncExtension
+from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.transfer import send_buckets
+
+port = int(sys.argv[1])
+ckpt = checkpoint(Path(tempfile.mkdtemp()), "llama", 4)
+shapes = trainer_shapes(ckpt)
+served, reference = build_models(ckpt, contextlib.ExitStack())
+
+
+class Runner:
+    def get_model(self):
+        return served
+
+
+class Worker(RewardWeightSyncExtension):  # what vLLM's GPU worker gives the extension
+    model_runner = Runner()
+    device = "cpu"
+    rank = 0
+
+
+worker, trainer, bucket = Worker(), {}, 1 << 14  # small buckets: many load calls
+for version in range(3):
+    weights = push(shapes, version)
+    metas = [ParamMeta(name=n, dtype="bfloat16", shape=tuple(t.shape)) for n, t in weights]
+
+    def send():
+        if "comm" not in trainer:
+            store = create_store("127.0.0.1", port, is_master=True, world_size=2, timeout_s=60)
+            trainer["store"] = store
+            trainer["comm"] = Communicator(
+                store, rank=1, world_size=2, device=torch.device("cpu"), backend="gloo", timeout_s=60, group_id="g"
+            )
+        send_buckets(trainer["comm"], metas, dict(weights), bucket, src=1)
+        trainer["comm"].max_flag(0)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    if version == 0:
+        worker.rp_init_communicator("127.0.0.1", port, 2, 0, "gloo", 60, "g")
+    result = worker.rp_receive([m.model_dump() for m in metas], bucket, True, "layout")
+    thread.join()
+    assert result["ok"], result
+    reference.load_weights(weights)
+    for (name, a), (_, b) in zip(served.named_parameters(), reference.named_parameters()):
+        assert torch.equal(a, b), (version, name)
+assert worker._rp_copy_plan.direct_names == {n for n, _ in shapes}
+print("OK")
+"""
+
+
+def test_the_vllm_worker_receives_pushes_through_the_copy_plan_bit_for_bit() -> None:
+    """The worker extension's own path (join the group, receive the buckets, load each through
+    the copy plan) into vLLM's model, over gloo: three pushes, each equal to vLLM's loader."""
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", WORKER_PUSHES, str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=repo,
+        env={
+            **os.environ,
+            "REWARDPLANE_DIRECT_LOAD": "1",
+            "PYTHONPATH": f"{repo}:{os.environ.get('PYTHONPATH', '')}",
+        },
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), (
+        done.stdout[-2000:] + done.stderr[-4000:]
+    )
