@@ -51,8 +51,11 @@ def push(seed: int) -> list[tuple[str, torch.Tensor]]:
     return weights
 
 
-def params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+def assert_same_parameters(got: torch.nn.Module, want: torch.nn.Module, seed: int) -> None:
+    mine, theirs = dict(got.named_parameters()), dict(want.named_parameters())
+    assert mine.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(mine[name], theirs[name]), (seed, name)
 
 
 def test_the_plan_loads_what_the_loader_loads_and_copies_directly_where_it_may() -> None:
@@ -62,10 +65,7 @@ def test_the_plan_loads_what_the_loader_loads_and_copies_directly_where_it_may()
         weights = push(seed)
         plan.load(weights)
         reference.load_weights(weights)
-        got, want = params(planned), params(reference)
-        assert got.keys() == want.keys()
-        for name in want:
-            assert torch.equal(got[name], want[name]), (seed, name)
+        assert_same_parameters(planned, reference, seed)
     # learned on the first push: the fused slices, the plain parameters and the cast head
     assert plan.direct_names == {"q", "k", "v", "o", "head"}
     # later pushes hand the loader only what it alone can load
@@ -166,10 +166,7 @@ def test_a_clone_of_the_pushed_tensor_is_followed_like_the_tensor() -> None:
         weights = push(seed)
         plan.load(weights)
         reference.load_weights(weights)
-        for (name, got), (_, want) in zip(
-            planned.named_parameters(), reference.named_parameters(), strict=True
-        ):
-            assert torch.equal(got, want), (seed, name)
+        assert_same_parameters(planned, reference, seed)
     assert "q" in plan.direct_names  # the first tensor, cloned by the loader
 
 

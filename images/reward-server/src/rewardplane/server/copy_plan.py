@@ -20,7 +20,6 @@ discards the weights) calls ``forget``.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -28,8 +27,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
-
-log = logging.getLogger(__name__)
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
@@ -192,11 +189,13 @@ class CopyPlan:
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])``: one fused launch per dtype pair (``copy_`` casts, e.g. a bf16
-    push into an fp32 head, as the loaders do)."""
-    same = [(d, s) for d, s in zip(dst, src, strict=True) if d.dtype == s.dtype and d.device == s.device]
-    if same:
-        torch._foreach_copy_([d for d, _ in same], [s for _, s in same])
+    """``dst[i].copy_(src[i])``: one fused launch for the pairs of equal dtype and device; the
+    rest (a bf16 push into an fp32 head) one ``copy_`` each, which casts as the loaders do."""
+    fused: list[tuple[torch.Tensor, torch.Tensor]] = []
+    casts: list[tuple[torch.Tensor, torch.Tensor]] = []
     for d, s in zip(dst, src, strict=True):
-        if d.dtype != s.dtype or d.device != s.device:
-            d.copy_(s)
+        (fused if d.dtype == s.dtype and d.device == s.device else casts).append((d, s))
+    if fused:
+        torch._foreach_copy_([d for d, _ in fused], [s for _, s in fused])
+    for d, s in casts:
+        d.copy_(s)
