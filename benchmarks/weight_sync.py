@@ -373,6 +373,8 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(trainer),
         "bucket_bytes": bucket_bytes,
         "server_args": args.server_args,
+        # the switches under A/B (docs/weight-sync.md); servers and trainer share this environment
+        "switches": {k: v for k, v in os.environ.items() if k.startswith("REWARDPLANE_")},
     }
     versions = itertools.count(1)
     try:

@@ -118,6 +118,7 @@ from pathlib import Path
 import torch
 from benchmarks.copy_plan import build_models, checkpoint, push, trainer_shapes
 from rewardplane.protocol import ParamMeta
+from rewardplane.protocol import weights as wire
 from rewardplane.server.worker_extension import RewardWeightSyncExtension
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.transfer import send_buckets
@@ -140,9 +141,11 @@ class Worker(RewardWeightSyncExtension):  # what vLLM's GPU worker gives the ext
 
 
 worker, trainer, bucket = Worker(), {}, 1 << 14  # small buckets: many load calls
+served_dtype = next(served.parameters()).dtype
 for version in range(3):
-    weights = push(shapes, version)
-    metas = [ParamMeta(name=n, dtype="bfloat16", shape=tuple(t.shape)) for n, t in weights]
+    # in the served dtype: what needs no cast can be received in place (per-tensor wire)
+    weights = [(n, t.to(served_dtype)) for n, t in push(shapes, version)]
+    metas = [ParamMeta(name=n, dtype=str(served_dtype), shape=tuple(t.shape)) for n, t in weights]
 
     def send():
         if "comm" not in trainer:
@@ -161,6 +164,8 @@ for version in range(3):
     result = worker.rp_receive([m.model_dump() for m in metas], bucket, True, "layout")
     thread.join()
     assert result["ok"], result
+    if wire.PER_TENSOR_WIRE:  # learned on the first push, received in place from the second on
+        assert (result["in_place_bytes"] > 0) == (version > 0), (version, result)
     reference.load_weights(weights)
     for (name, a), (_, b) in zip(served.named_parameters(), reference.named_parameters()):
         assert torch.equal(a, b), (version, name)
@@ -169,9 +174,11 @@ print("OK")
 """
 
 
-def test_the_vllm_worker_receives_pushes_through_the_copy_plan_bit_for_bit() -> None:
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["packed", "per-tensor-wire"])
+def test_the_vllm_worker_receives_pushes_through_the_copy_plan_bit_for_bit(per_tensor: bool) -> None:
     """The worker extension's own path (join the group, receive the buckets, load each through
-    the copy plan) into vLLM's model, over gloo: three pushes, each equal to vLLM's loader."""
+    the copy plan) into vLLM's model, over gloo: three pushes, each equal to vLLM's loader. On the
+    per-tensor wire, what the plan learned is received straight into vLLM's parameters."""
     repo = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-c", WORKER_PUSHES, str(free_port())],
@@ -182,6 +189,7 @@ def test_the_vllm_worker_receives_pushes_through_the_copy_plan_bit_for_bit() -> 
         env={
             **os.environ,
             "REWARDPLANE_DIRECT_LOAD": "1",
+            "REWARDPLANE_PER_TENSOR_WIRE": "1" if per_tensor else "0",
             "PYTHONPATH": f"{repo}:{os.environ.get('PYTHONPATH', '')}",
         },
     )

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode
+from rewardplane.protocol import weights as wire
 from rewardplane.protocol.naming import select_head
 from rewardplane.sdk.retry import RewardServerError
 from rewardplane.testing.servers import free_port
@@ -204,3 +205,86 @@ def test_atomic_and_http_only_pushes(server, tiny_model_dir):
             assert last_update(server)["via"] == "http"
     finally:
         http_only.close()
+
+
+def test_per_tensor_wire_receives_into_the_parameters(server_factory, tiny_model_dir, monkeypatch):
+    # trainer and server both on the per-tensor wire: the server receives each tensor straight into
+    # its parameter (no bucket, no loader) and serves exactly the trainer's weights, through the
+    # HTTP-announced first push and the data-plane pushes after it; atomic pushes still stage.
+    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", True)
+    server = server_factory(tiny_model_dir, token=TOKEN, env_extra={"REWARDPLANE_PER_TENSOR_WIRE": "1"})
+    sync = sync_for(server, bucket_bytes=1 << 16)
+    try:
+        for version, via in ((1, "http"), (2, "data_plane")):
+            model = perturbed(tiny_model_dir, seed=version)
+            sync.sync(model.state_dict(), version=version)
+            last = last_update(server)
+            assert (last["via"], last["version"], last["ok"]) == (via, version, True)
+            assert last["bytes"] > 0 and last["in_place_bytes"] == last["bytes"], last
+            assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
+        staged = sync_for(server, bucket_bytes=1 << 16, atomic=True)
+        try:
+            model = perturbed(tiny_model_dir, seed=3)
+            staged.sync(model.state_dict(), version=3)
+            last = last_update(server)
+            assert last["ok"] and last["in_place_bytes"] == 0  # staged, then swapped under the lock
+            assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
+        finally:
+            staged.close()
+    finally:
+        sync.close()
+
+
+def test_a_trainer_on_another_wire_is_refused_before_anything_moves(
+    server_factory, tiny_model_dir, monkeypatch
+):
+    # the server on the per-tensor wire, the trainer (this process) on packed buckets: mismatched
+    # broadcasts would corrupt weights, so the layout is refused by name and nothing changes
+    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", False)
+    server = server_factory(tiny_model_dir, token=TOKEN, env_extra={"REWARDPLANE_PER_TENSOR_WIRE": "1"})
+    before, version = served(server)
+    sync = sync_for(server, bucket_bytes=1 << 16)
+    try:
+        with pytest.raises(RewardServerError) as info:
+            sync.sync(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
+        assert "REWARDPLANE_PER_TENSOR_WIRE" in info.value.message
+        after, still = served(server)
+        assert still == version and close(after, before)
+    finally:
+        sync.close()
+
+
+def test_an_atomic_push_without_room_to_stage_is_refused_before_anything_moves(
+    server_factory, tiny_model_dir
+):
+    # a server that may stage almost nothing: an atomic push is refused with the reason and the way
+    # out, over HTTP (a new group's first push) and from the data plane (a known layout), before a
+    # byte moves; the group stays usable and a streamed push goes through
+    env = {"REWARDPLANE_STAGING_MAX_BYTES": "1024"}
+    server = server_factory(tiny_model_dir, token=TOKEN, env_extra=env)
+    staged = sync_for(server, atomic=True)
+    try:
+        with pytest.raises(RewardServerError) as info:
+            staged.sync(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
+        assert info.value.status_code == 409 and "REWARDPLANE_STAGING_MAX_BYTES" in info.value.message
+        assert "atomic=False" in info.value.message
+        assert served(server)[1] == 0
+    finally:
+        staged.close()
+    sync = sync_for(server)
+    try:
+        sync.sync(perturbed(tiny_model_dir, seed=2).state_dict(), version=2)  # streamed: fine
+        publisher = sync.open()
+        publisher.atomic = True  # the same layout, now atomic: started from the data plane
+        with pytest.raises(RewardServerError) as info:
+            sync.sync(perturbed(tiny_model_dir, seed=3).state_dict(), version=3)
+        assert "REWARDPLANE_STAGING_MAX_BYTES" in info.value.message
+        model = perturbed(tiny_model_dir, seed=2)
+        assert served(server)[1] == 2 and close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
+        publisher.atomic = False
+        newer = perturbed(tiny_model_dir, seed=4)
+        sync.sync(newer.state_dict(), version=4)  # the same group: nothing moved before the refusal
+        assert last_update(server)["via"] == "data_plane" and served(server)[1] == 4
+        assert close(served(server)[0], logits(newer, tiny_model_dir, TEXTS))
+    finally:
+        sync.close()

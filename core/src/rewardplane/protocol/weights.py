@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import re
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Literal
@@ -98,6 +99,14 @@ class Bucket(BaseModel):
 
 def _align(n: int) -> int:
     return (n + BUCKET_ALIGN - 1) // BUCKET_ALIGN * BUCKET_ALIGN
+
+
+# The wire shape of a bucket: one broadcast of the packed bucket, or (REWARDPLANE_PER_TENSOR_WIRE=1)
+# one broadcast per tensor, grouped per bucket, so that the trainer sends straight from its
+# parameters and a server may receive straight into its own. Both sides must use the same shape:
+# it is part of every layout's id, so a trainer and a server that differ refuse the layout
+# instead of pairing mismatched broadcasts.
+PER_TENSOR_WIRE = os.environ.get("REWARDPLANE_PER_TENSOR_WIRE", "0") == "1"
 
 
 def plan_buckets(metadata: list[ParamMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
@@ -247,6 +256,8 @@ def layout_id(metadata: Sequence[ParamMeta], bucket_bytes: int) -> str:
     path."""
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{bucket_bytes}\n".encode())
+    if PER_TENSOR_WIRE:
+        h.update(b"per-tensor wire\n")
     for m in metadata:
         h.update(f"{m.name}\0{m.dtype}\0{','.join(str(d) for d in m.shape)}\n".encode())
     return h.hexdigest()
@@ -292,7 +303,10 @@ class UpdateParamBatchRequest(BaseModel):
                 )
             return self
         if self.layout_id is not None and self.layout_id != layout_id(self.metadata, self.bucket_bytes):
-            raise ValueError("layout_id does not match the announced metadata and bucket_bytes")
+            raise ValueError(
+                "layout_id does not match the announced metadata and bucket_bytes (or the trainer and "
+                "this server use different wire shapes: set REWARDPLANE_PER_TENSOR_WIRE alike on both)"
+            )
         seen: set[str] = set()
         for m in self.metadata:
             if m.name in seen:
@@ -392,6 +406,7 @@ class PushLoaded(BaseModel):
     partial: StrictBool = False  # some weights were overwritten before the failure
     refused: StrictBool = False  # a rank refused in the ready reduction: nothing moved
     bytes: StrictInt = 0
+    in_place_bytes: StrictInt = 0  # of ``bytes``, received straight into parameters (per-tensor wire)
     error: str | None = None
     times: dict[str, float] = Field(default_factory=dict)
 

@@ -32,7 +32,8 @@ def meta_of(name: str, tensor: torch.Tensor) -> ParamMeta:
     return ParamMeta(name=name, dtype=str(tensor.dtype), shape=tuple(tensor.shape))
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, flat (a copy only if it is not contiguous)."""
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -53,7 +54,7 @@ def pack_bucket(
         src = tensors[metadata[slot.index].name]
         if src.device != device:
             src = src.to(device, non_blocking=True)
-        buf[slot.offset : slot.offset + slot.nbytes].copy_(_as_bytes(src))
+        buf[slot.offset : slot.offset + slot.nbytes].copy_(as_bytes(src))
     return buf
 
 

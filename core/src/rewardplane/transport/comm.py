@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal, Protocol
 
@@ -29,6 +30,8 @@ class TensorCommunicator(Protocol):
     device: torch.device
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
+
+    def broadcast_group(self, tensors: Sequence[torch.Tensor], src: int) -> None: ...
 
     def wait_event(self, done: torch.cuda.Event) -> None: ...
 
@@ -141,6 +144,27 @@ class Communicator:
             work.wait()  # stream-ordered only: no CPU block
         else:
             self._wait(work, "broadcast")
+
+    def broadcast_group(self, tensors: Sequence[torch.Tensor], src: int) -> None:
+        """Broadcast several tensors from rank ``src`` as one NCCL group (one launch; the peers
+        must post the same sizes in the same order, into buffers of their choice). gloo: one
+        broadcast after the other. Ordering and waiting as ``broadcast``."""
+        if self.backend != "nccl":
+            for tensor in tensors:
+                self.broadcast(tensor, src)
+            return
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.pg._start_coalescing()  # the backend's own: no device argument
+        try:
+            for tensor in tensors:
+                self.pg.broadcast([tensor], opts)
+        except BaseException:
+            # half a group must never be launched: the peers would pair it with other buffers
+            self.abort()
+            raise
+        self.pg._end_coalescing().wait()  # stream-ordered only: no CPU block
 
     def synchronize(self) -> None:
         """Wait (bounded) until the work enqueued on the current stream is done; abort on timeout,

@@ -7,6 +7,11 @@ its last load, and the CPU runs up to ``RECEIVE_LOOKAHEAD`` buckets ahead (a bou
 bucket), so a slow ``load`` call (vLLM's loader is Python) does not stall the link or, with several
 replicas in one group, every other replica. A bounded ``synchronize`` at the end catches a dead
 peer. On CPU (gloo) it runs bucket by bucket.
+
+With the per-tensor wire (``wire.PER_TENSOR_WIRE``) a bucket travels as one group of broadcasts, one
+per tensor: the trainer sends from its parameters without packing, and a server receives each
+tensor where ``place`` says (its own parameter, when the tensor lands there unchanged) or into the
+bucket buffer, for its loader.
 """
 
 from __future__ import annotations
@@ -21,11 +26,15 @@ from dataclasses import dataclass, field
 import torch
 
 from rewardplane.protocol import Bucket, ParamMeta, plan_buckets
+from rewardplane.protocol import weights as wire
 
-from .buckets import pack_bucket, unpack_bucket
+from .buckets import as_bytes, pack_bucket, torch_dtype, unpack_bucket
 from .comm import Communicator, TensorCommunicator
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
+# Where a server receives one announced tensor in place (a contiguous tensor of its dtype and
+# shape, e.g. the slice of a fused parameter it is loaded into), or None: into the bucket buffer.
+Placer = Callable[[ParamMeta], "torch.Tensor | None"]
 
 
 def _lookahead_from_env() -> int:
@@ -74,6 +83,8 @@ def send_buckets(
     """
     plan = plan if plan is not None else plan_buckets(list(metadata), bucket_bytes)
     device = comm.device
+    if wire.PER_TENSOR_WIRE:
+        return _send_per_tensor(comm, metadata, tensors, src, plan, before_first)
     if device.type != "cuda":
         if before_first is not None and not before_first():
             return 0
@@ -118,9 +129,54 @@ def send_buckets(
     return sum(b.nbytes for b in plan)
 
 
+def _send_per_tensor(
+    comm: TensorCommunicator,
+    metadata: Sequence[ParamMeta],
+    tensors: Mapping[str, torch.Tensor],
+    src: int,
+    plan: list[Bucket],
+    before_first: Callable[[], bool] | None,
+) -> int:
+    """The per-tensor wire: each bucket one group of broadcasts straight from the tensors (a tensor
+    not contiguous on the device is copied first, on the transfer stream)."""
+    device = comm.device
+
+    def sources(bucket: Bucket) -> list[torch.Tensor]:
+        out = []
+        for slot in bucket.slots:
+            t = tensors[metadata[slot.index].name]
+            out.append(as_bytes(t if t.device == device else t.to(device, non_blocking=True)))
+        return out
+
+    if device.type != "cuda":
+        if before_first is not None and not before_first():
+            return 0
+        for bucket in plan:
+            comm.broadcast_group(sources(bucket), src)
+        return sum(b.nbytes for b in plan)
+    caller = torch.cuda.current_stream(device)
+    main, _ = _streams(device)
+    main.wait_stream(caller)  # the parameters were produced on the caller's stream
+    if before_first is not None and not before_first():
+        return 0
+    sent: list[torch.cuda.Event] = []
+    with torch.cuda.stream(main):
+        for k, bucket in enumerate(plan):
+            if k >= 2:
+                comm.wait_event(sent[k - 2])  # two buckets in flight, as with packed buckets
+            comm.broadcast_group(sources(bucket), src)
+            done = torch.cuda.Event()
+            done.record(main)
+            sent.append(done)
+        comm.synchronize()
+    caller.wait_stream(main)
+    return sum(b.nbytes for b in plan)
+
+
 @dataclass
 class Received:
     bytes: int = 0
+    in_place_bytes: int = 0  # of ``bytes``, received straight where ``place`` said
     error: str | None = None
     applied_any: bool = False
     staged: list[tuple[Bucket, torch.Tensor]] = field(default_factory=list)
@@ -135,17 +191,50 @@ def receive_buckets(
     load: Loader | None,
     out: Received | None = None,
     plan: list[Bucket] | None = None,
+    place: Placer | None = None,
 ) -> Received:
     """Receive every bucket; ``load`` each as it arrives, or stage them all when ``load`` is None.
 
     A failing ``load`` does not stop the receive (the trainer's broadcast must not hang); its
     error is returned. Communication failures raise ``CommunicatorError``; pass ``out`` to see,
     after such a failure, whether weights may already have been written (``applied_any``).
+    ``place`` (per-tensor wire, loading only): where to receive a tensor in place, skipping ``load``.
     """
     metas = list(metadata)
     plan = plan if plan is not None else plan_buckets(metas, bucket_bytes)
     device = comm.device
     out = out if out is not None else Received()
+    place = place if load is not None and wire.PER_TENSOR_WIRE else None  # staging never writes in place
+
+    def post(bucket: Bucket, buf: torch.Tensor) -> Bucket:
+        """Post the bucket's receive (on the current stream); returns what of it lands in ``buf``."""
+        if not wire.PER_TENSOR_WIRE:
+            comm.broadcast(buf, src)
+        else:
+            targets: list[torch.Tensor] = []
+            left = []
+            for slot in bucket.slots:
+                meta = metas[slot.index]
+                target = place(meta) if place is not None else None
+                if (  # the placer's word is checked: a wrong buffer would corrupt weights silently
+                    target is not None
+                    and target.is_contiguous()
+                    and target.dtype == torch_dtype(meta.dtype)
+                    and target.nbytes == slot.nbytes
+                    and target.device == device
+                ):
+                    targets.append(target.view(-1).view(torch.uint8))
+                    out.in_place_bytes += slot.nbytes
+                else:
+                    targets.append(buf[slot.offset : slot.offset + slot.nbytes])
+                    left.append(slot)
+            if len(left) < len(bucket.slots):
+                out.applied_any = True  # parameters are written as the bytes arrive
+                bucket = bucket.model_copy(update={"slots": tuple(left)})
+            comm.broadcast_group(targets, src)
+        out.posted_at = out.posted_at or time.monotonic()
+        out.bytes += bucket.nbytes
+        return bucket
 
     def apply(bucket: Bucket, buf: torch.Tensor) -> None:
         if out.error is not None or load is None:
@@ -166,13 +255,11 @@ def receive_buckets(
                 if load is None or reuse is None or reuse.numel() < bucket.nbytes:
                     reuse = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
                 buf = reuse[: bucket.nbytes]
-                out.posted_at = out.posted_at or time.monotonic()
-                comm.broadcast(buf, src)
-                out.bytes += bucket.nbytes
+                rest = post(bucket, buf)
                 if load is None:
                     out.staged.append((bucket, buf))
-                else:
-                    apply(bucket, buf)
+                elif rest.slots:
+                    apply(rest, buf)
             comm.synchronize()
         return out
 
@@ -195,16 +282,17 @@ def receive_buckets(
             reused = loaded[i]
             if reused is not None:
                 main.wait_event(reused)  # the buffer's previous bucket is loaded: on the GPU, not here
-            comm.broadcast(buf, src)
-            out.posted_at = out.posted_at or time.monotonic()
-            out.bytes += bucket.nbytes
+            rest = post(bucket, buf)
             arrived = torch.cuda.Event()
             arrived.record(main)
-        with torch.cuda.stream(load_stream):
-            load_stream.wait_event(arrived)
-            apply(bucket, buf)  # enqueues the copies out of ``buf`` on this stream
-            done = torch.cuda.Event()
-            done.record(load_stream)
+        if rest.slots:
+            with torch.cuda.stream(load_stream):
+                load_stream.wait_event(arrived)
+                apply(rest, buf)  # enqueues the copies out of ``buf`` on this stream
+                done = torch.cuda.Event()
+                done.record(load_stream)
+        else:  # everything landed in place: nothing to load, the buffer is free once it arrived
+            done = arrived
         loaded[i] = done
         history.append(done)
     with torch.cuda.stream(main):

@@ -37,6 +37,10 @@ class FanOutCommunicator:
         for c in self.comms:
             c.broadcast(tensor, c.world_size - 1)
 
+    def broadcast_group(self, tensors: Sequence[torch.Tensor], src: int) -> None:
+        for c in self.comms:
+            c.broadcast_group(tensors, c.world_size - 1)
+
     def synchronize(self) -> None:
         for c in self.comms:
             c.synchronize()

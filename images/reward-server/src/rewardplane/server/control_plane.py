@@ -27,6 +27,7 @@ from rewardplane.protocol import (
     check_adapter_metadata,
     check_metadata,
     layout_id,
+    plan_buckets,
     remember_layout,
 )
 
@@ -48,6 +49,7 @@ class Layout:
     bucket_bytes: int
     names: list[str]
     metadata: list[dict[str, Any]]  # ParamMeta as JSON, for the worker calls
+    nbytes: int  # what one push of it moves (and an atomic push stages)
     adapter: bool = False  # validated as an adapter push (LoRA tensors), not against the manifest alone
 
 
@@ -239,6 +241,7 @@ class WeightSyncService:
             req.bucket_bytes,
             [m.name for m in req.metadata],
             [m.model_dump(mode="json") for m in req.metadata],
+            sum(b.nbytes for b in plan_buckets(req.metadata, req.bucket_bytes)),
             adapter,
         )
         self._layouts[layout.id] = layout
@@ -278,6 +281,10 @@ class WeightSyncService:
                 "no communicator: call /init_communicator (and create the trainer's side of the group) first"
                 + (f"; the last attempt failed: {self.last_error}" if self.last_error else "")
             )
+        if req.atomic and not layout.adapter:  # refused now, while nothing moves, not mid-receive
+            problems = [p for p in await self.port.call_workers("rp_staging_problem", layout.nbytes) if p]
+            if problems:
+                raise Conflict(problems[0])
         self._update_task = self._spawn(self._run_update(req, layout, version, arrived), f"update-v{version}")
         # once the outcome is known (the task is done), wake trainers waiting on /runtime_version
         self._update_task.add_done_callback(lambda _: guard.signal_change())
@@ -381,6 +388,8 @@ class WeightSyncService:
             "via": via,
             "ok": bool(result["ok"]),
             "bytes": result.get("bytes", 0),
+            # received straight into the parameters (per-tensor wire, once the copy plan knows them)
+            "in_place_bytes": result.get("in_place_bytes", 0),
             "announced_at": arrived,  # time.monotonic() of this host, to line up with the trainer's clock
             "after_announce_ms": {
                 k: round(1000 * (t - arrived), 3) for k, t in stamps.items() if t is not None
@@ -747,5 +756,6 @@ def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
         "ok": not errors,
         "partial": any(r["partial"] for r in results),
         "bytes": max((r["bytes"] for r in results), default=0),
+        "in_place_bytes": min((r.get("in_place_bytes", 0) for r in results), default=0),
         "error": "; ".join(errors) if errors else None,
     }

@@ -30,11 +30,11 @@ from torch.utils._pytree import tree_leaves
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
-# Off unless REWARDPLANE_DIRECT_LOAD=1: checked on CPU (tests/unit/test_copy_plan.py, and vLLM
-# 0.24's own LlamaForSequenceClassification in benchmarks/copy_plan.py: bit-identical, 0.08 of the
-# loader's time per bucket), not yet run in a GPU push nor measured there (docs/gpu.md, "Next GPU
-# session"). Off, every tensor goes through the model's loader, as before.
-ENABLED = os.environ.get("REWARDPLANE_DIRECT_LOAD", "0") == "1"
+# On unless REWARDPLANE_DIRECT_LOAD=0 (then every tensor goes through the model's loader). Checked
+# against vLLM 0.24's own models (bit-identical, 0.08 of the loader's CPU time per bucket) and on
+# 2x H100, where the GPU suite's checksum tests passed with it and a head-only push lost the
+# loader's ~1.4 ms after the last byte (docs/weight-sync.md).
+ENABLED = os.environ.get("REWARDPLANE_DIRECT_LOAD", "1") == "1"
 
 # Reading a tensor's metadata does not change what the loader copies.
 _METADATA = frozenset(
@@ -153,6 +153,17 @@ class CopyPlan:
     @property
     def direct_names(self) -> frozenset[str]:
         return frozenset(self._views)
+
+    def target(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The one parameter view ``name`` is copied into unchanged (same dtype and shape,
+        contiguous), so it can be received there directly; None if it is not learned as one."""
+        views = self._views.get(name)
+        if views is None or len(views) != 1:
+            return None
+        view = views[0]
+        if view.dtype != dtype or tuple(view.shape) != tuple(shape) or not view.is_contiguous():
+            return None
+        return view
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         direct_dst: list[torch.Tensor] = []

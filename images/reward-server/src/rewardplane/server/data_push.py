@@ -22,11 +22,10 @@ from rewardplane.transport.signals import StoreClosed, group_store, put, wait_va
 
 log = logging.getLogger(__name__)
 
-# Where a streamed push sends the engine's cache reset: as soon as the lock is held (default, the
-# order measured on GPUs so far), or after this replica's workers were told to receive
-# (REWARDPLANE_RESET_CACHE_AFTER_GO=1: keeps the reset's work in vLLM's engine process off the GIL
-# while the worker thread wakes; to be measured, docs/gpu.md "Next GPU session").
-RESET_CACHE_AFTER_GO = os.environ.get("REWARDPLANE_RESET_CACHE_AFTER_GO", "0") == "1"
+# Where a streamed push sends the engine's cache reset: after this replica's workers were told to
+# receive (default), or as soon as the lock is held (REWARDPLANE_RESET_CACHE_AFTER_GO=0). On 2x H100
+# the reset at lock time made a 7B push 10 ms slower (53.5 vs 43.8 ms; docs/weight-sync.md).
+RESET_CACHE_AFTER_GO = os.environ.get("REWARDPLANE_RESET_CACHE_AFTER_GO", "1") == "1"
 
 T = TypeVar("T")
 STOP_TIMEOUT_S = 5.0

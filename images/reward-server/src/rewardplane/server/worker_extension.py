@@ -35,7 +35,7 @@ from rewardplane.protocol import (
     remember_layout,
 )
 from rewardplane.protocol.adapters import LORA_PAIR, lora_pairs
-from rewardplane.transport.buckets import unpack_bucket
+from rewardplane.transport.buckets import torch_dtype, unpack_bucket
 from rewardplane.transport.checksums import digests
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.signals import StoreClosed, group_store, put, wait_value
@@ -45,6 +45,7 @@ from .checkpoint import iter_checkpoint
 from .copy_plan import CopyPlan
 from .lora_hooks import LoraHooks
 from .persistence import WeightsStore
+from .staging import staging_limit_from_env, staging_problem
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,15 @@ class RewardWeightSyncExtension:
                 lambda w: cast("_VLLMModel", model).load_weights(weights=w), model
             )
         plan.load(weights)
+
+    def rp_place(self, meta: ParamMeta) -> torch.Tensor | None:
+        """Where a pushed tensor can be received in place (per-tensor wire): the parameter view the
+        copy plan learned for it. Never while host copies of the loaded weights are kept (they are
+        taken from what the loader sees)."""
+        plan = self._rp_copy_plan
+        if plan is None or self._rp_kept is not None:
+            return None
+        return plan.target(meta.name, torch_dtype(meta.dtype), meta.shape)
 
     # ---- collective RPCs -----------------------------------------------------------------------
     def rp_init_communicator(
@@ -179,12 +189,26 @@ class RewardWeightSyncExtension:
         def outcome(ok: bool, partial: bool, error: str | None) -> dict[str, Any]:
             # monotonic stamps (one clock for every process of the host) for the update's timeline
             times = {"worker_in": entered, "worker_posted": got.posted_at, "worker_out": time.monotonic()}
-            return {"ok": ok, "partial": partial, "bytes": got.bytes, "error": error, "times": times}
+            return {
+                "ok": ok,
+                "partial": partial,
+                "bytes": got.bytes,
+                "in_place_bytes": got.in_place_bytes,
+                "error": error,
+                "times": times,
+            }
 
         self._rp_kept = {} if self._rp_keeps() else None
         try:
             receive_buckets(
-                comm, metas, bucket_bytes, src, self._rp_load_kept if apply else None, out=got, plan=plan
+                comm,
+                metas,
+                bucket_bytes,
+                src,
+                self._rp_load_kept if apply else None,
+                out=got,
+                plan=plan,
+                place=self.rp_place,
             )
             if comm.max_flag(1 if got.error else 0) != 0 and got.error is None:
                 got.error = "another rank failed to load its part of the update"
@@ -352,15 +376,27 @@ class RewardWeightSyncExtension:
         entered = time.monotonic()
         layout = None if go.error else self._rp_layout(None, go.bucket_bytes, go.layout_id)
         refusal = go.error or (None if layout else f"layout {go.layout_id} is not cached in this worker")
+        if refusal is None and layout is not None and not go.apply:  # atomic: is there room to stage it?
+            refusal = self.rp_staging_problem(sum(b.nbytes for b in layout[1]))
         got = Received()
+
+        agreed: float | None = None
 
         def report(ok: bool, *, refused: bool = False, error: str | None = None) -> None:
             times = {"worker_in": entered, "worker_out": time.monotonic()}
+            if agreed is not None:
+                times["worker_agreed"] = agreed
             if got.posted_at is not None:
                 times["worker_posted"] = got.posted_at
             partial = got.applied_any and not ok
             msg = PushLoaded(
-                ok=ok, partial=partial, refused=refused, bytes=got.bytes, error=error, times=times
+                ok=ok,
+                partial=partial,
+                refused=refused,
+                bytes=got.bytes,
+                in_place_bytes=got.in_place_bytes,
+                error=error,
+                times=times,
             )
             self._rp_push_outcome = (go.seq, msg)
             put(store, PushKeys.loaded(go.seq, comm.rank), msg)
@@ -369,11 +405,21 @@ class RewardWeightSyncExtension:
             if comm.max_flag(1 if refusal else 0) != 0:  # every rank agrees before a byte moves
                 report(False, refused=True, error=refusal or "another replica refused the push")
                 return True
+            agreed = time.monotonic()  # the ready reduction is done: every rank accepted
             assert layout is not None
             metas, plan = layout
             self._rp_kept = {} if go.apply and self._rp_keeps() else None
             load = self._rp_load_kept if go.apply else None
-            receive_buckets(comm, metas, go.bucket_bytes, comm.world_size - 1, load, out=got, plan=plan)
+            receive_buckets(
+                comm,
+                metas,
+                go.bucket_bytes,
+                comm.world_size - 1,
+                load,
+                out=got,
+                plan=plan,
+                place=self.rp_place,
+            )
         except Exception as exc:  # communication failed: the trainer died or timed out
             if self._rp_comm is comm:
                 self.rp_close_communicator()
@@ -490,6 +536,17 @@ class RewardWeightSyncExtension:
         does not use by itself)."""
         return True
 
+    def rp_staging_problem(self, nbytes: int) -> str | None:
+        """Why this worker cannot stage ``nbytes`` for an atomic push (``staging.py``), or None."""
+        device = self.rp_device()
+        free: int | None = None
+        cached = 0
+        if device.type == "cuda":
+            free = int(torch.cuda.mem_get_info(device)[0])
+            cached = int(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+        where = f"GPU {device.index}" if device.type == "cuda" else "this server's host memory"
+        return staging_problem(nbytes, where=where, free=free, cached=cached, limit=staging_limit_from_env())
+
     def rp_cuda_free_bytes(self) -> int | None:
         """Free memory of this worker's GPU (``cudaMemGetInfo``); None off CUDA."""
         device = self.rp_device()
@@ -589,6 +646,18 @@ class HFWeightSyncWorker(RewardWeightSyncExtension):
     def rp_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         for name, tensor in weights:
             self._params[name].data.copy_(tensor)  # copy_ casts, e.g. a bf16 push into an fp32 head
+
+    def rp_place(self, meta: ParamMeta) -> torch.Tensor | None:
+        # the parameter itself, where the push has its dtype (a cast is the loader's)
+        param = self._params.get(meta.name)
+        if (
+            param is None
+            or self._rp_kept is not None
+            or param.dtype != torch_dtype(meta.dtype)
+            or tuple(param.shape) != tuple(meta.shape)
+        ):
+            return None
+        return param.detach()
 
     def rp_named_parameters(self) -> dict[str, torch.Tensor] | None:
         return self._params  # in this process: read in place, never copied

@@ -1,0 +1,60 @@
+"""Whether an atomic push's staging fits: an atomic push receives the whole update into fresh
+buffers before swapping it in under the lock, and on a GPU those buffers sit outside the engine's
+memory fraction. A push that cannot fit is refused before any byte moves (a named 409), instead of
+failing its allocation mid-receive, which the trainer would only see as a timeout."""
+
+from __future__ import annotations
+
+import os
+
+GIB = 1 << 30
+# Room kept beside the staged buffers: NCCL's own buffers, the allocator's rounding, a scoring batch.
+STAGING_MARGIN_BYTES = 256 << 20
+
+
+def staging_limit_from_env() -> int | None:
+    """``REWARDPLANE_STAGING_MAX_BYTES``: a cap on what one atomic push may stage on this server
+    (e.g. to bound host memory on a CPU server); unset: the device's free memory alone decides."""
+    raw = os.environ.get("REWARDPLANE_STAGING_MAX_BYTES", "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"REWARDPLANE_STAGING_MAX_BYTES={raw!r}: give a whole number of bytes >= 0, or unset it"
+        )
+    return value
+
+
+def staging_problem(
+    needed: int,
+    *,
+    where: str,
+    free: int | None,
+    cached: int = 0,
+    limit: int | None = None,
+) -> str | None:
+    """Why staging ``needed`` bytes on ``where`` would fail, or None. ``free``: the device's free
+    memory (None: not a GPU); ``cached``: what the allocator holds unused, which it reuses before
+    asking the device (a second atomic push reuses the first one's buffers); ``limit``: the
+    operator's cap."""
+    what = f"an atomic push stages the whole update ({needed / GIB:.2f} GiB) on {where} before swapping it in"
+    advice = (
+        "push it streamed instead (atomic=False: scoring waits during the transfer, no copy is staged), "
+        "or give the engine a smaller memory fraction (--gpu-memory-utilization; RewardModel "
+        "spec.gpu.memoryFraction) to leave room for the staged copy"
+    )
+    if limit is not None and needed > limit:
+        return f"{what}, over this server's limit of {limit / GIB:.2f} GiB (REWARDPLANE_STAGING_MAX_BYTES); {advice}"
+    if free is None:
+        return None
+    available = free + cached
+    if needed + STAGING_MARGIN_BYTES > available:
+        return (
+            f"{what}, but only {available / GIB:.2f} GiB are free there (the engine keeps its memory "
+            f"fraction; {STAGING_MARGIN_BYTES >> 20} MiB are kept for NCCL and scoring); {advice}"
+        )
+    return None

@@ -1,0 +1,147 @@
+"""The per-tensor wire over a real gloo group (two ranks, one process): the same bytes arrive as
+with packed buckets; a server receives in place only where its placer's tensor really fits, and
+loads the rest; staging never writes in place; the wire is part of every layout's id."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from rewardplane.protocol import ParamMeta, layout_id, plan_buckets
+from rewardplane.protocol import weights as wire
+from rewardplane.testing.servers import free_port
+from rewardplane.transport.buckets import meta_of, unpack_bucket
+from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.transfer import Received, receive_buckets, send_buckets
+
+BUCKET = 4096  # small: several buckets, several tensors in some
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(40, 16, generator=g),
+        "layer.q.weight": torch.randn(16, 16, generator=g),
+        "layer.k.weight": torch.randn(8, 16, generator=g),
+        "layer.norm.weight": torch.randn(16, generator=g),
+        "head.weight": torch.randn(1, 16, generator=g).to(torch.bfloat16),
+        "layer.mlp.weight": torch.randn(64, 16, generator=g),
+    }
+
+
+def _run_pair(sender: Callable[[Communicator], Any], receiver: Callable[[Communicator], Any]) -> Any:
+    """Rank 1 sends, rank 0 receives, each on its own thread over one gloo group."""
+    port = free_port()
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int, body: Callable[[Communicator], Any]) -> None:
+        try:
+            store = create_store("127.0.0.1", port, is_master=r == 1, world_size=2, timeout_s=30)
+            comm = Communicator(
+                store, rank=r, world_size=2, device=torch.device("cpu"), backend="gloo", timeout_s=30
+            )
+            try:
+                results[r] = body(comm)
+            finally:
+                comm.close()
+        except BaseException as exc:  # surfaced in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r, b)) for r, b in ((1, sender), (0, receiver))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "the transfer hung"
+    if errors:
+        raise errors[0]
+    return results[0]
+
+
+@pytest.fixture(params=[False, True], ids=["packed", "per-tensor"])
+def per_tensor(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", request.param)
+    return bool(request.param)
+
+
+def test_every_tensor_arrives_through_the_loader(per_tensor: bool) -> None:
+    sent = _tensors()
+    metas = [meta_of(n, t) for n, t in sent.items()]
+    loaded: dict[str, torch.Tensor] = {}
+
+    def load(weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in weights:
+            loaded[name] = t.clone()
+
+    got = _run_pair(
+        lambda c: send_buckets(c, metas, sent, BUCKET, src=1),
+        lambda c: receive_buckets(c, metas, BUCKET, 1, load),
+    )
+    assert isinstance(got, Received) and got.error is None and got.in_place_bytes == 0
+    assert got.bytes == sum(b.nbytes for b in plan_buckets(metas, BUCKET))
+    assert set(loaded) == set(sent)
+    for name, t in sent.items():
+        assert torch.equal(loaded[name], t), name
+
+
+def test_tensors_that_fit_are_received_in_place_and_the_rest_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", True)
+    sent = _tensors()
+    metas = [meta_of(n, t) for n, t in sent.items()]
+    fused = torch.zeros(24, 16)  # q and k land in row slices of one fused parameter
+    params = {
+        "embed.weight": torch.zeros(40, 16),
+        "layer.q.weight": fused[:16],
+        "layer.k.weight": fused[16:],
+        "layer.norm.weight": torch.zeros(16),
+        "head.weight": torch.zeros(1, 16),  # float32 served, bfloat16 pushed: a cast, the loader's
+        "layer.mlp.weight": torch.zeros(16, 64).t(),  # not contiguous: never received into
+    }
+    loaded: list[str] = []
+
+    def load(weights: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in weights:
+            params[name].copy_(t)
+            loaded.append(name)
+
+    def place(meta: ParamMeta) -> torch.Tensor | None:
+        return params[meta.name]
+
+    got = _run_pair(
+        lambda c: send_buckets(c, metas, sent, BUCKET, src=1),
+        lambda c: receive_buckets(c, metas, BUCKET, 1, load, place=place),
+    )
+    assert got.error is None and got.applied_any
+    assert sorted(loaded) == ["head.weight", "layer.mlp.weight"]
+    in_place = ["embed.weight", "layer.q.weight", "layer.k.weight", "layer.norm.weight"]
+    assert got.in_place_bytes == sum(sent[n].nbytes for n in in_place)
+    for name, t in sent.items():
+        assert torch.equal(params[name], t.to(params[name].dtype)), name
+    assert torch.equal(fused, torch.cat([sent["layer.q.weight"], sent["layer.k.weight"]]))
+
+
+def test_staging_never_writes_in_place(per_tensor: bool) -> None:
+    sent = _tensors()
+    metas = [meta_of(n, t) for n, t in sent.items()]
+    params = {n: torch.zeros_like(t) for n, t in sent.items()}
+    got = _run_pair(
+        lambda c: send_buckets(c, metas, sent, BUCKET, src=1),
+        lambda c: receive_buckets(c, metas, BUCKET, 1, None, place=lambda m: params[m.name]),
+    )
+    assert got.in_place_bytes == 0 and not got.applied_any
+    assert all(not p.any() for p in params.values())  # the served weights are untouched
+    staged = {n: t for bucket, buf in got.staged for n, t in unpack_bucket(bucket, metas, buf)}
+    for name, t in sent.items():
+        assert torch.equal(staged[name], t), name
+
+
+def test_the_wire_shape_is_part_of_the_layout_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    metas = [meta_of(n, t) for n, t in _tensors().items()]
+    packed = layout_id(metas, BUCKET)
+    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", True)
+    assert layout_id(metas, BUCKET) != packed  # a server on the other wire refuses the layout
