@@ -72,7 +72,17 @@ def test_full_push_scores_equal_trainer_and_version_served(server, tiny_model_di
         last = tasks["last_update"]
         assert (last["version"], last["ok"], last["mode"]) == (6, True, "full")
         ms = last["after_announce_ms"]
-        order = ["task", "locked", "go", "worker_in", "worker_posted", "worker_out", "returned", "committed"]
+        order = [
+            "task",
+            "locked",
+            "go",
+            "worker_in",
+            "worker_agreed",
+            "worker_posted",
+            "worker_out",
+            "returned",
+            "committed",
+        ]
         assert set(ms) == set(order) and [ms[k] for k in order] == sorted(ms.values()), ms
         stats = sync.open().last_stats
         assert stats["started_at"] < last["announced_at"] < stats["started_at"] + stats["total_s"]
