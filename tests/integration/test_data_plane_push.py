@@ -31,10 +31,10 @@ def server(server_factory, tiny_model_dir):
     return server_factory(tiny_model_dir, token=TOKEN)
 
 
-@pytest.mark.parametrize("reset_cache_after_go", [False, True], ids=["reset-at-lock", "reset-after-go"])
-def test_later_pushes_start_from_the_data_plane(server_factory, tiny_model_dir, reset_cache_after_go):
-    # both orders of the engine's cache reset (data_push.RESET_CACHE_AFTER_GO) keep every guarantee
-    env = {"REWARDPLANE_RESET_CACHE_AFTER_GO": "1" if reset_cache_after_go else "0"}
+@pytest.mark.parametrize("reset_at", ["lock", "go", "posted"], ids=lambda m: f"reset-at-{m}")
+def test_later_pushes_start_from_the_data_plane(server_factory, tiny_model_dir, reset_at):
+    # every moment of the engine's cache reset (data_push.RESET_CACHE_AT) keeps every guarantee
+    env = {"REWARDPLANE_RESET_CACHE_AT": reset_at}
     server = server_factory(tiny_model_dir, token=TOKEN, env_extra=env)
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:
@@ -61,6 +61,9 @@ def test_later_pushes_start_from_the_data_plane(server_factory, tiny_model_dir, 
                 "committed",
             ]
             assert [ms[k] for k in order] == sorted(ms[k] for k in order), ms
+            # the cache reset went out at its moment, and the commit waited for it
+            moment = {"lock": "locked", "go": "go", "posted": "worker_posted"}[reset_at]
+            assert ms[moment] <= ms["reset"] <= ms["committed"], ms
         stats = sync.open().last_stats
         assert (
             stats["announced_at_s"] <= stats["ready_at_s"] <= stats["synchronized_at_s"] <= stats["total_s"]

@@ -438,6 +438,10 @@ class PushKeys:
         return f"push/{seq}/go/{replica}"
 
     @staticmethod
+    def posted(seq: int, rank: int) -> str:
+        return f"push/{seq}/posted/{rank}"
+
+    @staticmethod
     def loaded(seq: int, rank: int) -> str:
         return f"push/{seq}/loaded/{rank}"
 

@@ -192,6 +192,7 @@ def receive_buckets(
     out: Received | None = None,
     plan: list[Bucket] | None = None,
     place: Placer | None = None,
+    on_posted: Callable[[], None] | None = None,
 ) -> Received:
     """Receive every bucket; ``load`` each as it arrives, or stage them all when ``load`` is None.
 
@@ -199,6 +200,7 @@ def receive_buckets(
     error is returned. Communication failures raise ``CommunicatorError``; pass ``out`` to see,
     after such a failure, whether weights may already have been written (``applied_any``).
     ``place`` (per-tensor wire, loading only): where to receive a tensor in place, skipping ``load``.
+    ``on_posted``: called once, right after the first bucket's receive is posted.
     """
     metas = list(metadata)
     plan = plan if plan is not None else plan_buckets(metas, bucket_bytes)
@@ -232,8 +234,11 @@ def receive_buckets(
                 out.applied_any = True  # parameters are written as the bytes arrive
                 bucket = bucket.model_copy(update={"slots": tuple(left)})
             comm.broadcast_group(targets, src)
+        first = out.posted_at is None
         out.posted_at = out.posted_at or time.monotonic()
         out.bytes += bucket.nbytes
+        if first and on_posted is not None:
+            on_posted()
         return bucket
 
     def apply(bucket: Bucket, buf: torch.Tensor) -> None:

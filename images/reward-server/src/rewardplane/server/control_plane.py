@@ -31,7 +31,7 @@ from rewardplane.protocol import (
     remember_layout,
 )
 
-from .data_push import RESET_CACHE_AFTER_GO, PushListener
+from .data_push import RESET_CACHE_AT, PushListener
 from .engine import ServedAdapter, WeightSyncPort
 from .errors import BadRequest, Conflict, Unavailable
 from .locking import WeightsGuard
@@ -482,17 +482,17 @@ class WeightSyncService:
             return push
         push.lock = lock
         push.stamps["locked"] = time.monotonic()
-        if not RESET_CACHE_AFTER_GO:
+        if RESET_CACHE_AT == "lock":
             self.start_cache_reset(push)
         return push
 
     def start_cache_reset(self, push: DataPush) -> None:
         """Nothing is scored while the lock is held: cached blocks of the old weights are dropped
-        while the bytes arrive (as in the HTTP path). Sent as the lock is taken, or, with
-        ``RESET_CACHE_AFTER_GO``, once the workers were told to receive (``PushListener``): in vLLM
-        the reset runs in the engine process, where it competes for the GIL with the worker thread
-        that is about to post the first receive. Once per push."""
+        while the bytes arrive (as in the HTTP path). Sent when ``RESET_CACHE_AT`` says (the lock,
+        the go, or the first posted receive; ``PushListener``): in vLLM the reset runs in the engine
+        process, where it competes for the GIL with the worker thread that receives. Once per push."""
         if push.lock is not None and push.reset is None:
+            push.stamps["reset"] = time.monotonic()
             push.reset = asyncio.ensure_future(self.port.reset_cache())
 
     async def finish_data_push(self, push: DataPush, results: list[PushLoaded]) -> PushVerdict:

@@ -15,17 +15,33 @@ import os
 import threading
 import time
 from collections.abc import Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 from rewardplane.protocol import STOP_LISTENING, PushGo, PushHeader, PushKeys, PushLoaded, PushVerdict
 from rewardplane.transport.signals import StoreClosed, group_store, put, wait_value
 
 log = logging.getLogger(__name__)
 
-# Where a streamed push sends the engine's cache reset: after this replica's workers were told to
-# receive (default), or as soon as the lock is held (REWARDPLANE_RESET_CACHE_AFTER_GO=0). On 2x H100
-# the reset at lock time made a 7B push 10 ms slower (53.5 vs 43.8 ms; docs/weight-sync.md).
-RESET_CACHE_AFTER_GO = os.environ.get("REWARDPLANE_RESET_CACHE_AFTER_GO", "1") == "1"
+ResetMoment = Literal["lock", "go", "posted"]
+RESET_MOMENTS: tuple[ResetMoment, ...] = ("lock", "go", "posted")
+
+
+def _reset_moment_from_env() -> ResetMoment:
+    raw = os.environ.get("REWARDPLANE_RESET_CACHE_AT", "go").strip().lower()
+    if raw not in RESET_MOMENTS:
+        raise ValueError(
+            f"REWARDPLANE_RESET_CACHE_AT={raw!r}: give one of {', '.join(RESET_MOMENTS)} (default go)"
+        )
+    return cast(ResetMoment, raw)
+
+
+# When a streamed push sends the engine's prefix-cache reset (vLLM runs it in the engine process,
+# where the receiving worker thread lives, and walks every KV block in Python): "go" (default), once
+# this replica's workers were told to receive; "lock", as soon as the lock is held (on 2x H100 a 7B
+# push took 10 ms longer that way: 53.5 vs 43.8 ms, docs/weight-sync.md); "posted", once the first
+# worker posted its first receive, i.e. while the bytes move rather than while the worker joins the
+# ready reduction (to be measured: docs/gpu.md). Commit always waits for it.
+RESET_CACHE_AT = _reset_moment_from_env()
 
 T = TypeVar("T")
 STOP_TIMEOUT_S = 5.0
@@ -139,7 +155,10 @@ class PushListener:
         try:
             push.stamps["go"] = time.monotonic()  # the control plane's part ends: the workers' starts
             put(self.store, PushKeys.go(seq, replica), go)
-            if RESET_CACHE_AFTER_GO and push.error is None:
+            if RESET_CACHE_AT == "posted" and push.error is None:
+                # a worker that refuses or fails before posting writes this key too (never a wait in vain)
+                wait_value(self.store, PushKeys.posted(seq, self.ranks[0]), wait_s)
+            if RESET_CACHE_AT != "lock" and push.error is None:
                 self.loop.call_soon_threadsafe(self.host.start_cache_reset, push)
             results = [
                 PushLoaded.model_validate_json(

@@ -43,6 +43,7 @@ from rewardplane.transport.transfer import Received, receive_buckets
 
 from .checkpoint import iter_checkpoint
 from .copy_plan import CopyPlan
+from .data_push import RESET_CACHE_AT
 from .lora_hooks import LoraHooks
 from .persistence import WeightsStore
 from .staging import staging_limit_from_env, staging_problem
@@ -381,8 +382,21 @@ class RewardWeightSyncExtension:
         got = Received()
 
         agreed: float | None = None
+        posted_signalled = RESET_CACHE_AT != "posted"  # only that moment of the cache reset waits for it
+
+        def signal_posted() -> None:
+            # the control plane sends the engine's cache reset now, while the bytes move
+            nonlocal posted_signalled
+            if posted_signalled:
+                return
+            posted_signalled = True
+            try:
+                put(store, PushKeys.posted(go.seq, comm.rank), "1")
+            except StoreClosed as exc:  # the control plane asks the workers then, and resets at commit
+                log.debug("push %d: could not signal the first receive: %s", go.seq, exc)
 
         def report(ok: bool, *, refused: bool = False, error: str | None = None) -> None:
+            signal_posted()  # a refusal or an early failure never leaves the control plane waiting
             times = {"worker_in": entered, "worker_out": time.monotonic()}
             if agreed is not None:
                 times["worker_agreed"] = agreed
@@ -419,6 +433,7 @@ class RewardWeightSyncExtension:
                 out=got,
                 plan=plan,
                 place=self.rp_place,
+                on_posted=signal_posted,
             )
         except Exception as exc:  # communication failed: the trainer died or timed out
             if self._rp_comm is comm:
