@@ -83,7 +83,8 @@ def test_full_push_scores_equal_trainer_and_version_served(server, tiny_model_di
             "returned",
             "committed",
         ]
-        assert set(ms) == set(order) and [ms[k] for k in order] == sorted(ms.values()), ms
+        assert set(ms) == {*order, "reset"} and [ms[k] for k in order] == sorted(ms[k] for k in order), ms
+        assert ms["go"] <= ms["reset"] <= ms["committed"], ms  # the engine's cache reset, after the go
         stats = sync.open().last_stats
         assert stats["started_at"] < last["announced_at"] < stats["started_at"] + stats["total_s"]
     finally:

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Coroutine
-from typing import Any, Literal, Protocol, TypeVar, cast
+from typing import Any, Literal, Protocol, TypeVar
 
 from rewardplane.protocol import STOP_LISTENING, PushGo, PushHeader, PushKeys, PushLoaded, PushVerdict
 from rewardplane.transport.signals import StoreClosed, group_store, put, wait_value
@@ -28,11 +28,12 @@ RESET_MOMENTS: tuple[ResetMoment, ...] = ("lock", "go", "posted")
 
 def _reset_moment_from_env() -> ResetMoment:
     raw = os.environ.get("REWARDPLANE_RESET_CACHE_AT", "go").strip().lower()
-    if raw not in RESET_MOMENTS:
-        raise ValueError(
-            f"REWARDPLANE_RESET_CACHE_AT={raw!r}: give one of {', '.join(RESET_MOMENTS)} (default go)"
-        )
-    return cast(ResetMoment, raw)
+    for moment in RESET_MOMENTS:
+        if raw == moment:
+            return moment
+    raise ValueError(
+        f"REWARDPLANE_RESET_CACHE_AT={raw!r}: give one of {', '.join(RESET_MOMENTS)} (default go)"
+    )
 
 
 # When a streamed push sends the engine's prefix-cache reset (vLLM runs it in the engine process,
