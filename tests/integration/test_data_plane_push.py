@@ -17,7 +17,7 @@ from rewardplane.sdk.retry import RewardServerError
 from rewardplane.testing.servers import free_port
 from tests.fixtures.models import TEXTS
 from tests.fixtures.trainer import load_model, logits, perturbed, run_dying_trainer
-from tests.integration.test_weight_sync import TOKEN, close, served, sync_for
+from tests.integration.test_weight_sync import DATA_PLANE_TIMELINE, TOKEN, close, served, sync_for
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -49,17 +49,7 @@ def test_later_pushes_start_from_the_data_plane(server_factory, tiny_model_dir, 
             last = last_update(server)
             assert (last["via"], last["version"], last["ok"]) == ("data_plane", version, True)
             ms = last["after_announce_ms"]
-            order = [
-                "task",
-                "locked",
-                "go",
-                "worker_in",
-                "worker_agreed",
-                "worker_posted",
-                "worker_out",
-                "returned",
-                "committed",
-            ]
+            order = DATA_PLANE_TIMELINE
             assert [ms[k] for k in order] == sorted(ms[k] for k in order), ms
             # the cache reset went out at its moment, and the commit waited for it
             moment = {"lock": "locked", "go": "go", "posted": "worker_posted"}[reset_at]

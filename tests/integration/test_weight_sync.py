@@ -38,6 +38,21 @@ def close(a, b, tol=TOL):
     )
 
 
+# A data-plane push's stamps in the order they happen (``last_update.after_announce_ms``); the
+# engine's cache reset ("reset") goes out between the lock and the commit, at its configured moment.
+DATA_PLANE_TIMELINE = [
+    "task",
+    "locked",
+    "go",
+    "worker_in",
+    "worker_agreed",
+    "worker_posted",
+    "worker_out",
+    "returned",
+    "committed",
+]
+
+
 def sync_for(*handles, **kw):
     kw.setdefault("connect_timeout_s", 30)
     return DirectWeightSync(
@@ -72,17 +87,7 @@ def test_full_push_scores_equal_trainer_and_version_served(server, tiny_model_di
         last = tasks["last_update"]
         assert (last["version"], last["ok"], last["mode"]) == (6, True, "full")
         ms = last["after_announce_ms"]
-        order = [
-            "task",
-            "locked",
-            "go",
-            "worker_in",
-            "worker_agreed",
-            "worker_posted",
-            "worker_out",
-            "returned",
-            "committed",
-        ]
+        order = DATA_PLANE_TIMELINE
         assert set(ms) == {*order, "reset"} and [ms[k] for k in order] == sorted(ms[k] for k in order), ms
         assert ms["go"] <= ms["reset"] <= ms["committed"], ms  # the engine's cache reset, after the go
         stats = sync.open().last_stats
