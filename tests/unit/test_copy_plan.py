@@ -58,14 +58,22 @@ def assert_same_parameters(got: torch.nn.Module, want: torch.nn.Module, seed: in
         assert torch.equal(mine[name], theirs[name]), (seed, name)
 
 
-def test_the_plan_loads_what_the_loader_loads_and_copies_directly_where_it_may() -> None:
-    planned, reference = FusedModel(), FusedModel()
+def pushed_through_a_plan(planned: FusedModel, pushes: int) -> CopyPlan:
+    """Pushes 0..``pushes``-1 into ``planned`` through a copy plan and into a plain ``FusedModel``
+    through its loader; the parameters must be equal after every push."""
+    reference = FusedModel()
     plan = CopyPlan(planned.load_weights, planned, enabled=True)
-    for seed in range(3):
+    for seed in range(pushes):
         weights = push(seed)
         plan.load(weights)
         reference.load_weights(weights)
         assert_same_parameters(planned, reference, seed)
+    return plan
+
+
+def test_the_plan_loads_what_the_loader_loads_and_copies_directly_where_it_may() -> None:
+    planned = FusedModel()
+    plan = pushed_through_a_plan(planned, 3)
     # learned on the first push: the fused slices, the plain parameters and the cast head
     assert plan.direct_names == {"q", "k", "v", "o", "head"}
     # later pushes hand the loader only what it alone can load
@@ -160,13 +168,7 @@ class CloningModel(FusedModel):
 
 
 def test_a_clone_of_the_pushed_tensor_is_followed_like_the_tensor() -> None:
-    planned, reference = CloningModel(), FusedModel()
-    plan = CopyPlan(planned.load_weights, planned, enabled=True)
-    for seed in range(2):
-        weights = push(seed)
-        plan.load(weights)
-        reference.load_weights(weights)
-        assert_same_parameters(planned, reference, seed)
+    plan = pushed_through_a_plan(CloningModel(), 2)
     assert "q" in plan.direct_names  # the first tensor, cloned by the loader
 
 

@@ -32,8 +32,8 @@ from .buckets import as_bytes, pack_bucket, torch_dtype, unpack_bucket
 from .comm import Communicator, TensorCommunicator
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
-# Where a server receives one announced tensor in place (a contiguous tensor of its dtype and
-# shape, e.g. the slice of a fused parameter it is loaded into), or None: into the bucket buffer.
+# Where a server would receive one announced tensor in place (e.g. the slice of a fused parameter
+# it is loaded into), or None: into the bucket buffer. Used only where it fits exactly.
 Placer = Callable[[ParamMeta], "torch.Tensor | None"]
 
 
@@ -218,11 +218,11 @@ def receive_buckets(
             for slot in bucket.slots:
                 meta = metas[slot.index]
                 target = place(meta) if place is not None else None
-                if (  # the placer's word is checked: a wrong buffer would corrupt weights silently
+                if (  # only an exact fit: a cast or a reshape is the loader's, a wrong buffer corrupts
                     target is not None
                     and target.is_contiguous()
                     and target.dtype == torch_dtype(meta.dtype)
-                    and target.nbytes == slot.nbytes
+                    and tuple(target.shape) == tuple(meta.shape)
                     and target.device == device
                 ):
                     targets.append(target.view(-1).view(torch.uint8))

@@ -35,7 +35,7 @@ from rewardplane.protocol import (
     remember_layout,
 )
 from rewardplane.protocol.adapters import LORA_PAIR, lora_pairs
-from rewardplane.transport.buckets import torch_dtype, unpack_bucket
+from rewardplane.transport.buckets import unpack_bucket
 from rewardplane.transport.checksums import digests
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.signals import StoreClosed, group_store, put, wait_value
@@ -115,13 +115,15 @@ class RewardWeightSyncExtension:
         plan.load(weights)
 
     def rp_place(self, meta: ParamMeta) -> torch.Tensor | None:
-        """Where a pushed tensor can be received in place (per-tensor wire): the parameter view the
-        copy plan learned for it. Never while host copies of the loaded weights are kept (they are
-        taken from what the loader sees)."""
+        """Where a pushed tensor would be received in place (per-tensor wire; ``receive_buckets``
+        uses it only where it fits exactly). Never while host copies of the loaded weights are kept
+        (they are taken from what the loader sees)."""
+        return None if self._rp_kept is not None else self._rp_parameter_view(meta.name)
+
+    def _rp_parameter_view(self, name: str) -> torch.Tensor | None:
+        # vLLM: the parameter view the copy plan learned for the name
         plan = self._rp_copy_plan
-        if plan is None or self._rp_kept is not None:
-            return None
-        return plan.target(meta.name, torch_dtype(meta.dtype), meta.shape)
+        return None if plan is None else plan.target(name)
 
     # ---- collective RPCs -----------------------------------------------------------------------
     def rp_init_communicator(
@@ -554,10 +556,9 @@ class RewardWeightSyncExtension:
     def rp_staging_problem(self, nbytes: int) -> str | None:
         """Why this worker cannot stage ``nbytes`` for an atomic push (``staging.py``), or None."""
         device = self.rp_device()
-        free: int | None = None
+        free = self.rp_cuda_free_bytes()
         cached = 0
         if device.type == "cuda":
-            free = int(torch.cuda.mem_get_info(device)[0])
             cached = int(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
         where = f"GPU {device.index}" if device.type == "cuda" else "this server's host memory"
         return staging_problem(nbytes, where=where, free=free, cached=cached, limit=staging_limit_from_env())
@@ -662,17 +663,9 @@ class HFWeightSyncWorker(RewardWeightSyncExtension):
         for name, tensor in weights:
             self._params[name].data.copy_(tensor)  # copy_ casts, e.g. a bf16 push into an fp32 head
 
-    def rp_place(self, meta: ParamMeta) -> torch.Tensor | None:
-        # the parameter itself, where the push has its dtype (a cast is the loader's)
-        param = self._params.get(meta.name)
-        if (
-            param is None
-            or self._rp_kept is not None
-            or param.dtype != torch_dtype(meta.dtype)
-            or tuple(param.shape) != tuple(meta.shape)
-        ):
-            return None
-        return param.detach()
+    def _rp_parameter_view(self, name: str) -> torch.Tensor | None:
+        param = self._params.get(name)  # the parameter itself, under the pushed name
+        return None if param is None else param.detach()
 
     def rp_named_parameters(self) -> dict[str, torch.Tensor] | None:
         return self._params  # in this process: read in place, never copied
