@@ -45,6 +45,7 @@ DATA_PLANE_TIMELINE = [
     "locked",
     "go",
     "worker_in",
+    "worker_ready_posted",
     "worker_agreed",
     "worker_posted",
     "worker_out",

@@ -21,6 +21,8 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 Backend = Literal["auto", "nccl", "gloo"]
+# How long a wait for the GPU polls without sleeping (seconds)
+SPIN_S = 2e-4
 
 
 class TensorCommunicator(Protocol):
@@ -113,6 +115,9 @@ class Communicator:
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, self.timeout)
         self._closed = False
+        # the status reductions' flag (device), its pinned read-back and their stream: made once
+        self._flag: tuple[torch.Tensor, torch.Tensor, torch.cuda.Stream] | None = None
+        self.flag_enqueued: float | None = None  # time.monotonic() the last reduction was enqueued
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
@@ -188,23 +193,48 @@ class Communicator:
                     f"transfer did not finish within {self.timeout.total_seconds():.0f}s on rank {self.rank}; "
                     "a peer probably died. The group was aborted; form a new one for the next push"
                 )
+            if now - start < SPIN_S:
+                # these waits sit on every push's critical path, and the shortest sleep is ~60 us
+                # (the kernel's timer slack): only yield the GIL for the first fraction of a ms
+                time.sleep(0)
+                continue
             time.sleep(delay)
-            # Poll finely at first (these waits sit on every push's critical path: a 1 ms poll
-            # cost ~1 ms per wait), coarsely once the wait is clearly long.
+            # then poll finely (a 1 ms poll cost ~1 ms per wait), coarsely once the wait is long
             delay = min(delay * 2, 5e-5 if now - start < 0.05 else 1e-3)
 
     def max_flag(self, value: int) -> int:
-        """All ranks learn the largest value: a cheap way to agree that every rank succeeded."""
-        t = torch.tensor([value], dtype=torch.int32, device=self.device)
+        """All ranks learn the largest value: a cheap way to agree that every rank succeeded.
+
+        NCCL: on a stream of its own, into a flag kept on the device and read back through pinned
+        memory, so it never queues behind work on the default stream (an atomic push's reductions
+        run while the engine scores) and costs no pageable copy or blocking ``item()``."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # stubs: the enum member, not the op
-        work = self.pg.allreduce([t], opts)
-        if self.backend == "nccl":
-            work.wait()
-            self.synchronize()
-        else:
+        if self.backend != "nccl":
+            t = torch.tensor([value], dtype=torch.int32)
+            work = self.pg.allreduce([t], opts)
+            self.flag_enqueued = time.monotonic()
             self._wait(work, "status reduction")
-        return int(t.item())
+            return int(t.item())
+        flag, host, stream = self._flag_buffers()
+        with torch.cuda.stream(stream):
+            flag.fill_(value)
+            self.pg.allreduce([flag], opts).wait()  # stream-ordered only
+            self.flag_enqueued = time.monotonic()
+            host.copy_(flag, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self.wait_event(done)
+        return int(host[0])
+
+    def _flag_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Stream]:
+        if self._flag is None:
+            self._flag = (
+                torch.zeros(1, dtype=torch.int32, device=self.device),
+                torch.zeros(1, dtype=torch.int32, pin_memory=True),
+                torch.cuda.Stream(self.device),
+            )
+        return self._flag
 
     def barrier(self) -> None:
         self.max_flag(0)

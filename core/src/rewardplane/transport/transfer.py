@@ -208,10 +208,11 @@ def receive_buckets(
     out = out if out is not None else Received()
     place = place if load is not None and wire.PER_TENSOR_WIRE else None  # staging never writes in place
 
-    def post(bucket: Bucket, buf: torch.Tensor) -> Bucket:
-        """Post the bucket's receive (on the current stream); returns what of it lands in ``buf``."""
+    def post(bucket: Bucket, buffer: Callable[[], torch.Tensor]) -> Bucket:
+        """Post the bucket's receive (on the current stream); returns what of it lands in the
+        bucket buffer (``buffer()``, asked for only when something does)."""
         if not wire.PER_TENSOR_WIRE:
-            comm.broadcast(buf, src)
+            comm.broadcast(buffer(), src)
         else:
             targets: list[torch.Tensor] = []
             left = []
@@ -228,7 +229,7 @@ def receive_buckets(
                     targets.append(target.view(-1).view(torch.uint8))
                     out.in_place_bytes += slot.nbytes
                 else:
-                    targets.append(buf[slot.offset : slot.offset + slot.nbytes])
+                    targets.append(buffer()[slot.offset : slot.offset + slot.nbytes])
                     left.append(slot)
             if len(left) < len(bucket.slots):
                 out.applied_any = True  # parameters are written as the bytes arrive
@@ -260,7 +261,7 @@ def receive_buckets(
                 if load is None or reuse is None or reuse.numel() < bucket.nbytes:
                     reuse = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
                 buf = reuse[: bucket.nbytes]
-                rest = post(bucket, buf)
+                rest = post(bucket, lambda buf=buf: buf)
                 if load is None:
                     out.staged.append((bucket, buf))
                 elif rest.slots:
@@ -273,12 +274,20 @@ def receive_buckets(
     main.wait_stream(caller)
     load_stream.wait_stream(caller)
     largest = max(b.nbytes for b in plan)
-    bufs = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(min(2, len(plan)))]
+    # two bucket buffers, made when first needed: with the per-tensor wire, once every tensor is
+    # received in place, none is (a fresh 1 GiB allocation can cost a cudaMalloc on the critical path)
+    bufs: list[torch.Tensor | None] = [None] * min(2, len(plan))
     loaded: list[torch.cuda.Event | None] = [None] * len(bufs)
     history: list[torch.cuda.Event] = []
+
+    def buffer(i: int, nbytes: int) -> torch.Tensor:
+        made = bufs[i]
+        if made is None:
+            made = bufs[i] = torch.empty(largest, dtype=torch.uint8, device=device)
+        return made[:nbytes]
+
     for k, bucket in enumerate(plan):
         i = k % len(bufs)
-        buf = bufs[i][: bucket.nbytes]
         if k >= RECEIVE_LOOKAHEAD:
             # the CPU stays a few buckets ahead, no more: each bucket is bounded by the timeout
             # (a dead trainer is noticed within it), not only the whole transfer
@@ -287,13 +296,13 @@ def receive_buckets(
             reused = loaded[i]
             if reused is not None:
                 main.wait_event(reused)  # the buffer's previous bucket is loaded: on the GPU, not here
-            rest = post(bucket, buf)
+            rest = post(bucket, functools.partial(buffer, i, bucket.nbytes))
             arrived = torch.cuda.Event()
             arrived.record(main)
         if rest.slots:
             with torch.cuda.stream(load_stream):
                 load_stream.wait_event(arrived)
-                apply(rest, buf)  # enqueues the copies out of ``buf`` on this stream
+                apply(rest, buffer(i, bucket.nbytes))  # enqueues the copies out of it on this stream
                 done = torch.cuda.Event()
                 done.record(load_stream)
         else:  # everything landed in place: nothing to load, the buffer is free once it arrived

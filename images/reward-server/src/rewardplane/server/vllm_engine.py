@@ -17,8 +17,9 @@ Why the pieces look the way they do:
   its ``load_weights`` takes HF names and fuses/shards them itself.
 - vLLM keeps the score head in fp32 for pooling models by default (``head_dtype``); we set it
   explicitly from ``--head-dtype`` (``hf_overrides``) so both engines hold the same head dtype.
-- The prefix cache is reset after every weight update: cached KV blocks were computed with the
-  old weights.
+- No request reuses KV blocks cached under older weights: every request carries the weights'
+  cache epoch as vLLM's cache salt, and a weight change advances the epoch (``prefix_cache``;
+  ``REWARDPLANE_PREFIX_CACHE=reset``: vLLM's engine-wide prefix-cache reset instead).
 - ``AsyncLLM`` is built in ``start()`` (inside the server's event loop: its ZMQ asyncio sockets
   and output task belong to the loop that uses them); everything the app needs before that
   (``info``, the manifest, the tokenizer) is derived from the checkpoint's config here. A warm-up
@@ -74,6 +75,7 @@ from .errors import BadRequest, ServerError, Unavailable
 from .generation import wrong_task
 from .locking import WeightsGuard
 from .metrics import ServerMetrics
+from .prefix_cache import CacheEpoch, invalidation_from_env
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -303,6 +305,7 @@ class VLLMEngine:
             raise ValueError("--pooling step is not served; use last, mean or cls")
         self.cfg = cfg
         self.metrics = metrics or ServerMetrics()
+        self.cache_epoch = CacheEpoch(invalidation_from_env())
         config = AutoConfig.from_pretrained(cfg.model)
         self.task = cfg.task
         generate = cfg.task == ModelTask.GENERATE
@@ -479,7 +482,7 @@ class VLLMEngine:
             output_kind=RequestOutputKind.FINAL_ONLY,  # one output at the end, every choice in it
         )
         final = None
-        async for out in llm.generate(_token_prompt(ids), params, request_id):
+        async for out in llm.generate(_token_prompt(ids, self.cache_epoch.salt()), params, request_id):
             final = out
         if final is None or not final.outputs:
             raise ServerError(f"vLLM returned no output for request {request_id}")
@@ -497,7 +500,9 @@ class VLLMEngine:
         # A fresh PoolingParams per request: vLLM fills defaults into it during validation.
         params = PoolingParams(task="classify", use_activation=False)
         final = None
-        async for out in llm.encode(_token_prompt(ids), params, request_id, lora_request=self.lora_request):
+        async for out in llm.encode(
+            _token_prompt(ids, self.cache_epoch.salt()), params, request_id, lora_request=self.lora_request
+        ):
             final = out
         if final is None:
             raise ServerError(f"vLLM returned no output for request {request_id}")
@@ -573,6 +578,8 @@ class VLLMWeightPort:
         )
 
     async def reset_cache(self) -> None:
+        if not self.engine.cache_epoch.weights_changed():  # salted: new requests miss the old blocks
+            return
         llm = self.engine._require_llm()
         # Called under the exclusive weights lock: none of our requests runs, so preempting
         # "running" ones (reset_running_requests) only catches stragglers being aborted.
@@ -583,15 +590,18 @@ class VLLMWeightPort:
             raise RuntimeError("vLLM did not reset its prefix cache; cached blocks would hold old weights")
 
 
-def _token_prompt(ids: list[int]) -> Any:
+def _token_prompt(ids: list[int], cache_salt: str | None) -> Any:
     """A token-id prompt in the form vLLM 0.24 takes without re-processing (``tokens_input``)."""
     try:
         from vllm.inputs import tokens_input
     except ImportError:  # older layouts: the (deprecated there) raw prompt dict still works
         from vllm.inputs import TokensPrompt
 
-        return TokensPrompt(prompt_token_ids=list(ids))
-    return tokens_input(list(ids))
+        prompt = TokensPrompt(prompt_token_ids=list(ids))
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        return prompt
+    return tokens_input(list(ids), cache_salt=cache_salt)
 
 
 def _rpc_timeout(method: str, args: tuple[Any, ...]) -> float:

@@ -384,6 +384,7 @@ class RewardWeightSyncExtension:
         got = Received()
 
         agreed: float | None = None
+        ready_posted: float | None = None  # this worker's side of the ready reduction enqueued
         posted_signalled = RESET_CACHE_AT != "posted"  # only that moment of the cache reset waits for it
 
         def signal_posted() -> None:
@@ -400,6 +401,8 @@ class RewardWeightSyncExtension:
         def report(ok: bool, *, refused: bool = False, error: str | None = None) -> None:
             signal_posted()  # a refusal or an early failure never leaves the control plane waiting
             times = {"worker_in": entered, "worker_out": time.monotonic()}
+            if ready_posted is not None:
+                times["worker_ready_posted"] = ready_posted
             if agreed is not None:
                 times["worker_agreed"] = agreed
             if got.posted_at is not None:
@@ -418,7 +421,9 @@ class RewardWeightSyncExtension:
             put(store, PushKeys.loaded(go.seq, comm.rank), msg)
 
         try:
-            if comm.max_flag(1 if refusal else 0) != 0:  # every rank agrees before a byte moves
+            agreement = comm.max_flag(1 if refusal else 0)
+            ready_posted = comm.flag_enqueued
+            if agreement != 0:  # every rank agrees before a byte moves
                 report(False, refused=True, error=refusal or "another replica refused the push")
                 return True
             agreed = time.monotonic()  # the ready reduction is done: every rank accepted
