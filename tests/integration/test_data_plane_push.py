@@ -229,6 +229,26 @@ def test_per_tensor_wire_receives_into_the_parameters(server_factory, tiny_model
         sync.close()
 
 
+def test_packed_buckets_when_both_sides_turn_the_per_tensor_wire_off(
+    server_factory, tiny_model_dir, monkeypatch
+):
+    # REWARDPLANE_PER_TENSOR_WIRE=0 on both sides: one broadcast per packed bucket, loaded by the
+    # server's loader (nothing in place), exact weights over HTTP and from the data plane
+    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", False)
+    server = server_factory(tiny_model_dir, token=TOKEN, env_extra={"REWARDPLANE_PER_TENSOR_WIRE": "0"})
+    sync = sync_for(server, bucket_bytes=1 << 16)
+    try:
+        for version, via in ((1, "http"), (2, "data_plane")):
+            model = perturbed(tiny_model_dir, seed=version)
+            sync.sync(model.state_dict(), version=version)
+            last = last_update(server)
+            assert (last["via"], last["version"], last["ok"]) == (via, version, True)
+            assert last["bytes"] > 0 and last["in_place_bytes"] == 0, last
+            assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
+    finally:
+        sync.close()
+
+
 def test_a_trainer_on_another_wire_is_refused_before_anything_moves(
     server_factory, tiny_model_dir, monkeypatch
 ):

@@ -142,6 +142,7 @@ def test_staging_never_writes_in_place(per_tensor: bool) -> None:
 
 def test_the_wire_shape_is_part_of_the_layout_id(monkeypatch: pytest.MonkeyPatch) -> None:
     metas = [meta_of(n, t) for n, t in _tensors().items()]
+    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", False)
     packed = layout_id(metas, BUCKET)
     monkeypatch.setattr(wire, "PER_TENSOR_WIRE", True)
     assert layout_id(metas, BUCKET) != packed  # a server on the other wire refuses the layout

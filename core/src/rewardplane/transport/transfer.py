@@ -183,6 +183,10 @@ class Received:
     posted_at: float | None = None  # time.monotonic() when the first receive was posted
 
 
+def _same(buf: torch.Tensor) -> torch.Tensor:
+    return buf
+
+
 def receive_buckets(
     comm: Communicator,
     metadata: Sequence[ParamMeta],
@@ -261,7 +265,7 @@ def receive_buckets(
                 if load is None or reuse is None or reuse.numel() < bucket.nbytes:
                     reuse = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
                 buf = reuse[: bucket.nbytes]
-                rest = post(bucket, lambda buf=buf: buf)
+                rest = post(bucket, functools.partial(_same, buf))
                 if load is None:
                     out.staged.append((bucket, buf))
                 elif rest.slots:

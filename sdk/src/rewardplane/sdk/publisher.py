@@ -384,7 +384,7 @@ class RewardModelPublisher:
 
         Cached by the names, shapes and dtypes: a trainer pushes the same layout every step, and
         this work would otherwise sit on the critical path of every push."""
-        key = (mode, keep_lora, adapter, tuple((k, tuple(v.shape), v.dtype) for k, v in state_dict.items()))
+        key = (mode, keep_lora, adapter, tuple((k, v.shape, v.dtype) for k, v in state_dict.items()))
         if self._layout_cache is not None and self._layout_cache[0] == key:
             return self._layout_cache[1:]
         manifest = self.control.manifest()
@@ -418,12 +418,11 @@ class RewardModelPublisher:
         started_at = time.monotonic()  # the servers' timelines use this clock too (same host)
         mode = RewardModelTrainingMode(training_mode)
         order, metadata, plan, lid = self._layout(state_dict, mode, keep_lora, adapter)
-        tensors = {server: state_dict[k].detach() for server, k in order}
         prepared = time.perf_counter()
         # An adapter push is announced over HTTP: its adapter settings are not in the push header.
         dp = self.data_plane if adapter is None else None
         if dp is not None and dp.usable(lid):
-            stats = self._publish_from_data_plane(dp, tensors, metadata, plan, lid, version, mode)
+            stats = self._publish_from_data_plane(dp, state_dict, order, metadata, plan, lid, version, mode)
             if stats is not None:
                 self.last_stats = {
                     "bytes": stats["bytes"],
@@ -444,6 +443,7 @@ class RewardModelPublisher:
         # up their receive this thread enqueues the first buckets. (Announcing from a helper
         # thread during packing was slower: it waited for the GIL.)
         announced = prepared
+        tensors = _detached(state_dict, order)
 
         def announce() -> bool:
             nonlocal announced
@@ -488,7 +488,8 @@ class RewardModelPublisher:
     def _publish_from_data_plane(
         self,
         dp: DataPlaneStarter,
-        tensors: dict[str, torch.Tensor],
+        state_dict: Mapping[str, torch.Tensor],
+        order: list[tuple[str, str]],
         metadata: list[ParamMeta],
         plan: list[Bucket],
         lid: str,
@@ -506,6 +507,7 @@ class RewardModelPublisher:
             timeout_s=self.timeout_s,
         )
         header = time.perf_counter()
+        tensors = _detached(state_dict, order)  # while the servers take the header in
         ready: float | None = None  # when every replica had accepted it; None: one refused
 
         def agreed() -> bool:
@@ -539,6 +541,13 @@ class RewardModelPublisher:
             "synchronized": synchronized,
             "committed": committed,
         }
+
+
+def _detached(
+    state_dict: Mapping[str, torch.Tensor], order: list[tuple[str, str]]
+) -> dict[str, torch.Tensor]:
+    """Server name → the caller's tensor, detached (the wire takes raw views of it)."""
+    return {server: state_dict[k].detach() for server, k in order}
 
 
 class Rank0OnlyPublisher:

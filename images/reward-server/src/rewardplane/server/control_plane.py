@@ -37,8 +37,11 @@ from .errors import BadRequest, Conflict, Unavailable
 from .locking import WeightsGuard
 from .metrics import ServerMetrics
 from .persistence import PERSIST_WAIT_S, WeightsStore, base_fingerprint
+from .push_channel import ChannelHub
 
 log = logging.getLogger(__name__)
+# How long a replica's workers have to join the push channel after a group is formed (seconds).
+CHANNEL_CONNECT_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -420,17 +423,25 @@ class WeightSyncService:
     async def _listen(self, req: InitCommunicatorRequest, group_id: str) -> None:
         """After a join: wait for the trainer's push headers on the group's store. Where the workers
         cannot listen, or the store cannot be reached, pushes keep going over HTTP only."""
+        channel = ChannelHub()
         try:
-            listening = await self.port.call_workers("rp_listen", req.rank_offset)
+            listening = await self.port.call_workers(
+                "rp_listen", req.rank_offset, channel.address, channel.authkey
+            )
             if not listening or not all(listening):
+                channel.close()
                 return
             ranks = [req.rank_offset + i for i in range(len(listening))]
+            await asyncio.to_thread(channel.accept, ranks, CHANNEL_CONNECT_TIMEOUT_S)
             group = (req.host, req.port, group_id, req.timeout_s)
             loop = asyncio.get_running_loop()
-            listener = await asyncio.to_thread(PushListener, self, loop, group, req.rank_offset, ranks)
+            listener = await asyncio.to_thread(
+                PushListener, self, loop, group, req.rank_offset, ranks, channel
+            )
             await asyncio.to_thread(listener.start)
             self._listener = listener
         except Exception as exc:
+            channel.close()  # the workers' listeners end: pushes go over HTTP
             log.warning("pushes from this group go over HTTP only: listening for them failed (%s)", exc)
 
     def _stop_listening(self) -> None:

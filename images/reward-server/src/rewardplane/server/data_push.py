@@ -20,6 +20,8 @@ from typing import Any, Literal, Protocol, TypeVar
 from rewardplane.protocol import STOP_LISTENING, PushGo, PushHeader, PushKeys, PushLoaded, PushVerdict
 from rewardplane.transport.signals import StoreClosed, group_store, put, wait_value
 
+from .push_channel import POSTED, ChannelClosed, ChannelHub
+
 log = logging.getLogger(__name__)
 
 ResetMoment = Literal["lock", "go", "posted"]
@@ -74,9 +76,10 @@ class PushListener:
         group: tuple[str, int, str, float],
         replica: int,
         ranks: list[int],
+        channel: ChannelHub,
     ) -> None:
         self.host, self.loop, self.group = host, loop, group
-        self.replica, self.ranks = replica, ranks
+        self.replica, self.ranks, self.channel = replica, ranks, channel
         self.seq = 0
         self._stop = threading.Event()
         address, port, group_id, timeout_s = group
@@ -90,25 +93,25 @@ class PushListener:
         self._thread.start()
 
     def stop(self) -> None:
-        """Ends this thread and the workers' listeners (each blocked on its key: a stop is written
-        there by a fresh client, in the background; a store that is gone ended them already)."""
+        """Ends this thread (blocked on the header's key: a stop is written there by a fresh
+        client, in the background; a store that is gone ended the wait already) and, once it has
+        finished any push in flight, the workers' listeners (it closes the channel)."""
         if self._stop.is_set():
             return
         self._stop.set()
         seq, (address, port, group_id, _) = self.seq, self.group
 
-        def write_stops() -> None:
+        def write_stop() -> None:
             try:
                 store = group_store(address, port, group_id, STOP_TIMEOUT_S)
                 # only where nothing was written yet: never over a push in flight
                 store.compare_set(PushKeys.header(seq), "", STOP_LISTENING)
-                store.compare_set(
-                    PushKeys.go(seq, self.replica), "", PushGo(seq=seq, stop=True).model_dump_json()
-                )
-            except Exception as exc:  # the trainer's store is gone: the waits ended with it
+            except Exception as exc:  # the trainer's store is gone: the wait ended with it
                 log.debug("could not write the stop for group %s: %s", group_id, exc)
 
-        threading.Thread(target=write_stops, name="rp-push-stop", daemon=True).start()
+        threading.Thread(target=write_stop, name="rp-push-stop", daemon=True).start()
+        if not self._thread.is_alive():  # never started, or ended: nothing else closes the channel
+            self.channel.close()
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
@@ -125,6 +128,8 @@ class PushListener:
             log.info("stopped waiting for pushes in group %s: %s", self.group[2], exc)
         except Exception:
             log.exception("waiting for pushes failed; pushes go over HTTP until the group is formed again")
+        finally:
+            self.channel.close()  # the workers' listeners end
 
     def _serve(self, raw: bytes, arrived: float) -> None:
         seq, replica = self.seq, self.replica
@@ -139,7 +144,7 @@ class PushListener:
                 PushKeys.verdict(seq, replica),
                 PushVerdict(committed=False, code="refused", error=error),
             )
-            put(self.store, PushKeys.go(seq, replica), PushGo(seq=seq, error=error))
+            self._tell_workers(PushGo(seq=seq, error=error))  # they refuse in the ready reduction
             return
         wait_s = header.timeout_s + 60.0
         push = self._call(self.host.admit_data_push(header, arrived), wait_s)
@@ -155,21 +160,40 @@ class PushListener:
         )
         try:
             push.stamps["go"] = time.monotonic()  # the control plane's part ends: the workers' starts
-            put(self.store, PushKeys.go(seq, replica), go)
+            self._tell_workers(go)
             if RESET_CACHE_AT == "posted" and push.error is None:
-                # a worker that refuses or fails before posting writes this key too (never a wait in vain)
-                wait_value(self.store, PushKeys.posted(seq, self.ranks[0]), wait_s)
+                # a worker that refuses or fails before posting sends this too (never a wait in vain)
+                self._next_report(self.ranks[0], wait_s, posted=True)
             if RESET_CACHE_AT != "lock" and push.error is None:
                 self.loop.call_soon_threadsafe(self.host.start_cache_reset, push)
-            results = [
-                PushLoaded.model_validate_json(
-                    wait_value(self.store, PushKeys.loaded(seq, r), wait_s) or b"{}"
-                )
-                for r in self.ranks
-            ]
-        except (StoreClosed, TimeoutError) as exc:  # the trainer is gone: ask the workers directly
+            results = [PushLoaded.model_validate_json(self._next_report(r, wait_s)) for r in self.ranks]
+        except (ChannelClosed, TimeoutError) as exc:  # a worker is gone or stuck: ask them over the engine
             log.warning("push %d: %s; asking the workers what they loaded", seq, exc)
             results = self._call(self.host.push_outcomes(seq, wait_s), wait_s + 10.0)
         verdict = self._call(self.host.finish_data_push(push, results), wait_s)
         if push.error is None:
-            put(self.store, PushKeys.verdict(seq, replica), verdict)
+            # the workers first (they confirm it to the trainer in the commit reduction), unless
+            # the ready reduction said no: then nothing moved and no worker waits for a verdict
+            if not any(r.refused for r in results):
+                self._tell_workers(verdict, best_effort=True)
+            put(self.store, PushKeys.verdict(seq, replica), verdict)  # the trainer reads it on a failure
+
+    def _tell_workers(self, message: PushGo | PushVerdict, best_effort: bool = False) -> None:
+        """Every worker of this replica. ``best_effort``: past a worker that left the channel (its
+        transfer failed) to the others."""
+        raw = message.model_dump_json().encode()
+        for rank in self.ranks:
+            try:
+                self.channel.send(rank, raw)
+            except ChannelClosed as exc:
+                if not best_effort:
+                    raise
+                log.warning("push %d: rank %d left the push channel: %s", self.seq, rank, exc)
+
+    def _next_report(self, rank: int, timeout_s: float, posted: bool = False) -> bytes:
+        """The worker's next report: its first receive posted (``posted``), else what it loaded
+        (an earlier posted signal, sent whatever the cache-reset moment, is skipped)."""
+        while True:
+            raw = self.channel.recv(rank, timeout_s)
+            if (raw == POSTED) == posted:
+                return raw

@@ -21,14 +21,12 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 import torch
-import torch.distributed as dist
 
 from rewardplane.protocol import (
     AdapterConfig,
     Bucket,
     ParamMeta,
     PushGo,
-    PushKeys,
     PushLoaded,
     PushVerdict,
     plan_buckets,
@@ -38,7 +36,6 @@ from rewardplane.protocol.adapters import LORA_PAIR, lora_pairs
 from rewardplane.transport.buckets import unpack_bucket
 from rewardplane.transport.checksums import digests
 from rewardplane.transport.comm import Communicator, create_store
-from rewardplane.transport.signals import StoreClosed, group_store, put, wait_value
 from rewardplane.transport.transfer import Received, receive_buckets
 
 from .checkpoint import iter_checkpoint
@@ -46,6 +43,7 @@ from .copy_plan import CopyPlan
 from .data_push import RESET_CACHE_AT
 from .lora_hooks import LoraHooks
 from .persistence import WeightsStore
+from .push_channel import POSTED, ChannelClosed, WorkerChannel
 from .staging import staging_limit_from_env, staging_problem
 
 log = logging.getLogger(__name__)
@@ -326,20 +324,19 @@ class RewardWeightSyncExtension:
             self._rp_comm = None
 
     # ---- pushes started from the data plane ----------------------------------------------------
-    def rp_listen(self, replica: int) -> bool:
-        """Wait, on a thread of this worker, for pushes the control plane lets through
-        (``PushKeys.go``); False without a communicator. Between pushes the thread is blocked on a
-        socket: no GPU work is pending and the GIL is free, so scoring runs as without it."""
-        comm, group = self._rp_comm, self._rp_group
-        if comm is None or group is None:
+    def rp_listen(self, replica: int, address: str, authkey: bytes) -> bool:
+        """Wait, on a thread of this worker, for pushes the control plane lets through (its
+        ``PushGo`` over the push channel at ``address``, ``push_channel``); False without a
+        communicator. Between pushes the thread is blocked on a socket: no GPU work is pending and
+        the GIL is free, so scoring runs as without it."""
+        comm = self._rp_comm
+        if comm is None or self._rp_group is None:
             return False
         self._rp_stop_listening()
-        host, port, timeout_s, group_id = group
-        store = group_store(host, port, group_id, timeout_s)
         stop = threading.Event()
         thread = threading.Thread(
             target=self._rp_listen_loop,
-            args=(comm, store, replica, stop),
+            args=(comm, (address, authkey), replica, stop),
             name="rp-push-listener",
             daemon=True,
         )
@@ -348,32 +345,37 @@ class RewardWeightSyncExtension:
         return True
 
     def _rp_stop_listening(self) -> None:
-        # The thread sees the flag when its wait returns: the control plane also writes it a stop.
+        # The thread sees the flag within a second; the control plane also closes the channel.
         if self._rp_listen_stop is not None:
             self._rp_listen_stop.set()
         self._rp_listen_stop = None
 
     def _rp_listen_loop(
-        self, comm: Communicator, store: dist.Store, replica: int, stop: threading.Event
+        self, comm: Communicator, address: tuple[str, bytes], replica: int, stop: threading.Event
     ) -> None:
         if comm.device.type == "cuda":
             torch.cuda.set_device(comm.device)  # the device is per thread
-        seq = 0
+        try:
+            channel = WorkerChannel(address[0], address[1], comm.rank)
+        except Exception as exc:  # the control plane gave up on us: pushes go over HTTP
+            log.warning("could not join the push channel (%s); pushes go over HTTP", exc)
+            return
         try:
             while True:
-                raw = wait_value(store, PushKeys.go(seq, replica), None, stop)
+                raw = channel.recv(None, stop)
                 if raw is None:
                     return
                 go = PushGo.model_validate_json(raw)
-                if go.stop or self._rp_comm is not comm or not self._rp_data_push(comm, store, replica, go):
+                if self._rp_comm is not comm or not self._rp_data_push(comm, channel, go):
                     return
-                seq += 1
-        except StoreClosed as exc:
+        except ChannelClosed as exc:
             log.info("stopped waiting for pushes: %s", exc)
         except Exception:
             log.exception("the push listener failed; pushes go over HTTP until the group is formed again")
+        finally:
+            channel.close()
 
-    def _rp_data_push(self, comm: Communicator, store: dist.Store, replica: int, go: PushGo) -> bool:
+    def _rp_data_push(self, comm: Communicator, channel: WorkerChannel, go: PushGo) -> bool:
         """One push: the ready reduction, the transfer, the report, the commit reduction. Returns
         whether to wait for the next one (False once the group is unusable)."""
         entered = time.monotonic()
@@ -394,8 +396,8 @@ class RewardWeightSyncExtension:
                 return
             posted_signalled = True
             try:
-                put(store, PushKeys.posted(go.seq, comm.rank), "1")
-            except StoreClosed as exc:  # the control plane asks the workers then, and resets at commit
+                channel.send(POSTED)
+            except ChannelClosed as exc:  # the control plane is gone: nothing to reset for
                 log.debug("push %d: could not signal the first receive: %s", go.seq, exc)
 
         def report(ok: bool, *, refused: bool = False, error: str | None = None) -> None:
@@ -418,19 +420,25 @@ class RewardWeightSyncExtension:
                 times=times,
             )
             self._rp_push_outcome = (go.seq, msg)
-            put(store, PushKeys.loaded(go.seq, comm.rank), msg)
+            channel.send(msg.model_dump_json().encode())
 
         try:
             agreement = comm.max_flag(1 if refusal else 0)
-            ready_posted = comm.flag_enqueued
-            if agreement != 0:  # every rank agrees before a byte moves
-                report(False, refused=True, error=refusal or "another replica refused the push")
-                return True
-            agreed = time.monotonic()  # the ready reduction is done: every rank accepted
-            assert layout is not None
-            metas, plan = layout
-            self._rp_kept = {} if go.apply and self._rp_keeps() else None
-            load = self._rp_load_kept if go.apply else None
+        except Exception as exc:  # communication failed: the trainer died or timed out
+            if self._rp_comm is comm:
+                self.rp_close_communicator()
+            report(False, error=str(exc))
+            return False
+        ready_posted = comm.flag_enqueued
+        if agreement != 0:  # every rank agrees before a byte moves
+            report(False, refused=True, error=refusal or "another replica refused the push")
+            return True
+        agreed = time.monotonic()  # the ready reduction is done: every rank accepted
+        assert layout is not None
+        metas, plan = layout
+        self._rp_kept = {} if go.apply and self._rp_keeps() else None
+        load = self._rp_load_kept if go.apply else None
+        try:
             receive_buckets(
                 comm,
                 metas,
@@ -453,7 +461,10 @@ class RewardWeightSyncExtension:
             self._rp_staged = None if go.apply else got.staged
             report(True)
         # the control plane commits (or not) and says so; the trainer learns it in one reduction
-        raw = wait_value(store, PushKeys.verdict(go.seq, replica), comm.timeout.total_seconds())
+        try:
+            raw = channel.recv(comm.timeout.total_seconds())
+        except (TimeoutError, ChannelClosed):  # no verdict: the trainer learns of a failure at once
+            raw = None
         committed = raw is not None and PushVerdict.model_validate_json(raw).committed
         # False when some replica failed: the trainer forms a new group
         return comm.max_flag(0 if committed else 1) == 0

@@ -1,0 +1,127 @@
+"""The local channel between a replica's control plane and its workers, for pushes started from
+the data plane.
+
+What crosses hosts (the trainer's header, the verdicts the trainer reads on a refusal) goes through
+the trainer's store. The control plane and its workers share a pod, and the three signals between
+them on every push's critical path (go, loaded, verdict) each cost a write and a wake-up plus read
+through the trainer's store otherwise. Here they go over a Unix socket in the abstract namespace
+(no file, no path-length limit), opened with a one-time key (``multiprocessing.connection``'s
+challenge), carrying the protocol's JSON messages as bytes — nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+import uuid
+from multiprocessing.connection import Client, Connection, Listener
+
+# A message a worker sends once its first receive is posted (``REWARDPLANE_RESET_CACHE_AT=posted``).
+POSTED = b"posted"
+# How often a blocked wait looks at its stop flag (seconds).
+IDLE_SLICE_S = 1.0
+
+
+class ChannelClosed(RuntimeError):
+    """The other side closed the channel (stopped listening, or its process died)."""
+
+
+def _recv(conn: Connection, timeout_s: float | None, stop: threading.Event | None = None) -> bytes | None:
+    """The next message; None when ``stop`` was set. Raises ``TimeoutError``, ``ChannelClosed``."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while stop is None or not stop.is_set():
+        left = IDLE_SLICE_S if deadline is None else min(IDLE_SLICE_S, deadline - time.monotonic())
+        if left <= 0:
+            raise TimeoutError(f"no message within {timeout_s:g}s")
+        try:
+            if conn.poll(left):
+                return conn.recv_bytes()
+        except (EOFError, OSError) as exc:
+            raise ChannelClosed(f"the push channel closed ({type(exc).__name__})") from exc
+    return None
+
+
+def _send(conn: Connection, message: bytes) -> None:
+    try:
+        conn.send_bytes(message)
+    except (EOFError, OSError) as exc:
+        raise ChannelClosed(f"the push channel closed ({type(exc).__name__})") from exc
+
+
+class ChannelHub:
+    """The control plane's end: listens, then takes each worker's connection (tagged with its rank)."""
+
+    def __init__(self) -> None:
+        self.address = f"\0rewardplane-push-{uuid.uuid4().hex}"
+        self.authkey = secrets.token_bytes(32)
+        self._listener = Listener(self.address, family="AF_UNIX", authkey=self.authkey)
+        self._conns: dict[int, Connection] = {}
+        self._gave_up = threading.Event()
+
+    def accept(self, ranks: list[int], timeout_s: float) -> None:
+        """Take the connections of the workers of ``ranks`` (each connects from its listener
+        thread), then stop listening. Raises ``TimeoutError`` naming the missing ranks."""
+
+        def give_up() -> None:  # an accept cannot time out: wake it with a connection of our own
+            self._gave_up.set()
+            try:
+                Client(self.address, family="AF_UNIX", authkey=self.authkey).close()
+            except Exception:
+                pass
+
+        timer = threading.Timer(timeout_s, give_up)
+        timer.daemon = True
+        timer.start()
+        try:
+            while any(r not in self._conns for r in ranks):
+                try:
+                    conn = self._listener.accept()
+                except Exception:  # a peer without the key: not one of ours
+                    continue
+                if self._gave_up.is_set():
+                    conn.close()
+                    missing = [r for r in ranks if r not in self._conns]
+                    raise TimeoutError(
+                        f"workers of ranks {missing} did not connect to the push channel within {timeout_s:g}s"
+                    )
+                try:
+                    rank = int(_recv(conn, timeout_s) or b"")
+                except (TimeoutError, ChannelClosed, ValueError):
+                    conn.close()
+                    continue
+                self._conns[rank] = conn
+        finally:
+            timer.cancel()
+            self._listener.close()
+
+    def send(self, rank: int, message: bytes) -> None:
+        _send(self._conns[rank], message)
+
+    def recv(self, rank: int, timeout_s: float | None) -> bytes:
+        got = _recv(self._conns[rank], timeout_s)
+        assert got is not None  # no stop flag here
+        return got
+
+    def close(self) -> None:
+        """The workers' waits end (``ChannelClosed``)."""
+        self._listener.close()
+        for conn in self._conns.values():
+            conn.close()
+
+
+class WorkerChannel:
+    """A worker's end."""
+
+    def __init__(self, address: str, authkey: bytes, rank: int) -> None:
+        self._conn = Client(address, family="AF_UNIX", authkey=authkey)
+        _send(self._conn, str(rank).encode())
+
+    def send(self, message: bytes) -> None:
+        _send(self._conn, message)
+
+    def recv(self, timeout_s: float | None, stop: threading.Event | None = None) -> bytes | None:
+        return _recv(self._conn, timeout_s, stop)
+
+    def close(self) -> None:
+        self._conn.close()
