@@ -201,12 +201,17 @@ def test_atomic_and_http_only_pushes(server, tiny_model_dir):
         http_only.close()
 
 
-def test_per_tensor_wire_receives_into_the_parameters(server_factory, tiny_model_dir, monkeypatch):
-    # trainer and server both on the per-tensor wire: the server receives each tensor straight into
-    # its parameter (no bucket, no loader) and serves exactly the trainer's weights, through the
-    # HTTP-announced first push and the data-plane pushes after it; atomic pushes still stage.
-    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", True)
-    server = server_factory(tiny_model_dir, token=TOKEN, env_extra={"REWARDPLANE_PER_TENSOR_WIRE": "1"})
+@pytest.mark.parametrize("per_tensor", [True, False], ids=["per-tensor-wire", "packed-buckets"])
+def test_both_wire_shapes_serve_exactly_the_trainers_weights(
+    server_factory, tiny_model_dir, monkeypatch, per_tensor
+):
+    # trainer and server on the same wire. Per-tensor (the default): the server receives each tensor
+    # straight into its parameter (no bucket, no loader); packed (REWARDPLANE_PER_TENSOR_WIRE=0 on
+    # both sides): one broadcast per bucket, loaded by the server's loader. Exact weights through
+    # the HTTP-announced first push and the data-plane pushes after it; atomic pushes always stage.
+    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", per_tensor)
+    env = {"REWARDPLANE_PER_TENSOR_WIRE": "1" if per_tensor else "0"}
+    server = server_factory(tiny_model_dir, token=TOKEN, env_extra=env)
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:
         for version, via in ((1, "http"), (2, "data_plane")):
@@ -214,7 +219,7 @@ def test_per_tensor_wire_receives_into_the_parameters(server_factory, tiny_model
             sync.sync(model.state_dict(), version=version)
             last = last_update(server)
             assert (last["via"], last["version"], last["ok"]) == (via, version, True)
-            assert last["bytes"] > 0 and last["in_place_bytes"] == last["bytes"], last
+            assert last["bytes"] > 0 and last["in_place_bytes"] == (last["bytes"] if per_tensor else 0), last
             assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
         staged = sync_for(server, bucket_bytes=1 << 16, atomic=True)
         try:
@@ -225,26 +230,6 @@ def test_per_tensor_wire_receives_into_the_parameters(server_factory, tiny_model
             assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
         finally:
             staged.close()
-    finally:
-        sync.close()
-
-
-def test_packed_buckets_when_both_sides_turn_the_per_tensor_wire_off(
-    server_factory, tiny_model_dir, monkeypatch
-):
-    # REWARDPLANE_PER_TENSOR_WIRE=0 on both sides: one broadcast per packed bucket, loaded by the
-    # server's loader (nothing in place), exact weights over HTTP and from the data plane
-    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", False)
-    server = server_factory(tiny_model_dir, token=TOKEN, env_extra={"REWARDPLANE_PER_TENSOR_WIRE": "0"})
-    sync = sync_for(server, bucket_bytes=1 << 16)
-    try:
-        for version, via in ((1, "http"), (2, "data_plane")):
-            model = perturbed(tiny_model_dir, seed=version)
-            sync.sync(model.state_dict(), version=version)
-            last = last_update(server)
-            assert (last["via"], last["version"], last["ok"]) == (via, version, True)
-            assert last["bytes"] > 0 and last["in_place_bytes"] == 0, last
-            assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
     finally:
         sync.close()
 

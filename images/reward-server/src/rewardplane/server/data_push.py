@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import Coroutine
@@ -20,6 +19,7 @@ from typing import Any, Literal, Protocol, TypeVar
 from rewardplane.protocol import STOP_LISTENING, PushGo, PushHeader, PushKeys, PushLoaded, PushVerdict
 from rewardplane.transport.signals import StoreClosed, group_store, put, wait_value
 
+from .config import choice_from_env
 from .push_channel import POSTED, ChannelClosed, ChannelHub
 
 log = logging.getLogger(__name__)
@@ -29,13 +29,7 @@ RESET_MOMENTS: tuple[ResetMoment, ...] = ("lock", "go", "posted")
 
 
 def _reset_moment_from_env() -> ResetMoment:
-    raw = os.environ.get("REWARDPLANE_RESET_CACHE_AT", "go").strip().lower()
-    for moment in RESET_MOMENTS:
-        if raw == moment:
-            return moment
-    raise ValueError(
-        f"REWARDPLANE_RESET_CACHE_AT={raw!r}: give one of {', '.join(RESET_MOMENTS)} (default go)"
-    )
+    return choice_from_env("REWARDPLANE_RESET_CACHE_AT", RESET_MOMENTS, "go")
 
 
 # When a streamed push sends the engine's prefix-cache reset (vLLM runs it in the engine process,

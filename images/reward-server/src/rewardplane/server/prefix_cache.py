@@ -11,21 +11,20 @@ under the exclusive weights lock, and the old blocks age out of the cache like a
 
 from __future__ import annotations
 
-import os
 from typing import Literal
+
+from .config import choice_from_env
 
 Invalidation = Literal["salt", "reset"]
 INVALIDATIONS: tuple[Invalidation, ...] = ("salt", "reset")
 
 
 def invalidation_from_env() -> Invalidation:
-    raw = os.environ.get("REWARDPLANE_PREFIX_CACHE", "salt").strip().lower()
-    for choice in INVALIDATIONS:
-        if raw == choice:
-            return choice
-    raise ValueError(
-        f"REWARDPLANE_PREFIX_CACHE={raw!r}: give salt (default: requests carry the weights' cache "
-        "epoch) or reset (vLLM's reset_prefix_cache after every weight change)"
+    return choice_from_env(
+        "REWARDPLANE_PREFIX_CACHE",
+        INVALIDATIONS,
+        "salt",
+        " — salt: requests carry the weights' cache epoch; reset: vLLM's reset_prefix_cache after every weight change",
     )
 
 
