@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -28,16 +29,26 @@ def group_store(host: str, port: int, group_id: str, timeout_s: float) -> dist.S
     return dist.PrefixStore(f"rewardplane/{group_id}/", client)
 
 
+def wait_slices(
+    timeout_s: float | None, stop: threading.Event | None, slice_s: float, what: str
+) -> Iterator[float]:
+    """How long each attempt of a stoppable, bounded wait may block: slices of at most ``slice_s``
+    until ``stop`` is set (the caller then gives up quietly). Raises ``TimeoutError`` ("``what``
+    within ...") once ``timeout_s`` has passed (None: no bound)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while stop is None or not stop.is_set():
+        left = slice_s if deadline is None else min(slice_s, deadline - time.monotonic())
+        if left <= 0:
+            raise TimeoutError(f"{what} within {timeout_s:g}s")
+        yield left
+
+
 def wait_value(
     store: dist.Store, key: str, timeout_s: float | None, stop: threading.Event | None = None
 ) -> bytes | None:
     """The value of ``key`` once it is set. None: ``stop`` was set. Raises ``TimeoutError`` after
     ``timeout_s`` (None: wait until stopped), ``StoreClosed`` when the store's host is gone."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while stop is None or not stop.is_set():
-        left = IDLE_SLICE_S if deadline is None else min(IDLE_SLICE_S, deadline - time.monotonic())
-        if left <= 0:
-            raise TimeoutError(f"nothing arrived under {key!r} within {timeout_s:g}s")
+    for left in wait_slices(timeout_s, stop, IDLE_SLICE_S, f"nothing arrived under {key!r}"):
         try:
             store.wait([key], timedelta(seconds=left))
         except dist.DistNetworkError as exc:

@@ -239,11 +239,11 @@ def receive_buckets(
                 out.applied_any = True  # parameters are written as the bytes arrive
                 bucket = bucket.model_copy(update={"slots": tuple(left)})
             comm.broadcast_group(targets, src)
-        first = out.posted_at is None
-        out.posted_at = out.posted_at or time.monotonic()
         out.bytes += bucket.nbytes
-        if first and on_posted is not None:
-            on_posted()
+        if out.posted_at is None:
+            out.posted_at = time.monotonic()
+            if on_posted is not None:
+                on_posted()
         return bucket
 
     def apply(bucket: Bucket, buf: torch.Tensor) -> None:

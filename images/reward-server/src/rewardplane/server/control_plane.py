@@ -425,9 +425,7 @@ class WeightSyncService:
         cannot listen, or the store cannot be reached, pushes keep going over HTTP only."""
         channel = ChannelHub()
         try:
-            listening = await self.port.call_workers(
-                "rp_listen", req.rank_offset, channel.address, channel.authkey
-            )
+            listening = await self.port.call_workers("rp_listen", channel.address, channel.authkey)
             if not listening or not all(listening):
                 channel.close()
                 return

@@ -32,12 +32,14 @@ def _reset_moment_from_env() -> ResetMoment:
     return choice_from_env("REWARDPLANE_RESET_CACHE_AT", RESET_MOMENTS, "go")
 
 
-# When a streamed push sends the engine's prefix-cache reset (vLLM runs it in the engine process,
-# where the receiving worker thread lives, and walks every KV block in Python): "go" (default), once
-# this replica's workers were told to receive; "lock", as soon as the lock is held (on 2x H100 a 7B
-# push took 10 ms longer that way: 53.5 vs 43.8 ms, docs/weight-sync.md); "posted", once the first
-# worker posted its first receive, i.e. while the bytes move rather than while the worker joins the
-# ready reduction (to be measured: docs/gpu.md). Commit always waits for it.
+# When a streamed push sends the engine's cache invalidation. It only costs anything with vLLM's
+# engine-wide reset (REWARDPLANE_PREFIX_CACHE=reset; the default salt is an attribute write): that
+# runs in the engine process, where the receiving worker thread lives, and walks every KV block in
+# Python. "go" (default), once this replica's workers were told to receive; "lock", as soon as the
+# lock is held (on 2x H100 a 7B push took 10 ms longer that way: 53.5 vs 43.8 ms,
+# docs/weight-sync.md); "posted", once the first worker posted its first receive, i.e. while the
+# bytes move rather than while the worker joins the ready reduction (not measured on a GPU).
+# Commit always waits for it.
 RESET_CACHE_AT = _reset_moment_from_env()
 
 T = TypeVar("T")
@@ -185,8 +187,9 @@ class PushListener:
                 log.warning("push %d: rank %d left the push channel: %s", self.seq, rank, exc)
 
     def _next_report(self, rank: int, timeout_s: float, posted: bool = False) -> bytes:
-        """The worker's next report: its first receive posted (``posted``), else what it loaded
-        (an earlier posted signal, sent whatever the cache-reset moment, is skipped)."""
+        """The worker's next report: its first receive posted (``posted``), else what it loaded.
+        With ``REWARDPLANE_RESET_CACHE_AT=posted`` every worker signals its first receive before it
+        reports; only the first rank's is awaited, the others' are skipped here."""
         while True:
             raw = self.channel.recv(rank, timeout_s)
             if (raw == POSTED) == posted:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
 import uuid
 from multiprocessing.connection import Client, Connection, Listener
+
+from rewardplane.transport.signals import wait_slices
 
 # A message a worker sends once its first receive is posted (``REWARDPLANE_RESET_CACHE_AT=posted``).
 POSTED = b"posted"
@@ -29,11 +30,7 @@ class ChannelClosed(RuntimeError):
 
 def _recv(conn: Connection, timeout_s: float | None, stop: threading.Event | None = None) -> bytes | None:
     """The next message; None when ``stop`` was set. Raises ``TimeoutError``, ``ChannelClosed``."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while stop is None or not stop.is_set():
-        left = IDLE_SLICE_S if deadline is None else min(IDLE_SLICE_S, deadline - time.monotonic())
-        if left <= 0:
-            raise TimeoutError(f"no message within {timeout_s:g}s")
+    for left in wait_slices(timeout_s, stop, IDLE_SLICE_S, "no message"):
         try:
             if conn.poll(left):
                 return conn.recv_bytes()

@@ -79,7 +79,6 @@ class RewardWeightSyncExtension:
     _rp_adapter: tuple[int, Path] | None = None
     # Pushes started from the data plane: the group's rendezvous (host, port, timeout, id), the
     # listener thread waiting for this replica's go, and its last outcome (seq, what it reported).
-    _rp_group: tuple[str, int, float, str] | None = None
     _rp_listener: threading.Thread | None = None
     _rp_listen_stop: threading.Event | None = None
     _rp_push_outcome: tuple[int, PushLoaded] | None = None
@@ -146,7 +145,6 @@ class RewardWeightSyncExtension:
             timeout_s=timeout_s,
             group_id=group_id,
         )
-        self._rp_group = (host, port, timeout_s, group_id)
         return rank
 
     def rp_receive(
@@ -324,19 +322,19 @@ class RewardWeightSyncExtension:
             self._rp_comm = None
 
     # ---- pushes started from the data plane ----------------------------------------------------
-    def rp_listen(self, replica: int, address: str, authkey: bytes) -> bool:
+    def rp_listen(self, address: str, authkey: bytes) -> bool:
         """Wait, on a thread of this worker, for pushes the control plane lets through (its
         ``PushGo`` over the push channel at ``address``, ``push_channel``); False without a
         communicator. Between pushes the thread is blocked on a socket: no GPU work is pending and
         the GIL is free, so scoring runs as without it."""
         comm = self._rp_comm
-        if comm is None or self._rp_group is None:
+        if comm is None:
             return False
         self._rp_stop_listening()
         stop = threading.Event()
         thread = threading.Thread(
             target=self._rp_listen_loop,
-            args=(comm, (address, authkey), replica, stop),
+            args=(comm, address, authkey, stop),
             name="rp-push-listener",
             daemon=True,
         )
@@ -351,12 +349,12 @@ class RewardWeightSyncExtension:
         self._rp_listen_stop = None
 
     def _rp_listen_loop(
-        self, comm: Communicator, address: tuple[str, bytes], replica: int, stop: threading.Event
+        self, comm: Communicator, address: str, authkey: bytes, stop: threading.Event
     ) -> None:
         if comm.device.type == "cuda":
             torch.cuda.set_device(comm.device)  # the device is per thread
         try:
-            channel = WorkerChannel(address[0], address[1], comm.rank)
+            channel = WorkerChannel(address, authkey, comm.rank)
         except Exception as exc:  # the control plane gave up on us: pushes go over HTTP
             log.warning("could not join the push channel (%s); pushes go over HTTP", exc)
             return
