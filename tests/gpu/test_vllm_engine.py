@@ -360,6 +360,84 @@ def test_later_pushes_start_from_the_data_plane(trainer: Trainer) -> None:
     assert_same_parameters(got, vllm_llama_checksums(trainer.model.state_dict()), "full (data plane)")
 
 
+@pytest.mark.gpus(2)
+def test_atomic_pushes_stage_beside_the_memory_fraction(trainer: Trainer) -> None:
+    """Atomic pushes into vLLM: the update is staged outside the engine's memory fraction while the
+    old weights serve, then swapped in. Scoring in a thread throughout: every answer equals the
+    trainer's scores for the version it names (never a mix). Where the device has no room for the
+    staged copy (here this process takes GPU 0's free memory, as a 7B model at
+    --gpu-memory-utilization 0.9 on an 80 GB card leaves ~8 GB for a 13 GB copy), the push is
+    refused before any byte moves with the way out; the old weights keep serving and the same
+    group takes the next, streamed, push."""
+    import threading
+
+    import torch
+
+    from rewardplane.sdk.retry import RewardServerError
+
+    publisher = trainer.sync.open()
+    version = httpx.get(f"{trainer.url}/runtime_version", timeout=30).json()["version"]
+    refs = {version: reference_scores(trainer.model, trainer.tokenizer, TEXTS, trainer.device)}
+    answers: list[tuple[list[list[float]], int]] = []
+    stop = threading.Event()
+
+    def score() -> None:
+        while not stop.is_set():
+            answers.append(served(trainer.url))
+
+    scorer = threading.Thread(target=score, daemon=True)
+    publisher.atomic = True
+    try:
+        scorer.start()
+        for step in (1, 2):
+            torch.manual_seed(20 + step)
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.mul_(1.0 + 0.05 * torch.randn_like(p))
+            refs[version + step] = reference_scores(trainer.model, trainer.tokenizer, TEXTS, trainer.device)
+            assert trainer.sync.sync(trainer.model.state_dict(), version=version + step) == version + step
+        stop.set()
+        scorer.join(60)
+        assert answers and {v for _, v in answers} <= set(refs), {v for _, v in answers}
+        for got, v in answers:
+            assert_close(got, refs[v], f"atomic: an answer naming version {v}")
+        last = httpx.get(
+            f"{trainer.url}/get_num_background_tasks",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=30,
+        ).json()["last_update"]
+        assert last["ok"] and last["in_place_bytes"] == 0, last  # staged, then swapped under the lock
+        served_now = version + 2
+        assert_close(served(trainer.url)[0], refs[served_now], "atomic: after the swap")
+
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.mul_(1.0 + 0.05 * torch.randn_like(p))
+        free = torch.cuda.mem_get_info(0)[0]
+        hog = torch.empty(max(0, free - (64 << 20)), dtype=torch.uint8, device="cuda:0")
+        try:
+            with pytest.raises(RewardServerError) as info:
+                trainer.sync.sync(trainer.model.state_dict(), version=served_now + 1)
+        finally:
+            del hog
+            torch.cuda.empty_cache()
+        assert "GiB are free" in info.value.message and "atomic=False" in info.value.message, (
+            info.value.message
+        )
+    finally:
+        stop.set()
+        publisher.atomic = False
+    state = httpx.get(f"{trainer.url}/runtime_version", timeout=30).json()
+    assert (state["version"], state["state"]) == (served_now, "serving"), state
+    assert_close(served(trainer.url)[0], refs[served_now], "atomic: after the refusal")
+    assert trainer.sync.sync(trainer.model.state_dict(), version=served_now + 1) == served_now + 1
+    assert_close(
+        served(trainer.url)[0],
+        reference_scores(trainer.model, trainer.tokenizer, TEXTS, trainer.device),
+        "streamed, after the refusal",
+    )
+
+
 # ---- optional: a ~0.4B model (RP_GPU_TESTS_LARGE=1) ---------------------------------------------
 
 

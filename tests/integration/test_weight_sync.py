@@ -49,6 +49,7 @@ DATA_PLANE_TIMELINE = [
     "worker_agreed",
     "worker_posted",
     "worker_out",
+    "reported",
     "returned",
     "committed",
 ]

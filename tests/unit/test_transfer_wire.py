@@ -146,3 +146,20 @@ def test_the_wire_shape_is_part_of_the_layout_id(monkeypatch: pytest.MonkeyPatch
     packed = layout_id(metas, BUCKET)
     monkeypatch.setattr(wire, "PER_TENSOR_WIRE", True)
     assert layout_id(metas, BUCKET) != packed  # a server on the other wire refuses the layout
+
+
+def test_the_per_tensor_wire_starts_with_a_short_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No byte moves until both sides posted a bucket's broadcasts; a short first bucket starts the
+    link early. The packed wire keeps full buckets."""
+    small = [ParamMeta(name=f"norm{i}", dtype="float32", shape=(25,)) for i in range(3)]  # 100 B each
+    rest = [ParamMeta(name=f"w{i}", dtype="float32", shape=(128,)) for i in range(12)]  # 512 B each
+    limit = BUCKET // wire.FIRST_BUCKET_SHARE
+    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", True)
+    plan = plan_buckets(small + rest, BUCKET)
+    assert [s.index for s in plan[0].slots] == [0, 1] and plan[0].nbytes <= limit
+    assert max(b.nbytes for b in plan[1:]) > limit  # the others fill up to BUCKET
+    assert all(b.nbytes <= BUCKET for b in plan)
+    embed_first = plan_buckets([meta_of(n, t) for n, t in _tensors().items()], BUCKET)
+    assert len(embed_first[0].slots) == 1  # larger than the limit: alone
+    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", False)
+    assert len(plan_buckets(small + rest, BUCKET)[0].slots) > 2

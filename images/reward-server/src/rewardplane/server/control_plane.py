@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -504,10 +504,14 @@ class WeightSyncService:
             push.stamps["reset"] = time.monotonic()
             push.reset = asyncio.ensure_future(self.port.reset_cache())
 
-    async def finish_data_push(self, push: DataPush, results: list[PushLoaded]) -> PushVerdict:
+    async def finish_data_push(
+        self, push: DataPush, results: list[PushLoaded], tell: Callable[[PushVerdict], None]
+    ) -> PushVerdict:
         """The workers' reports in: commit (atomic: swap under the lock first), or mark broken
-        where weights were partly overwritten; release the lock. The verdict goes to the workers,
-        which tell the trainer in the commit reduction."""
+        where weights were partly overwritten; release the lock. The verdict goes to the workers
+        through ``tell`` (they confirm it to the trainer in the commit reduction) unless the ready
+        reduction refused the push (then no worker waits for one): a commit is told as soon as the
+        lock is released, before its bookkeeping, since the trainer waits for it."""
         header, guard = push.header, self.guard
         if push.error is not None:  # refused at admission: nothing was held
             return PushVerdict(committed=False, code="refused", error=push.error)
@@ -554,6 +558,7 @@ class WeightSyncService:
             guard.signal_change()
         if committed:
             push.stamps["committed"] = time.monotonic()
+            tell(PushVerdict(committed=True))
         merged["ok"] = committed
         stamps = push.stamps  # for the log line: waited for the lock, then received (streamed)
         if not header.atomic and "locked" in stamps:
@@ -573,7 +578,9 @@ class WeightSyncService:
         )
         if not committed:
             self._has_comm = False  # the workers leave the group after the commit reduction
-            return PushVerdict(committed=False, code="failed", error=merged["error"])
+            verdict = PushVerdict(committed=False, code="failed", error=merged["error"])
+            tell(verdict)
+            return verdict
         if self.store is not None:
             self._spawn(self._persist(version), f"persist-start-v{version}")
         return PushVerdict(committed=True)

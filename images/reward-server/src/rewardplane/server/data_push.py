@@ -10,10 +10,11 @@ admit the push — validate, take the lock — tells this replica's workers to r
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Literal, Protocol, TypeVar
 
 from rewardplane.protocol import STOP_LISTENING, PushGo, PushHeader, PushKeys, PushLoaded, PushVerdict
@@ -57,7 +58,11 @@ class PushHost(Protocol):
         """Send the engine's cache reset of an admitted streamed push (once)."""
         ...
 
-    async def finish_data_push(self, push: Any, results: list[PushLoaded]) -> PushVerdict: ...
+    async def finish_data_push(
+        self, push: Any, results: list[PushLoaded], tell: Callable[[PushVerdict], None]
+    ) -> PushVerdict:
+        """Commit or not; ``tell`` the workers the verdict (unless the ready reduction refused)."""
+        ...
 
     async def push_outcomes(self, seq: int, timeout_s: float) -> list[PushLoaded]: ...
 
@@ -163,15 +168,14 @@ class PushListener:
             if RESET_CACHE_AT != "lock" and push.error is None:
                 self.loop.call_soon_threadsafe(self.host.start_cache_reset, push)
             results = [PushLoaded.model_validate_json(self._next_report(r, wait_s)) for r in self.ranks]
+            push.stamps["reported"] = time.monotonic()  # every worker's report is in (this thread)
         except (ChannelClosed, TimeoutError) as exc:  # a worker is gone or stuck: ask them over the engine
             log.warning("push %d: %s; asking the workers what they loaded", seq, exc)
             results = self._call(self.host.push_outcomes(seq, wait_s), wait_s + 10.0)
-        verdict = self._call(self.host.finish_data_push(push, results), wait_s)
+        # the workers hear the verdict from the event loop, the moment it is known (no hop back here)
+        tell = functools.partial(self._tell_workers, best_effort=True)
+        verdict = self._call(self.host.finish_data_push(push, results, tell), wait_s)
         if push.error is None:
-            # the workers first (they confirm it to the trainer in the commit reduction), unless
-            # the ready reduction said no: then nothing moved and no worker waits for a verdict
-            if not any(r.refused for r in results):
-                self._tell_workers(verdict, best_effort=True)
             put(self.store, PushKeys.verdict(seq, replica), verdict)  # the trainer reads it on a failure
 
     def _tell_workers(self, message: PushGo | PushVerdict, best_effort: bool = False) -> None:
