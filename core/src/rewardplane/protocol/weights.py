@@ -115,7 +115,23 @@ PER_TENSOR_WIRE = os.environ.get("REWARDPLANE_PER_TENSOR_WIRE", "1") != "0"
 # each side tens of microseconds of Python per tensor: a short first group starts the link while the
 # rest is posted (a 7B Llama's 1 GiB first bucket, 25 tensors, took 0.8 ms to post on an H100 host,
 # all of it before the first byte). 1 GiB buckets: the embedding table alone goes first.
-FIRST_BUCKET_SHARE = 8
+# REWARDPLANE_FIRST_BUCKET_SHARE (default 8; 1: a full first bucket) must be alike on both sides:
+# it is part of the layout's id.
+def _first_bucket_share_from_env() -> int:
+    raw = os.environ.get("REWARDPLANE_FIRST_BUCKET_SHARE", "8")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            f"REWARDPLANE_FIRST_BUCKET_SHARE={raw!r}: give a whole number >= 1 (the first bucket holds "
+            "1/N of the others' bytes; default 8, 1 = as large as the others)"
+        )
+    return value
+
+
+FIRST_BUCKET_SHARE = _first_bucket_share_from_env()
 
 
 def plan_buckets(metadata: list[ParamMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
