@@ -92,3 +92,23 @@ def test_a_worker_that_dies_ends_the_hubs_wait() -> None:
     with pytest.raises(ChannelClosed):
         hub.recv(2, 5)
     hub.close()
+
+
+def test_a_polling_wait_takes_a_message_within_or_after_its_spin_and_sees_a_close() -> None:
+    """Waits inside a push poll before they block: a message sent during the poll or after it is
+    taken, with the timeout still bounding the wait; a closed channel ends it either way."""
+    hub = ChannelHub()
+    workers = join(hub, [0])
+    try:
+        late = threading.Timer(0.05, hub.send, args=(0, b"after the spin"))
+        late.start()
+        assert workers[0].recv(5, spin_s=0.01) == b"after the spin"
+        soon = threading.Timer(0.005, hub.send, args=(0, b"during the spin"))
+        soon.start()
+        assert workers[0].recv(5, spin_s=1.0) == b"during the spin"
+        with pytest.raises(TimeoutError):
+            workers[0].recv(0.05, spin_s=0.01)
+    finally:
+        hub.close()
+    with pytest.raises(ChannelClosed):
+        workers[0].recv(5, spin_s=0.01)

@@ -21,8 +21,10 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 Backend = Literal["auto", "nccl", "gloo"]
-# How long a wait for the GPU polls without sleeping (seconds)
-SPIN_S = 2e-4
+# How long a wait for the GPU polls without sleeping (seconds): a push's waits are short, and a
+# sleep costs at least ~60 us (the kernel's timer slack) plus a wake-up on a host whose idle CPUs
+# wake slowly. 0.2 ms until the tenth GPU session; 2 ms since (docs/weight-sync.md).
+SPIN_S = 2e-3
 
 
 class TensorCommunicator(Protocol):
@@ -117,7 +119,9 @@ class Communicator:
         self._closed = False
         # the status reductions' flag (device), its pinned read-back and their stream: made once
         self._flag: tuple[torch.Tensor, torch.Tensor, torch.cuda.Stream] | None = None
-        self.flag_enqueued: float | None = None  # time.monotonic() the last reduction was enqueued
+        # time.monotonic() the last reduction's call began and returned (enqueued): a push's timeline
+        self.flag_calling: float | None = None
+        self.flag_enqueued: float | None = None
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
@@ -194,9 +198,7 @@ class Communicator:
                     "a peer probably died. The group was aborted; form a new one for the next push"
                 )
             if now - start < SPIN_S:
-                # these waits sit on every push's critical path, and the shortest sleep is ~60 us
-                # (the kernel's timer slack): only yield the GIL for the first fraction of a ms
-                time.sleep(0)
+                time.sleep(0)  # these waits sit on every push's critical path: only yield the GIL
                 continue
             time.sleep(delay)
             # then poll finely (a 1 ms poll cost ~1 ms per wait), coarsely once the wait is long
@@ -212,6 +214,7 @@ class Communicator:
         opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]  # stubs: the enum member, not the op
         if self.backend != "nccl":
             t = torch.tensor([value], dtype=torch.int32)
+            self.flag_calling = time.monotonic()
             work = self.pg.allreduce([t], opts)
             self.flag_enqueued = time.monotonic()
             self._wait(work, "status reduction")
@@ -219,6 +222,7 @@ class Communicator:
         flag, host, stream = self._flag_buffers()
         with torch.cuda.stream(stream):
             flag.fill_(value)
+            self.flag_calling = time.monotonic()
             self.pg.allreduce([flag], opts).wait()  # stream-ordered only
             self.flag_enqueued = time.monotonic()
             host.copy_(flag, non_blocking=True)

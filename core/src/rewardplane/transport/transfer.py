@@ -180,7 +180,9 @@ class Received:
     error: str | None = None
     applied_any: bool = False
     staged: list[tuple[Bucket, torch.Tensor]] = field(default_factory=list)
-    posted_at: float | None = None  # time.monotonic() when the first receive was posted
+    # time.monotonic() when the first receive's call began (its targets resolved) and returned
+    posting_at: float | None = None
+    posted_at: float | None = None
 
 
 def _same(buf: torch.Tensor) -> torch.Tensor:
@@ -238,6 +240,8 @@ def receive_buckets(
             if len(left) < len(bucket.slots):
                 out.applied_any = True  # parameters are written as the bytes arrive
                 bucket = bucket.model_copy(update={"slots": tuple(left)})
+            if out.posting_at is None:
+                out.posting_at = time.monotonic()
             comm.broadcast_group(targets, src)
         out.bytes += bucket.nbytes
         if out.posted_at is None:

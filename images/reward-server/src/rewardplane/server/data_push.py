@@ -21,7 +21,7 @@ from rewardplane.protocol import STOP_LISTENING, PushGo, PushHeader, PushKeys, P
 from rewardplane.transport.signals import StoreClosed, group_store, put, wait_value
 
 from .config import choice_from_env
-from .push_channel import POSTED, ChannelClosed, ChannelHub
+from .push_channel import COMING, POSTED, SPIN_S, ChannelClosed, ChannelHub
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,7 @@ class PushListener:
 
     def _serve(self, raw: bytes, arrived: float) -> None:
         seq, replica = self.seq, self.replica
+        self._tell_workers(COMING, best_effort=True)  # they wake while the push is admitted
         try:
             header = PushHeader.model_validate_json(raw)
             if header.seq != seq:
@@ -178,10 +179,10 @@ class PushListener:
         if push.error is None:
             put(self.store, PushKeys.verdict(seq, replica), verdict)  # the trainer reads it on a failure
 
-    def _tell_workers(self, message: PushGo | PushVerdict, best_effort: bool = False) -> None:
+    def _tell_workers(self, message: PushGo | PushVerdict | bytes, best_effort: bool = False) -> None:
         """Every worker of this replica. ``best_effort``: past a worker that left the channel (its
         transfer failed) to the others."""
-        raw = message.model_dump_json().encode()
+        raw = message if isinstance(message, bytes) else message.model_dump_json().encode()
         for rank in self.ranks:
             try:
                 self.channel.send(rank, raw)
@@ -195,6 +196,6 @@ class PushListener:
         With ``REWARDPLANE_RESET_CACHE_AT=posted`` every worker signals its first receive before it
         reports; only the first rank's is awaited, the others' are skipped here."""
         while True:
-            raw = self.channel.recv(rank, timeout_s)
+            raw = self.channel.recv(rank, timeout_s, spin_s=SPIN_S)  # a head-only push reports within it
             if (raw == POSTED) == posted:
                 return raw

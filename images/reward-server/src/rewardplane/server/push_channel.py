@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 import uuid
 from multiprocessing.connection import Client, Connection, Listener
 
@@ -20,16 +21,37 @@ from rewardplane.transport.signals import wait_slices
 
 # A message a worker sends once its first receive is posted (``REWARDPLANE_RESET_CACHE_AT=posted``).
 POSTED = b"posted"
+# What the control plane sends its workers the moment a trainer's header arrives, before it admits
+# the push: they wake now and poll for the go (``SPIN_S``) instead of paying a wake-up after it.
+COMING = b"coming"
 # How often a blocked wait looks at its stop flag (seconds).
 IDLE_SLICE_S = 1.0
+# How long a wait inside a push polls before it blocks (seconds). A blocked thread's wake-up cost
+# 0.2-0.4 ms per hop on the H100 hosts measured (docs/weight-sync.md), several times per push;
+# polling holds no lock (``time.sleep(0)`` lets other threads run) and ends with the wait.
+SPIN_S = 5e-3
 
 
 class ChannelClosed(RuntimeError):
     """The other side closed the channel (stopped listening, or its process died)."""
 
 
-def _recv(conn: Connection, timeout_s: float | None, stop: threading.Event | None = None) -> bytes | None:
-    """The next message; None when ``stop`` was set. Raises ``TimeoutError``, ``ChannelClosed``."""
+def _recv(
+    conn: Connection, timeout_s: float | None, stop: threading.Event | None = None, spin_s: float = 0.0
+) -> bytes | None:
+    """The next message; None when ``stop`` was set. Raises ``TimeoutError``, ``ChannelClosed``.
+    ``spin_s``: poll that long first (a message expected within it), then block."""
+    try:
+        if spin_s > 0:
+            end = time.monotonic() + spin_s
+            while not conn.poll(0):
+                if time.monotonic() > end:
+                    break
+                time.sleep(0)
+            else:
+                return conn.recv_bytes()
+    except (EOFError, OSError) as exc:
+        raise ChannelClosed(f"the push channel closed ({type(exc).__name__})") from exc
     for left in wait_slices(timeout_s, stop, IDLE_SLICE_S, "no message"):
         try:
             if conn.poll(left):
@@ -95,8 +117,8 @@ class ChannelHub:
     def send(self, rank: int, message: bytes) -> None:
         _send(self._conns[rank], message)
 
-    def recv(self, rank: int, timeout_s: float | None) -> bytes:
-        got = _recv(self._conns[rank], timeout_s)
+    def recv(self, rank: int, timeout_s: float | None, spin_s: float = 0.0) -> bytes:
+        got = _recv(self._conns[rank], timeout_s, spin_s=spin_s)
         assert got is not None  # no stop flag here
         return got
 
@@ -117,8 +139,10 @@ class WorkerChannel:
     def send(self, message: bytes) -> None:
         _send(self._conn, message)
 
-    def recv(self, timeout_s: float | None, stop: threading.Event | None = None) -> bytes | None:
-        return _recv(self._conn, timeout_s, stop)
+    def recv(
+        self, timeout_s: float | None, stop: threading.Event | None = None, spin_s: float = 0.0
+    ) -> bytes | None:
+        return _recv(self._conn, timeout_s, stop, spin_s)
 
     def close(self) -> None:
         self._conn.close()

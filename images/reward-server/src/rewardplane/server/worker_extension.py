@@ -43,7 +43,7 @@ from .copy_plan import CopyPlan
 from .data_push import RESET_CACHE_AT
 from .lora_hooks import LoraHooks
 from .persistence import WeightsStore
-from .push_channel import POSTED, ChannelClosed, WorkerChannel
+from .push_channel import COMING, POSTED, SPIN_S, ChannelClosed, WorkerChannel
 from .staging import staging_limit_from_env, staging_problem
 
 log = logging.getLogger(__name__)
@@ -361,6 +361,8 @@ class RewardWeightSyncExtension:
         try:
             while True:
                 raw = channel.recv(None, stop)
+                while raw == COMING:  # a header arrived: the go follows once the push is admitted
+                    raw = channel.recv(None, stop, spin_s=SPIN_S)
                 if raw is None:
                     return
                 go = PushGo.model_validate_json(raw)
@@ -384,7 +386,8 @@ class RewardWeightSyncExtension:
         got = Received()
 
         agreed: float | None = None
-        ready_posted: float | None = None  # this worker's side of the ready reduction enqueued
+        ready_posting: float | None = None  # this worker's side of the ready reduction: called,
+        ready_posted: float | None = None  # and enqueued
         posted_signalled = RESET_CACHE_AT != "posted"  # only that moment of the cache reset waits for it
 
         def signal_posted() -> None:
@@ -401,11 +404,13 @@ class RewardWeightSyncExtension:
         def report(ok: bool, *, refused: bool = False, error: str | None = None) -> None:
             signal_posted()  # a refusal or an early failure never leaves the control plane waiting
             times = {"worker_in": entered, "worker_out": time.monotonic()}
-            if ready_posted is not None:
+            if ready_posting is not None and ready_posted is not None:
+                times["worker_ready_posting"] = ready_posting
                 times["worker_ready_posted"] = ready_posted
             if agreed is not None:
                 times["worker_agreed"] = agreed
-            if got.posted_at is not None:
+            if got.posting_at is not None and got.posted_at is not None:
+                times["worker_posting"] = got.posting_at
                 times["worker_posted"] = got.posted_at
             partial = got.applied_any and not ok
             msg = PushLoaded(
@@ -427,7 +432,7 @@ class RewardWeightSyncExtension:
                 self.rp_close_communicator()
             report(False, error=str(exc))
             return False
-        ready_posted = comm.flag_enqueued
+        ready_posting, ready_posted = comm.flag_calling, comm.flag_enqueued
         if agreement != 0:  # every rank agrees before a byte moves
             report(False, refused=True, error=refusal or "another replica refused the push")
             return True
@@ -460,7 +465,7 @@ class RewardWeightSyncExtension:
             report(True)
         # the control plane commits (or not) and says so; the trainer learns it in one reduction
         try:
-            raw = channel.recv(comm.timeout.total_seconds())
+            raw = channel.recv(comm.timeout.total_seconds(), spin_s=SPIN_S)
         except (TimeoutError, ChannelClosed):  # no verdict: the trainer learns of a failure at once
             raw = None
         committed = raw is not None and PushVerdict.model_validate_json(raw).committed
