@@ -5,6 +5,7 @@ Used by the test suite, the benchmarks and the examples."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,11 +17,29 @@ from typing import Any
 
 import httpx
 
+# Ports handed out below Linux's ephemeral range (32768-60999 by default) and Kubernetes' NodePort
+# range (30000-32767): a port the kernel picks for bind(0) may be given to any outgoing connection
+# (HTTP clients, NCCL's sockets) before the caller binds it, which failed a GPU test with
+# EADDRINUSE on the trainer's rendezvous port.
+_PORTS = range(20000, 30000)
+_handed_out: set[int] = set()
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nobody listens on, not handed out before by this process."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {_PORTS.start}-{_PORTS.stop - 1} after 200 tries")
 
 
 @dataclass
