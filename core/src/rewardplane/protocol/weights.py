@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from .adapters import AdapterConfig, lora_pairs
+from .env import whole_number_from_env
 from .modes import RewardModelTrainingMode
 
 # Element sizes, so the bucket layout can be computed without torch on either side.
@@ -113,25 +114,14 @@ PER_TENSOR_WIRE = os.environ.get("REWARDPLANE_PER_TENSOR_WIRE", "1") != "0"
 # With the per-tensor wire the first bucket holds at most an eighth of the others' bytes (or one
 # larger tensor). No byte moves until both sides have posted a bucket's group, and posting costs
 # each side tens of microseconds of Python per tensor: a short first group starts the link while the
-# rest is posted (a 7B Llama's 1 GiB first bucket, 25 tensors, took 0.8 ms to post on an H100 host,
-# all of it before the first byte). 1 GiB buckets: the embedding table alone goes first.
+# rest is posted. 1 GiB buckets: the embedding table alone goes first. On 4x H100 (7B, vLLM) the
+# first receive was posted 0.44 ms after the agreement instead of 1.0 ms (25 tensors), and a push
+# took 39.5 ms instead of 40.4 (docs/weight-sync.md).
 # REWARDPLANE_FIRST_BUCKET_SHARE (default 8; 1: a full first bucket) must be alike on both sides:
 # it is part of the layout's id.
-def _first_bucket_share_from_env() -> int:
-    raw = os.environ.get("REWARDPLANE_FIRST_BUCKET_SHARE", "8")
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(
-            f"REWARDPLANE_FIRST_BUCKET_SHARE={raw!r}: give a whole number >= 1 (the first bucket holds "
-            "1/N of the others' bytes; default 8, 1 = as large as the others)"
-        )
-    return value
-
-
-FIRST_BUCKET_SHARE = _first_bucket_share_from_env()
+FIRST_BUCKET_SHARE = whole_number_from_env(
+    "REWARDPLANE_FIRST_BUCKET_SHARE", 8, "the first bucket holds 1/N of the others' bytes; 1 = as large"
+)
 
 
 def plan_buckets(metadata: list[ParamMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:

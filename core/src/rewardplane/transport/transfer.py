@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ import torch
 
 from rewardplane.protocol import Bucket, ParamMeta, plan_buckets
 from rewardplane.protocol import weights as wire
+from rewardplane.protocol.env import whole_number_from_env
 
 from .buckets import as_bytes, pack_bucket, torch_dtype, unpack_bucket
 from .comm import Communicator, TensorCommunicator
@@ -37,24 +37,13 @@ Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
 Placer = Callable[[ParamMeta], "torch.Tensor | None"]
 
 
-def _lookahead_from_env() -> int:
-    raw = os.environ.get("REWARDPLANE_RECEIVE_LOOKAHEAD", "4")
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(
-            f"REWARDPLANE_RECEIVE_LOOKAHEAD={raw!r}: give a whole number of buckets >= 1 (default 4)"
-        )
-    return value
-
-
 # How many buckets a server's CPU may enqueue ahead of the GPU's loads (the two buffers are
 # guarded on the GPU): enough to ride out a slow Python ``load`` call. 2 = wait on the CPU for
 # each buffer's previous load, the earlier behaviour; the same within run-to-run noise on 4x H100
 # (benchmarks/README.md).
-RECEIVE_LOOKAHEAD = _lookahead_from_env()
+RECEIVE_LOOKAHEAD = whole_number_from_env(
+    "REWARDPLANE_RECEIVE_LOOKAHEAD", 4, "buckets a server's CPU may enqueue ahead of its loads"
+)
 
 
 @functools.cache
