@@ -23,13 +23,13 @@ import httpx
 # EADDRINUSE on the trainer's rendezvous port.
 _PORTS = range(20000, 30000)
 _handed_out: set[int] = set()
+_rng = random.Random()  # not the global one, which tests may seed
 
 
 def free_port() -> int:
     """A loopback port nobody listens on, not handed out before by this process."""
-    rng = random.Random()
     for _ in range(200):
-        port = rng.choice(_PORTS)
+        port = _rng.choice(_PORTS)
         if port in _handed_out:
             continue
         with socket.socket() as s:

@@ -3,25 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from rewardplane.protocol import DEFAULT_HTTP_PORT, ModelTask, PoolingType
-
-Choice = TypeVar("Choice", bound=str)
-
-
-def choice_from_env(name: str, choices: tuple[Choice, ...], default: Choice, meanings: str = "") -> Choice:
-    """A switch read from the environment variable ``name``: one of ``choices`` (case and spaces
-    ignored; unset: ``default``), else a ValueError naming the choices (and ``meanings``)."""
-    raw = os.environ.get(name, default).strip().lower()
-    for choice in choices:
-        if raw == choice:
-            return choice
-    raise ValueError(f"{name}={raw!r}: give one of {', '.join(choices)} (default {default}){meanings}")
 
 
 class ServerConfig(BaseModel):

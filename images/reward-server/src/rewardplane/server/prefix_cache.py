@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from .config import choice_from_env
+from rewardplane.protocol.env import choice_from_env
 
 Invalidation = Literal["salt", "reset"]
 INVALIDATIONS: tuple[Invalidation, ...] = ("salt", "reset")
