@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 from rewardplane.localcluster import realnode
 from rewardplane.localcluster.binaries import find_binary
 from rewardplane.localcluster.dev import helm_install_operator, local_image_tag
+from rewardplane.localcluster.diagnose import describe_namespace
 from rewardplane.tinymodel import build_tiny_reward_model
 from tests.e2e.conftest import OPERATOR_NAMESPACE, OPERATOR_RELEASE, RealCluster, wait_for
 from tests.fixtures.models import TEXTS
@@ -167,6 +169,11 @@ def test_operator_runs_in_cluster_from_the_chart(real_cluster: RealCluster) -> N
     status = pod.status.container_statuses[0]
     assert status.ready and status.container_id.startswith("containerd://")
     assert pod.spec.security_context.run_as_user == RUN_AS
+    # what a failed `helm install` reports beside helm's "not ready": the pods, events and logs
+    report = describe_namespace(c.kubeconfig, OPERATOR_NAMESPACE)
+    pods, logs = report.split("--- logs in")[0], report.split("--- logs in")[1]
+    assert pod.metadata.name in pods and "Running" in pods
+    assert f"[pod/{pod.metadata.name}/operator]" in logs, report
 
 
 def test_rewardmodel_from_a_volume_becomes_ready(real_cluster: RealCluster) -> None:
@@ -424,23 +431,45 @@ def container_state(pod: Any) -> str:
 
 def seconds_to_stop(c: RealCluster, name: str, delete: Callable[[], None]) -> tuple[float, str]:
     """``delete`` the pod (or have the operator delete it), then the seconds from its deletion
-    timestamp to its removal, and its container's state when the deletion was seen. (By uid: the
-    operator may create a pod of the same name again at once.)"""
+    timestamp to its server process's exit, and what the container was doing: its state when the
+    deletion was seen and its last log lines. The exit is what the server owns (its SIGTERM
+    handling); the kubelet's removal of the Pod object afterwards is waited for but not timed (on
+    this node it once came 48 s after the container had gone). (By uid: the operator may create a
+    pod of the same name again at once.)"""
     uid = c.core.read_namespaced_pod(name, NS).metadata.uid
-    delete()
+    pid = server_pid_in_pod(uid)
+    assert pid is not None, f"no server process found in {name} (uid {uid})"
+    with tempfile.TemporaryFile("w+") as log_file:
+        # followed from before the deletion: the log goes with the pod
+        follow = subprocess.Popen(
+            [str(find_binary("kubectl")), "--kubeconfig", str(c.kubeconfig), "logs", "-f", "-n", NS, name],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            delete()
 
-    def this_pod() -> Any:
-        return next((p for p in model_pods(c) if p.metadata.uid == uid), None)
+            def this_pod() -> Any:
+                return next((p for p in model_pods(c) if p.metadata.uid == uid), None)
 
-    def terminating() -> tuple[float, str] | None:
-        pod = this_pod()
-        if pod is None:
-            return time.monotonic(), "gone before the first look"
-        return (time.monotonic(), container_state(pod)) if pod.metadata.deletion_timestamp else None
+            def terminating() -> tuple[float, str] | None:
+                pod = this_pod()
+                if pod is None:
+                    return time.monotonic(), "gone before the first look"
+                return (time.monotonic(), container_state(pod)) if pod.metadata.deletion_timestamp else None
 
-    asked, state = wait_for(f"{name} to be deleted", terminating, 60, 0.2)
-    wait_for(f"{name} gone", lambda: this_pod() is None, 60, 0.2)
-    return time.monotonic() - asked, state
+            asked, state = wait_for(f"{name} to be deleted", terminating, 60, 0.2)
+            still = wait_for_process_exit(pid, 60)
+            took = time.monotonic() - asked
+            if still:
+                state += f"; its server still ran 60 s after the deletion (pid {still} in its container)"
+            wait_for(f"{name} gone", lambda: this_pod() is None, 120, 0.5)
+        finally:
+            follow.terminate()
+            follow.wait(10)
+        log_file.seek(0)
+        tail = "\n".join(log_file.read().splitlines()[-25:])
+    return took, f"{state}; its last log lines:\n{tail}"
 
 
 def pod_uid(c: RealCluster, name: str) -> str | None:
@@ -601,6 +630,20 @@ def test_helm_upgrade_then_uninstall_leaves_nothing(real_cluster: RealCluster) -
 
     # (the CRDs stay, by Helm's design: it never deletes what a chart's crds/ installed)
     wait_for("nothing of the release left", lambda: not release_objects(), 60)
+
+
+def test_an_image_lost_from_containerd_is_imported_again(real_cluster: RealCluster) -> None:
+    # The import record (size and mtime of each tarball) can outlive containerd's content store;
+    # trusting it alone once left a node without its pause image, whose pods never started.
+    node = real_cluster.node
+    operator_tar = realnode.images_dir() / "operator.tar"
+    [name] = realnode.archive_image_names(operator_tar)
+    assert name in node.image_names()
+    sock = str(node.layout.containerd_sock)
+    subprocess.run(["ctr", "-a", sock, "-n", "k8s.io", "images", "rm", name], check=True, timeout=60)
+    assert name not in node.image_names()
+    assert node.import_images() == ["operator.tar"]  # the others are still there: skipped
+    assert name in node.image_names()
 
 
 def test_down_leaves_nothing_behind(real_cluster: RealCluster) -> None:

@@ -36,3 +36,26 @@ def test_a_process_that_exits_in_time_is_left_alone() -> None:
     quick = "from rewardplane.server.shutdown import exit_deadline\nexit_deadline(30)\nprint('bye')"
     done = subprocess.run([sys.executable, "-c", quick], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "bye", done
+
+
+# The main thread holds the GIL forever (a C call that never releases it: libc's pause() through
+# ctypes.PyDLL, which keeps the GIL across the call), so no Python thread, the deadline's timer
+# included, can run again.
+GIL_HELD_FOREVER = textwrap.dedent(
+    """
+    import ctypes
+    from rewardplane.server.shutdown import exit_deadline
+
+    exit_deadline(0.5)
+    ctypes.PyDLL(None).pause()
+    """
+)
+
+
+def test_a_stop_hung_while_holding_the_gil_still_ends() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", GIL_HELD_FOREVER], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1, done  # faulthandler's watchdog: the timer never ran
+    assert "Timeout (0:00:02.500000)!" in done.stderr, done.stderr
+    assert "line 6" in done.stderr, done.stderr  # the main thread's stack, at the pause() call

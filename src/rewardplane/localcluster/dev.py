@@ -30,6 +30,7 @@ from rewardplane.api.kube import Kube, KubeError
 from rewardplane.localcluster import realnode
 from rewardplane.localcluster.binaries import BinaryNotFoundError, cache_dir, find_binary
 from rewardplane.localcluster.controlplane import ControlPlaneError, LocalControlPlane, _http_ok
+from rewardplane.localcluster.diagnose import describe_namespace
 from rewardplane.localcluster.realnode import RealNode, RealNodeError
 
 # stop order for `down`: dependants first, the store last
@@ -97,8 +98,13 @@ def helm_install_operator(
         with open(log_path, "a") as f:
             f.write(f"$ {' '.join(cmd)}\n{done.stdout}{done.stderr}\n")
     if done.returncode != 0:
+        # helm only says "not ready"; the pods' states, events and logs say why
+        pods = describe_namespace(kubeconfig, namespace)
+        if log_path is not None:
+            with open(log_path, "a") as f:
+                f.write(pods + "\n")
         raise RealNodeError(
-            f"helm install of the operator failed: {done.stderr.strip() or done.stdout.strip()}"
+            f"helm install of the operator failed: {done.stderr.strip() or done.stdout.strip()}\n{pods}"
         )
 
 

@@ -30,6 +30,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tarfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -387,7 +388,9 @@ class RealNode:
         """Import docker-archive tarballs into the node's containerd (``k8s.io`` namespace).
 
         Default: every ``*.tar`` in the images dir (the pause image first). A tarball already
-        imported (same size and mtime) is skipped.
+        imported (same size and mtime) is skipped only while containerd still lists every image it
+        names: the record can outlive the content store (a cleaned disk, a reused cache), and a
+        node without its pause image never starts a pod.
         """
         if paths is None:
             paths = sorted(self.images.glob("*.tar"), key=lambda p: (p.name != "pause.tar", p.name))
@@ -400,11 +403,12 @@ class RealNode:
             stamps = json.loads(stamps_file.read_text())
         except (OSError, ValueError):
             stamps = {}
+        present = self.image_names()
         imported = []
         for path in paths:
             st = path.stat()
             stamp = f"{st.st_size}:{st.st_mtime_ns}"
-            if stamps.get(str(path)) == stamp:
+            if stamps.get(str(path)) == stamp and set(archive_image_names(path)) <= present:
                 continue
             self._ctr(["images", "import", str(path)], timeout=600)
             stamps[str(path)] = stamp
@@ -863,11 +867,14 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             timeout=timeout,
         )
 
-    def _has_image(self, ref: str) -> bool:
+    def image_names(self) -> set[str]:
+        """The image names the node's containerd lists (none while it is not running)."""
         if not self.layout.containerd_sock.exists():
-            return False
-        done = self._ctr(["images", "ls", "-q"], check=False)
-        return ref in done.stdout.split()
+            return set()
+        return set(self._ctr(["images", "ls", "-q"], check=False).stdout.split())
+
+    def _has_image(self, ref: str) -> bool:
+        return ref in self.image_names()
 
     def _api(
         self, path: str, *, method: str = "GET", body: dict[str, object] | None = None
@@ -1025,6 +1032,22 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 # ---------------------------------------------------------------------------------------------
 # what is left on the machine
 # ---------------------------------------------------------------------------------------------
+def archive_image_names(path: Path) -> list[str]:
+    """The image names a docker-archive tarball (``docker save``) carries: its manifest's
+    RepoTags. Raises RealNodeError for a file that is not such an archive."""
+    try:
+        with tarfile.open(path) as tar:
+            member = tar.extractfile("manifest.json")
+            if member is None:
+                raise KeyError("manifest.json")
+            manifest = json.load(member)
+        return [str(tag) for entry in manifest for tag in entry.get("RepoTags") or []]
+    except (OSError, KeyError, ValueError, AttributeError, tarfile.TarError) as exc:
+        raise RealNodeError(
+            f"{path} is not a docker-archive image tarball ({exc}); rebuild the images: bash scripts/build-images.sh"
+        ) from exc
+
+
 def _mounts_under(root: Path) -> list[str]:
     prefix = str(root).rstrip("/") + "/"
     out = []

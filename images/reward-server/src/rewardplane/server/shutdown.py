@@ -3,7 +3,10 @@
 uvicorn drains requests for ``--graceful-shutdown-s``, then the engine stops. Should anything
 after that hang (an engine teardown, a library's exit hook, a C call that never returns), the
 process would otherwise sit until the kubelet's SIGKILL, and nobody would learn what held it.
-``exit_deadline`` prints every thread's stack and exits once the deadline passes.
+``exit_deadline`` prints every thread's stack and exits once the deadline passes. Its timer is a
+Python thread, which cannot run while a C call holds the GIL or once the interpreter has begun to
+finalize (daemon threads are stopped then); a moment later faulthandler's watchdog, a C thread
+that needs no GIL, dumps the stacks and exits instead.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ log = logging.getLogger(__name__)
 # and frees the GPU); the pod's grace period leaves room for drain + this.
 ENGINE_STOP_ALLOWANCE_S = 10.0
 EXIT_CODE_SHUTDOWN_HUNG = 70  # EX_SOFTWARE: tells a hung stop apart from SIGKILL (137)
+# how long after the deadline the GIL-free watchdog acts (it exits with status 1)
+WATCHDOG_AFTER_S = 2.0
 
 
 def exit_deadline(seconds: float) -> threading.Timer:
     """Start a daemon timer that dumps every thread's stack to stderr and ends the process
-    (``os._exit``: no exit hooks, they may be what hangs) after ``seconds``."""
+    (``os._exit``: no exit hooks, they may be what hangs) after ``seconds``, and faulthandler's
+    watchdog that does the same ``WATCHDOG_AFTER_S`` later should the timer not get to run."""
 
     def expire() -> None:
         print(
@@ -42,6 +48,7 @@ def exit_deadline(seconds: float) -> threading.Timer:
         sys.stderr.flush()
         os._exit(EXIT_CODE_SHUTDOWN_HUNG)
 
+    faulthandler.dump_traceback_later(seconds + WATCHDOG_AFTER_S, exit=True)
     timer = threading.Timer(seconds, expire)
     timer.name = "rp-exit-deadline"
     timer.daemon = True
