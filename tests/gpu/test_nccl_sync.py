@@ -3,8 +3,12 @@ GPU 1 (two processes cannot share one GPU in an NCCL group). Skipped without two
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -145,3 +149,65 @@ def test_trainer_dies_mid_broadcast_over_nccl(gpu_server, tiny_model_dir):
     got, version = served(gpu_server)
     assert version == v0 + 2
     torch.testing.assert_close(got, trainer_scores(full, tiny_model_dir), atol=ATOL, rtol=ATOL)
+
+
+# NCCL's socket transport, the path between hosts without RDMA: with peer-to-peer, shared memory
+# and InfiniBand off on both sides, this host's two GPUs connect the way two hosts without RDMA
+# would. Set alike on the trainer and the server (NCCL reads them when a process first uses it).
+SOCKETS_ONLY = {
+    "NCCL_P2P_DISABLE": "1",
+    "NCCL_SHM_DISABLE": "1",
+    "NCCL_IB_DISABLE": "1",
+    "NCCL_DEBUG": "INFO",
+    "NCCL_DEBUG_SUBSYS": "INIT,NET",
+}
+SOCKET_TRAINER = r"""
+import sys, torch
+from rewardplane.sdk.direct_sync import DirectWeightSync
+from tests.fixtures.trainer import perturbed
+url, port, model_dir, seed = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+device = torch.device("cuda", 0)  # CUDA_VISIBLE_DEVICES=1: the host's second GPU
+model = perturbed(model_dir, seed=seed, scale=0.01).to(device, torch.bfloat16)
+sync = DirectWeightSync([url], group_port=port, token="secret", trainer_host="127.0.0.1", device=device,
+                        connect_timeout_s=60, bucket_bytes=1 << 16)
+try:
+    assert sync.open().comm.backend == "nccl"
+    sync.sync(model.state_dict(), version=1)
+finally:
+    sync.close()
+print("pushed", flush=True)
+"""
+
+
+def test_a_push_over_nccl_sockets_lands_like_one_over_nvlink(tiny_model_dir, tmp_path):
+    server = start_server(
+        tiny_model_dir,
+        tmp_path,
+        token=TOKEN,
+        device="cuda",
+        dtype="bfloat16",
+        env_extra={"CUDA_VISIBLE_DEVICES": "0", **SOCKETS_ONLY},
+    )
+    try:
+        trainer = subprocess.run(
+            [sys.executable, "-c", SOCKET_TRAINER, server.url, str(free_port()), str(tiny_model_dir), "31"],
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": "1", **SOCKETS_ONLY},
+            cwd=Path(__file__).resolve().parents[2],  # the repository root: the script imports tests.fixtures
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        logs = trainer.stdout + trainer.stderr + server.log()
+        assert trainer.returncode == 0 and "pushed" in trainer.stdout, logs[-8000:]
+        # every connection NCCL made, on either side, went over its socket transport
+        connections = [ln for ln in logs.splitlines() if "Channel" in ln and " via " in ln]
+        assert connections, "NCCL logged no connections (NCCL_DEBUG=INFO):\n" + logs[-8000:]
+        assert all("via NET/Socket" in ln for ln in connections), connections[:8]
+        got, version = served(server)
+        assert version == 1
+        expected = trainer_scores(
+            perturbed(tiny_model_dir, seed=31, scale=0.01).to(torch.bfloat16), tiny_model_dir
+        )
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
+    finally:
+        server.stop()
