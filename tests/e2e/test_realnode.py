@@ -169,11 +169,18 @@ def test_operator_runs_in_cluster_from_the_chart(real_cluster: RealCluster) -> N
     status = pod.status.container_statuses[0]
     assert status.ready and status.container_id.startswith("containerd://")
     assert pod.spec.security_context.run_as_user == RUN_AS
+
     # what a failed `helm install` reports beside helm's "not ready": the pods, events and logs
-    report = describe_namespace(c.kubeconfig, OPERATOR_NAMESPACE)
-    pods, logs = report.split("--- logs in")[0], report.split("--- logs in")[1]
-    assert pod.metadata.name in pods and "Running" in pods
-    assert f"[pod/{pod.metadata.name}/operator]" in logs, report
+    # (a just-started operator may not have logged yet: polled until it has)
+    def report_with_logs() -> tuple[str, str] | None:
+        pods, _, logs = describe_namespace(c.kubeconfig, OPERATOR_NAMESPACE).partition("--- logs in")
+        # the operator's first line, prefixed with its pod and container
+        first = f"[pod/{pod.metadata.name}/operator]"
+        starting = "rewardplane operator starting: watching all namespaces"
+        return (pods, logs) if any(first in ln and starting in ln for ln in logs.splitlines()) else None
+
+    pods, _ = wait_for("the operator's log in the namespace report", report_with_logs, 60, 2)
+    assert pod.metadata.name in pods and "Running" in pods, pods
 
 
 def test_rewardmodel_from_a_volume_becomes_ready(real_cluster: RealCluster) -> None:

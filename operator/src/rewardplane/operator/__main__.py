@@ -79,6 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         on_done=lambda key: reconciler.request(key, trigger="weightsync"),
         stale_pods=reconciler.stale_pods,
     )
+    # One line that says the operator is up and what it watches: the first thing to look for in
+    # `kubectl logs` when nothing seems to happen.
+    logging.getLogger("rewardplane.operator").info(
+        "rewardplane operator starting: watching %s; /metrics %s, /healthz %s",
+        f"namespace {args.namespace}" if args.namespace else "all namespaces",
+        f"on port {args.metrics_port}" if args.metrics_port else "off",
+        f"on port {args.liveness_port}" if args.liveness_port else "off",
+    )
     kopf.run(
         standalone=True,  # one operator, no peering objects needed
         clusterwide=args.namespace is None,
