@@ -112,6 +112,22 @@ def images_dir() -> Path:
     return cache_dir() / "images"
 
 
+def archive_image_names(path: Path) -> list[str]:
+    """The image names a docker-archive tarball (``docker save``) carries: its manifest's
+    RepoTags. Raises RealNodeError for a file that is not such an archive."""
+    try:
+        with tarfile.open(path) as tar:
+            member = tar.extractfile("manifest.json")
+            if member is None:
+                raise KeyError("manifest.json")
+            manifest = json.load(member)
+        return [str(tag) for entry in manifest for tag in entry.get("RepoTags") or []]
+    except (OSError, KeyError, ValueError, AttributeError, tarfile.TarError) as exc:
+        raise RealNodeError(
+            f"{path} is not a docker-archive image tarball ({exc}); rebuild the images: bash scripts/build-images.sh"
+        ) from exc
+
+
 def _run(
     cmd: list[str], *, check: bool = True, timeout: float = 60, input_: bytes | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -1036,22 +1052,6 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
 # ---------------------------------------------------------------------------------------------
 # what is left on the machine
 # ---------------------------------------------------------------------------------------------
-def archive_image_names(path: Path) -> list[str]:
-    """The image names a docker-archive tarball (``docker save``) carries: its manifest's
-    RepoTags. Raises RealNodeError for a file that is not such an archive."""
-    try:
-        with tarfile.open(path) as tar:
-            member = tar.extractfile("manifest.json")
-            if member is None:
-                raise KeyError("manifest.json")
-            manifest = json.load(member)
-        return [str(tag) for entry in manifest for tag in entry.get("RepoTags") or []]
-    except (OSError, KeyError, ValueError, AttributeError, tarfile.TarError) as exc:
-        raise RealNodeError(
-            f"{path} is not a docker-archive image tarball ({exc}); rebuild the images: bash scripts/build-images.sh"
-        ) from exc
-
-
 def _mounts_under(root: Path) -> list[str]:
     prefix = str(root).rstrip("/") + "/"
     out = []
