@@ -28,6 +28,7 @@ import torch
 from rewardplane.protocol import RewardModelTrainingMode as Mode
 from rewardplane.sdk.direct_sync import DirectWeightSync
 from rewardplane.sdk.lora import adapter_payload
+from rewardplane.server.vllm_lora import adapter_load_from_env
 from rewardplane.testing.servers import free_port, launch_server, wait_healthy
 
 TEXTS = [
@@ -149,6 +150,8 @@ def run(
         }
         diff = max(abs(a - b) for a, b in zip(adapter_scores, merged_scores, strict=True))
         results.update(
+            # how the server's workers hand the adapter to vLLM (REWARDPLANE_ADAPTER_LOAD)
+            adapter_loads=adapter_load_from_env(),
             lora_rank=args.lora_rank,
             bytes=nbytes,
             adapter_push_s=adapter_s,
@@ -172,7 +175,7 @@ def run(
     assert isinstance(a, float) and isinstance(m, float)
     print(
         f"\n== adapter vs merged push, {args.engine} engine, {args.size}, LoRA r={args.lora_rank} on {len(TARGETS)} "
-        f"projections, {results['gpu']} =="
+        f"projections, adapters loaded from {results['adapter_loads']}, {results['gpu']} =="
     )
     print(f"  adapter push, call -> served : {a:8.2f} ms median ({nbytes['adapter'] / 1e6:.2f} MB)")
     print(f"  merged push, call -> served  : {m:8.2f} ms median ({nbytes['merged'] / 1e6:.2f} MB)")

@@ -3,15 +3,18 @@ A/B tensors as a LoRA adapter; the trainer (this process, ``cuda:1``) pushes the
 
 Checks: scores equal the trainer's (PEFT) model; the base weights' bytes do not move; a second
 adapter version replaces the first (scores follow, the prefix cache is not stale); a merged full
-push afterwards drops the adapter and lands bit for bit in the LoRA-wrapped layers.
+push afterwards drops the adapter and lands bit for bit in the LoRA-wrapped layers. Both ways a
+worker hands an adapter to vLLM run: written to a directory and loaded from there (the default,
+vLLM's public path) and built from the received tensors in memory (``REWARDPLANE_ADAPTER_LOAD=memory``).
 
-    bash scripts/gpu-run.sh tests tests/gpu/test_vllm_adapter.py    # 2 GPUs, ~3 minutes
+    bash scripts/gpu-run.sh tests tests/gpu/test_vllm_adapter.py    # 2 GPUs, ~4 minutes
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,32 +54,49 @@ def test_engine_args_enable_lora(tiny_seqcls_1label: Path) -> None:
     assert not plain.enable_lora
 
 
-@pytest.fixture(scope="module")
-def lora_trainer(tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainer]:
+@dataclass
+class AdapterServer:
+    trainer: Trainer
+    adapter_dir: Path  # the server's REWARDPLANE_ADAPTER_DIR
+    loads: str  # how its workers hand adapters to vLLM: REWARDPLANE_ADAPTER_LOAD
+
+    def written(self) -> list[str]:
+        """The adapter directories the server's workers wrote (one per worker process and id)."""
+        return sorted(p.name for p in self.adapter_dir.glob("*/*"))
+
+
+@pytest.fixture(scope="module", params=["directory", "memory"])
+def lora_server(
+    request: pytest.FixtureRequest, tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[AdapterServer]:
     import torch
     from transformers import AutoTokenizer
 
     if device_count() < 2:
         pytest.skip("adapter pushes over NCCL need 2 GPUs (server on GPU 0, trainer on GPU 1)")
+    adapter_dir = tmp_path_factory.mktemp("adapters")
+    env = {"REWARDPLANE_ADAPTER_DIR": str(adapter_dir), "REWARDPLANE_ADAPTER_LOAD": request.param}
     handle = start_vllm_server(
         tiny_seqcls_1label,
         tmp_path_factory.mktemp("vllm-lora-logs"),
         gpu=0,
         enable_lora=True,
         max_lora_rank=MAX_RANK,
+        env=env,
     )
     device = torch.device("cuda", 1)
     sync = None
     try:
         wait_ready(handle)
         sync = direct_sync([handle.url], device)
-        yield Trainer(
+        trainer = Trainer(
             load_trainer_model(tiny_seqcls_1label, device),
             AutoTokenizer.from_pretrained(tiny_seqcls_1label),
             sync,
             device,
             handle.url,
         )
+        yield AdapterServer(trainer, adapter_dir, request.param)
     finally:
         if sync is not None:
             sync.close()
@@ -101,13 +121,13 @@ def _merged(peft_model: Any) -> Any:
     return copy.deepcopy(peft_model).merge_and_unload()
 
 
-def test_adapter_push_scores_equal_trainer_base_untouched_and_replaced(lora_trainer: Trainer) -> None:
+def test_adapter_push_scores_equal_trainer_base_untouched_and_replaced(lora_server: AdapterServer) -> None:
     from peft import LoraConfig, get_peft_model
 
     from rewardplane.protocol import WeightSyncMode
     from rewardplane.sdk import LoraSync
 
-    t = lora_trainer
+    t = lora_server.trainer
     info = httpx.get(t.url + Endpoints.MODEL_INFO, timeout=30).json()
     assert info["max_lora_rank"] == MAX_RANK, info
     base_version, base = server_checksums(t.url)
@@ -124,6 +144,11 @@ def test_adapter_push_scores_equal_trainer_base_untouched_and_replaced(lora_trai
     check_after_push(
         Trainer(_merged(peft_model), t.tokenizer, t.sync, t.device, t.url), 1, before, "adapter v1"
     )
+    written = lora_server.written()
+    if lora_server.loads == "memory":
+        assert written == [], f"an adapter built in memory wrote {written}"
+    else:
+        assert len(written) == 1, f"one adapter directory while it serves, found {written}"
     version, after = server_checksums(t.url)
     assert version == 1
     moved = sorted(n for n in base[0] if after[0][n] != base[0][n])
@@ -137,6 +162,9 @@ def test_adapter_push_scores_equal_trainer_base_untouched_and_replaced(lora_trai
     check_after_push(
         Trainer(_merged(peft_model), t.tokenizer, t.sync, t.device, t.url), 2, before, "adapter v2"
     )
+    if lora_server.loads == "directory":
+        now = lora_server.written()
+        assert len(now) == 1 and now != written, f"the first adapter's directory stays: {written} -> {now}"
     _, after = server_checksums(t.url)
     assert {n: c for n, c in after[0].items() if n != "score.weight"} == {
         n: c for n, c in base[0].items() if n != "score.weight"

@@ -63,10 +63,12 @@ def start_vllm_server(
     *,
     gpu: int | str,
     gpu_memory_utilization: float = 0.3,
+    env: dict[str, str] | None = None,
     **opts: Any,
 ) -> ServerHandle:
     """Start (do not wait): the server runs on the GPU(s) named (``"0,1"`` with
-    ``tensor_parallel_size=2``), seen as its devices 0...; ``opts`` become server flags."""
+    ``tensor_parallel_size=2``), seen as its devices 0...; ``opts`` become server flags, ``env``
+    is added to its environment."""
     return launch_server(
         model_dir,
         log_dir,
@@ -75,7 +77,7 @@ def start_vllm_server(
         gpu_memory_utilization=gpu_memory_utilization,
         max_model_len=1024,
         extra_args=shlex.split(os.environ.get("RP_VLLM_SERVER_ARGS", "")),
-        env_extra={"CUDA_VISIBLE_DEVICES": str(gpu), "VLLM_USE_FLASHINFER_SAMPLER": "0"},
+        env_extra={"CUDA_VISIBLE_DEVICES": str(gpu), "VLLM_USE_FLASHINFER_SAMPLER": "0", **(env or {})},
         **opts,
     )
 

@@ -42,6 +42,19 @@ def free_port() -> int:
     raise RuntimeError(f"no free loopback port in {_PORTS.start}-{_PORTS.stop - 1} after 200 tries")
 
 
+def live_in_group(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is still running (zombies are not: they hold no memory,
+    and where this process is a container's init nobody may reap them)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if int(pgrp) == pgid and state != "Z":
+            return True
+    return False
+
+
 @dataclass
 class ServerHandle:
     url: str
@@ -55,6 +68,7 @@ class ServerHandle:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the server and wait until every process it started is gone as well."""
         if self.process.poll() is None:
             self.process.send_signal(sig)
             try:
@@ -62,6 +76,23 @@ class ServerHandle:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=5)
+        self.end_session()
+
+    def end_session(self, grace_s: float = 10.0) -> None:
+        """vLLM's engine core (and any helper) runs in the server's session and can outlive the
+        server by a moment, still holding its GPU memory: a server started right after on the same
+        GPU then found no room for its KV cache. Wait for them, then kill what is left."""
+        pgid = self.process.pid
+        deadline = time.monotonic() + grace_s
+        while live_in_group(pgid):
+            if time.monotonic() > deadline:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    return
+                if time.monotonic() > deadline + 5:
+                    return
+            time.sleep(0.05)
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)

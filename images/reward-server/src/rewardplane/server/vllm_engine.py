@@ -76,6 +76,7 @@ from .generation import wrong_task
 from .locking import WeightsGuard
 from .metrics import ServerMetrics
 from .prefix_cache import CacheEpoch, invalidation_from_env
+from .vllm_lora import IN_MEMORY_PATH, adapter_load_from_env
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -184,6 +185,7 @@ def build_engine_args(cfg: ServerConfig, max_model_len: int) -> AsyncEngineArgs:
     if getattr(cfg, "enable_lora", False):
         # Adapter-only sync: pushed adapters are served through vLLM's LoRA support (pooling models
         # included in 0.24). One adapter at a time: each push replaces the previous one.
+        adapter_load_from_env()  # a bad REWARDPLANE_ADAPTER_LOAD is refused here, not in a worker
         base.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1, max_cpu_loras=1)
         owned.update(
             enable_lora="--enable-lora",
@@ -573,7 +575,9 @@ class VLLMWeightPort:
             None
             if adapter is None
             else LoRARequest(
-                lora_name=adapter.name, lora_int_id=adapter.adapter_id, lora_path=adapter.path or "-"
+                lora_name=adapter.name,
+                lora_int_id=adapter.adapter_id,
+                lora_path=adapter.path or IN_MEMORY_PATH,
             )
         )
 

@@ -32,7 +32,7 @@ from rewardplane.protocol import (
     plan_buckets,
     remember_layout,
 )
-from rewardplane.protocol.adapters import LORA_PAIR, lora_pairs
+from rewardplane.protocol.adapters import LORA_PAIR
 from rewardplane.transport.buckets import unpack_bucket
 from rewardplane.transport.checksums import digests
 from rewardplane.transport.comm import Communicator, create_store
@@ -45,6 +45,15 @@ from .lora_hooks import LoraHooks
 from .persistence import WeightsStore
 from .push_channel import COMING, POSTED, SPIN_S, ChannelClosed, WorkerChannel
 from .staging import staging_limit_from_env, staging_problem
+from .vllm_lora import (
+    IN_MEMORY_PATH,
+    PEFT_PREFIX,
+    VLLMInternalsChanged,
+    adapter_load_from_env,
+    loading_from_memory,
+    lora_model_from_tensors,
+    peft_adapter_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +84,10 @@ class RewardWeightSyncExtension:
     _rp_store: WeightsStore | None = None
     _rp_kept: dict[str, torch.Tensor] | None = None
     _rp_writer: threading.Thread | None = None
-    # The adapter this worker serves (adapter-only sync): its id and where it was written.
-    _rp_adapter: tuple[int, Path] | None = None
+    # The adapter this worker serves (adapter-only sync): its id and where it was written (None:
+    # built in memory). Whether adapters are built in memory: off once vLLM's internals differ.
+    _rp_adapter: tuple[int, Path | None] | None = None
+    _rp_lora_from_memory = adapter_load_from_env() == "memory"
     # Pushes started from the data plane: the group's rendezvous (host, port, timeout, id), the
     # listener thread waiting for this replica's go, and its last outcome (seq, what it reported).
     _rp_listener: threading.Thread | None = None
@@ -279,18 +290,33 @@ class RewardWeightSyncExtension:
     def rp_set_adapter(
         self, tensors: dict[str, torch.Tensor], adapter: AdapterConfig, adapter_id: int
     ) -> str | None:
-        """vLLM: write the adapter in PEFT's format to a tmpfs directory and load it into the worker's
-        LoRA manager under a fresh id (vLLM 0.24 loads LoRA adapters from a directory only), then drop
-        the previous adapter. Scoring requests name it (``ServedAdapter``)."""
+        """vLLM: serve ``tensors`` as adapter ``adapter_id`` through the worker's LoRA manager, then
+        drop the previous adapter. Scoring requests name it (``ServedAdapter``). The adapter is
+        built from the tensors where they are (``vllm_lora.py``); where this vLLM's LoRA manager is
+        not shaped for that, it is written in PEFT's format to a tmpfs directory and loaded from
+        there (vLLM's public path). Returns that directory, or None."""
         from vllm.lora.request import LoRARequest
 
+        name = f"rp-adapter-{adapter_id}"
+        if RewardWeightSyncExtension._rp_lora_from_memory:
+            try:
+                manager = self.model_runner.lora_manager  # type: ignore[attr-defined]
+                lora = lora_model_from_tensors(manager, adapter_id, tensors, adapter)
+                with loading_from_memory(manager, adapter_id, lora):
+                    loaded = self.add_lora(LoRARequest(name, adapter_id, IN_MEMORY_PATH))  # type: ignore[attr-defined]
+            except VLLMInternalsChanged as e:
+                log.warning("adapters are loaded from a directory from now on (slower): %s", e)
+                RewardWeightSyncExtension._rp_lora_from_memory = False
+            else:
+                if not loaded:
+                    raise RuntimeError(f"vLLM did not load adapter {adapter_id}")
+                self._rp_drop_adapter()
+                self._rp_adapter = (adapter_id, None)
+                return None
         path = _adapter_root() / str(adapter_id)
         write_peft_adapter(path, tensors, adapter)
-        request = LoRARequest(
-            lora_name=f"rp-adapter-{adapter_id}", lora_int_id=adapter_id, lora_path=str(path)
-        )
         try:
-            if not self.add_lora(request):  # type: ignore[attr-defined]
+            if not self.add_lora(LoRARequest(name, adapter_id, str(path))):  # type: ignore[attr-defined]
                 raise RuntimeError(f"vLLM did not load adapter {adapter_id}")
         except Exception:
             shutil.rmtree(path, ignore_errors=True)
@@ -307,7 +333,8 @@ class RewardWeightSyncExtension:
         old, self._rp_adapter = self._rp_adapter, None
         if old is not None:
             self.remove_lora(old[0])  # type: ignore[attr-defined]
-            shutil.rmtree(old[1], ignore_errors=True)
+            if old[1] is not None:
+                shutil.rmtree(old[1], ignore_errors=True)
 
     def rp_named_parameters(self) -> dict[str, torch.Tensor] | None:
         """The live parameters under their pushed names, for a peer send and the base fingerprint;
@@ -611,20 +638,11 @@ def write_peft_adapter(path: Path, tensors: dict[str, torch.Tensor], adapter: Ad
     ``base_model.model.``), the form vLLM's ``LoRARequest`` loads."""
     from safetensors.torch import save_file
 
-    pairs, _ = lora_pairs(list(tensors))
     path.mkdir(parents=True, exist_ok=True)
-    config = {
-        "peft_type": "LORA",
-        "r": adapter.rank,
-        "lora_alpha": adapter.alpha,
-        "use_rslora": adapter.use_rslora,
-        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in pairs}),
-        "bias": "none",
-        "modules_to_save": None,
-    }
+    config = peft_adapter_config(list(tensors), adapter)
     (path / "adapter_config.json").write_text(json.dumps(config))
     save_file(
-        {f"base_model.model.{n}": t.detach().to("cpu").contiguous() for n, t in tensors.items()},
+        {PEFT_PREFIX + n: t.detach().to("cpu").contiguous() for n, t in tensors.items()},
         str(path / "adapter_model.safetensors"),
     )
 
