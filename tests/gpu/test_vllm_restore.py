@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rewardplane.testing.servers import free_port
 from tests.gpu.vllm_support import (
     TEXTS,
     TOKEN,
@@ -112,3 +113,72 @@ def test_pushed_weights_survive_a_restart(tiny_seqcls_1label: Path, tmp_path: Pa
         assert used[1] - used[0] <= (GPU_MEMORY_UTILIZATION + 0.05) * used[1], used
     finally:
         stop(restarted)
+
+
+@pytest.mark.gpus(3)
+def test_a_fresh_replica_gets_the_weights_from_a_vllm_peer(tiny_seqcls_1label: Path, tmp_path: Path) -> None:
+    """Peer restore with vLLM on both ends: the source (GPU 0) got version 1 (full) and 2 (head)
+    from the trainer (GPU 1); a fresh replica (GPU 2, no saved weights) gets version 2 from the
+    source, the way the operator restores one: bit for bit the source's parameters, the trainer's
+    scores, and the source keeps serving."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from rewardplane.operator.replicas import HttpReplicas, Receiver, ReplicaError, restore_from_peer
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+    from rewardplane.protocol.naming import select_head
+
+    device = torch.device("cuda", 1)
+    model = load_trainer_model(tiny_seqcls_1label, device)
+    tok = AutoTokenizer.from_pretrained(tiny_seqcls_1label)
+    source = start_vllm_server(tiny_seqcls_1label, tmp_path / "source", gpu=0)
+    fresh = start_vllm_server(tiny_seqcls_1label, tmp_path / "fresh", gpu=2)
+    replicas = HttpReplicas()
+    try:
+        wait_ready(source)
+        wait_ready(fresh)
+
+        def restore(version: int, group: str) -> None:
+            restore_from_peer(
+                replicas,
+                TOKEN,
+                source_url=source.url,
+                source_host="127.0.0.1",
+                port=free_port(),
+                receivers=[Receiver("fresh", fresh.url, 1)],
+                version=version,
+                timeout_s=120,
+                group_id=group,
+            )
+
+        sync = direct_sync([source.url], device)
+        try:
+            torch.manual_seed(11)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.0 + 0.1 * torch.randn_like(p))
+            sync.sync(select_head(model.state_dict()), version=1, training_mode=Mode.HEAD_ONLY)
+            # only the head came by a push: the backbone is where vLLM's loader put it from disk
+            with pytest.raises(ReplicaError, match="cannot send its weights to peers"):
+                restore(1, "peer-gpu-refused")
+            sync.sync(model.state_dict(), version=2, training_mode=Mode.FULL)
+        finally:
+            sync.close()
+        want = reference_scores(model, tok, TEXTS, device)
+        assert_close(served(source.url)[0], want, "the source after the pushes")
+        assert served(fresh.url)[1] == 0
+
+        restore(2, "peer-gpu")
+        deadline = time.monotonic() + 120
+        while served(fresh.url)[1] != 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        got, version = served(fresh.url)
+        assert version == 2, f"--- source log\n{source.log()[-3000:]}\n--- fresh log\n{fresh.log()[-3000:]}"
+        assert server_checksums(fresh.url)[1] == server_checksums(source.url)[1]
+        assert_close(got, want, "the fresh replica after the peer restore")
+        assert served(source.url)[1] == 2
+        assert_close(served(source.url)[0], want, "the source after it sent")
+    finally:
+        replicas.close()
+        stop(source)
+        stop(fresh)

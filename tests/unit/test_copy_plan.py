@@ -183,3 +183,19 @@ def test_a_tensor_changed_in_place_stays_with_the_loader() -> None:
     plan = CopyPlan(model.load_weights, model, enabled=True)
     plan.load(push(0))
     assert not plan.direct_names
+
+
+def test_what_a_plan_holds_reads_back_as_the_last_push_for_a_peer() -> None:
+    """A replica sends its weights to a peer by reading each name back from where the plan copied
+    it: the last push's values (a bf16 head read back from its fp32 parameter casts back exactly);
+    names the loader transformed, copied elsewhere or skipped cannot be read back."""
+    plan = pushed_through_a_plan(FusedModel(), pushes=2)
+    last = dict(push(1))
+    for name in ("q", "k", "v", "o"):
+        held = plan.held(name)
+        assert held is not None and torch.equal(held, last[name]), name
+    head = plan.held("head")
+    assert head is not None and torch.equal(head.to(torch.bfloat16), last["head"])
+    assert [plan.held(n) for n in ("scaled", "moved", "rotary.inv_freq", "never-pushed")] == [None] * 4
+    plan.forget()  # the weights moved (a sleep discarded them): nothing can be read back
+    assert plan.held("q") is None

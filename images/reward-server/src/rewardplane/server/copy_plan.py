@@ -151,6 +151,11 @@ class CopyPlan:
         self._opaque.clear()
 
     @property
+    def enabled(self) -> bool:
+        """Whether names are learned (REWARDPLANE_DIRECT_LOAD)."""
+        return self._enabled
+
+    @property
     def direct_names(self) -> frozenset[str]:
         return frozenset(self._views)
 
@@ -159,6 +164,13 @@ class CopyPlan:
         several). Whether the pushed tensor fits it exactly is the receiver's check."""
         views = self._views.get(name)
         return views[0] if views is not None and len(views) == 1 else None
+
+    def held(self, name: str) -> torch.Tensor | None:
+        """A parameter view that holds ``name``'s values as last loaded (the first of several: a
+        plain copy puts the same values in each), or None where the loader placed it (not learned,
+        or transformed on the way). Read for sending the weights to a peer."""
+        views = self._views.get(name)
+        return views[0] if views else None
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         direct_dst: list[torch.Tensor] = []

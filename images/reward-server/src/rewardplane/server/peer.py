@@ -8,26 +8,27 @@ manifest at the same version (``/update_param_batch``). This brings a new or res
 the current version without the trainer and without saved weights.
 
 While sending, the server counts as busy: pushes and restores are refused (409), so the weights
-cannot change under the broadcast; scoring goes on (sending only reads the parameters).
-Engines: those whose parameters live in this process (the transformers engine); a vLLM sender
-would need the gather in its workers and is refused with a clear message.
+cannot change under the broadcast; scoring goes on (sending only reads the parameters). The send
+runs in the worker that holds the parameters, on a thread of its own; this process starts it and
+polls for its end. On vLLM the worker reads each parameter back from where a push copied it
+(``CopyPlan.held``): a replica whose weights all came by a push since it started, at tensor-parallel
+size 1, can send; others are refused up front with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-
-import torch
+import time
 
 from rewardplane.protocol import SendWeightsRequest
-from rewardplane.transport.comm import Communicator, create_store
-from rewardplane.transport.transfer import send_buckets
 
 from .control_plane import WeightSyncService
 from .errors import Conflict
 
 log = logging.getLogger(__name__)
+
+POLL_S = 0.1  # how often the end of a send is asked for (a worker call each)
 
 
 async def send_weights(service: WeightSyncService, req: SendWeightsRequest) -> None:
@@ -45,51 +46,46 @@ async def send_weights(service: WeightSyncService, req: SendWeightsRequest) -> N
             f"version {req.version} is a LoRA adapter over the base weights (adapter-only push); adapters are not "
             "sent to peers: push again (the adapter, or merged weights) to bring the replica up"
         )
-    found = await service.port.call_workers("rp_named_parameters")
-    params = found[0] if len(found) == 1 else None
-    if params is None:
+    names = list(service.manifest)
+    problems = await service.port.call_workers("rp_peer_send_problem", names)
+    if len(problems) != 1:
         raise Conflict(
-            "this engine's parameters live in other processes (vLLM's workers), so it cannot send them to peers; "
-            "restore the replica from saved weights or push the full weights again"
+            f"this replica is tensor-parallel ({len(problems)} workers, each holding a shard): it cannot send its "
+            "weights to peers yet; restore the replica from saved weights (persistDir) or push the full weights again"
         )
-    metadata = list(service.manifest.values())
-    rank = req.world_size - 1
+    if problems[0] is not None:
+        raise Conflict(
+            f"this replica cannot send its weights to peers: {problems[0]}; restore the replica from saved weights "
+            "(persistDir) or push the full weights again"
+        )
+    metadata = [m.model_dump(mode="json") for m in service.manifest.values()]
     group_id = req.group_id or f"peer-v{req.version}"
+    await service.port.call_workers(
+        "rp_peer_send_start", metadata, req.port, req.world_size, req.bucket_bytes, req.timeout_s, group_id
+    )
 
-    def run() -> None:
-        store = create_store(
-            "0.0.0.0", req.port, is_master=True, world_size=req.world_size, timeout_s=req.timeout_s
-        )
-        device = next(iter(params.values())).device if params else torch.device("cpu")
-        comm = Communicator(
-            store,
-            rank=rank,
-            world_size=req.world_size,
-            device=device,
-            timeout_s=req.timeout_s,
-            group_id=group_id,
-        )
+    async def wait_for_the_end() -> None:
+        # the rendezvous and every collective are bounded by timeout_s; the margin covers the rest
+        deadline = time.monotonic() + 3 * req.timeout_s + 30
         try:
-            with torch.no_grad():
-                sent = send_buckets(comm, metadata, params, req.bucket_bytes, src=rank)
-            # The receivers commit only once every rank agrees that the transfer succeeded.
-            failed = comm.max_flag(0)
-        except BaseException:
-            comm.abort()  # the receivers see the group fail at once instead of waiting it out
-            raise
-        comm.close()
-        if failed:
-            log.warning("sent weights version %d, but a receiver reported a failure", req.version)
-        else:
-            log.info("sent weights version %d to %d peer rank(s): %d bytes", req.version, rank, sent)
-
-    async def guarded() -> None:
-        try:
-            await asyncio.to_thread(run)
+            while time.monotonic() < deadline:
+                outcome = (await service.port.call_workers("rp_peer_send_outcome"))[0]
+                if outcome is not None:
+                    ok, detail = outcome
+                    if ok:
+                        log.info("sent weights version %d to peers: %s", req.version, detail)
+                    else:
+                        # the receivers report their own failure; this replica only read its weights
+                        log.warning("sending weights version %d to peers failed: %s", req.version, detail)
+                    return
+                await asyncio.sleep(POLL_S)
+            log.error(
+                "sending weights version %d to peers did not end within %.0f s",
+                req.version,
+                3 * req.timeout_s + 30,
+            )
         except Exception:
-            # The receivers report their own failure (their update fails); this server's weights
-            # were only read, so it keeps serving.
-            log.exception("sending weights version %d to peers failed", req.version)
+            log.exception("following the send of weights version %d to peers failed", req.version)
 
     # Counted as the running update: a push or restore arriving meanwhile is refused (409).
-    service._update_task = service._spawn(guarded(), f"send-v{req.version}")
+    service._update_task = service._spawn(wait_for_the_end(), f"send-v{req.version}")
