@@ -58,15 +58,31 @@ async def send_weights(service: WeightSyncService, req: SendWeightsRequest) -> N
             f"this replica cannot send its weights to peers: {problems[0]}; restore the replica from saved weights "
             "(persistDir) or push the full weights again"
         )
+    if service.busy():  # a push may have arrived while the workers were asked
+        raise Conflict("a weight update is in progress; send after it finishes")
     metadata = [m.model_dump(mode="json") for m in service.manifest.values()]
     group_id = req.group_id or f"peer-v{req.version}"
-    await service.port.call_workers(
-        "rp_peer_send_start", metadata, req.port, req.world_size, req.bucket_bytes, req.timeout_s, group_id
-    )
+    limit_s = 3 * req.timeout_s + 30  # the rendezvous and every collective are bounded by timeout_s
+    started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    async def wait_for_the_end() -> None:
-        # the rendezvous and every collective are bounded by timeout_s; the margin covers the rest
-        deadline = time.monotonic() + 3 * req.timeout_s + 30
+    async def send() -> None:
+        try:
+            await service.port.call_workers(
+                "rp_peer_send_start",
+                metadata,
+                req.port,
+                req.world_size,
+                req.bucket_bytes,
+                req.timeout_s,
+                group_id,
+            )
+        except BaseException as e:  # cancelled too (a server stopping): the request must not wait forever
+            started.set_exception(e if isinstance(e, Exception) else Conflict("the server is stopping"))
+            if not isinstance(e, Exception):
+                raise
+            return
+        started.set_result(None)
+        deadline = time.monotonic() + limit_s
         try:
             while time.monotonic() < deadline:
                 outcome = (await service.port.call_workers("rp_peer_send_outcome"))[0]
@@ -79,13 +95,11 @@ async def send_weights(service: WeightSyncService, req: SendWeightsRequest) -> N
                         log.warning("sending weights version %d to peers failed: %s", req.version, detail)
                     return
                 await asyncio.sleep(POLL_S)
-            log.error(
-                "sending weights version %d to peers did not end within %.0f s",
-                req.version,
-                3 * req.timeout_s + 30,
-            )
+            log.error("sending weights version %d to peers did not end within %.0f s", req.version, limit_s)
         except Exception:
             log.exception("following the send of weights version %d to peers failed", req.version)
 
-    # Counted as the running update: a push or restore arriving meanwhile is refused (409).
-    service._update_task = service._spawn(wait_for_the_end(), f"send-v{req.version}")
+    # Counted as the running update from here on, with no await between the check above and this:
+    # a push or restore arriving meanwhile is refused (409), so the weights cannot change under the send.
+    service._update_task = service._spawn(send(), f"send-v{req.version}")
+    await started  # a send the worker could not start fails this request
