@@ -197,11 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         }
     finally:
-        server.stop()
-        try:
-            os.killpg(server.process.pid, 9)  # vLLM's engine core shares the server's session
-        except (ProcessLookupError, PermissionError):
-            pass
+        server.stop()  # returns once vLLM's engine core (in the server's session) is gone too
 
 
 def print_table(result: dict[str, Any]) -> None:

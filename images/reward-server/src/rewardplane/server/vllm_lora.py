@@ -109,7 +109,7 @@ def lora_model_from_tensors(
         )
     peft_helper.validate_legal(worker_manager.lora_config)  # rank and features vLLM was started for
     device = next(iter(tensors.values())).device
-    lora = build(
+    return build(
         lora_model_id=adapter_id,
         tensors={PEFT_PREFIX + n: t for n, t in tensors.items()},
         peft_helper=peft_helper,
@@ -119,7 +119,6 @@ def lora_model_from_tensors(
         weights_mapper=getattr(model, "hf_to_vllm_mapper", None),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
-    return lora
 
 
 @contextmanager

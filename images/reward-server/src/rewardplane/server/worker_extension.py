@@ -340,9 +340,9 @@ class RewardWeightSyncExtension:
                 shutil.rmtree(old[1], ignore_errors=True)
 
     def rp_named_parameters(self) -> dict[str, torch.Tensor] | None:
-        """The live parameters under their pushed names, for a peer send and the base fingerprint;
-        None where they are not (vLLM fuses q/k/v and gate/up, shards for TP, and its tensors cannot
-        travel back over its RPC)."""
+        """The live parameters under their pushed names, for the base fingerprint; None where they
+        are not (vLLM fuses q/k/v and gate/up, shards for TP, and its tensors cannot travel back over
+        its RPC). A peer send reads them in the worker instead (``rp_peer_send_start``)."""
         return None
 
     # ---- peer send: this replica's weights to a restarted one (peer.py) ---------------------------
