@@ -6,6 +6,7 @@
 #
 #   bash scripts/gpu-bg.sh start NAME GPUS MODE [ARGS]   # e.g. start tests 0,1,2 tests
 #   AFTER=sync bash scripts/gpu-bg.sh start tests 0,1,2 tests   # queued behind job "sync"
+#   AFTER="a b" bash scripts/gpu-bg.sh start op 0,1,2,3 tests ...  # queued behind jobs "a" and "b"
 #   bash scripts/gpu-bg.sh wait SECONDS [NAME ...]        # wait (bounded) for jobs; copy logs to $OUT
 #   bash scripts/gpu-bg.sh status                         # tails of every job's log, copied to $OUT
 #
@@ -36,10 +37,11 @@ case "${1:-}" in
     mkdir -p "$snap"
     # the tree without the carried wheels (they are installed already)
     tar --exclude=./.whl -cf - . | tar -xf - -C "$snap"
-    # AFTER=NAME: start only once job NAME has finished (e.g. two jobs on the same GPUs, one call)
-    after=${AFTER:+$BG/$AFTER/rc}
+    # AFTER="NAME ...": start only once every job named has finished (jobs sharing GPUs, one call)
+    after=""
+    for a in ${AFTER:-}; do after="$after $BG/$a/rc"; done
     (cd "$snap" && CUDA_VISIBLE_DEVICES=$gpus OUT=$d/out AFTER_RC=$after setsid nohup bash -c \
-      'while [ -n "$AFTER_RC" ] && [ ! -f "$AFTER_RC" ]; do sleep 2; done
+      'for rc in $AFTER_RC; do while [ ! -f "$rc" ]; do sleep 2; done; done
        bash scripts/gpu-run.sh "$@"; echo $? > '"$d"'/rc' _ "$@" > "$d/log" 2>&1 < /dev/null &)
     echo "started $name on GPUs $gpus${AFTER:+ after $AFTER}: $*" ;;
   wait)

@@ -385,23 +385,7 @@ def test_killed_container_is_restarted_and_restored(real_cluster: RealCluster) -
     restarts = pod.status.container_statuses[0].restart_count
     cid = pod.status.container_statuses[0].container_id.removeprefix("containerd://")
     # kill the container's process through the node's containerd, as an OOM kill would
-    subprocess.run(
-        [
-            "ctr",
-            "-a",
-            str(c.node.layout.containerd_sock),
-            "-n",
-            "k8s.io",
-            "tasks",
-            "kill",
-            "-s",
-            "SIGKILL",
-            cid,
-        ],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )
+    c.node.ctr(["tasks", "kill", "-s", "SIGKILL", cid], timeout=30)
 
     def restarted() -> bool:
         st = c.core.read_namespaced_pod(pod.metadata.name, NS).status.container_statuses[0]
@@ -646,8 +630,7 @@ def test_an_image_lost_from_containerd_is_imported_again(real_cluster: RealClust
     operator_tar = realnode.images_dir() / "operator.tar"
     [name] = realnode.archive_image_names(operator_tar)
     assert name in node.image_names()
-    sock = str(node.layout.containerd_sock)
-    subprocess.run(["ctr", "-a", sock, "-n", "k8s.io", "images", "rm", name], check=True, timeout=60)
+    node.ctr(["images", "rm", name])
     assert name not in node.image_names()
     assert node.import_images() == ["operator.tar"]  # the others are still there: skipped
     assert name in node.image_names()

@@ -338,7 +338,7 @@ class RealNode:
             self._start(
                 "containerd", [str(bins["containerd"]), "--config", str(lay.root / "containerd.toml")]
             )
-            self._wait("containerd", deadline, lambda: self._ctr(["version"], check=False).returncode == 0)
+            self._wait("containerd", deadline, lambda: self.ctr(["version"], check=False).returncode == 0)
             if import_images:
                 self.import_images()
             etcd_port, etcd_peer = free_port(), free_port()
@@ -426,7 +426,7 @@ class RealNode:
             stamp = f"{st.st_size}:{st.st_mtime_ns}"
             if stamps.get(str(path)) == stamp and set(archive_image_names(path)) <= present:
                 continue
-            self._ctr(["images", "import", str(path)], timeout=600)
+            self.ctr(["images", "import", str(path)], timeout=600)
             stamps[str(path)] = stamp
             imported.append(path.name)
             stamps_file.write_text(json.dumps(stamps, indent=2))
@@ -878,9 +878,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
                 )
             time.sleep(0.5)
 
-    def _ctr(
+    def ctr(
         self, args: list[str], *, check: bool = True, timeout: float = 60
     ) -> subprocess.CompletedProcess[str]:
+        """``ctr`` against the node's containerd, in the namespace the kubelet uses."""
         return _run(
             ["ctr", "-a", str(self.layout.containerd_sock), "-n", K8S_NAMESPACE, *args],
             check=check,
@@ -891,7 +892,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         """The image names the node's containerd lists (none while it is not running)."""
         if not self.layout.containerd_sock.exists():
             return set()
-        return set(self._ctr(["images", "ls", "-q"], check=False).stdout.split())
+        return set(self.ctr(["images", "ls", "-q"], check=False).stdout.split())
 
     def _has_image(self, ref: str) -> bool:
         return ref in self.image_names()
@@ -952,25 +953,25 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
             time.sleep(0.5)
 
     def _running_tasks(self) -> list[str]:
-        done = self._ctr(["tasks", "ls"], check=False)
+        done = self.ctr(["tasks", "ls"], check=False)
         return [line.split()[0] for line in done.stdout.splitlines()[1:] if "RUNNING" in line.split()[2:]]
 
     def _kill_containers(self) -> None:
         """Kill every container and sandbox left in the node's containerd, then remove them."""
         if _read_pid(self.layout, "containerd") is None:
             return
-        for task in self._ctr(["tasks", "ls", "-q"], check=False).stdout.split():
-            self._ctr(["tasks", "kill", "-a", "-s", "SIGKILL", task], check=False)
+        for task in self.ctr(["tasks", "ls", "-q"], check=False).stdout.split():
+            self.ctr(["tasks", "kill", "-a", "-s", "SIGKILL", task], check=False)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            states = self._ctr(["tasks", "ls"], check=False).stdout.splitlines()[1:]
+            states = self.ctr(["tasks", "ls"], check=False).stdout.splitlines()[1:]
             if all("STOPPED" in s for s in states):
                 break
             time.sleep(0.3)
-        for task in self._ctr(["tasks", "ls", "-q"], check=False).stdout.split():
-            self._ctr(["tasks", "rm", "-f", task], check=False)
-        for container in self._ctr(["containers", "ls", "-q"], check=False).stdout.split():
-            self._ctr(["containers", "rm", container], check=False)
+        for task in self.ctr(["tasks", "ls", "-q"], check=False).stdout.split():
+            self.ctr(["tasks", "rm", "-f", task], check=False)
+        for container in self.ctr(["containers", "ls", "-q"], check=False).stdout.split():
+            self.ctr(["containers", "rm", container], check=False)
 
     def _stop_leftover_processes(self) -> None:
         for pid, _ in _our_processes(self.layout):  # shims that outlived containerd
