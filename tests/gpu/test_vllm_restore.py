@@ -131,6 +131,8 @@ def test_a_fresh_replica_gets_the_weights_from_a_vllm_peer(tiny_seqcls_1label: P
     device = torch.device("cuda", 1)
     model = load_trainer_model(tiny_seqcls_1label, device)
     tok = AutoTokenizer.from_pretrained(tiny_seqcls_1label)
+    for side in ("source", "fresh"):
+        (tmp_path / side).mkdir()  # each server's log
     source = start_vllm_server(tiny_seqcls_1label, tmp_path / "source", gpu=0)
     fresh = start_vllm_server(tiny_seqcls_1label, tmp_path / "fresh", gpu=2)
     replicas = HttpReplicas()

@@ -9,8 +9,8 @@ only the activation's device-to-device copies remain.
 
 It reaches into vLLM's worker LoRA manager (``_load_adapter``, ``_lora_model_cls``), which is not
 a public API: where those differ (another vLLM version), ``VLLMInternalsChanged`` says so and the
-caller falls back to the directory. Opt-in for now (``REWARDPLANE_ADAPTER_LOAD=memory``): measured
-on H100s, but its GPU test has not yet passed on a device (docs/gpu.md).
+caller falls back to the directory. The default; ``REWARDPLANE_ADAPTER_LOAD=directory`` goes back to
+vLLM's public path (tests/gpu/test_vllm_adapter.py runs both on a device).
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ ADAPTER_LOADS = ("directory", "memory")
 
 
 def adapter_load_from_env() -> str:
-    """How workers hand a pushed adapter to vLLM: ``directory`` (the default: vLLM's public path)
-    or ``memory``."""
-    value = os.environ.get(ADAPTER_LOAD_ENV, "").strip().lower() or "directory"
+    """How workers hand a pushed adapter to vLLM: ``memory`` (the default: built from the received
+    tensors) or ``directory`` (vLLM's public path, 4.8× slower at 7B)."""
+    value = os.environ.get(ADAPTER_LOAD_ENV, "").strip().lower() or "memory"
     if value not in ADAPTER_LOADS:
         raise ValueError(
-            f"{ADAPTER_LOAD_ENV}={value!r} is not one of {', '.join(ADAPTER_LOADS)}: unset it (directory) "
-            "or set 'memory' to build adapters from the received tensors"
+            f"{ADAPTER_LOAD_ENV}={value!r} is not one of {', '.join(ADAPTER_LOADS)}: unset it (memory: "
+            "adapters built from the received tensors) or set 'directory' for vLLM's own loader"
         )
     return value
 
