@@ -50,15 +50,47 @@ def scores(url: str) -> list[float]:
 
 
 def timed(
-    push: Callable[[int], None], reps: int, versions: itertools.count[int], trainer: torch.device
+    push: Callable[[int], None],
+    reps: int,
+    versions: itertools.count[int],
+    trainer: torch.device,
+    after: Callable[[int], None] | None = None,
 ) -> list[float]:
+    """``reps`` pushes, each timed call -> served; ``after(version)`` runs after each, untimed."""
     out = []
     for _ in range(reps):
         torch.cuda.synchronize(trainer)
+        version = next(versions)
         t0 = time.perf_counter()
-        push(next(versions))
+        push(version)
         out.append(time.perf_counter() - t0)
+        if after is not None:
+            after(version)
     return out
+
+
+def step_ms(timeline: dict[str, float]) -> dict[str, float]:
+    """How long each server step of an adapter push took (ms), from the update's timeline: the
+    receive (staged), waiting for the lock, then the worker's steps (build or write, vLLM's add, dropping the
+    previous adapter, the plain parameters) and the cache reset up to the commit."""
+    order = [
+        "server0.announce_arrived",
+        "server0.returned",
+        "server0.locked",
+        "server0.adapter_unpacked",
+        "server0.adapter_built",
+        "server0.adapter_written",
+        "server0.adapter_added",
+        "server0.adapter_previous_dropped",
+        "server0.adapter_plain_loaded",
+        "server0.committed",
+        "trainer.served",
+    ]
+    present = [k for k in order if k in timeline]
+    return {
+        f"{a.removeprefix('server0.')} -> {b.removeprefix('server0.')}": round(timeline[b] - timeline[a], 3)
+        for a, b in itertools.pairwise(present)
+    }
 
 
 def run(
@@ -69,6 +101,8 @@ def run(
     build_trainer_model: Callable[[Path, torch.device], torch.nn.Module],
 ) -> int:
     from peft import LoraConfig, get_peft_model
+
+    from benchmarks.weight_sync import median_timeline, timeline
 
     trainer = torch.device("cuda", 1)
     torch.cuda.set_device(trainer)
@@ -139,7 +173,14 @@ def run(
             sync.sync(merged, version=v, training_mode=Mode.LORA)
 
         adapter_push(next(versions))  # warm-up: layouts announced, adapter machinery loaded
-        adapter_s = timed(adapter_push, args.reps, versions, trainer)
+        timelines: list[dict[str, float]] = []
+
+        def record(version: int) -> None:
+            assert sync is not None
+            timelines.append(timeline([server.url], dict(sync.open().last_stats), version))
+
+        adapter_s = timed(adapter_push, args.reps, versions, trainer, after=record)
+        adapter_timeline = median_timeline(timelines)
         adapter_scores = scores(server.url)
         merged_push(next(versions))
         merged_s = timed(merged_push, args.reps, versions, trainer)
@@ -157,6 +198,8 @@ def run(
             adapter_push_s=adapter_s,
             merged_push_s=merged_s,
             adapter_median_ms=1000 * statistics.median(adapter_s),
+            adapter_timeline_ms=adapter_timeline,
+            adapter_steps_ms=step_ms(adapter_timeline),
             merged_median_ms=1000 * statistics.median(merged_s),
             scores_adapter=adapter_scores,
             scores_merged=merged_scores,
@@ -180,6 +223,11 @@ def run(
     print(f"  adapter push, call -> served : {a:8.2f} ms median ({nbytes['adapter'] / 1e6:.2f} MB)")
     print(f"  merged push, call -> served  : {m:8.2f} ms median ({nbytes['merged'] / 1e6:.2f} MB)")
     print(f"  merged / adapter             : {m / a:.2f}x")
+    steps = results["adapter_steps_ms"]
+    assert isinstance(steps, dict)
+    print("  adapter push, server steps (median timeline, ms):")
+    for step, ms in steps.items():
+        print(f"    {step:<44} {ms:8.2f}")
     print(
         f"  max |score diff| adapter vs merged: {results['max_abs_score_diff']:.6f} over {len(TEXTS)} texts"
     )

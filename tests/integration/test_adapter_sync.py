@@ -79,6 +79,21 @@ def test_adapter_push_serves_the_peft_model_over_untouched_base_weights(lora_ser
         scores, version = served(lora_server)
         assert version == 1
         assert close(scores, logits(model, tiny_model_dir, TEXTS), tol=1e-5)
+        # where the push's time went, step by step (the benchmark reports these)
+        last = httpx.get(
+            lora_server.url + "/get_num_background_tasks", headers={"Authorization": f"Bearer {TOKEN}"}
+        ).json()["last_update"]
+        assert (last["version"], last["mode"], last["ok"]) == (1, "adapter", True)
+        steps = [
+            "returned",
+            "locked",
+            "adapter_unpacked",
+            "adapter_added",
+            "adapter_plain_loaded",
+            "committed",
+        ]
+        ms = last["after_announce_ms"]
+        assert [ms[k] for k in steps] == sorted(ms[k] for k in steps), ms
         after = checksums(lora_server)
         changed = sorted(n for n in before if after[n] != before[n])
         assert changed == ["score.weight"]  # the head came through modules_to_save; the base did not move

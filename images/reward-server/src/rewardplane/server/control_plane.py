@@ -313,8 +313,9 @@ class WeightSyncService:
                 stamps.update(result.pop("times"), returned=time.monotonic())
                 if result["ok"]:
                     async with guard.updating(timeout_s=req.timeout_s):
+                        stamps["locked"] = time.monotonic()
                         if adapter:
-                            await self._apply_adapter(layout, req)
+                            stamps.update(await self._apply_adapter(layout, req))
                         else:
                             await self.port.call_workers("rp_apply_staged", metadata)
                             await self._drop_adapter_under(req.training_mode)
@@ -590,15 +591,16 @@ class WeightSyncService:
         outcomes = await self.port.call_workers("rp_push_outcome", seq, timeout_s)
         return [PushLoaded.model_validate(o) for o in outcomes]
 
-    async def _apply_adapter(self, layout: Layout, req: UpdateParamBatchRequest) -> None:
+    async def _apply_adapter(self, layout: Layout, req: UpdateParamBatchRequest) -> dict[str, float]:
         """Under the exclusive lock: every worker serves the staged adapter under a fresh id, then
         scoring names it. If any worker fails, every worker drops its adapter (they could disagree)
-        and the caller marks the replica broken until the next push."""
+        and the caller marks the replica broken until the next push. Returns the slowest worker's
+        steps (the update's timeline)."""
         assert req.adapter is not None
         self._adapter_ids += 1
         adapter_id = self._adapter_ids
         try:
-            paths = await self.port.call_workers(
+            applied = await self.port.call_workers(
                 "rp_apply_adapter", layout.metadata, req.adapter.model_dump(mode="json"), adapter_id
             )
         except Exception:
@@ -609,8 +611,9 @@ class WeightSyncService:
             except Exception:
                 log.exception("dropping the adapters after a failed adapter update failed")
             raise
-        self.adapter = ServedAdapter(adapter_id, paths[0] if paths else None)
+        self.adapter = ServedAdapter(adapter_id, applied[0]["path"] if applied else None)
         self.port.use_adapter(self.adapter)
+        return _slowest(applied)
 
     async def _drop_adapter_under(self, mode: RewardModelTrainingMode) -> None:
         """A full or merged (lora) push carries the whole model, the adapter's effect included: the
@@ -759,16 +762,21 @@ async def _outcome(task: asyncio.Task[None]) -> str | None:
     return None
 
 
-def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One verdict from every worker's result."""
-    errors = [r["error"] for r in results if not r["ok"]]
+def _slowest(results: list[dict[str, Any]]) -> dict[str, float]:
+    """Each step's latest stamp over the workers' results (``times``): when every worker was past it."""
     times: dict[str, float] = {}
-    for r in results:  # the slowest worker's stamps
+    for r in results:
         for key, t in (r.get("times") or {}).items():
             if t is not None:
                 times[key] = max(t, times.get(key, t))
+    return times
+
+
+def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One verdict from every worker's result."""
+    errors = [r["error"] for r in results if not r["ok"]]
     return {
-        "times": times,
+        "times": _slowest(results),
         "ok": not errors,
         "partial": any(r["partial"] for r in results),
         "bytes": max((r["bytes"] for r in results), default=0),

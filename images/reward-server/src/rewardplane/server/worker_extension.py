@@ -270,10 +270,12 @@ class RewardWeightSyncExtension:
     # ---- adapter-only sync -------------------------------------------------------------------------
     def rp_apply_adapter(
         self, metadata: list[dict[str, Any]], adapter: dict[str, Any], adapter_id: int
-    ) -> str | None:
+    ) -> dict[str, Any]:
         """Serve the staged LoRA tensors as adapter ``adapter_id`` (replacing the current one), and load
         the staged plain parameters (e.g. the head) in place. The adapter is built and loaded before
-        anything changes: a bad one leaves the old adapter serving. Returns where it was written."""
+        anything changes: a bad one leaves the old adapter serving. Returns where it was written
+        (``path``, None when built in memory) and when each step ended (``times``, monotonic: the
+        update's timeline)."""
         metas = [ParamMeta(**m) for m in metadata]
         staged, self._rp_staged = self._rp_staged or [], None
         lora: dict[str, torch.Tensor] = {}
@@ -284,27 +286,36 @@ class RewardWeightSyncExtension:
                     lora[name] = tensor.clone()  # the staged buffer is freed; the adapter outlives it
                 else:
                     plain.append((name, tensor))
-        path = self.rp_set_adapter(lora, AdapterConfig(**adapter), adapter_id)
+        times = {"adapter_unpacked": time.monotonic()}
+        path = self.rp_set_adapter(lora, AdapterConfig(**adapter), adapter_id, times)
         self._rp_kept = None  # adapters are not persisted (docs/weight-sync.md)
         if plain:
             self.rp_load(plain)
-        return path
+        times["adapter_plain_loaded"] = time.monotonic()
+        return {"path": path, "times": times}
 
     def rp_set_adapter(
-        self, tensors: dict[str, torch.Tensor], adapter: AdapterConfig, adapter_id: int
+        self,
+        tensors: dict[str, torch.Tensor],
+        adapter: AdapterConfig,
+        adapter_id: int,
+        times: dict[str, float] | None = None,
     ) -> str | None:
         """vLLM: serve ``tensors`` as adapter ``adapter_id`` through the worker's LoRA manager, then
         drop the previous adapter. Scoring requests name it (``ServedAdapter``). The adapter is
         built from the tensors where they are (``vllm_lora.py``); where this vLLM's LoRA manager is
         not shaped for that, it is written in PEFT's format to a tmpfs directory and loaded from
-        there (vLLM's public path). Returns that directory, or None."""
+        there (vLLM's public path). Returns that directory, or None. ``times`` gets when the
+        adapter was built (or written), added to vLLM, and the previous one dropped."""
         from vllm.lora.request import LoRARequest
 
+        times = {} if times is None else times
         name = f"rp-adapter-{adapter_id}"
         if RewardWeightSyncExtension._rp_lora_from_memory:
             try:
                 manager = self.model_runner.lora_manager  # type: ignore[attr-defined]
                 lora = lora_model_from_tensors(manager, adapter_id, tensors, adapter)
+                times["adapter_built"] = time.monotonic()
                 with loading_from_memory(manager, adapter_id, lora):
                     loaded = self.add_lora(LoRARequest(name, adapter_id, IN_MEMORY_PATH))  # type: ignore[attr-defined]
             except VLLMInternalsChanged as e:
@@ -313,19 +324,24 @@ class RewardWeightSyncExtension:
             else:
                 if not loaded:
                     raise RuntimeError(f"vLLM did not load adapter {adapter_id}")
+                times["adapter_added"] = time.monotonic()
                 self._rp_drop_adapter()
                 self._rp_adapter = (adapter_id, None)
+                times["adapter_previous_dropped"] = time.monotonic()
                 return None
         path = _adapter_root() / str(adapter_id)
         write_peft_adapter(path, tensors, adapter)
+        times["adapter_written"] = time.monotonic()
         try:
             if not self.add_lora(LoRARequest(name, adapter_id, str(path))):  # type: ignore[attr-defined]
                 raise RuntimeError(f"vLLM did not load adapter {adapter_id}")
         except Exception:
             shutil.rmtree(path, ignore_errors=True)
             raise
+        times["adapter_added"] = time.monotonic()
         self._rp_drop_adapter()
         self._rp_adapter = (adapter_id, path)
+        times["adapter_previous_dropped"] = time.monotonic()
         return str(path)
 
     def rp_clear_adapter(self) -> None:
@@ -804,10 +820,16 @@ class HFWeightSyncWorker(RewardWeightSyncExtension):
         return self._rp_parameter_view(name)
 
     def rp_set_adapter(
-        self, tensors: dict[str, torch.Tensor], adapter: AdapterConfig, adapter_id: int
+        self,
+        tensors: dict[str, torch.Tensor],
+        adapter: AdapterConfig,
+        adapter_id: int,
+        times: dict[str, float] | None = None,
     ) -> str | None:
         with torch.no_grad():
             self._lora.set({n: t.to(self._device) for n, t in tensors.items()}, adapter)
+        if times is not None:
+            times["adapter_added"] = time.monotonic()
         return None
 
     def rp_clear_adapter(self) -> None:
