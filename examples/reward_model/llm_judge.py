@@ -34,6 +34,11 @@ from rewardplane.tinymodel import build_tiny_causal_lm
 
 TEMPLATE = "Rate the answer.\nQuestion: {prompt}\nAnswer: {response}"
 GOOD, BAD = "[[9]]", "[[1]]"
+# Training stops once the loss is below this (averaged over the last steps). A judge that gives
+# every answer one verdict plateaus near 0.12 (half the verdict digits wrong, over six answer
+# tokens); how long that plateau lasts varies with library versions, so a fixed step count is not
+# enough to get past it.
+LEARNED_LOSS = 0.02
 
 
 class JudgeResult(TypedDict):
@@ -82,13 +87,15 @@ def teach(
     judge: GenerativeJudge,
     tok: PreTrainedTokenizerBase,
     train: list[Rollout],
-    steps: int,
+    max_steps: int,
 ) -> list[float]:
+    """Supervised fine-tuning until the loss shows the judge tells the answers apart (below
+    ``LEARNED_LOSS`` over the last 5 steps), or ``max_steps``."""
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     rng = random.Random(0)
-    losses = []
+    losses: list[float] = []
     model.train()
-    for _ in range(steps):
+    while len(losses) < max_steps and not (len(losses) >= 5 and sum(losses[-5:]) / 5 < LEARNED_LOSS):
         loss = model(**sft_batch(judge, tok, rng.sample(train, min(16, len(train))))).loss
         opt.zero_grad()
         loss.backward()
@@ -127,10 +134,8 @@ def main() -> None:
                     f"preferred > rejected on {before:.0%} of held-out pairs"
                 )
                 model = AutoModelForCausalLM.from_pretrained(setup.model_dir, dtype=torch.float32)
-                losses = teach(
-                    model, judge, setup.tokenizer, rollouts_of(train_pairs), steps=80 if args.quick else 200
-                )
-                print(f"fine-tuning loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+                losses = teach(model, judge, setup.tokenizer, rollouts_of(train_pairs), max_steps=400)
+                print(f"fine-tuning loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
                 version = setup.pusher.push(model.state_dict(), training_mode=RewardModelTrainingMode.FULL)
                 after, failed_after = await judge_all(judge, test)
                 print(
