@@ -29,6 +29,7 @@ from rewardplane.protocol import RewardModelTrainingMode as Mode
 from rewardplane.sdk.direct_sync import DirectWeightSync
 from rewardplane.sdk.lora import adapter_payload
 from rewardplane.server.vllm_lora import adapter_load_from_env
+from rewardplane.testing.gpus import visible_gpus
 from rewardplane.testing.servers import free_port, launch_server, wait_healthy
 
 TEXTS = [
@@ -122,7 +123,7 @@ def run(
         work,
         token=token,
         extra_args=shlex.split(args.server_args),
-        env_extra={"CUDA_VISIBLE_DEVICES": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"},
+        env_extra={"CUDA_VISIBLE_DEVICES": visible_gpus(0), "VLLM_USE_FLASHINFER_SAMPLER": "0"},
         **opts,
     )
     versions = itertools.count(1)

@@ -27,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rewardplane.testing.gpus import visible_gpus  # noqa: E402
 from rewardplane.testing.servers import free_port  # noqa: E402
 from rewardplane.transport.comm import Communicator, create_store  # noqa: E402
 
@@ -77,7 +78,8 @@ def main() -> int:
     torch.cuda.set_device(dev)
     port, hold_s, measure_s = free_port(), 4.0, 2.0
     peer = subprocess.Popen(
-        [sys.executable, "-c", PEER, str(port), str(hold_s)], env=dict(os.environ, CUDA_VISIBLE_DEVICES="1")
+        [sys.executable, "-c", PEER, str(port), str(hold_s)],
+        env=dict(os.environ, CUDA_VISIBLE_DEVICES=visible_gpus(1)),
     )
     try:
         store = create_store("127.0.0.1", port, is_master=True, world_size=2, timeout_s=120)

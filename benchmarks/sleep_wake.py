@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -31,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from rewardplane.testing.gpus import visible_gpus
 from rewardplane.testing.servers import launch_server, wait_healthy
 
 TOKEN = "bench-sleep-token"
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(0)
     texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(32, 400))) for _ in range(args.prompts)]
 
-    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    gpu = visible_gpus(0)
     total = int(torch.cuda.mem_get_info(0)[1])
     free_idle = free_bytes()
     start = time.perf_counter()

@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
 from rewardplane.protocol.naming import select_head  # noqa: E402
 from rewardplane.sdk.direct_sync import DirectWeightSync  # noqa: E402
+from rewardplane.testing.gpus import visible_gpus  # noqa: E402
 from rewardplane.testing.servers import free_port, launch_server, wait_healthy  # noqa: E402
 from rewardplane.tinymodel import train_tokenizer  # noqa: E402
 from rewardplane.transport.comm import Communicator, create_store  # noqa: E402
@@ -111,7 +112,7 @@ def raw_broadcast_s(nbytes: int, chunk: int, reps: int, trainer: torch.device, p
                 str(chunk),
                 str(reps),
             ],
-            env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(r)),
+            env=dict(os.environ, CUDA_VISIBLE_DEVICES=visible_gpus(r)),
         )
         for r in range(peers)
     ]
@@ -361,7 +362,7 @@ def main() -> int:
             work,
             token=TOKEN,
             extra_args=shlex.split(args.server_args),
-            env_extra={"CUDA_VISIBLE_DEVICES": str(i), "VLLM_USE_FLASHINFER_SAMPLER": "0"},
+            env_extra={"CUDA_VISIBLE_DEVICES": visible_gpus(i), "VLLM_USE_FLASHINFER_SAMPLER": "0"},
             **opts,
         )
         for i in range(n)

@@ -17,6 +17,7 @@ import torch
 from rewardplane.protocol import RewardModelTrainingMode as Mode
 from rewardplane.protocol.naming import select_head
 from rewardplane.sdk.direct_sync import DirectWeightSync
+from rewardplane.testing.gpus import visible_gpus
 from rewardplane.testing.servers import free_port, start_server
 from tests.fixtures.models import TEXTS
 from tests.fixtures.trainer import load_model, perturbed, run_dying_trainer
@@ -38,7 +39,7 @@ def gpu_server(tiny_model_dir, tmp_path_factory):
         token=TOKEN,
         device="cuda",
         dtype="bfloat16",
-        env_extra={"CUDA_VISIBLE_DEVICES": "0"},
+        env_extra={"CUDA_VISIBLE_DEVICES": visible_gpus(0)},
     )
     yield h
     h.stop()
@@ -186,12 +187,12 @@ def test_a_push_over_nccl_sockets_lands_like_one_over_nvlink(tiny_model_dir, tmp
         token=TOKEN,
         device="cuda",
         dtype="bfloat16",
-        env_extra={"CUDA_VISIBLE_DEVICES": "0", **SOCKETS_ONLY},
+        env_extra={"CUDA_VISIBLE_DEVICES": visible_gpus(0), **SOCKETS_ONLY},
     )
     try:
         trainer = subprocess.run(
             [sys.executable, "-c", SOCKET_TRAINER, server.url, str(free_port()), str(tiny_model_dir), "31"],
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": "1", **SOCKETS_ONLY},
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": visible_gpus(1), **SOCKETS_ONLY},
             cwd=Path(__file__).resolve().parents[2],  # the repository root: the script imports tests.fixtures
             capture_output=True,
             text=True,

@@ -10,12 +10,12 @@ same for the transformers engine on CUDA.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import httpx
 import pytest
 
+from rewardplane.testing.gpus import visible_gpus
 from tests.gpu.vllm_support import (
     TEXTS,
     TOKEN,
@@ -56,13 +56,12 @@ def test_sleep_levels_free_gpu_memory_and_wake_to_the_same_weights(
     import torch
 
     # The server runs on the first GPU this process sees, which is this process's cuda:0.
-    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
     total = int(torch.cuda.mem_get_info(0)[1])
     server = wait_ready(
         start_vllm_server(
             tiny_seqcls_1label,
             tmp_path,
-            gpu=gpu,
+            gpu=0,
             gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
             enable_sleep_mode=True,
         )
@@ -110,11 +109,8 @@ def test_sleep_levels_free_gpu_memory_and_wake_to_the_same_weights(
 
 
 def test_sleep_without_sleep_mode_says_how_to_enable_it(tiny_seqcls_1label: Path, tmp_path: Path) -> None:
-    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
     server = wait_ready(
-        start_vllm_server(
-            tiny_seqcls_1label, tmp_path, gpu=gpu, gpu_memory_utilization=GPU_MEMORY_UTILIZATION
-        )
+        start_vllm_server(tiny_seqcls_1label, tmp_path, gpu=0, gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
     )
     try:
         r = httpx.post(f"{server.url}/sleep", json={"level": 1}, headers=AUTH, timeout=60)
@@ -132,13 +128,12 @@ def test_transformers_engine_on_cuda_frees_its_parameters_and_wakes_to_the_same_
     back; large tensors, so the driver sees their memory returned (a tiny model's share segments)."""
     from rewardplane.testing.servers import start_server
 
-    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
     server = start_server(
         seqcls_0_4b,
         tmp_path,
         token=TOKEN,
         device="cuda",
-        env_extra={"CUDA_VISIBLE_DEVICES": gpu},
+        env_extra={"CUDA_VISIBLE_DEVICES": visible_gpus(0)},
         startup_timeout_s=300,
     )
     try:

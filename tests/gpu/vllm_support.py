@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from rewardplane.testing.gpus import visible_gpus
 from rewardplane.testing.servers import ServerHandle, free_port, launch_server, wait_healthy
 
 TOKEN = "gpu-test-token"
@@ -67,8 +68,9 @@ def start_vllm_server(
     **opts: Any,
 ) -> ServerHandle:
     """Start (do not wait): the server runs on the GPU(s) named (``"0,1"`` with
-    ``tensor_parallel_size=2``), seen as its devices 0...; ``opts`` become server flags, ``env``
-    is added to its environment."""
+    ``tensor_parallel_size=2``; indices of this process's devices, so a job given GPUs 2,3 puts
+    ``gpu=0`` on GPU 2), seen as its devices 0...; ``opts`` become server flags, ``env`` is added to
+    its environment."""
     return launch_server(
         model_dir,
         log_dir,
@@ -77,7 +79,11 @@ def start_vllm_server(
         gpu_memory_utilization=gpu_memory_utilization,
         max_model_len=1024,
         extra_args=shlex.split(os.environ.get("RP_VLLM_SERVER_ARGS", "")),
-        env_extra={"CUDA_VISIBLE_DEVICES": str(gpu), "VLLM_USE_FLASHINFER_SAMPLER": "0", **(env or {})},
+        env_extra={
+            "CUDA_VISIBLE_DEVICES": visible_gpus(gpu),
+            "VLLM_USE_FLASHINFER_SAMPLER": "0",
+            **(env or {}),
+        },
         **opts,
     )
 
