@@ -39,7 +39,7 @@ ADAPTER_LOADS = ("directory", "memory")
 
 def adapter_load_from_env() -> str:
     """How workers hand a pushed adapter to vLLM: ``memory`` (the default: built from the received
-    tensors) or ``directory`` (vLLM's public path, 4.8× slower at 7B)."""
+    tensors) or ``directory`` (vLLM's public path, 4.3× slower at 7B)."""
     value = os.environ.get(ADAPTER_LOAD_ENV, "").strip().lower() or "memory"
     if value not in ADAPTER_LOADS:
         raise ValueError(
