@@ -299,7 +299,7 @@ class RewardWeightSyncExtension:
         tensors: dict[str, torch.Tensor],
         adapter: AdapterConfig,
         adapter_id: int,
-        times: dict[str, float] | None = None,
+        times: dict[str, float],
     ) -> str | None:
         """vLLM: serve ``tensors`` as adapter ``adapter_id`` through the worker's LoRA manager, then
         drop the previous adapter. Scoring requests name it (``ServedAdapter``). The adapter is
@@ -309,7 +309,6 @@ class RewardWeightSyncExtension:
         adapter was built (or written), added to vLLM, and the previous one dropped."""
         from vllm.lora.request import LoRARequest
 
-        times = {} if times is None else times
         name = f"rp-adapter-{adapter_id}"
         if RewardWeightSyncExtension._rp_lora_from_memory:
             try:
@@ -824,12 +823,11 @@ class HFWeightSyncWorker(RewardWeightSyncExtension):
         tensors: dict[str, torch.Tensor],
         adapter: AdapterConfig,
         adapter_id: int,
-        times: dict[str, float] | None = None,
+        times: dict[str, float],
     ) -> str | None:
         with torch.no_grad():
             self._lora.set({n: t.to(self._device) for n, t in tensors.items()}, adapter)
-        if times is not None:
-            times["adapter_added"] = time.monotonic()
+        times["adapter_added"] = time.monotonic()
         return None
 
     def rp_clear_adapter(self) -> None:
