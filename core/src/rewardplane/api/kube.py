@@ -67,6 +67,12 @@ class Kube:
             config.load_kube_config(config_file=kubeconfig, client_configuration=cfg, persist_config=False)
         return cls(cfg)
 
+    @property
+    def configuration(self) -> Any:
+        """The ``kubernetes`` package's Configuration these credentials came from (for the parts
+        that use that package's own client: the operator's leader election)."""
+        return self._cfg
+
     def connection_details(self) -> dict[str, Any]:
         """The same credentials for kopf's own client (``kopf.ConnectionInfo(**details)``)."""
         if self._cfg.refresh_api_key_hook is not None:

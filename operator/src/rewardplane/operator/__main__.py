@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -27,6 +28,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="seconds between periodic reconciles of each RewardModel besides its events (default 30)",
+    )
+    p.add_argument(
+        "--leader-election-namespace",
+        default=None,
+        help="namespace of the leadership Lease (one operator acts at a time); default: the Pod's own "
+        "(POD_NAMESPACE or its ServiceAccount's). Outside a cluster without this flag there is no election",
+    )
+    p.add_argument(
+        "--no-leader-election",
+        action="store_true",
+        help="act without holding the Lease (only where no second operator can run)",
     )
     p.add_argument("--log-level", default=os.environ.get("REWARDPLANE_LOG_LEVEL", "INFO"))
     p.add_argument(
@@ -60,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from rewardplane.api.kube import Kube
 
     from . import handlers, metrics  # noqa: F401  (importing registers the handlers)
+    from .leadership import Leadership, own_namespace
     from .reconcile import Reconciler
     from .weightsync_driver import WeightSyncDriver
 
@@ -87,14 +100,32 @@ def main(argv: list[str] | None = None) -> int:
         f"on port {args.metrics_port}" if args.metrics_port else "off",
         f"on port {args.liveness_port}" if args.liveness_port else "off",
     )
+    leadership = None
+    lease_namespace = None if args.no_leader_election else own_namespace(args.leader_election_namespace)
+    if lease_namespace is not None:
+        leadership = Leadership(kube.configuration, lease_namespace)
+        leadership.acquire()  # blocks: a second operator waits here until the first stops
+    else:
+        logging.getLogger("rewardplane.operator").warning(
+            "no leader election (%s): run only one operator against this cluster",
+            "--no-leader-election" if args.no_leader_election else "no namespace known outside a cluster",
+        )
+    try:
+        run_kopf(kopf, args, reconciler, weightsyncs)
+    finally:
+        if leadership is not None:
+            leadership.release()
+    return 0
+
+
+def run_kopf(kopf: Any, args: argparse.Namespace, reconciler: Any, weightsyncs: Any) -> None:
     kopf.run(
-        standalone=True,  # one operator, no peering objects needed
+        standalone=True,  # kopf's own peering is off: the Lease above decides who acts
         clusterwide=args.namespace is None,
         namespaces=[args.namespace] if args.namespace else (),
         memo=kopf.Memo(reconciler=reconciler, weightsyncs=weightsyncs),
         liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None,
     )
-    return 0
 
 
 if __name__ == "__main__":
