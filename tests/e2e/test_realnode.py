@@ -25,6 +25,7 @@ from rewardplane.localcluster.dev import helm_install_operator, local_image_tag
 from rewardplane.localcluster.diagnose import describe_namespace
 from rewardplane.tinymodel import build_tiny_reward_model
 from tests.e2e.conftest import OPERATOR_NAMESPACE, OPERATOR_RELEASE, RealCluster, wait_for
+from tests.e2e.service_watch import ServiceWatch
 from tests.fixtures.models import TEXTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -90,6 +91,10 @@ def ready_at(c: RealCluster, replicas: int, version: int | None = None) -> dict[
     ):
         return None
     return rm
+
+
+def service_watch(c: RealCluster, allowed: set[int], name: str = RM) -> ServiceWatch:
+    return ServiceWatch(c.core, name, NS, set(allowed))
 
 
 def handle(c: RealCluster) -> Any:
@@ -225,9 +230,8 @@ def test_rewardmodel_from_a_volume_becomes_ready(real_cluster: RealCluster) -> N
         assert pod.status.container_statuses[0].container_id.startswith("containerd://")
         assert ctr.image == server_image()
         assert ctr.resources.requests == RESOURCES["requests"] and ctr.resources.limits == RESOURCES["limits"]
-        assert (
-            ctr.readiness_probe.http_get.path == "/health" and ctr.liveness_probe.http_get.path == "/health"
-        )
+        # ready (in the Service) only once the operator admitted it at the model's weights version
+        assert ctr.readiness_probe.http_get.path == "/ready" and ctr.liveness_probe.http_get.path == "/health"
         # least privilege (with persistDir the server runs as root: the hostPath is root's)
         assert ctr.security_context.read_only_root_filesystem and ctr.security_context.capabilities.drop == [
             "ALL"
@@ -251,7 +255,9 @@ def test_pushes_from_a_trainer_on_the_host(real_cluster: RealCluster) -> None:
     from rewardplane.sdk import RewardModelTrainingMode, select_head
 
     model, tok = load_model(S.model_dir)
-    with handle(real_cluster) as rm:
+    # Scored through the Service throughout: while a push is in flight the old or the new version,
+    # never anything else.
+    with handle(real_cluster) as rm, service_watch(real_cluster, {0, 1}) as watch:
         with torch.no_grad():
             model.score.weight.mul_(-1.0)
         result = rm.push_weights(
@@ -259,6 +265,7 @@ def test_pushes_from_a_trainer_on_the_host(real_cluster: RealCluster) -> None:
         )
         assert result.replicas == 2
         assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), scores_of(model, tok, TEXTS))
+        watch.allowed = {1, 2}
         with torch.no_grad():
             gen = torch.Generator().manual_seed(1)
             for p in model.parameters():
@@ -266,6 +273,7 @@ def test_pushes_from_a_trainer_on_the_host(real_cluster: RealCluster) -> None:
         rm.push_weights(model.state_dict(), 2, RewardModelTrainingMode.FULL, timeout_s=120)
         S.expected = scores_of(model, tok, TEXTS)
         assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
+    watch.check(min_answers=10)
     S.version = 2
 
 
@@ -391,10 +399,17 @@ def test_killed_container_is_restarted_and_restored(real_cluster: RealCluster) -
         st = c.core.read_namespaced_pod(pod.metadata.name, NS).status.container_statuses[0]
         return st.restart_count > restarts
 
-    wait_for("the kubelet to restart the container", restarted, 120)
-    wait_for(
-        f"both replicas back on version {S.version}", lambda: ready_at(c, 2, S.version), READY_TIMEOUT_S, 2
-    )
+    # The restarted server comes back on its base weights (version 0): it must stay out of the
+    # Service until restored from its saved weights.
+    with service_watch(c, {S.version}) as watch:
+        wait_for("the kubelet to restart the container", restarted, 120)
+        wait_for(
+            f"both replicas back on version {S.version}",
+            lambda: ready_at(c, 2, S.version),
+            READY_TIMEOUT_S,
+            2,
+        )
+    watch.check(min_answers=10)
     with handle(c) as rm:
         assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
 
@@ -534,6 +549,77 @@ def test_scale_1_3_1_and_sigterm_ends_replicas_fast(real_cluster: RealCluster) -
         assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
     scale(1)
     wait_for("1 replica again", lambda: ready_at(c, 1, S.version), READY_TIMEOUT_S, 1)
+
+
+def ready_since_start_s(pod: Any) -> float | None:
+    """Seconds from the server container's start to the Pod's Ready (the API's timestamps, to the
+    second), once it is Ready."""
+    ready = next(
+        (cd for cd in pod.status.conditions or [] if cd.type == "Ready" and cd.status == "True"), None
+    )
+    statuses = pod.status.container_statuses or []
+    if ready is None or not statuses or statuses[0].state.running is None:
+        return None
+    return (ready.last_transition_time - statuses[0].state.running.started_at).total_seconds()
+
+
+def test_replicas_copied_from_a_peer_join_the_service_at_once(real_cluster: RealCluster) -> None:
+    """Without persistDir a new replica gets the model's weights from a healthy peer. Scored
+    through the Service the whole time, scale 1 → 3 and a deleted replica never show the base
+    weights to a client; each restored replica is admitted the moment its copy lands (the operator
+    follows the copy instead of waiting for its next resync). Prints the figures docs/reliability.md
+    carries."""
+    import torch
+
+    from rewardplane.sdk import RewardModelTrainingMode, select_head
+    from rewardplane.sdk.cluster import RewardModelHandle
+
+    c, name = real_cluster, "e2e-peer"
+
+    def ready(n: int) -> bool:
+        st = get_rm(c, name).get("status") or {}
+        eps = [e for e in st.get("endpoints") or [] if e.get("ready") and e.get("weightsVersion") == 1]
+        return st.get("readyReplicas") == n and len(eps) == n and len(model_pods(c, name)) == n
+
+    def scale(n: int) -> None:
+        c.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, NS, "rewardmodels", name, {"spec": {"replicas": n}}
+        )
+
+    c.custom.create_namespaced_custom_object(
+        GROUP, VERSION, NS, "rewardmodels", rm_body(1, f"pvc://{MODEL_CLAIM}/tiny-rm", None, name)
+    )
+    model, _ = load_model(S.model_dir)
+    with torch.no_grad():
+        model.score.weight.mul_(3.0)
+    with RewardModelHandle(name, NS, kubeconfig=c.kubeconfig) as rm:
+        rm.wait_ready(timeout_s=READY_TIMEOUT_S)
+        rm.push_weights(select_head(model.state_dict()), 1, RewardModelTrainingMode.HEAD_ONLY, timeout_s=120)
+    with service_watch(c, {1}, name) as watch:
+        asked = time.monotonic()
+        scale(3)
+        wait_for("3 replicas on version 1", lambda: ready(3), READY_TIMEOUT_S, 0.2)
+        scale_up_s = time.monotonic() - asked
+        victim = f"{name}-1"
+        old_uid = pod_uid(c, victim)
+        c.core.delete_namespaced_pod(victim, NS)
+
+        def back() -> float | None:
+            pod = {p.metadata.name: p for p in model_pods(c, name)}.get(victim)
+            if pod is None or pod.metadata.uid == old_uid or not ready(3):
+                return None
+            return ready_since_start_s(pod)
+
+        back_s = wait_for(f"{victim} back on version 1", back, READY_TIMEOUT_S, 0.2)
+    watch.check(min_answers=20)
+    assert watch.versions().keys() == {1}, watch.versions()
+    print(
+        f"\nreadmission: scale 1->3 to 3/3 Ready {scale_up_s:.1f} s; a deleted replica of three: "
+        f"container start -> Ready {back_s:.0f} s; {len(watch.answers)} answers through the Service, "
+        f"versions {dict(watch.versions())}, {watch.refused} refused"
+    )
+    c.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", name)
+    wait_for(f"{name}'s pods gone", lambda: not model_pods(c, name), 120, 1)
 
 
 def test_hub_model_fails_fast_and_says_why(real_cluster: RealCluster) -> None:

@@ -226,3 +226,25 @@ def test_three_labels_through_the_client(tiny_model_dir_3labels: Path, server_fa
     # pytest.approx does not nest: compare flattened vectors.
     assert [x for r in raw for x in r] == pytest.approx([x for r in reference for x in r], rel=1e-4, abs=1e-4)
     assert all(isinstance(p, list) and len(p) == 3 and sum(p) == pytest.approx(1, abs=1e-5) for p in probs)
+
+
+def test_batches_are_split_to_the_limit_the_server_names(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A server that takes 8 inputs per request: both clients read that from /model_info and split
+    a batch of 100 (no 400), scores in input order and equal to one request per text."""
+    from rewardplane.sdk import AsyncRewardClient, RewardClient
+
+    server = start_server(tiny_model_dir, tmp_path, extra_args=["--max-items-per-request", "8"])
+    try:
+        expected = [row[0] for row in reference_logits(tiny_model_dir, TEXTS)]
+        with RewardClient(server.url, retry=FAST) as client:
+            got = client.score_batch(TEXTS, normalize=False)
+        assert all(abs(g - e) < 1e-4 for g, e in zip(got, expected, strict=True))
+
+        async def run() -> list[float]:
+            async with AsyncRewardClient(server.url, retry=FAST) as client:
+                return await client.score_batch(TEXTS, normalize=False)  # type: ignore[return-value]
+
+        got_async = asyncio.run(run())
+        assert all(abs(g - e) < 1e-4 for g, e in zip(got_async, expected, strict=True))
+    finally:
+        server.stop()

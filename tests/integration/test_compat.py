@@ -341,3 +341,61 @@ def test_trl_reward_function_contract(server, model_dir):
     full = rendered(model_dir, [*CHAT, {"role": "assistant", "content": ANSWER}])
     assert close(conv[0], hf_scores(model_dir, [full], add_special_tokens=False)[0][0])
     reward.client.close()
+
+
+def test_openrlhf_with_two_reward_urls_gets_its_reward(server, model_dir):
+    """OpenRLHF shards a call over its URLs: with one rollout and two URLs the second gets empty
+    lists, which must be answered (200, no rewards), not refused, or OpenRLHF retries and fails."""
+    query = "<s>Question: capital of France?\nAnswer: Paris.</s>"
+    url = openrlhf_remote_url(server.url)
+    rm = OpenRLHFRemoteRM([url, url])
+    out = asyncio.run(asyncio.wait_for(rm.score(query, "Question: capital of France?", "Paris"), 30))
+    (expected,) = hf_scores(model_dir, [query], add_special_tokens=False)
+    assert len(out["reward"]) == 1 and close(out["reward"][0], expected[0]), out
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "key"),
+    [
+        ("/score", {"input": []}, "data"),
+        ("/classify", {"input": []}, "data"),
+        ("/pooling", {"input": []}, "data"),
+        ("/v1/embeddings", {"input": []}, "data"),
+        ("/get_reward", {"query": [], "prompts": [], "labels": []}, "rewards"),
+    ],
+)
+def test_an_empty_batch_is_answered_with_no_results(server, path, body, key):
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()[key] == [] and r.json()["version"] == 0
+
+
+def test_get_reward_checks_the_model_name_like_every_route(server, model_dir):
+    query = {"query": ["<s>one</s>"]}
+    assert httpx.post(f"{server.url}/get_reward", json={**query, "model": "tiny-rm"}).status_code == 200
+    assert httpx.post(f"{server.url}/get_reward", json={**query, "model": str(model_dir)}).status_code == 200
+    wrong = httpx.post(f"{server.url}/get_reward", json={**query, "model": "another-rm"})
+    assert wrong.status_code == 400 and "another-rm" in wrong.json()["error"]
+
+
+def test_model_info_tells_clients_the_item_limit(server):
+    info = httpx.get(f"{server.url}/model_info").json()
+    assert info["max_items_per_request"] == 1024
+
+
+def test_trl_reward_function_scores_a_grpo_step_beyond_the_server_limit(server):
+    """A GRPO step of 512 prompts x 8 completions is 4,096 texts, four times the server's 1,024 per
+    request: the client reads the limit from /model_info and splits, in order."""
+    reward = TRLRewardFunction(endpoints=[server.url], model_name="tiny-rm")
+    prompts = [f"Q: {i} + {i}? A:" for i in range(4096)]
+    completions = [f" {2 * i}" for i in range(4096)]
+    got = reward(prompts=prompts, completions=completions, completion_ids=[[1]] * 4096)
+    assert len(got) == 4096
+    picks = [0, 1023, 1024, 2500, 4095]
+    alone = reward(
+        prompts=[prompts[i] for i in picks],
+        completions=[completions[i] for i in picks],
+        completion_ids=[[1]] * 5,
+    )
+    assert [close(got[i], a) for i, a in zip(picks, alone, strict=True)] == [True] * 5
+    reward.client.close()

@@ -155,3 +155,15 @@ def test_trl_function_needs_a_server_and_one_float_per_completion() -> None:
     assert _float([0.1, 0.7], 1) == 0.7
     with pytest.raises(ValueError, match="label=<index>"):
         _float([0.1, 0.7], None)
+
+
+def test_a_local_checkpoint_is_accepted_by_its_absolute_path(tmp_path, monkeypatch):
+    from rewardplane.server.cli import local_spellings
+    from rewardplane.server.model_names import ModelNames
+
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    names = ModelNames.of("rm", "./ckpt", (), local_spellings("./ckpt"))
+    assert names.problem(str(tmp_path / "ckpt")) is None and names.problem("./ckpt/") is None
+    assert names.listed() == ["rm"]  # accepted, not listed in /v1/models
+    assert local_spellings("org/hub-id") == []

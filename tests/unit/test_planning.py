@@ -483,7 +483,8 @@ def test_pod_identity_labels_owner_and_placement() -> None:
     ]
     assert pod["spec"]["nodeName"] == "cpu-b"
     probe = _container(pod)["readinessProbe"]["httpGet"]
-    assert probe == {"path": "/health", "port": 8001}
+    assert probe == {"path": "/ready", "port": 8001}  # 200 only once the operator admitted it
+    assert "--require-admission" in _container(pod)["args"]
     assert pod["spec"]["volumes"][0]["secret"]["secretName"] == "rm-control-token"
     assert {p["name"]: p["containerPort"] for p in _container(pod)["ports"]} == {
         "http": 8001,

@@ -4,6 +4,7 @@ and the reconciler's restore driven against ``FakeReplicas`` and an in-memory AP
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -307,8 +308,9 @@ def test_driver_resumed_transfer_is_followed_to_completion() -> None:
 
 
 def test_reconciler_brings_a_new_replica_to_the_models_version_from_a_peer() -> None:
-    """Scale 1 → 2 without persistDir: the new replica serves base weights; the operator has the
-    healthy one send it the current version, and the model becomes Ready without the trainer."""
+    """Scale 1 → 2 without persistDir: the new replica serves base weights and is not admitted;
+    the operator has the healthy one send it the current version, follows the copy, reconciles the
+    moment it lands and admits the replica: the model becomes Ready without the trainer."""
     from rewardplane.operator.reconcile import Reconciler
 
     kube = MemoryKube()
@@ -330,9 +332,13 @@ def test_reconciler_brings_a_new_replica_to_the_models_version_from_a_peer() -> 
         },
     )
     fake = FakeReplicas(
-        {"http://10.0.0.10:8001": FakeReplica(version=3), "http://10.0.0.11:8001": FakeReplica()}
+        {
+            "http://10.0.0.10:8001": FakeReplica(version=3),
+            "http://10.0.0.11:8001": FakeReplica(admitted=False, polls_until_done=2),
+        }
     )
-    reconciler = Reconciler(kube, replicas=fake)  # type: ignore[arg-type]
+    later: list[Callable[[], None]] = []  # follow-up work the reconciler hands off
+    reconciler = Reconciler(kube, replicas=fake, later=lambda _delay, work: later.append(work))  # type: ignore[arg-type]
     reconciler.reconcile((NS, "rm"))  # creates the Pods and the token Secret
     secret = kube.get(core_path("secrets", NS, "rm-control-token")) or {}
     fake.token = base64.b64decode(secret["data"]["token"]).decode()  # what the servers were given
@@ -349,6 +355,7 @@ def test_reconciler_brings_a_new_replica_to_the_models_version_from_a_peer() -> 
     assert status["phase"] == "Progressing" and status["readyReplicas"] == 1
     events = [e["reason"] for e in kube.list(core_path("events", NS))]
     assert "ReplicaStale" in events and "ReplicaRestoring" in events
+    assert ("admission", "http://10.0.0.11:8001") not in fake.calls  # base weights: kept out
 
     # A second pass while the copy is in flight starts no second one.
     sends = fake.calls.count(("send_weights", "http://10.0.0.10:8001"))
@@ -356,8 +363,45 @@ def test_reconciler_brings_a_new_replica_to_the_models_version_from_a_peer() -> 
     reconciler.reconcile((NS, "rm"))
     assert fake.calls.count(("send_weights", "http://10.0.0.10:8001")) == sends
 
-    fake.replicas["http://10.0.0.11:8001"].polls_until_done = 0  # the copy lands
-    fake.runtime("http://10.0.0.11:8001")
-    reconciler.reconcile((NS, "rm"))
+    # The copy lands: the watcher handed off with the restore sees it and reconciles by itself.
+    fake.replicas["http://10.0.0.11:8001"].polls_until_done = 0
+    assert len(later) == 1
+    later.pop()()
+    assert fake.replicas["http://10.0.0.11:8001"].admitted
     status = (kube.get(custom_path(NS, "rm")) or {})["status"]
     assert status["phase"] == "Ready" and status["readyReplicas"] == 2 and status["weightsVersion"] == 3
+
+
+# ---------------------------------------------------------------- admission (pure)
+
+
+def test_admission_admits_replicas_on_the_models_version_and_takes_back_stale_ones() -> None:
+    from rewardplane.operator.recovery import admission_changes
+    from rewardplane.operator.status import ProbeResult
+
+    probes = {
+        "new-current": ProbeResult(version=5, state="serving", admitted=False),
+        "new-behind": ProbeResult(version=0, state="serving", admitted=False),
+        "broken": ProbeResult(version=5, state="broken", admitted=False),
+        "admitted": ProbeResult(version=5, state="serving", admitted=True),
+        "left-out": ProbeResult(version=4, state="serving", admitted=True),
+        "mid-push": ProbeResult(version=4, state="updating", admitted=True),
+        "silent": ProbeResult(error="ConnectError"),
+    }
+    changes = admission_changes(probes, target=5, stale={"new-behind", "left-out"})
+    assert changes.admit == ("new-current",)
+    # Only a stale replica loses its admission: one a version behind while a push commits is not.
+    assert changes.revoke == ("left-out",)
+
+
+def test_a_replica_left_out_of_a_completed_push_is_stale_even_without_a_restart() -> None:
+    from rewardplane.operator.recovery import identity, stale_replicas
+    from rewardplane.operator.status import ProbeResult
+
+    pod = {"metadata": {"name": "rm-1", "uid": "u1"}, "status": {"containerStatuses": [{"restartCount": 0}]}}
+    seen = {"rm-1": identity(pod)}  # it served the model's version before, same process
+    probes = {"rm-1": ProbeResult(version=4, state="serving")}
+    stale, _ = stale_replicas([pod], probes, target=5, current=seen)  # a push to 5 in flight
+    assert stale == set()
+    stale, _ = stale_replicas([pod], probes, target=5, current=seen, completed=5)  # push 5 done
+    assert stale == {"rm-1"}

@@ -65,8 +65,9 @@ def test_reward_pod_runs_non_root_with_probes_token_file_and_the_model_volume() 
     assert (
         spec["securityContext"]["fsGroup"] == NON_ROOT_UID and spec["automountServiceAccountToken"] is False
     )
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         assert ctr[probe]["httpGet"]["path"] == "/health"
+    assert ctr["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert ctr["args"][ctr["args"].index("--model") + 1] == f"{MODEL_MOUNT_DIR}/rm"
     assert ctr["args"][ctr["args"].index("--token-file") + 1] == TOKEN_FILE
     assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in spec[

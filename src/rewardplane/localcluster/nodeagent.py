@@ -421,6 +421,7 @@ class PodWorker(threading.Thread):
         self.rt.running_since = now
         self.rt.waiting_reason = self.rt.waiting_message = None
         self.rt.ready = self.readiness is None
+        self.rt.started = self.startup is None  # as the kubelet: started once the startup probe passed
         for tracker in (self.readiness, self.liveness, self.startup):
             if tracker:
                 tracker.healthy = tracker is self.liveness
@@ -513,6 +514,7 @@ class PodWorker(threading.Thread):
         tracker.record(ok, detail, time.time())
         if ok:
             tracker.healthy = True
+            self.rt.started = True
             self.agent.set_gpu_starting(self.uid, False)
             for other in (self.readiness, self.liveness):
                 if other:

@@ -400,6 +400,7 @@ class ContainerRuntime:
     pod_start: float | None = None
     pid: int | None = None
     running_since: float | None = None
+    started: bool = False  # the startup probe passed (or there is none)
     ready: bool = False
     restart_count: int = 0
     waiting_reason: str | None = "ContainerCreating"
@@ -456,7 +457,7 @@ def build_pod_status(rt: ContainerRuntime, now: float) -> dict[str, Any]:
         "image": rt.image,
         "imageID": "",
         "ready": ready,
-        "started": rt.running_since is not None,
+        "started": rt.running_since is not None and rt.started,
         "restartCount": rt.restart_count,
         "state": state,
         "lastState": _terminated(rt) if rt.last_exit and not rt.terminal_phase else {},

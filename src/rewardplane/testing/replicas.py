@@ -15,6 +15,8 @@ from typing import Any
 from rewardplane.operator.replicas import ReplicaError
 from rewardplane.operator.status import ProbeResult
 from rewardplane.protocol import (
+    AdmissionRequest,
+    AdmissionResponse,
     InitCommunicatorRequest,
     ParamMeta,
     RestoreWeightsRequest,
@@ -39,6 +41,8 @@ class FakeReplica:
     saved_version: int | None = None
     sleep_level: int | None = None
     """Set with ``state="sleeping"``: the level the replica sleeps at."""
+    admitted: bool = True
+    """False: started with --require-admission and not admitted yet."""
     _pending: int | None = None
     _polls: int = 0
     _last_error: str | None = None
@@ -53,6 +57,7 @@ CONTROL_PLANE_CALLS = frozenset(
         "update_param_batch",
         "restore_weights",
         "send_weights",
+        "admission",
     }
 )
 
@@ -80,7 +85,7 @@ class FakeReplicas:
             r = self._get("probe", url)
         except ReplicaError as exc:
             return ProbeResult(error=str(exc))
-        return ProbeResult(version=r.version, state=r.state, sleep_level=r.sleep_level)
+        return ProbeResult(version=r.version, state=r.state, sleep_level=r.sleep_level, admitted=r.admitted)
 
     def runtime(self, url: str) -> Mapping[str, Any]:
         r = self._get("runtime", url)
@@ -128,3 +133,16 @@ class FakeReplicas:
             raise ReplicaError(
                 f"{url}/send_weights answered 409: serves version {r.version}, not {req.version}"
             )
+
+    def admission(self, url: str, token: str, req: AdmissionRequest) -> AdmissionResponse:
+        r = self._get("admission", url, token)
+        if req.admit and (r.version != req.version or r.state == "broken"):
+            raise ReplicaError(
+                f"{url}/admission answered 409: serves version {r.version} ({r.state}), not {req.version}"
+            )
+        changed, r.admitted = r.admitted != req.admit, req.admit
+        return AdmissionResponse(admitted=r.admitted, version=r.version, changed=changed)
+
+    def wait_for_version(self, url: str, version: int, timeout_s: float) -> Mapping[str, Any]:
+        """One poll (a real server holds the call until the version serves or the timeout)."""
+        return self.runtime(url)

@@ -4,12 +4,13 @@ Imported by the server, the SDK and the operator. It depends only on pydantic, s
 client needs neither torch nor the server's dependencies. Submodules: ``modes`` (training modes,
 pooling), ``endpoints`` (paths, headers, token variables), ``ports`` (port derivation), ``scoring``
 (scoring requests and answers), ``compat`` (the vLLM, OpenAI and OpenRLHF shapes), ``weights`` (the weight-sync control plane and bucket layout),
-``sleep`` (sleep and wake), ``auth`` (control-plane token), ``naming`` (parameter-name normalisation).
+``sleep`` (sleep and wake), ``admission`` (when an operator-run replica takes traffic), ``auth`` (control-plane token), ``naming`` (parameter-name normalisation).
 """
 
 from __future__ import annotations
 
 from .adapters import DEFAULT_SYNC_MODE, AdapterConfig, WeightSyncMode, resolve_sync_mode
+from .admission import AdmissionRequest, AdmissionResponse, ReadyResponse
 from .compat import (
     ChatCompletionChoice,
     ChatCompletionMessage,
@@ -119,6 +120,9 @@ from .weights import (
 )
 
 __all__ = [
+    "AdmissionRequest",
+    "AdmissionResponse",
+    "ReadyResponse",
     "DEFAULT_SYNC_MODE",
     "AdapterConfig",
     "WeightSyncMode",

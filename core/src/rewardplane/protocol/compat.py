@@ -241,6 +241,9 @@ class GetRewardRequest(BaseModel):
     ]
     prompts: list[Any] | None = None
     labels: list[Any] | None = None
+    model: str | None = Field(
+        default=None, description="Checked like every scoring route's: a name this server answers to."
+    )
     add_special_tokens: StrictBool = False
     truncate: StrictBool = Field(
         default=False, description="Cut inputs longer than the server's max tokens instead of a 400."

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 class Endpoints:
     HEALTH = "/health"
+    READY = "/ready"  # the readiness probe: 200 only while the replica takes traffic (admission)
     SCORE = "/score"
     CLASSIFY = "/classify"
     POOLING = "/pooling"
@@ -31,6 +32,7 @@ class Endpoints:
     SEND_WEIGHTS = "/send_weights"
     SLEEP = "/sleep"
     WAKE = "/wake"
+    ADMISSION = "/admission"
 
 
 CONTROL_PLANE_PATHS = frozenset(
@@ -45,6 +47,7 @@ CONTROL_PLANE_PATHS = frozenset(
         Endpoints.SEND_WEIGHTS,
         Endpoints.SLEEP,
         Endpoints.WAKE,
+        Endpoints.ADMISSION,
     }
 )
 

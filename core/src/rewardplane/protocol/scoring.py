@@ -96,6 +96,8 @@ class HealthResponse(BaseModel):
     version: int = 0
     state: str = "serving"
     sleep_level: int | None = None
+    # False while a replica started with --require-admission waits for the operator (protocol.admission)
+    admitted: bool = True
 
 
 class RuntimeVersionResponse(BaseModel):
@@ -121,6 +123,9 @@ class ModelInfo(BaseModel):
     # 0: this server takes no LoRA adapters (adapter-only sync refused); else the largest rank it serves
     max_lora_rank: int = 0
     task: ModelTask = ModelTask.SCORE
+    # The most inputs one scoring request may carry (--max-items-per-request): clients split larger
+    # batches to it. None from a server that does not say.
+    max_items_per_request: int | None = None
 
 
 class ErrorResponse(BaseModel):

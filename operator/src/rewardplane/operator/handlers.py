@@ -22,7 +22,7 @@ from rewardplane.api.names import RM_PLURAL as PLURAL
 
 from .cluster import NETWORK_POLICIES, SECRETS, SERVICES, IndexedCluster, plain, summary
 from .planning import NodeInfo, node_info
-from .status import pod_ready
+from .status import pod_ready, server_started
 
 RESOURCE = (GROUP, VERSION, PLURAL)
 # How often every RewardModel is re-checked besides its events (spec changes, Pod changes, pushes
@@ -170,7 +170,12 @@ def pod_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **kwargs: An
     state = (
         None
         if type == "DELETED"
-        else (pod_ready(body), (body.get("status") or {}).get("podIP"), bool(meta.get("deletionTimestamp")))
+        else (
+            pod_ready(body),
+            server_started(body),  # up and waiting for its admission (ready only after it)
+            (body.get("status") or {}).get("podIP"),
+            bool(meta.get("deletionTimestamp")),
+        )
     )
     if not memo.reconciler.pod_state_changed((meta["namespace"], meta["name"]), state):
         return  # status heartbeats of an unchanged Pod: nothing to do

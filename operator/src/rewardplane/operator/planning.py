@@ -234,6 +234,7 @@ OPERATOR_FLAGS = {
     "--gpu-memory-utilization": "spec.gpu.memoryFraction",
     "--tensor-parallel-size": "spec.tensorParallelSize",
     "--token-file": "(the control-token Secret)",
+    "--require-admission": "(the operator admits each replica at the model's weights version)",
     "--weights-dir": "spec.weightSync.persistDir",
     "--enable-lora": "spec.lora.enabled",
     "--max-lora-rank": "spec.lora.maxRank",

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
@@ -22,7 +22,7 @@ from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
 from rewardplane.api.names import ANNOTATION_GROUP_PORT, API_VERSION, WS_PLURAL
 from rewardplane.api.names import RM_KIND as KIND
 from rewardplane.api.spec import GpuMode, InvalidSpecError
-from rewardplane.protocol import RestoreWeightsRequest
+from rewardplane.protocol import AdmissionRequest, RestoreWeightsRequest
 
 from . import metrics
 from .cluster import (
@@ -37,7 +37,7 @@ from .cluster import (
 )
 from .coalesce import Coalescer
 from .planning import ClusterView, Plan, gpus_in_use, plan_reward_model
-from .recovery import Identity, identity, restore_plan, stale_replicas
+from .recovery import Identity, admission_changes, identity, restore_plan, stale_replicas
 from .render import (
     ANNOTATION_SPEC_HASH,
     TOKEN_KEY,
@@ -58,6 +58,7 @@ from .status import (
     pod_ready,
     replica_index,
     restore_failed_message,
+    server_started,
     transition_events,
 )
 from .weightsync import completed_version
@@ -69,6 +70,9 @@ COMPONENT = "rewardplane-operator"
 _EVENT_MESSAGE_LIMIT = 1024  # the API server refuses longer Event messages
 RESTORE_TIMEOUT_S = 300.0  # loading saved weights from disk, or receiving them from a peer
 PEER_RETRY_S = 30.0  # after a peer restore could not start
+# A started replica that could not be probed or admitted yet is looked at again this soon (its Pod
+# sends no further event until it is Ready, which needs the admission).
+ADMISSION_RETRY_S = 1.0
 
 
 def _owned_by(obj: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
@@ -81,6 +85,14 @@ def now_rfc3339() -> str:
 
 
 Key = tuple[str, str]  # (namespace, name)
+Later = Callable[[float, Callable[[], None]], None]
+
+
+def in_background(delay_s: float, work: Callable[[], None]) -> None:
+    """Run ``work`` on a daemon thread of its own after ``delay_s`` seconds."""
+    timer = threading.Timer(delay_s, work)
+    timer.daemon = True
+    timer.start()
 
 
 class Reconciler:
@@ -91,8 +103,12 @@ class Reconciler:
         replicas: Replicas | None = None,
         *,
         delete_children: bool = False,
+        later: Later = in_background,
     ) -> None:
         self.kube = kube
+        # Where follow-up work runs (an admission retry, following a peer restore); unit tests
+        # pass a recorder and run it themselves.
+        self.later = later
         self.namespace = namespace  # None: the whole cluster
         # A cluster with a garbage collector (every real one) deletes the owned children itself;
         # only a control plane without a controller-manager (the node-agent dev cluster) needs us to.
@@ -113,6 +129,7 @@ class Reconciler:
         self._unrecoverable_told: dict[Key, Identity] = {}
         # The model as our last status PATCH answered, until the index has caught up with it.
         self._written: dict[Key, dict[str, Any]] = {}
+        self._retry_pending: set[Key] = set()  # models with an admission retry timer running
 
     # ---------------------------------------------------------------- entry points
 
@@ -201,7 +218,7 @@ class Reconciler:
         results: dict[str, ProbeResult] = {}
         for pod in pods:
             ip = (pod.get("status") or {}).get("podIP")
-            if plan is None or not ip or not pod_ready(pod):
+            if plan is None or not ip or not server_started(pod):
                 continue
             results[pod["metadata"]["name"]] = self.replicas.probe(self._url(pod, plan))
         return results
@@ -370,9 +387,12 @@ class Reconciler:
         )
         live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
         with self._guard:
-            stale, self._serving[key] = stale_replicas(live, probes, target, self._serving.get(key, {}))
+            stale, self._serving[key] = stale_replicas(
+                live, probes, target, self._serving.get(key, {}), completed=known or 0
+            )
             newly = stale - self._stale.get(key, set())
             self._stale[key] = stale
+        self._admit(rm, plan, live, probes, stale, target)
         status = compute_status(
             rm,
             plan,
@@ -397,6 +417,84 @@ class Reconciler:
         if stale and self._restore(rm, plan, live, probes, stale, target):
             self._coalesce.mark_dirty(key)  # re-read the restored replicas right away
         return "ok"
+
+    def _admit(
+        self,
+        rm: Mapping[str, Any],
+        plan: Plan,
+        pods: list[dict[str, Any]],
+        probes: Mapping[str, ProbeResult],
+        stale: set[str],
+        target: int,
+    ) -> None:
+        """Admit the replicas that serve ``target`` and take the admission back from stale ones;
+        the kubelet's next readiness probe moves them in or out of the Service's endpoints. A started
+        replica not admitted yet (no answer, or a refused admission) is looked at again shortly."""
+        ns, name = rm["metadata"]["namespace"], rm["metadata"]["name"]
+        by_name = {p["metadata"]["name"]: p for p in pods}
+        changes = admission_changes({n: p for n, p in probes.items() if n in by_name}, target, stale)
+        retry = any(
+            server_started(p) and not pod_ready(p) and (probes.get(n) is None or probes[n].error is not None)
+            for n, p in by_name.items()
+        )
+        if changes.admit or changes.revoke:
+            token = self._token(ns, name)
+            for pod_name, admit in [(n, True) for n in changes.admit] + [(n, False) for n in changes.revoke]:
+                try:
+                    self.replicas.admission(
+                        self._url(by_name[pod_name], plan),
+                        token,
+                        AdmissionRequest(version=target, admit=admit),
+                    )
+                except ReplicaError as exc:
+                    retry = True
+                    log.info(
+                        "%s/%s: %s of %s failed: %s",
+                        ns,
+                        name,
+                        "admission" if admit else "eviction",
+                        pod_name,
+                        exc,
+                    )
+                    continue
+                metrics.POD_ACTIONS.labels(action="admit" if admit else "evict").inc()
+                log.info(
+                    "%s/%s: %s %s at weights version %d",
+                    ns,
+                    name,
+                    "admitted" if admit else "took the admission back from",
+                    pod_name,
+                    target,
+                )
+        if retry:
+            self._retry_later((ns, name))
+
+    def _retry_later(self, key: Key) -> None:
+        with self._guard:
+            if key in self._retry_pending:
+                return
+            self._retry_pending.add(key)
+
+        def again() -> None:
+            with self._guard:
+                self._retry_pending.discard(key)
+            self.request(key, "admission")
+
+        self.later(ADMISSION_RETRY_S, again)
+
+    def _watch_peer_restore(self, key: Key, urls: list[str], target: int) -> None:
+        """Reconcile the moment the receivers of a peer restore serve ``target`` (or it ends
+        otherwise), so they are admitted at once rather than at the next resync."""
+
+        def watch() -> None:
+            for url in urls:
+                try:
+                    self.replicas.wait_for_version(url, target, RESTORE_TIMEOUT_S)
+                except ReplicaError as exc:
+                    log.info("%s/%s: following a peer restore at %s: %s", *key, url, exc)
+            self.request(key, "restored")
+
+        self.later(0.0, watch)
 
     def _restore(
         self,
@@ -500,6 +598,7 @@ class Reconciler:
                     for p in receivers:
                         self._restoring[(ns, p["metadata"]["name"])] = (identity(p), now + RESTORE_TIMEOUT_S)
                 metrics.POD_ACTIONS.labels(action="peer-restore").inc()
+                self._watch_peer_restore((ns, name), [self._url(p, plan) for p in receivers], target)
                 self._post_event(
                     rm,
                     Event(

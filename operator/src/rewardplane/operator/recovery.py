@@ -1,4 +1,5 @@
-"""Pure restart-recovery decisions: which replicas came back on older weights than the model serves.
+"""Pure restart-recovery decisions: which replicas came back on older weights than the model serves,
+and which the operator admits to traffic (``rewardplane.protocol.admission``).
 
 A server that restarts (new Pod UID, or a higher container restart count) loads its base weights.
 If it then reports a version older than the model's, it is *stale*: left out of the endpoints,
@@ -30,11 +31,15 @@ def stale_replicas(
     probes: Mapping[str, ProbeResult],
     target: int,
     current: Mapping[str, Identity],
+    completed: int = 0,
 ) -> tuple[set[str], dict[str, Identity]]:
     """(stale pod names, updated map pod → identity last seen serving ``target``).
 
     ``current`` is that map from the previous pass (empty after an operator restart: then every
     replica behind the model counts as stale, which is right since no push is running).
+    ``completed``: the version of the model's last completed push. A replica behind it is stale
+    whatever its identity: every target of that push serves it, so this one was left out (it did
+    not answer when the push was planned) and will not catch up by itself.
     """
     stale: set[str] = set()
     seen = {k: v for k, v in current.items()}
@@ -51,7 +56,7 @@ def stale_replicas(
             continue
         if probe.state == STATE_BROKEN:
             continue  # a failed push left it broken; the next push repairs it
-        if seen.get(name) != ident:
+        if seen.get(name) != ident or probe.version < completed:
             stale.add(name)
     return stale, {k: v for k, v in seen.items() if k in live}
 
@@ -101,3 +106,28 @@ def restore_plan(
     if not sources:
         return RestorePlan(from_disk=from_disk, unrecoverable=tuple(rest))
     return RestorePlan(from_disk=from_disk, peer_source=sources[0], from_peer=tuple(rest))
+
+
+@dataclass(frozen=True)
+class AdmissionChanges:
+    """Which replicas the operator admits to traffic, and which it takes the admission back from."""
+
+    admit: tuple[str, ...] = ()
+    revoke: tuple[str, ...] = ()
+
+
+def admission_changes(
+    probes: Mapping[str, ProbeResult], target: int, stale: Collection[str]
+) -> AdmissionChanges:
+    """Admit an unadmitted replica that serves ``target`` (the model's version) and is not stale;
+    take the admission back from an admitted one that is stale (behind the model: restarted onto
+    older weights, or left out of a completed push). A replica mid-push (one version behind while
+    the others commit) is not stale, so it is never taken out for a push in flight."""
+    answered = {n: p for n, p in probes.items() if p.error is None and p.version is not None}
+    admit = sorted(
+        n
+        for n, p in answered.items()
+        if not p.admitted and p.version == target and n not in stale and p.state != STATE_BROKEN
+    )
+    revoke = sorted(n for n, p in answered.items() if p.admitted and n in stale)
+    return AdmissionChanges(tuple(admit), tuple(revoke))

@@ -47,10 +47,11 @@ SCRATCH_DIR = "/rewardplane-scratch"
 NON_ROOT_UID = 65532
 HTTP_PORT_NAME = "http"
 GROUP_PORT_NAME = "nccl-group"
-# Readiness: a server is only worth traffic after it loaded the model and answers /health.
-READINESS_PERIOD_S = 5
+# Readiness (GET /ready): a server takes traffic only once the operator admitted it at the model's
+# weights version (rewardplane.protocol.admission); probed often, since the admission waits for it.
+READINESS_PERIOD_S = 1
 READINESS_TIMEOUT_S = 3
-READINESS_FAILURES = 3
+READINESS_FAILURES = 5
 # Loading a large model takes minutes: the startup probe allows up to 30 min before liveness
 # (a stuck event loop, or a broken replica: /health answers 503) may restart the container.
 STARTUP_PERIOD_S = 2
@@ -138,6 +139,9 @@ def server_args(plan: Plan, replica: ReplicaPlan, owner_uid: str = "") -> list[s
         TOKEN_FILE,
         "--task",
         spec.model.task.value,
+        # out of the Service until the operator admits it at the model's version (a restarted
+        # container comes back on its base weights)
+        "--require-admission",
     ]
     if spec.model.task is ModelTask.SCORE:  # the score head's options; a generative model has none
         args += ["--pooling", spec.model.pooling, "--num-labels", str(spec.model.num_labels)]
@@ -224,8 +228,8 @@ def spec_hash(pod: Mapping[str, Any], pinned_node: str | None) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def _health_probe(plan: Plan, **timing: int) -> dict[str, Any]:
-    return {"httpGet": {"path": Endpoints.HEALTH, "port": plan.ports.http}, **timing}
+def _health_probe(plan: Plan, path: str = Endpoints.HEALTH, **timing: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": plan.ports.http}, **timing}
 
 
 def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[str, Any]:
@@ -251,6 +255,7 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
         ),
         "readinessProbe": _health_probe(
             plan,
+            Endpoints.READY,
             periodSeconds=READINESS_PERIOD_S,
             timeoutSeconds=READINESS_TIMEOUT_S,
             failureThreshold=READINESS_FAILURES,

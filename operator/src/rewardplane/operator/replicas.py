@@ -8,6 +8,7 @@ raises ``ReplicaError`` naming the URL and what the server said.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -15,6 +16,8 @@ from typing import Any, Protocol
 import httpx
 
 from rewardplane.protocol import (
+    AdmissionRequest,
+    AdmissionResponse,
     BackgroundTasksResponse,
     Endpoints,
     HealthResponse,
@@ -33,6 +36,7 @@ from .status import ProbeResult
 # Short: a hung server must not hold up the status of every other replica.
 PROBE_TIMEOUT = httpx.Timeout(2.0, connect=1.0)
 CALL_TIMEOUT = httpx.Timeout(10.0, connect=3.0)
+WAIT_POLL_S = 30.0  # one long poll of /runtime_version (the server takes at most 300 s)
 
 
 class ReplicaError(RuntimeError):
@@ -61,6 +65,10 @@ class Replicas(Protocol):
     def restore_weights(self, url: str, token: str, req: RestoreWeightsRequest) -> None: ...
 
     def send_weights(self, url: str, token: str, req: SendWeightsRequest) -> None: ...
+
+    def admission(self, url: str, token: str, req: AdmissionRequest) -> AdmissionResponse: ...
+
+    def wait_for_version(self, url: str, version: int, timeout_s: float) -> Mapping[str, Any]: ...
 
 
 def _detail(resp: httpx.Response) -> str:
@@ -96,7 +104,7 @@ class HttpReplicas:
         except ValueError as exc:
             raise ReplicaError(f"{url}{path} answered something that is not JSON: {resp.text[:200]}") from exc
 
-    def _post(self, url: str, path: str, token: str, body: dict[str, Any], timeout_s: float) -> None:
+    def _post(self, url: str, path: str, token: str, body: dict[str, Any], timeout_s: float) -> Any:
         try:
             resp = self._http.post(
                 url + path,
@@ -108,16 +116,25 @@ class HttpReplicas:
             raise ReplicaError(f"{url}{path} did not answer: {type(exc).__name__}: {exc}") from exc
         if resp.status_code >= 400:
             raise ReplicaError(f"{url}{path} answered {resp.status_code}: {_detail(resp)}")
+        try:
+            return resp.json()
+        except ValueError:
+            return None
 
     def probe(self, url: str) -> ProbeResult:
         try:
-            HealthResponse.model_validate(self._get(url, Endpoints.HEALTH, timeout=PROBE_TIMEOUT))
+            health = HealthResponse.model_validate(self._get(url, Endpoints.HEALTH, timeout=PROBE_TIMEOUT))
             runtime = RuntimeVersionResponse.model_validate(
                 self._get(url, Endpoints.RUNTIME_VERSION, timeout=PROBE_TIMEOUT)
             )
         except (ReplicaError, ValueError) as exc:
             return ProbeResult(error=str(exc))
-        return ProbeResult(version=runtime.version, state=runtime.state, sleep_level=runtime.sleep_level)
+        return ProbeResult(
+            version=runtime.version,
+            state=runtime.state,
+            sleep_level=runtime.sleep_level,
+            admitted=health.admitted,
+        )
 
     def runtime(self, url: str) -> Mapping[str, Any]:
         body = self._get(url, Endpoints.RUNTIME_VERSION)
@@ -153,6 +170,30 @@ class HttpReplicas:
 
     def send_weights(self, url: str, token: str, req: SendWeightsRequest) -> None:
         self._post(url, Endpoints.SEND_WEIGHTS, token, req.model_dump(mode="json"), 10.0)
+
+    def admission(self, url: str, token: str, req: AdmissionRequest) -> AdmissionResponse:
+        body = self._post(url, Endpoints.ADMISSION, token, req.model_dump(mode="json"), 10.0)
+        try:
+            return AdmissionResponse.model_validate(body)
+        except ValueError as exc:
+            raise ReplicaError(f"{url}{Endpoints.ADMISSION} answered {body!r}") from exc
+
+    def wait_for_version(self, url: str, version: int, timeout_s: float) -> Mapping[str, Any]:
+        """/runtime_version once the replica serves ``version`` (or reports broken, or the update
+        failed), else at the deadline: long polls of at most ``WAIT_POLL_S`` each."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            wait = min(WAIT_POLL_S, left)
+            body = self._get(
+                url,
+                f"{Endpoints.RUNTIME_VERSION}?wait_for_version={version}&timeout_s={wait:.3f}",
+                timeout=httpx.Timeout(wait + 5.0, connect=3.0),
+            )
+            if not isinstance(body, dict):
+                raise ReplicaError(f"{url}{Endpoints.RUNTIME_VERSION} answered {body!r}")
+            if int(body.get("version", -1)) >= version or body.get("state") == "broken" or left <= wait:
+                return body
 
 
 # --------------------------------------------------------------------------------------------

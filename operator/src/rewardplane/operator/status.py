@@ -44,6 +44,8 @@ class ProbeResult:
     state: str | None = None
     error: str | None = None
     sleep_level: int | None = None
+    admitted: bool = True
+    """False while the server waits for the operator's admission (``rewardplane.protocol.admission``)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,16 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
         return False
     conditions = (pod.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def server_started(pod: Mapping[str, Any]) -> bool:
+    """The replica's server is up: its startup probe passed (it may still wait for admission, so
+    the Pod is not Ready yet). The operator probes such a replica to admit or restore it."""
+    if (pod.get("metadata") or {}).get("deletionTimestamp") or not (pod.get("status") or {}).get("podIP"):
+        return False
+    return pod_ready(pod) or any(
+        c.get("started") or c.get("ready") for c in (pod.get("status") or {}).get("containerStatuses") or []
+    )
 
 
 def pod_restarts(pod: Mapping[str, Any]) -> int:

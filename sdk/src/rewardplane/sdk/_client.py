@@ -66,6 +66,9 @@ from .retry import RetryPolicy, check_response
 logger = logging.getLogger("rewardplane.sdk.client")
 
 CONNECT_TIMEOUT_CAP_S = 10.0
+# rewardplane's default --max-items-per-request: the split for a server whose /model_info names none
+DEFAULT_ITEM_LIMIT = 1024
+ITEM_LIMIT_PROBE_TIMEOUT_S = 10.0
 HEALTH_POLL_INTERVAL_S = 0.5
 HEALTH_PROBE_TIMEOUT_S = 5.0
 
@@ -123,8 +126,9 @@ class BaseRewardClient:
         token, token_file: control-plane token (default ``REWARDPLANE_TOKEN``); scoring needs
             none unless the servers require it.
         min_chunk: batches of at most this many inputs go whole to one server (round robin).
-        max_items_per_request: cut each server's chunk into requests of at most this many inputs
-            (match the server's limit); ``None`` sends one request per chunk.
+        max_items_per_request: cut each server's chunk into requests of at most this many inputs;
+            ``None`` (the default) cuts to the server's own limit, read once from its
+            ``/model_info`` (1024 where the server names none).
         max_connections: connections per client (per event loop for the async client).
     """
 
@@ -168,6 +172,7 @@ class BaseRewardClient:
         self._round_robin = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
+        self._server_item_limit: int | None = None  # learned from /model_info, once
 
     @property
     def closed(self) -> bool:
@@ -179,8 +184,9 @@ class BaseRewardClient:
 
     # -- pure parts ----------------------------------------------------------------------------
 
-    def _plan(self, n: int) -> list[tuple[int, range]]:
-        """(endpoint index, rows) of every request for a batch of ``n`` inputs."""
+    def _plan(self, n: int, item_limit: int | None = None) -> list[tuple[int, range]]:
+        """(endpoint index, rows) of every request for a batch of ``n`` inputs, each request at
+        most ``item_limit`` inputs (``max_items_per_request`` when set wins)."""
         if n == 0:
             return []
         servers = len(self.endpoints)
@@ -188,9 +194,27 @@ class BaseRewardClient:
             plan = [(next(self._round_robin) % servers, range(n))]
         else:
             plan = assignments(n, servers)
-        if self.max_items_per_request is not None:
-            plan = [(i, piece) for i, rows in plan for piece in split_range(rows, self.max_items_per_request)]
+        limit = self.max_items_per_request or item_limit
+        if limit is not None:
+            plan = [(i, piece) for i, rows in plan for piece in split_range(rows, limit)]
         return plan
+
+    def _needs_item_limit(self, n: int) -> bool:
+        return self.max_items_per_request is None and self._server_item_limit is None and n > 1
+
+    def _learn_item_limit(self, resp: httpx.Response | None) -> int:
+        """The per-request item limit from a ``/model_info`` answer (``None``: no answer). A server
+        that answered is remembered; one that did not is asked again next time."""
+        if resp is None:
+            return DEFAULT_ITEM_LIMIT
+        limit = DEFAULT_ITEM_LIMIT
+        if resp.status_code == 200:
+            with contextlib.suppress(ValueError, AttributeError):
+                given = resp.json().get("max_items_per_request")
+                if isinstance(given, int) and given >= 1:
+                    limit = given
+        self._server_item_limit = limit
+        return limit
 
     def _batch_request(
         self, inputs: Sequence[str], normalize: bool, n_labels: int | None, truncate: bool
@@ -506,6 +530,18 @@ class AsyncRewardClient(BaseRewardClient):
                     return resp, url, len(attempts.tried)
         raise AssertionError("unreachable: tenacity returns, raises or gives RetryError")
 
+    async def _item_limit(self, n: int) -> int | None:
+        """The servers' per-request item limit, asked once (``/model_info``) when a batch could need it."""
+        if not self._needs_item_limit(n):
+            return self._server_item_limit
+        try:
+            resp: httpx.Response | None = await self._aclient().request(
+                "GET", self.endpoints[0] + Endpoints.MODEL_INFO, timeout=ITEM_LIMIT_PROBE_TIMEOUT_S
+            )
+        except httpx.HTTPError:
+            resp = None
+        return self._learn_item_limit(resp)
+
     async def _score_piece(self, index: int, rows: range, base: dict[str, Any], inputs: list[str]) -> _Piece:
         payload = {**base, "input": inputs[rows.start : rows.stop]}
         resp, url, attempts = await self._request("POST", index, Endpoints.SCORE, json=payload)
@@ -523,7 +559,7 @@ class AsyncRewardClient(BaseRewardClient):
         self._check_open()
         base = request.wire()
         inputs = list(request.inputs)
-        plan = self._plan(len(inputs))
+        plan = self._plan(len(inputs), await self._item_limit(len(inputs)))
         start = time.monotonic()
         if not plan:
             return self._empty(request, base)
@@ -727,6 +763,18 @@ class RewardClient(BaseRewardClient):
                     return resp, url, len(attempts.tried)
         raise AssertionError("unreachable: tenacity returns, raises or gives RetryError")
 
+    def _item_limit(self, n: int) -> int | None:
+        """The servers' per-request item limit, asked once (``/model_info``) when a batch could need it."""
+        if not self._needs_item_limit(n):
+            return self._server_item_limit
+        try:
+            resp: httpx.Response | None = self._client().get(
+                self.endpoints[0] + Endpoints.MODEL_INFO, timeout=ITEM_LIMIT_PROBE_TIMEOUT_S
+            )
+        except httpx.HTTPError:
+            resp = None
+        return self._learn_item_limit(resp)
+
     def _score_piece(self, index: int, rows: range, base: dict[str, Any], inputs: list[str]) -> _Piece:
         payload = {**base, "input": inputs[rows.start : rows.stop]}
         resp, url, attempts = self._request("POST", index, Endpoints.SCORE, json=payload)
@@ -737,7 +785,7 @@ class RewardClient(BaseRewardClient):
         self._check_open()
         base = request.wire()
         inputs = list(request.inputs)
-        plan = self._plan(len(inputs))
+        plan = self._plan(len(inputs), self._item_limit(len(inputs)))
         start = time.monotonic()
         if not plan:
             return self._empty(request, base)

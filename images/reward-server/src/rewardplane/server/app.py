@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rewardplane.protocol import Endpoints
 
+from .admission import Admission
 from .compat_routes import compat_router
 from .control_plane import WeightSyncService
 from .engine import RewardEngine
@@ -28,7 +29,7 @@ from .metrics import ServerMetrics
 from .model_names import ModelNames
 from .persistence import WeightsStore
 from .request_body import BodyLimitMiddleware
-from .routes import control_router, persistence_router, scoring_router, sleep_router
+from .routes import admission_router, control_router, persistence_router, scoring_router, sleep_router
 from .service import ScoringService
 from .sleep import SleepService
 from .threads import tokenizer_pool
@@ -100,6 +101,7 @@ def build_app(
     names: ModelNames | None = None,
     weights_dir: Path | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    require_admission: bool = False,
 ) -> FastAPI:
     """The server's app. The control plane is built here, once, from ``engine.weight_port()``."""
     service = WeightSyncService(
@@ -110,8 +112,9 @@ def build_app(
         max_lora_rank=engine.info.max_lora_rank,
     )
     tokenizers = tokenizer_pool()
+    admission = Admission(engine.guard, required=require_admission)
     scoring = ScoringService(
-        engine, limits, metrics, names or ModelNames.of(engine.info.served_model_name), tokenizers
+        engine, limits, metrics, names or ModelNames.of(engine.info.served_model_name), tokenizers, admission
     )
 
     @contextlib.asynccontextmanager
@@ -160,6 +163,7 @@ def build_app(
         scoring_router(scoring, update_failed=service.failed_idle),
         compat_router(scoring),  # vLLM / OpenAI / OpenRLHF shapes, root and /v1
         control_router(service, token),
+        admission_router(admission, token),
         persistence_router(service, token),
         sleep_router(SleepService(engine, service, metrics), token),
     ]

@@ -61,11 +61,21 @@ def build_server_app(cfg: ServerConfig) -> FastAPI:
         engine,
         limits=limits,
         metrics=metrics,
-        names=ModelNames.of(cfg.name, cfg.model, cfg.model_aliases),
+        names=ModelNames.of(cfg.name, cfg.model, cfg.model_aliases, local_spellings(cfg.model)),
         token=token,
         weights_dir=cfg.weights_dir,
         max_request_bytes=cfg.max_request_bytes,
+        require_admission=cfg.require_admission,
     )
+
+
+def local_spellings(source: str) -> list[str]:
+    """The absolute and the resolved path of a local ``--model`` (a trainer may name the checkpoint
+    either way, whatever relative path or link the server was started with); none for a hub id."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        return []
+    return [str(path.absolute()), str(path.resolve())]
 
 
 def model_source_problem(source: str) -> str | None:

@@ -188,6 +188,7 @@ def compat_router(service: ScoringService) -> APIRouter:
         return DetokenizeResponse(prompt=tokenizer.decode(req.tokens))
 
     async def get_reward(req: GetRewardRequest, response: Response) -> GetRewardResponse:
+        service.check_model(req.model)
         n = len(req.query)
         check_items(n, service.limits)
         for name, extra in (("prompts", req.prompts), ("labels", req.labels)):

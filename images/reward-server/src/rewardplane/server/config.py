@@ -39,6 +39,7 @@ class ServerConfig(BaseModel):
     weights_dir: Path | None = None
     load_format: Literal["auto", "dummy"] = "auto"
     enable_sleep_mode: bool = False
+    require_admission: bool = False
     log_level: str = "info"
     extra_engine_args: list[str] = Field(default_factory=list)
     # Adapter-only weight sync (training_mode adapter): serve pushed LoRA adapters over the base.
@@ -172,6 +173,14 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
             "a little; level 1 needs host memory for a copy of the weights while asleep. The transformers "
             "engine can always sleep."
         ),
+    )
+    p.add_argument(
+        "--require-admission",
+        action="store_true",
+        default=None,
+        help="take traffic (GET /ready 200, scoring) only once admitted through POST /admission at the "
+        "weights version served; the operator starts every replica so, which keeps a restarted container "
+        "(back on its base weights) out of the Service until its version is the model's",
     )
     p.add_argument("--log-level", default="info")
     args, extra = p.parse_known_args(argv)

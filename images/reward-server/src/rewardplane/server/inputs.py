@@ -66,12 +66,13 @@ def render_chat(
 
 
 def check_items(n: int, limits: Limits) -> None:
-    if n == 0:
-        raise BadRequest("input is empty: send at least one text to score")
+    """An empty batch is fine (answered with no results: clients that split a batch over several
+    servers send one); more than the limit is a 400."""
     if n > limits.max_items:
         raise BadRequest(
             f"{n} inputs in one request; this server takes at most {limits.max_items} "
-            "(--max-items-per-request): split the batch (the SDK's score_batch does this)"
+            "(--max-items-per-request, also in GET /model_info): split the batch (the SDK's clients split "
+            "to this limit, which they read from /model_info)"
         )
 
 

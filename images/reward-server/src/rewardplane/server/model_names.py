@@ -27,17 +27,26 @@ class ModelNames:
     served: str
     source: str = ""
     aliases: tuple[str, ...] = ()
+    paths: tuple[str, ...] = ()
+    """Other spellings of a local source (its absolute and resolved paths): accepted, not listed."""
 
     @classmethod
-    def of(cls, served: str, source: str = "", aliases: Iterable[str] = ()) -> ModelNames:
-        return cls(served=served, source=source, aliases=tuple(dict.fromkeys(a for a in aliases if a)))
+    def of(
+        cls, served: str, source: str = "", aliases: Iterable[str] = (), paths: Iterable[str] = ()
+    ) -> ModelNames:
+        return cls(
+            served=served,
+            source=source,
+            aliases=tuple(dict.fromkeys(a for a in aliases if a)),
+            paths=tuple(dict.fromkeys(p for p in paths if p)),
+        )
 
     @property
     def accepted(self) -> frozenset[str]:
         names = {GENERIC_NAME, *_variants(self.served)}
         if self.source:
             names |= _variants(self.source)
-        for alias in self.aliases:
+        for alias in (*self.aliases, *self.paths):
             names |= _variants(alias)
         return frozenset(names)
 

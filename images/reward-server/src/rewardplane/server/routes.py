@@ -20,6 +20,8 @@ from pydantic import BaseModel
 
 from rewardplane.protocol import (
     VERSION_HEADER,
+    AdmissionRequest,
+    AdmissionResponse,
     BackgroundTasksResponse,
     Endpoints,
     ErrorResponse,
@@ -30,6 +32,7 @@ from rewardplane.protocol import (
     OpenAIErrorResponse,
     ParamChecksumsResponse,
     ParamMeta,
+    ReadyResponse,
     RestoreWeightsRequest,
     RuntimeVersionResponse,
     ScoringRequest,
@@ -45,6 +48,7 @@ from rewardplane.protocol import (
     WorldSizeResponse,
 )
 
+from .admission import Admission
 from .control_plane import WeightSyncService
 from .errors import BadRequest, Forbidden, Unauthorized
 from .peer import send_weights
@@ -139,7 +143,22 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
         if g.state == "broken":
             response.status_code = 503  # not ready: take this replica out of rotation
         # Asleep is healthy (200): the replica stays reachable for /wake, and the operator shows it.
-        return HealthResponse(version=g.version, state=g.state, sleep_level=g.sleep_level)
+        return HealthResponse(
+            version=g.version, state=g.state, sleep_level=g.sleep_level, admitted=scoring.admission.admitted
+        )
+
+    @router.get(
+        Endpoints.READY,
+        response_model=ReadyResponse,
+        responses={503: {"model": ReadyResponse, "description": "not admitted (yet), or broken weights"}},
+    )
+    async def ready(response: Response) -> ReadyResponse:
+        """The readiness probe: 200 while this replica takes traffic, 503 with the reason while it
+        does not (unadmitted: ``rewardplane.protocol.admission``; broken weights)."""
+        answer = scoring.admission.ready()
+        if not answer.ready:
+            response.status_code = 503
+        return answer
 
     @router.get(Endpoints.RUNTIME_VERSION, response_model=RuntimeVersionResponse, responses=errors(422))
     async def runtime_version(
@@ -180,6 +199,7 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
             version=engine.guard.version,
             max_lora_rank=info.max_lora_rank,
             task=info.task,
+            max_items_per_request=scoring.limits.max_items,
         )
 
     @router.get(
@@ -280,6 +300,18 @@ def control_router(service: WeightSyncService, token: str | None) -> APIRouter:
     async def param_checksums() -> ParamChecksumsResponse:
         version, workers = await service.param_checksums()
         return ParamChecksumsResponse(version=version, workers=workers)
+
+    return router
+
+
+def admission_router(admission: Admission, token: str | None) -> APIRouter:
+    """``POST /admission``: the operator admits a replica at the model's weights version (or takes
+    the admission back); rules in ``rewardplane.protocol.admission``."""
+    router = _token_router(token)
+
+    @router.post(Endpoints.ADMISSION, response_model=AdmissionResponse, responses=errors(409, 413, 422))
+    async def admission_change(req: AdmissionRequest) -> AdmissionResponse:
+        return admission.change(req)
 
     return router
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from rewardplane.protocol import ChatCompletionRequest, ModelTask, PoolingType
 
+from .admission import Admission
 from .engine import Completion, EngineInfo, RewardEngine
 from .errors import BadRequest
 from .generation import sampling_options, wrong_task
@@ -38,8 +39,10 @@ class ScoringService:
         metrics: ServerMetrics,
         names: ModelNames,
         tokenizer_pool: Executor,
+        admission: Admission | None = None,
     ) -> None:
         self.engine = engine
+        self.admission = admission or Admission(engine.guard, required=False)
         self.limits = limits
         self.metrics = metrics
         self.names = names
@@ -86,7 +89,10 @@ class ScoringService:
     ) -> tuple[list[list[float]], int, list[list[int]]]:
         """Raw head rows, the weights version that made all of them, and the prompts as scored."""
         self.require_task(ModelTask.SCORE)
+        self.admission.check_scoring()
         check_items(len(prompts), self.limits)
+        if not prompts:  # an empty batch: nothing to score, answered at the version served
+            return [], self.engine.guard.version, []
         prompts = apply_length_limit(prompts, self.limits, truncate=truncate)
         rows, version = await self.engine.score(prompts, pooling)
         self.metrics.items.inc(len(prompts))
@@ -96,6 +102,7 @@ class ScoringService:
     async def generate(self, prompt: list[int], req: ChatCompletionRequest) -> tuple[list[Completion], int]:
         """The answers to one rendered chat and the weights version that generated all of them."""
         self.require_task(ModelTask.GENERATE)
+        self.admission.check_scoring()
         options = sampling_options(req, len(prompt), self.info.max_model_len)
         answers, version = await self.engine.generate(prompt, options)
         self.metrics.items.inc(1)
