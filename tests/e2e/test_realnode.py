@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -414,6 +415,105 @@ def test_killed_container_is_restarted_and_restored(real_cluster: RealCluster) -
         assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
 
 
+def operator_pod(c: RealCluster) -> Any | None:
+    pods = c.core.list_namespaced_pod(
+        OPERATOR_NAMESPACE, label_selector="app.kubernetes.io/component=operator"
+    ).items
+    return next((p for p in pods if not p.metadata.deletion_timestamp), None)
+
+
+def lease_holder(c: RealCluster) -> str | None:
+    from kubernetes import client
+
+    try:
+        lease = client.CoordinationV1Api(c.api).read_namespaced_lease(
+            "rewardplane-operator", OPERATOR_NAMESPACE
+        )
+    except client.exceptions.ApiException:
+        return None
+    return lease.spec.holder_identity if lease.spec else None
+
+
+def test_a_deleted_operator_hands_over_only_after_it_stopped(real_cluster: RealCluster) -> None:
+    """The operator Pod deleted while a push is in flight: its replacement starts at once (the
+    Deployment does not wait) but acts only once it holds the leadership Lease, which the old one
+    gives up when it has stopped; so no two operators ever act at once. The push completes, or
+    fails with OperatorRestarted and the trainer pushes again; every replica ends on the pushed
+    weights."""
+    import torch
+
+    from rewardplane.sdk import RewardModelTrainingMode
+
+    c = real_cluster
+    old = operator_pod(c)
+    assert old is not None
+    holder = wait_for("the operator to hold the Lease", lambda: lease_holder(c), 60, 0.5)
+    assert holder.startswith(old.metadata.name), holder
+    old_pid = process_in_pod(old.metadata.uid, b"rewardplane.operator")
+    assert old_pid is not None
+
+    model, tok = trainer_pod_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.005)
+    version = S.version + 1
+    outcome: dict[str, Any] = {}
+
+    def push() -> None:
+        with handle(c) as rm:
+            try:  # small buckets: a transfer long enough to delete the operator in
+                rm.push_weights(
+                    model.state_dict(),
+                    version,
+                    RewardModelTrainingMode.FULL,
+                    timeout_s=120,
+                    bucket_bytes=1 << 10,
+                )
+                outcome["pushes"] = 1
+            except Exception as exc:  # the operator that drove it is gone: push again, as a trainer does
+                outcome["first"] = repr(exc)
+                rm.push_weights(model.state_dict(), version, RewardModelTrainingMode.FULL, timeout_s=120)
+                outcome["pushes"] = 2
+
+    pusher = threading.Thread(target=push, daemon=True)
+    pusher.start()
+
+    def in_flight() -> str | None:
+        """The push's phase once the WeightSync's status is about this version (the object is
+        reused from push to push: until the operator takes it up, it shows the last one's)."""
+        try:
+            ws = c.custom.get_namespaced_custom_object(GROUP, VERSION, NS, "weightsyncs", RM)
+        except Exception:
+            return None
+        st, spec = ws.get("status") or {}, ws.get("spec") or {}
+        if spec.get("version") != version or st.get("version") != version:
+            return None
+        return str(st.get("phase") or "Pending")
+
+    phase = wait_for("the push to start", in_flight, 60, 0.01)
+    c.core.delete_namespaced_pod(old.metadata.name, OPERATOR_NAMESPACE)
+    overlaps = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        now_holder = lease_holder(c)
+        alive = process_alive(old_pid)
+        if now_holder and not now_holder.startswith(old.metadata.name) and alive:
+            overlaps.append(now_holder)
+        if now_holder and not now_holder.startswith(old.metadata.name) and not alive:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"no new operator took the Lease within 120 s (holder {lease_holder(c)})")
+    assert not overlaps, f"a new operator held the Lease while the old one (pid {old_pid}) still ran"
+    pusher.join(240)
+    assert not pusher.is_alive() and outcome.get("pushes"), outcome
+    wait_for(f"both replicas on version {version}", lambda: ready_at(c, 2, version), READY_TIMEOUT_S, 1)
+    S.expected, S.version = scores_of(model, tok, TEXTS), version
+    with handle(c) as rm:
+        assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
+    print(f"\noperator deleted with the push {phase}; pushes needed: {outcome}")
+
+
 def trainer_pod_model() -> tuple[Any, Any]:
     """The model the trainer Pod pushed last (what the replicas serve since)."""
     import torch
@@ -484,14 +584,29 @@ def pod_uid(c: RealCluster, name: str) -> str | None:
 
 
 def server_pid_in_pod(uid: str) -> int | None:
-    """The host pid of the reward server in the pod ``uid`` (the node runs on this machine: its
-    containers are processes here, in the pod's cgroup)."""
+    """The host pid of the reward server in the pod ``uid``."""
+    return process_in_pod(uid, b"rewardplane.server")
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def process_in_pod(uid: str, needle: bytes) -> int | None:
+    """The host pid of the process whose command line holds ``needle`` in the pod ``uid`` (the node
+    runs on this machine: its containers are processes here, in the pod's cgroup)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            # the process itself, not the init (tini) that started it with the same words
             if (
-                b"rewardplane.server" in (entry / "cmdline").read_bytes()
+                needle in b" ".join(argv)
+                and b"tini" not in argv[0]
                 and f"pod{uid}" in (entry / "cgroup").read_text()
             ):
                 return int(entry.name)
@@ -610,7 +725,7 @@ def test_replicas_copied_from_a_peer_join_the_service_at_once(real_cluster: Real
                 return None
             return ready_since_start_s(pod)
 
-        back_s = wait_for(f"{victim} back on version 1", back, READY_TIMEOUT_S, 0.2)
+        back_s = wait_for(f"{victim} back on version 1", back, READY_TIMEOUT_S, 0.1)
     watch.check(min_answers=20)
     assert watch.versions().keys() == {1}, watch.versions()
     print(
@@ -620,6 +735,66 @@ def test_replicas_copied_from_a_peer_join_the_service_at_once(real_cluster: Real
     )
     c.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", name)
     wait_for(f"{name}'s pods gone", lambda: not model_pods(c, name), 120, 1)
+
+
+def test_a_lone_replica_keeps_its_pushed_weights_across_a_restart(real_cluster: RealCluster) -> None:
+    """One replica, no persistDir: a container killed in its Pod comes back on the pushed weights
+    from the Pod's own copy (spec.weightSync.podCopy, on by default), never serving its base
+    weights through the Service; when nothing can restore it (the Pod replaced, no copy, no peer)
+    the status says the weights are lost and wait_ready() raises at once instead of waiting."""
+    import torch
+
+    from rewardplane.sdk import RewardModelTrainingMode, select_head
+    from rewardplane.sdk.cluster import ClusterError, RewardModelHandle
+
+    c, name = real_cluster, "e2e-lone"
+    c.custom.create_namespaced_custom_object(
+        GROUP, VERSION, NS, "rewardmodels", rm_body(1, f"pvc://{MODEL_CLAIM}/tiny-rm", None, name)
+    )
+    model, _ = load_model(S.model_dir)
+    with torch.no_grad():
+        model.score.weight.mul_(-2.0)
+    try:
+        with RewardModelHandle(name, NS, kubeconfig=c.kubeconfig) as rm:
+            rm.wait_ready(timeout_s=READY_TIMEOUT_S)
+            rm.push_weights(
+                select_head(model.state_dict()), 1, RewardModelTrainingMode.HEAD_ONLY, timeout_s=120
+            )
+            [pod] = model_pods(c, name)
+            restarts = pod.status.container_statuses[0].restart_count
+            cid = pod.status.container_statuses[0].container_id.removeprefix("containerd://")
+            with service_watch(c, {1}, name) as watch:
+                c.node.ctr(["tasks", "kill", "-s", "SIGKILL", cid], timeout=30)
+
+                def back() -> bool:
+                    [p] = model_pods(c, name)
+                    st = get_rm(c, name).get("status") or {}
+                    return (
+                        p.status.container_statuses[0].restart_count > restarts and st.get("phase") == "Ready"
+                    )
+
+                wait_for(f"{name} restarted and Ready again", back, READY_TIMEOUT_S, 0.5)
+            watch.check(min_answers=5)
+            assert get_rm(c, name)["status"]["weightsVersion"] == 1
+            events = c.core.list_namespaced_event(NS, field_selector=f"involvedObject.name={name}").items
+            assert any(e.reason == "ReplicaRestored" for e in events), [(e.reason, e.message) for e in events]
+
+            # No copy: the Pod is replaced (its spec changed) and nothing else serves version 1.
+            c.custom.patch_namespaced_custom_object(
+                GROUP, VERSION, NS, "rewardmodels", name, {"spec": {"weightSync": {"podCopy": False}}}
+            )
+            lost = wait_for(
+                f"{name} to say its weights are lost",
+                lambda: (st := get_rm(c, name).get("status") or {}).get("reason") == "WeightsLost" and st,
+                READY_TIMEOUT_S,
+                1,
+            )
+            assert lost["phase"] == "Degraded" and "push version 1 again" in lost["message"], lost
+            with pytest.raises(ClusterError, match="lost weights version 1"):
+                rm.wait_ready(timeout_s=60)
+    finally:
+        c.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", name)
+        wait_for(f"{name}'s pods gone", lambda: not model_pods(c, name), 120, 1)
 
 
 def test_hub_model_fails_fast_and_says_why(real_cluster: RealCluster) -> None:
@@ -641,6 +816,96 @@ def test_hub_model_fails_fast_and_says_why(real_cluster: RealCluster) -> None:
     assert "hub id" in message and "pvc://" in message, message
     assert get_rm(c, name).get("status", {}).get("readyReplicas", 0) == 0
     c.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", name)
+
+
+def test_every_cause_a_replica_does_not_start_is_named(real_cluster: RealCluster) -> None:
+    """One RewardModel per fault, all at once: the phase is Degraded and the REASON column, the
+    Degraded condition and a Warning Event name the cause and what to do, instead of Pending with
+    "no replica is broken". (CreateContainerConfigError cannot be caused through a RewardModel's
+    spec; its rule is covered in tests/unit/test_status_truth.py.)"""
+    c = real_cluster
+    unreadable = c.volumes / "unreadable-rm"
+    build_tiny_reward_model(unreadable, num_labels=1, seed=0)
+    for f in unreadable.iterdir():
+        f.chmod(0o600)  # as save_pretrained writes them as root under umask 077
+    cases: dict[str, tuple[dict[str, Any], str, str]] = {
+        # name: (spec changes, REASON, what the message must name)
+        "e2e-image": (
+            {
+                "engine": {
+                    "kind": "hf",
+                    "image": "localhost/rewardplane/no-such-image:0",
+                    "imagePullPolicy": "Never",
+                }
+            },
+            "ImagePullBackOff",
+            "localhost/rewardplane/no-such-image:0",
+        ),
+        "e2e-mount": (
+            {"model": {"source": "file:///no/such/model/dir"}},
+            "FailedMount",
+            "/no/such/model/dir",
+        ),
+        "e2e-oom": (
+            {"resources": {"requests": {"cpu": "100m", "memory": "32Mi"}, "limits": {"memory": "48Mi"}}},
+            "OOMKilled",
+            "48Mi",
+        ),
+        "e2e-crash": ({"engine": {"extraArgs": ["--no-such-flag"]}}, "CrashLoopBackOff", "--no-such-flag"),
+        "e2e-unreadable": (
+            {"model": {"source": f"file://{unreadable}"}},
+            "ModelUnreadable",
+            "config.json (mode -rw-------",
+        ),
+        "e2e-nocpu": (
+            {"resources": {"requests": {"cpu": "500", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}},
+            "Unschedulable",
+            "OutOfcpu",
+        ),
+    }
+    for name, (changes, _, _) in cases.items():
+        body = rm_body(1, f"pvc://{MODEL_CLAIM}/tiny-rm", None, name)
+        for key, value in changes.items():
+            if isinstance(value, dict) and isinstance(body["spec"].get(key), dict):
+                merged = {**body["spec"][key], **value}
+                if key == "model":
+                    merged["servedName"] = name
+                body["spec"][key] = merged
+            else:
+                body["spec"][key] = value
+        c.custom.create_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", body)
+
+    def named(name: str, reason: str, needle: str) -> dict[str, Any] | None:
+        st = get_rm(c, name).get("status") or {}
+        degraded = next((d for d in st.get("conditions") or [] if d["type"] == "Degraded"), {})
+        ok = (
+            st.get("reason") == reason
+            and degraded.get("reason") == reason
+            and needle in degraded.get("message", "")
+        )
+        return st if ok else None
+
+    try:
+        for name, (_, reason, needle) in cases.items():
+            st = wait_for(
+                f"{name} to say {reason}", lambda n=name, r=reason, x=needle: named(n, r, x), 240, 2
+            )
+            assert st["phase"] == "Degraded", st
+            events = c.core.list_namespaced_event(
+                NS, field_selector=f"involvedObject.name={name},type=Warning"
+            ).items
+            assert any(e.reason == reason for e in events), [(e.reason, e.message) for e in events]
+        table = kubectl(c, "get", "rm", *cases, "-n", NS)
+        assert "REASON" in table.splitlines()[0], table
+        for name, (_, reason, _) in cases.items():
+            row = next(line for line in table.splitlines() if line.startswith(name + " "))
+            assert reason in row.split(), (name, row)
+        unread = named("e2e-unreadable", "ModelUnreadable", "uid 65532") or {}
+        assert "chmod -R a+rX" in unread.get("message", ""), unread
+    finally:
+        for name in cases:
+            c.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", name)
+        wait_for("the faulty models' pods gone", lambda: not any(model_pods(c, n) for n in cases), 180, 2)
 
 
 def test_deleting_the_model_garbage_collects_its_children(real_cluster: RealCluster) -> None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import pytest
 
 
 def _start(model: str) -> subprocess.CompletedProcess[str]:
@@ -29,3 +34,50 @@ def test_folder_without_a_checkpoint_is_named(tmp_path: Path) -> None:
     result = _start(str(tmp_path))
     assert result.returncode == 2
     assert "has no config.json" in result.stderr.strip().splitlines()[-1]
+
+
+def problem_as_uid(model: Path, uid: int) -> str | None:
+    """``model_source_problem`` run in a child process that switched to ``uid`` (the interpreter
+    itself lives under /root, which that uid cannot enter, so the server cannot be started as it)."""
+    from rewardplane.server.cli import model_source_problem
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to the uid, look, report, exit without cleanup
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            os.write(write, (model_source_problem(str(model)) or "").encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        answer = pipe.read()
+    os.waitpid(pid, 0)
+    return answer or None
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="looks at the checkpoint as another user (needs root to switch)"
+)
+def test_unreadable_model_files_are_named_with_mode_owner_and_fix() -> None:
+    """A checkpoint written 0600 by root (save_pretrained under umask 077), served by the non-root
+    uid the operator runs replicas as: the server's last line names the file, its mode and owner,
+    the server's uid and the fix (not "no such file or directory")."""
+    from rewardplane.tinymodel import build_tiny_reward_model
+
+    root = Path(tempfile.mkdtemp(prefix="rp-unreadable-", dir="/tmp"))
+    try:
+        root.chmod(0o755)
+        model = build_tiny_reward_model(root / "rm", num_labels=1, seed=0)
+        assert problem_as_uid(model, 65532) is None  # readable as built
+        (model / "config.json").chmod(0o600)
+        problem = problem_as_uid(model, 65532) or ""
+        model.chmod(0o700)
+        folder = problem_as_uid(model, 65532) or ""
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert problem.startswith("model files unreadable: "), problem
+    for needle in (str(model / "config.json"), "-rw-------", "owner uid 0", "(uid 65532", "chmod -R a+rX"):
+        assert needle in problem, (needle, problem)
+    assert folder.startswith("model files unreadable: ") and f"{model} (mode drwx------" in folder, folder

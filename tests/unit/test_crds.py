@@ -106,8 +106,8 @@ def walk(schema: dict[str, Any], path: str = ""):
 @pytest.mark.parametrize(
     ("crd", "kind", "short", "columns"),
     [
-        (RM_CRD, "RewardModel", "rm", ["Ready", "Phase", "Model", "Version", "GPU-Frac", "Age"]),
-        (WS_CRD, "WeightSync", "ws", ["Model", "Version", "Mode", "Phase", "Duration(s)", "Age"]),
+        (RM_CRD, "RewardModel", "rm", ["Ready", "Phase", "Reason", "Model", "Version", "GPU-Frac", "Age"]),
+        (WS_CRD, "WeightSync", "ws", ["Model", "Version", "Mode", "Phase", "Reason", "Duration(s)", "Age"]),
     ],
 )
 def test_crd_identity(crd: dict[str, Any], kind: str, short: str, columns: list[str]) -> None:
@@ -278,7 +278,7 @@ OPERATOR_USES = {
     ("", "secrets"): {"get", "list", "watch", "create", "delete"},  # the control-plane token; index
     ("", "configmaps"): {"get", "list", "delete"},  # WeightSync manifests (written by trainers)
     ("", "nodes"): {"list", "watch"},  # placement: GPUs and reservations (kopf index)
-    ("", "events"): {"create"},
+    ("", "events"): {"create", "list"},  # transitions; a replica's FailedMount (its only trace)
     ("networking.k8s.io", "networkpolicies"): {"get", "list", "watch", "create", "patch", "delete"},  # index
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},  # kopf
     ("", "namespaces"): {"list", "watch"},  # kopf, cluster-wide

@@ -46,9 +46,11 @@ class CountingKube(MemoryKube):
         self.calls.append(("GET", path))
         return super().get(path)
 
-    def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+    def list(
+        self, path: str, label_selector: str | None = None, field_selector: str | None = None
+    ) -> list[dict[str, Any]]:
         self.calls.append(("LIST", path))
-        return super().list(path, label_selector)
+        return super().list(path, label_selector, field_selector)
 
     def create(self, path: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
         self.calls.append(("POST", path.rsplit("/", 1)[-1]))

@@ -662,7 +662,7 @@ def test_status_stale_replica_is_taken_out_of_endpoints() -> None:
 def test_status_broken_server_is_degraded() -> None:
     body = cpu_rm()
     status = _status(body, [_pod("rm-0", 0)], {"rm-0": ProbeResult(1, "broken")})
-    assert status["phase"] == PHASE_DEGRADED and _cond(status, "Degraded")["reason"] == "ReplicasUnhealthy"
+    assert status["phase"] == PHASE_DEGRADED and _cond(status, "Degraded")["reason"] == "BrokenWeights"
     crashed = _pod("rm-0", 0, ready=False, containerStatuses=[{"restartCount": 2}])
     assert _status(body, [crashed], {})["phase"] == PHASE_DEGRADED
 

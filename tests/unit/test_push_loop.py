@@ -405,3 +405,117 @@ def test_a_replica_left_out_of_a_completed_push_is_stale_even_without_a_restart(
     assert stale == set()
     stale, _ = stale_replicas([pod], probes, target=5, current=seen, completed=5)  # push 5 done
     assert stale == {"rm-1"}
+
+
+# ---------------------------------------------------------------- weights never silently lost
+
+
+def test_restore_plan_takes_the_pods_own_copy_after_a_container_restart() -> None:
+    plan = restore_plan({"rm-0"}, probes(rm_0=0), 3, persisted=False, pod_copies={"rm-0"})
+    assert plan.from_disk == ("rm-0",) and plan.unrecoverable == ()
+    # the copy failed (or the Pod is new): nothing else serves version 3 → lost
+    plan = restore_plan(
+        {"rm-0"}, probes(rm_0=0), 3, persisted=False, pod_copies={"rm-0"}, disk_failed={"rm-0"}
+    )
+    assert plan.unrecoverable == ("rm-0",)
+
+
+def _single_replica_model(kube: MemoryKube, **weight_sync: Any) -> None:
+    kube.put(
+        core_path("nodes"),
+        {"metadata": {"name": "cpu-a"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
+    )
+    kube.put(
+        custom_path(NS),
+        {
+            "metadata": {"name": "rm", "namespace": NS, "uid": "uid-1", "generation": 1},
+            "spec": {
+                "model": {"source": "/m"},
+                "engine": {"kind": "hf"},
+                "gpu": {"mode": "none"},
+                "replicas": 1,
+                "weightSync": weight_sync,
+            },
+            "status": {"weightsVersion": 4},
+        },
+    )
+
+
+def _restarted(kube: MemoryKube, restarts: int) -> None:
+    kube.merge_patch(
+        core_path("pods", NS, "rm-0") + "/status",
+        {
+            "status": {
+                "podIP": "10.0.0.10",
+                "conditions": [{"type": "Ready", "status": "False"}],
+                "containerStatuses": [{"restartCount": restarts, "started": True, "ready": False}],
+            }
+        },
+    )
+
+
+def test_a_single_replica_restarted_in_its_pod_is_restored_from_its_own_copy() -> None:
+    from rewardplane.operator.reconcile import Reconciler
+
+    kube = MemoryKube()
+    _single_replica_model(kube)  # no persistDir: podCopy (the default) keeps the weights in the Pod
+    fake = FakeReplicas({"http://10.0.0.10:8001": FakeReplica(version=0, admitted=False, saved_version=4)})
+    reconciler = Reconciler(kube, replicas=fake, later=lambda _d, _w: None)  # type: ignore[arg-type]
+    reconciler.reconcile((NS, "rm"))
+    pod = kube.get(core_path("pods", NS, "rm-0")) or {}
+    container = pod["spec"]["containers"][0]
+    assert container["args"][container["args"].index("--weights-dir") + 1] == "/rewardplane-weights"
+    assert {"name": "persisted-weights", "emptyDir": {}} in pod["spec"]["volumes"]
+    fake.token = base64.b64decode(
+        (kube.get(core_path("secrets", NS, "rm-control-token")) or {})["data"]["token"]
+    ).decode()
+    _restarted(kube, restarts=1)
+    reconciler.reconcile((NS, "rm"))
+    assert ("restore_weights", "http://10.0.0.10:8001") in fake.calls
+    reconciler.reconcile((NS, "rm"))  # the next pass sees version 4 and admits it
+    assert fake.replicas["http://10.0.0.10:8001"].admitted
+
+
+def test_weights_nothing_can_restore_are_reported_lost_not_restoring() -> None:
+    """A new Pod (no copy of its own), no persistDir, no other replica: the status says the
+    weights are lost and to push again, instead of "bringing rm-0 to version 4"."""
+    from rewardplane.operator.reconcile import Reconciler
+
+    kube = MemoryKube()
+    _single_replica_model(kube)
+    fake = FakeReplicas({"http://10.0.0.10:8001": FakeReplica(version=0, admitted=False)})
+    reconciler = Reconciler(kube, replicas=fake, later=lambda _d, _w: None)  # type: ignore[arg-type]
+    reconciler.reconcile((NS, "rm"))
+    fake.token = base64.b64decode(
+        (kube.get(core_path("secrets", NS, "rm-control-token")) or {})["data"]["token"]
+    ).decode()
+    _restarted(kube, restarts=0)
+    reconciler.reconcile((NS, "rm"))
+    status = (kube.get(custom_path(NS, "rm")) or {})["status"]
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert (status["phase"], status["reason"], degraded["reason"]) == (
+        "Degraded",
+        "WeightsLost",
+        "WeightsLost",
+    )
+    assert "lost weights version 4" in degraded["message"] and "push version 4 again" in degraded["message"]
+    progressing = next(c for c in status["conditions"] if c["type"] == "Progressing")
+    assert progressing["reason"] != "RestoringWeights"
+    assert ("admission", "http://10.0.0.10:8001") not in fake.calls  # base weights stay out
+
+    from rewardplane.sdk.cluster import ClusterError, RewardModelHandle
+
+    handle = RewardModelHandle("rm", NS, kube=kube)  # type: ignore[arg-type]
+    with pytest.raises(ClusterError, match="will not become ready by itself: rm-0 lost weights version 4"):
+        handle.wait_ready(timeout_s=30)
+
+
+def test_no_pod_copy_when_turned_off() -> None:
+    from rewardplane.operator.reconcile import Reconciler
+
+    kube = MemoryKube()
+    _single_replica_model(kube, podCopy=False)
+    Reconciler(kube, replicas=FakeReplicas(), later=lambda _d, _w: None).reconcile((NS, "rm"))  # type: ignore[arg-type]
+    pod = kube.get(core_path("pods", NS, "rm-0")) or {}
+    assert "--weights-dir" not in pod["spec"]["containers"][0]["args"]
+    assert all(v["name"] != "persisted-weights" for v in pod["spec"]["volumes"])

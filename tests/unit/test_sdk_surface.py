@@ -151,3 +151,43 @@ def test_cluster_handle_reads_through_methods_and_the_old_properties_warn() -> N
         assert [e.url for e in handle.endpoints] == handle.urls == handle.get_urls()
     assert len(caught) == 4 and all(issubclass(w.category, DeprecationWarning) for w in caught)
     assert "get_weights_version()" in str(caught[0].message)
+
+
+def test_client_rides_out_a_readiness_blip_and_waits_when_nothing_is_ready() -> None:
+    """A kubelet restart resets every Pod's readiness for a few seconds: client() keeps the client
+    it handed out (whose replicas still serve) instead of raising; with no client yet it waits for
+    a ready replica, bounded, and then names the model's state."""
+    import time as clock
+
+    from rewardplane.api.names import RM_PLURAL, custom_path
+    from rewardplane.sdk.cluster import ClusterError, RewardModelHandle
+    from rewardplane.testing.kube import MemoryKube
+
+    kube = MemoryKube()
+    path = custom_path("default", plural=RM_PLURAL)
+
+    def put(ready: bool) -> None:
+        kube.put(
+            path,
+            {
+                "metadata": {"name": "m", "namespace": "default"},
+                "spec": {"replicas": 1},
+                "status": {
+                    "phase": "Ready" if ready else "Pending",
+                    "message": "waiting for m-0 to become ready",
+                    "endpoints": [{"replica": 0, "pod": "m-0", "url": "http://a:8001", "ready": ready}],
+                },
+            },
+        )
+
+    put(False)
+    handle = RewardModelHandle("m", kube=kube)  # type: ignore[arg-type]
+    started = clock.monotonic()
+    with pytest.raises(ClusterError, match="no ready replica after 1s.*waiting for m-0"):
+        handle.client(wait_s=1.0)
+    assert clock.monotonic() - started >= 1.0
+    put(True)
+    client = handle.client()
+    put(False)  # the blip
+    assert handle.client() is client
+    client.close()

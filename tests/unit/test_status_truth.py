@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from rewardplane.api.status import PHASE_FAILED, PHASE_PROGRESSING, PHASE_READY
 from rewardplane.operator.planning import ClusterView, NodeInfo, plan_reward_model
 from rewardplane.operator.status import (
@@ -151,3 +153,142 @@ def test_without_a_termination_message_the_hint_says_where_the_log_is() -> None:
     assert "kubectl logs" not in local and "pods/team_rm-0_01234567/reward-server.log" in local
     # With the cause at hand there is nothing to look up.
     assert "its log" not in replica_problem(_crashed("model not found at /m"), None)
+
+
+# ---------------------------------------------------------------- every cause named
+
+
+def _waiting(reason: str, message: str = "") -> dict[str, Any]:
+    return {"image": "img:1", "restartCount": 0, "state": {"waiting": {"reason": reason, "message": message}}}
+
+
+CAUSES = [
+    (
+        "ImagePullBackOff",
+        {"containerStatuses": [_waiting("ImagePullBackOff", 'Back-off pulling image "img:1"')]},
+        {},
+        "img:1",
+    ),
+    (
+        "ImagePullBackOff",
+        {"containerStatuses": [_waiting("ErrImagePull", "not found")]},
+        {},
+        "spec.engine.image",
+    ),
+    (
+        "CreateContainerConfigError",
+        {"containerStatuses": [_waiting("CreateContainerConfigError", 'secret "hf-token" not found')]},
+        {},
+        'secret "hf-token" not found',
+    ),
+    (
+        "Unschedulable",
+        {
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/1 nodes are available: 1 Insufficient cpu.",
+                }
+            ]
+        },
+        {},
+        "Insufficient cpu",
+    ),
+    (
+        "Unschedulable",
+        {"phase": "Failed", "reason": "OutOfcpu", "message": "Node didn't have enough resource: cpu"},
+        {},
+        "OutOfcpu",
+    ),
+    (
+        "OOMKilled",
+        {
+            "containerStatuses": [
+                {
+                    "restartCount": 2,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137}},
+                }
+            ]
+        },
+        {},
+        "spec.resources.limits.memory",
+    ),
+    (
+        "ModelUnreadable",
+        {
+            "containerStatuses": [
+                {
+                    "restartCount": 1,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {
+                        "terminated": {
+                            "exitCode": 2,
+                            "message": "model files unreadable: /mnt/models/config.json (mode -rw------- (600), owner uid 0 gid 0) cannot be read",
+                        }
+                    },
+                }
+            ]
+        },
+        {},
+        "/mnt/models/config.json",
+    ),
+    (
+        "CrashLoopBackOff",
+        {
+            "containerStatuses": [
+                {
+                    "restartCount": 3,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {"terminated": {"exitCode": 1, "message": "ValueError: boom"}},
+                }
+            ]
+        },
+        {},
+        "ValueError: boom",
+    ),
+    (
+        "FailedMount",
+        {"containerStatuses": [_waiting("ContainerCreating")]},
+        {
+            "rm-0": 'MountVolume.SetUp failed for volume "model" : hostPath type check failed: /models/x is not a directory'
+        },
+        "/models/x is not a directory",
+    ),
+]
+
+
+@pytest.mark.parametrize(("reason", "pod_status", "mounts", "needle"), CAUSES)
+def test_each_cause_is_named_in_the_reason_the_condition_and_the_message(
+    reason: str, pod_status: dict[str, Any], mounts: dict[str, str], needle: str
+) -> None:
+    pod = _pod("rm-0", 0, ready=False, **pod_status)
+    pod["spec"]["containers"] = [{"resources": {"limits": {"memory": "256Mi"}}}]
+    status = _status(cpu_rm(), [pod], {}, mount_problems=mounts)
+    degraded = _cond(status, "Degraded")
+    assert (status["phase"], status["reason"], degraded["status"], degraded["reason"]) == (
+        "Degraded",
+        reason,
+        "True",
+        reason,
+    )
+    assert needle in degraded["message"] and "rm-0" in degraded["message"]
+    [event] = transition_events({}, status)
+    assert (event.type, event.reason) == ("Warning", reason) and needle in event.message
+
+
+def test_a_replica_still_starting_names_no_cause() -> None:
+    status = _status(
+        cpu_rm(), [_pod("rm-0", 0, ready=False, containerStatuses=[_waiting("ContainerCreating")])], {}
+    )
+    assert status["phase"] == "Pending" and _cond(status, "Degraded")["status"] == "False"
+    assert status["reason"] == "RollingOut"
+
+
+def test_the_oom_message_names_the_memory_limit() -> None:
+    [(_, pod_status, _, _)] = [c for c in CAUSES if c[0] == "OOMKilled"]
+    pod = _pod("rm-0", 0, ready=False, **pod_status)
+    pod["spec"]["containers"] = [{"resources": {"limits": {"memory": "256Mi"}}}]
+    assert "256Mi" in _cond(_status(cpu_rm(), [pod], {}), "Degraded")["message"]

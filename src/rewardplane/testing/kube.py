@@ -48,10 +48,20 @@ class MemoryKube:
         obj = self.objects.get(path)
         return copy.deepcopy(obj) if obj is not None else None
 
-    def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
+    def list(
+        self, path: str, label_selector: str | None = None, field_selector: str | None = None
+    ) -> list[dict[str, Any]]:
         """Objects in the collection ``path``; without a namespace in it, in every namespace.
-        Selectors: ``key=value`` and ``key`` (exists), comma-separated."""
+        Label selectors: ``key=value`` and ``key`` (exists); field selectors: ``a.b=value``; each
+        comma-separated."""
         terms = [t.split("=", 1) for t in label_selector.split(",")] if label_selector else []
+        fields = [t.split("=", 1) for t in field_selector.split(",")] if field_selector else []
+
+        def field(obj: Any, dotted: str) -> Any:
+            for part in dotted.split("."):
+                obj = obj.get(part) if isinstance(obj, dict) else None
+            return obj
+
         base, _, plural = path.rpartition("/")
         out = []
         for key, obj in self.objects.items():
@@ -64,6 +74,7 @@ class MemoryKube:
             )
             labels = obj.get("metadata", {}).get("labels") or {}
             matches = all((t[0] in labels) if len(t) == 1 else labels.get(t[0]) == t[1] for t in terms)
+            matches = matches and all(str(field(obj, f[0])) == f[1] for f in fields)
             if in_collection and matches:
                 out.append(copy.deepcopy(obj))
         return out

@@ -138,9 +138,13 @@ class Kube:
                 return None
             raise
 
-    def list(self, path: str, label_selector: str | None = None) -> list[dict[str, Any]]:
-        params = {"labelSelector": label_selector} if label_selector else None
-        return list(self._call("GET", path, params=params).get("items") or [])
+    def list(
+        self, path: str, label_selector: str | None = None, field_selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        params = {
+            k: v for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v
+        }
+        return list(self._call("GET", path, params=params or None).get("items") or [])
 
     def create(self, path: str, body: Mapping[str, Any]) -> dict[str, Any] | None:
         """Create; None when an object of that name exists already (someone else made it first)."""

@@ -86,6 +86,9 @@ class WeightSyncSpec(_Spec):
     )
     timeout_seconds: int = Field(default=600, ge=1, alias="timeoutSeconds")
     persist_dir: str | None = Field(default=None, alias="persistDir")
+    # Without persistDir: a copy of the pushed weights in an emptyDir of each Pod, so a container
+    # that restarts in its Pod gets them back (costs node disk about the size of what was pushed).
+    pod_copy: bool = Field(default=True, alias="podCopy")
 
 
 class LoraSpec(_Spec):

@@ -61,8 +61,14 @@ class Condition(_Status):
     observed_generation: int | None = Field(default=None, alias="observedGeneration")
 
 
+# status.reason when a replica restarted and nothing (no saved copy, no healthy replica on the
+# model's version) can restore it: only a push brings the weights back.
+WEIGHTS_LOST = "WeightsLost"
+
+
 class RewardModelStatus(_Status):
     phase: str = PHASE_PENDING
+    reason: str = ""  # why the phase is what it is (the REASON column)
     message: str = ""
     observed_generation: int | None = Field(default=None, alias="observedGeneration")
     ready_replicas: int = Field(default=0, alias="readyReplicas")

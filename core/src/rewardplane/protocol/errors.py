@@ -10,3 +10,8 @@ from __future__ import annotations
 
 class RewardplaneError(Exception):
     """Base class of every error rewardplane raises on purpose."""
+
+
+# The start of the reward server's last line when it cannot read its model's files: the operator
+# finds it in the container's termination message and names the cause ModelUnreadable.
+MODEL_FILES_UNREADABLE = "model files unreadable"

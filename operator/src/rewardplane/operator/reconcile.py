@@ -56,10 +56,12 @@ from .status import (
     ProbeResult,
     compute_status,
     pod_ready,
+    pod_restarts,
     replica_index,
     restore_failed_message,
     server_started,
     transition_events,
+    waits_for_mount,
 )
 from .weightsync import completed_version
 
@@ -73,6 +75,7 @@ PEER_RETRY_S = 30.0  # after a peer restore could not start
 # A started replica that could not be probed or admitted yet is looked at again this soon (its Pod
 # sends no further event until it is Ready, which needs the admission).
 ADMISSION_RETRY_S = 1.0
+MOUNT_RECHECK_S = 5.0  # a Pod stuck in ContainerCreating: its FailedMount Events are read again
 
 
 def _owned_by(obj: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
@@ -393,17 +396,6 @@ class Reconciler:
             newly = stale - self._stale.get(key, set())
             self._stale[key] = stale
         self._admit(rm, plan, live, probes, stale, target)
-        status = compute_status(
-            rm,
-            plan,
-            pods,
-            probes,
-            now_rfc3339(),
-            desired_hashes=hashes,
-            target_version=target,
-            stale_pods=stale,
-        )
-        self._write_status(rm, status)
         for pod in sorted(newly):
             self._post_event(
                 rm,
@@ -414,8 +406,22 @@ class Reconciler:
                     f"{probes[pod].version} < {target}; left out of the endpoints until restored",
                 ),
             )
-        if stale and self._restore(rm, plan, live, probes, stale, target):
-            self._coalesce.mark_dirty(key)  # re-read the restored replicas right away
+        restored, lost = self._restore(rm, plan, live, probes, stale, target) if stale else (False, ())
+        status = compute_status(
+            rm,
+            plan,
+            pods,
+            probes,
+            now_rfc3339(),
+            desired_hashes=hashes,
+            target_version=target,
+            stale_pods=stale,
+            mount_problems=self._mount_problems(key, live),
+            lost_pods=lost,
+        )
+        self._write_status(rm, status)
+        if restored:
+            self._coalesce.mark_dirty(key)  # re-read the restored replicas (or try a peer) right away
         return "ok"
 
     def _admit(
@@ -469,7 +475,33 @@ class Reconciler:
         if retry:
             self._retry_later((ns, name))
 
-    def _retry_later(self, key: Key) -> None:
+    def _mount_problems(self, key: Key, pods: list[dict[str, Any]]) -> dict[str, str]:
+        """Pod → the newest FailedMount Event's message, for Pods whose containers wait in
+        ContainerCreating (the cause is only in their Events); such a model is looked at again
+        shortly, since a Pod stuck that way sends no further event."""
+        waiting = [p for p in pods if waits_for_mount(p)]
+        if not waiting:
+            return {}
+        out: dict[str, str] = {}
+        for pod in waiting:
+            name = pod["metadata"]["name"]
+            try:
+                events = self.kube.list(
+                    core_path("events", key[0]),
+                    field_selector=f"involvedObject.kind=Pod,involvedObject.name={name},reason=FailedMount",
+                )
+            except KubeError as exc:  # the status then only says it waits; nothing else depends on it
+                log.info("%s/%s: cannot read the Events of %s: %s", *key, name, exc)
+                continue
+            uid = pod["metadata"].get("uid")
+            mine = [e for e in events if (e.get("involvedObject") or {}).get("uid") in (None, uid)]
+            if mine:
+                newest = max(mine, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
+                out[name] = " ".join(str(newest.get("message") or "").split())
+        self._retry_later(key, MOUNT_RECHECK_S)
+        return out
+
+    def _retry_later(self, key: Key, delay_s: float = ADMISSION_RETRY_S) -> None:
         with self._guard:
             if key in self._retry_pending:
                 return
@@ -480,7 +512,7 @@ class Reconciler:
                 self._retry_pending.discard(key)
             self.request(key, "admission")
 
-        self.later(ADMISSION_RETRY_S, again)
+        self.later(delay_s, again)
 
     def _watch_peer_restore(self, key: Key, urls: list[str], target: int) -> None:
         """Reconcile the moment the receivers of a peer restore serve ``target`` (or it ends
@@ -504,11 +536,13 @@ class Reconciler:
         probes: Mapping[str, ProbeResult],
         stale: set[str],
         target: int,
-    ) -> bool:
-        """Bring stale replicas to ``target``: saved weights first, else a healthy peer sends them.
+    ) -> tuple[bool, tuple[str, ...]]:
+        """Bring stale replicas to ``target``: saved weights first (``persistDir``, or the Pod's own
+        copy after a container restart), else a healthy peer sends them.
 
-        True when some replica was restored from disk (re-read it at once); a peer restore runs in
-        the background and is seen by later passes.
+        Returns (whether to look again at once: a replica was restored from disk, or a disk restore
+        failed and a peer is next; the replicas nothing can restore: their weights are lost). A peer
+        restore runs in the background and reconciles when it lands.
         """
         ns, name = rm["metadata"]["namespace"], rm["metadata"]["name"]
         by_name = {p["metadata"]["name"]: p for p in pods}
@@ -525,11 +559,22 @@ class Reconciler:
             if pod in by_name and self._restore_failed.get((ns, pod)) == identity(by_name[pod])
         }
         persist_dir = plan.spec.weight_sync.persist_dir
+        pod_copies = (
+            {n for n in stale if n in by_name and pod_restarts(by_name[n]) > 0}
+            if plan.spec.weight_sync.pod_copy and not persist_dir
+            else set()
+        )
         todo = restore_plan(
-            stale, probes, target, persisted=bool(persist_dir), disk_failed=disk_failed, busy=busy
+            stale,
+            probes,
+            target,
+            persisted=bool(persist_dir),
+            disk_failed=disk_failed,
+            busy=busy,
+            pod_copies=pod_copies,
         )
         if not (todo.from_disk or todo.from_peer or todo.unrecoverable):
-            return False
+            return False, ()
         token = self._token(ns, name)
         restored = False
         for pod_name in todo.from_disk:
@@ -542,6 +587,7 @@ class Reconciler:
                 )
             except ReplicaError as exc:
                 self._restore_failed[(ns, pod_name)] = identity(pod)
+                restored = True  # not restored, but a peer is next: look again at once
                 self._post_event(
                     rm,
                     Event(
@@ -624,7 +670,7 @@ class Reconciler:
                     ),
                 ),
             )
-        return restored
+        return restored, todo.unrecoverable
 
     def _token(self, ns: str, name: str) -> str:
         secret_name = token_secret_name(name)

@@ -82,15 +82,18 @@ def restore_plan(
     persisted: bool,
     disk_failed: Collection[str] = (),
     busy: Collection[str] = (),
+    pod_copies: Collection[str] = (),
 ) -> RestorePlan:
     """Saved weights first (cheap, no peer involved), then a peer that serves ``target``.
 
     ``disk_failed``: replicas whose disk restore already failed for their current identity (no
     saved weights, another version or base); ``busy``: replicas with a restore in flight, left
-    alone until it ends. A full push from the trainer repairs whatever is left.
+    alone until it ends; ``pod_copies``: replicas (without ``persisted``) whose container
+    restarted in its Pod, which keeps a copy of the pushed weights. A full push from the trainer
+    repairs whatever is left.
     """
     todo = sorted(n for n in stale if n not in busy)
-    from_disk = tuple(n for n in todo if persisted and n not in disk_failed)
+    from_disk = tuple(n for n in todo if (persisted or n in pod_copies) and n not in disk_failed)
     rest = [n for n in todo if n not in from_disk]
     sources = sorted(
         n

@@ -41,6 +41,7 @@ TOKEN_VOLUME = "control-token"
 TOKEN_MOUNT_DIR = "/var/run/rewardplane"
 TOKEN_FILE = f"{TOKEN_MOUNT_DIR}/{TOKEN_KEY}"
 WEIGHTS_VOLUME = "persisted-weights"
+POD_COPY_DIR = "/rewardplane-weights"  # the emptyDir of spec.weightSync.podCopy
 # The root filesystem is read-only: temporary files and caches (HOME) go to an emptyDir here.
 SCRATCH_VOLUME = "scratch"
 SCRATCH_DIR = "/rewardplane-scratch"
@@ -54,8 +55,8 @@ READINESS_TIMEOUT_S = 3
 READINESS_FAILURES = 5
 # Loading a large model takes minutes: the startup probe allows up to 30 min before liveness
 # (a stuck event loop, or a broken replica: /health answers 503) may restart the container.
-STARTUP_PERIOD_S = 2
-STARTUP_FAILURES = 900
+STARTUP_PERIOD_S = 1
+STARTUP_FAILURES = 1800
 LIVENESS_PERIOD_S = 10
 LIVENESS_TIMEOUT_S = 5
 LIVENESS_FAILURES = 6
@@ -160,6 +161,8 @@ def server_args(plan: Plan, replica: ReplicaPlan, owner_uid: str = "") -> list[s
         args += ["--tensor-parallel-size", str(replica.world_size)]
     if spec.weight_sync.persist_dir:
         args += ["--weights-dir", weights_dir(spec.weight_sync.persist_dir, owner_uid, plan, replica)]
+    elif spec.weight_sync.pod_copy:
+        args += ["--weights-dir", POD_COPY_DIR]
     if spec.lora.enabled:
         args += ["--enable-lora", "--max-lora-rank", str(spec.lora.max_rank)]
     return args + list(spec.engine.extra_args)
@@ -291,6 +294,10 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
         volumes.append(
             {"name": WEIGHTS_VOLUME, "hostPath": {"path": persist_dir, "type": "DirectoryOrCreate"}}
         )
+    elif plan.spec.weight_sync.pod_copy:
+        # lives as long as the Pod: a restarted container finds the pushed weights here
+        container["volumeMounts"].append({"name": WEIGHTS_VOLUME, "mountPath": POD_COPY_DIR})
+        volumes.append({"name": WEIGHTS_VOLUME, "emptyDir": {}})
     pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",

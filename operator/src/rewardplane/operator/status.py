@@ -31,7 +31,9 @@ from rewardplane.api.status import (
     STATE_BROKEN,
     STATE_SLEEPING,
     STATE_STALE,
+    WEIGHTS_LOST,
 )
+from rewardplane.protocol.errors import MODEL_FILES_UNREADABLE
 
 from .planning import Plan
 
@@ -91,6 +93,126 @@ def _last_lines(text: str, limit: int = 300) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     tail = " | ".join(lines[-2:])
     return tail if len(tail) <= limit else "…" + tail[-limit:]
+
+
+# Reasons a replica does not start, each named in the Degraded condition, the Event and the
+# REASON column (status.reason), with what to do about it.
+IMAGE_PULL = "ImagePullBackOff"
+FAILED_MOUNT = "FailedMount"
+CONTAINER_CONFIG = "CreateContainerConfigError"
+UNSCHEDULABLE = "Unschedulable"
+OOM_KILLED = "OOMKilled"
+CRASH_LOOP = "CrashLoopBackOff"
+MODEL_UNREADABLE = "ModelUnreadable"
+BROKEN_WEIGHTS = "BrokenWeights"
+REPLICAS_UNHEALTHY = "ReplicasUnhealthy"  # several causes at once, or an exit without a known one
+_IMAGE_WAITING = {
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "InvalidImageName",
+    "ErrImageNeverPull",
+    "RegistryUnavailable",
+}
+_CONFIG_WAITING = {"CreateContainerConfigError", "CreateContainerError", "RunContainerError"}
+
+
+@dataclass(frozen=True)
+class Cause:
+    """Why one replica does not serve: a reason (one of the names above) and a message that says
+    what happened and what to do."""
+
+    reason: str
+    message: str
+
+
+def _memory_limit(pod: Mapping[str, Any]) -> str:
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
+        if limit:
+            return str(limit)
+    return "none set"
+
+
+def replica_cause(
+    pod: Mapping[str, Any], probe: ProbeResult | None, mount_problem: str | None = None
+) -> Cause | None:
+    """Why a replica does not start or serve, from its Pod's status (and the message of a
+    ``FailedMount`` Event on it, which the Pod's status never shows); None while nothing is known
+    to be wrong (a replica still starting)."""
+    name = (pod.get("metadata") or {}).get("name", "")
+    if probe is not None and probe.state == STATE_BROKEN:
+        return Cause(BROKEN_WEIGHTS, replica_problem(pod, probe))
+    status = pod.get("status") or {}
+    for cond in status.get("conditions") or []:
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == UNSCHEDULABLE
+        ):
+            return Cause(
+                UNSCHEDULABLE,
+                f"{name} cannot be scheduled: {cond.get('message') or 'no node fits'}; free capacity or "
+                "lower spec.resources / spec.gpu",
+            )
+    if status.get("phase") == "Failed" and status.get("reason"):
+        # the kubelet refused the Pod the operator placed on its node (OutOfcpu, OutOfmemory, ...)
+        return Cause(
+            UNSCHEDULABLE,
+            f"{name} was refused by node {(pod.get('spec') or {}).get('nodeName', '?')}: {status['reason']}"
+            f" ({status.get('message') or 'no message'}); free capacity on the node or lower spec.resources",
+        )
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        why, detail = waiting.get("reason"), waiting.get("message") or ""
+        if why in _IMAGE_WAITING:
+            return Cause(
+                IMAGE_PULL,
+                f"{name}: the image {cs.get('image') or '?'} cannot be pulled ({why}: {detail or 'no detail'}); "
+                "set spec.engine.image to an image the node can pull (or load it onto the node), with "
+                "spec.engine.imagePullPolicy and the pull secret it needs",
+            )
+        if why in _CONFIG_WAITING:
+            return Cause(
+                CONTAINER_CONFIG,
+                f"{name}: the container cannot be created ({why}: {detail or 'no detail'}); fix what it "
+                "names (a missing Secret or ConfigMap, a bad command) in the RewardModel or the namespace",
+            )
+        last = (
+            (cs.get("lastState") or {}).get("terminated") or (cs.get("state") or {}).get("terminated") or {}
+        )
+        if last.get("reason") == OOM_KILLED:
+            return Cause(
+                OOM_KILLED,
+                f"{name}: the server was killed for going over its memory limit ({_memory_limit(pod)}; OOMKilled, "
+                f"exit code {last.get('exitCode', 137)}, {pod_restarts(pod)} restart(s)); raise "
+                "spec.resources.limits.memory (the model's weights, its activations and the tokenizer must fit)",
+            )
+        if MODEL_FILES_UNREADABLE in str(last.get("message") or ""):
+            return Cause(MODEL_UNREADABLE, replica_problem(pod, probe))
+    if mount_problem:
+        return Cause(
+            FAILED_MOUNT,
+            f"{name}: a volume cannot be mounted: {mount_problem}; check spec.model.source (the PVC, its "
+            "path, the node directory) and spec.weightSync.persistDir",
+        )
+    if pod_restarts(pod) > 0 and not pod_ready(pod):
+        statuses = status.get("containerStatuses") or [{}]
+        looping = ((statuses[0].get("state") or {}).get("waiting") or {}).get("reason") == CRASH_LOOP
+        return Cause(CRASH_LOOP if looping else REPLICAS_UNHEALTHY, replica_problem(pod, probe))
+    return None
+
+
+def have_names(pods: Sequence[Mapping[str, Any]]) -> set[str]:
+    return {(p.get("metadata") or {}).get("name", "") for p in pods}
+
+
+def waits_for_mount(pod: Mapping[str, Any]) -> bool:
+    """The Pod's containers wait in ContainerCreating: a volume may not mount (the cause is only in
+    the Pod's Events, which the operator then reads)."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return any(
+        ((cs.get("state") or {}).get("waiting") or {}).get("reason") == "ContainerCreating" for cs in statuses
+    )
 
 
 def replica_problem(pod: Mapping[str, Any], probe: ProbeResult | None) -> str:
@@ -242,6 +364,8 @@ def compute_status(
     target_version: int | None = None,
     known_version: int | None = None,
     stale_pods: Collection[str] = (),
+    mount_problems: Mapping[str, str] | None = None,
+    lost_pods: Collection[str] = (),
 ) -> dict[str, Any]:
     """The full status of a RewardModel.
 
@@ -298,13 +422,26 @@ def compute_status(
     )
     not_ready = sorted(have - healthy_names)
     stale = sorted(ep["pod"] for ep in endpoints if ep["pod"] in healthy_names and not ep["ready"])
-    broken = sorted(
-        p["metadata"]["name"]
+    causes = {
+        name: cause
         for p in live
-        if (probes.get(p["metadata"]["name"]) or ProbeResult()).state == STATE_BROKEN
-        or (p.get("status") or {}).get("phase") == "Failed"
-        or (pod_restarts(p) > 0 and not pod_ready(p))
-    )
+        if (
+            cause := replica_cause(
+                p, probes.get(name := p["metadata"]["name"]), (mount_problems or {}).get(name)
+            )
+        )
+        is not None
+    }
+    for name in lost_pods:
+        if name in have_names(live):
+            causes[name] = Cause(
+                WEIGHTS_LOST,
+                f"{name} lost weights version {target_version}: it restarted on its base weights and "
+                "neither a saved copy nor a healthy replica on that version can restore it; push "
+                f"version {target_version} again (a full push), or set spec.weightSync.persistDir to "
+                "keep pushed weights across Pod replacements",
+            )
+    broken = sorted(causes)
 
     def conds(
         available: tuple[bool, str, str],
@@ -369,22 +506,21 @@ def compute_status(
         ]
         if pending_work:
             progressing = (True, "RollingOut", "; ".join(pending_work))
-        elif behind:
+        elif behind and set(behind) - set(lost_pods):
             # Pods are all there but some still have to reach the model's weights version.
             progressing = (
                 True,
                 "RestoringWeights",
-                f"bringing {', '.join(behind)} to weights version {target_version}",
+                f"bringing {', '.join(n for n in behind if n not in lost_pods)} to weights version {target_version}",
             )
         else:
             progressing = (False, "RolloutComplete", f"{desired} replica(s) up to date")
+        reasons = {c.reason for c in causes.values()}
         degraded = (
             (
                 True,
-                "ReplicasUnhealthy",
-                "; ".join(
-                    replica_problem(p, probes.get(n)) for p in live if (n := p["metadata"]["name"]) in broken
-                ),
+                reasons.pop() if len(reasons) == 1 else REPLICAS_UNHEALTHY,
+                "; ".join(causes[n].message for n in broken),
             )
             if broken
             else (False, "AsExpected", "no replica is broken")
@@ -402,9 +538,16 @@ def compute_status(
         else:
             phase = PHASE_PROGRESSING
 
+    shown = next(
+        c
+        for c in conditions
+        if c["type"] == (DEGRADED if phase in (PHASE_DEGRADED, PHASE_FAILED) else "Progressing")
+    )
     out = _without_empty_strings(
         {
             "phase": phase,
+            # the REASON column: why the phase is what it is (the Degraded reason when degraded)
+            "reason": shown.get("reason", "") if phase != PHASE_READY else "",
             "ready": f"{ready}/{desired}",
             "observedGeneration": generation,
             "readyReplicas": ready,

@@ -2,7 +2,7 @@
 
     rewardplane status NAME [-n NS]
     rewardplane score NAME TEXT... [-n NS] [--raw | --normalize]
-    rewardplane push NAME --from CHECKPOINT --version N --mode {head_only,lora,full} [-n NS]
+    rewardplane push NAME --from CHECKPOINT --version N [--mode {head_only,lora,full}] [-n NS]
 
 Credentials: ``--kubeconfig``, else in-cluster, else ``$KUBECONFIG`` / ``~/.kube/config``. Pushing
 reads the control-plane token from ``REWARDPLANE_TOKEN`` or the model's Secret.
@@ -33,16 +33,31 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rewardplane", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="command", required=True)
-    status = sub.add_parser("status", help="show a RewardModel's status, endpoints and last push")
+    status = sub.add_parser(
+        "status",
+        help="show a RewardModel's status, endpoints and last push",
+        description="Show a RewardModel's phase, conditions, endpoints (with each replica's weights "
+        "version) and its last push.",
+    )
     _common(status)
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
-    score = sub.add_parser("score", help="score texts with a RewardModel's ready replicas")
+    score = sub.add_parser(
+        "score",
+        help="score texts with a RewardModel's ready replicas",
+        description="Score one or more texts with a RewardModel's ready replicas; prints one line per "
+        "text (score, tab, text) and the weights version that scored them.",
+    )
     _common(score)
     score.add_argument("texts", nargs="+", metavar="TEXT")
     how = score.add_mutually_exclusive_group()
     how.add_argument("--raw", action="store_true", help="raw head outputs (no sigmoid/softmax)")
     how.add_argument("--normalize", action="store_true", help="sigmoid/softmax of the head outputs")
-    push = sub.add_parser("push", help="push a saved checkpoint into a RewardModel's servers")
+    push = sub.add_parser(
+        "push",
+        help="push a saved checkpoint into a RewardModel's servers",
+        description="Push the weights of a saved checkpoint into every replica of a RewardModel, in "
+        "memory, as one new weights version; returns once every replica serves it.",
+    )
     _common(push)
     push.add_argument(
         "--from",
@@ -52,7 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a saved Hugging Face checkpoint folder (save_pretrained)",
     )
     push.add_argument("--version", type=int, required=True, help="new weights version (must increase)")
-    push.add_argument("--mode", choices=[m.value for m in RewardModelTrainingMode], default="full")
+    push.add_argument(
+        "--mode",
+        choices=[m.value for m in RewardModelTrainingMode],
+        default=None,
+        help="what to push (default: the model's spec.weightSync.defaultTrainingMode, else full)",
+    )
     push.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole push (default 600)")
     push.add_argument("--trainer-host", default=None, help="this machine's address as the replicas reach it")
     push.add_argument("--bucket-bytes", type=int, default=None)
@@ -111,6 +131,12 @@ def score_normalize(spec: Mapping[str, Any], raw: bool, normalize: bool) -> bool
 def cmd_score(args: argparse.Namespace) -> int:
     from rewardplane.protocol import ScoringRequest
 
+    empty = [i + 1 for i, t in enumerate(args.texts) if not t.strip()]
+    if empty:
+        raise UsageError(
+            f"text {', '.join(map(str, empty))} is empty: give the text to score, e.g. "
+            f'rewardplane score {args.name} "a prompt and its answer"'
+        )
     with _handle(args) as handle:
         normalize = score_normalize(handle.get().get("spec") or {}, args.raw, args.normalize)
         client = handle.client()
@@ -143,19 +169,31 @@ def load_checkpoint(path: Path, mode: RewardModelTrainingMode) -> dict[str, Any]
     return select_head(state) if mode is RewardModelTrainingMode.HEAD_ONLY else state
 
 
+def push_mode(spec: Mapping[str, Any], given: str | None) -> RewardModelTrainingMode:
+    """The flag, else the RewardModel's ``spec.weightSync.defaultTrainingMode``, else full."""
+    default = (
+        (spec.get("weightSync") or {}).get("defaultTrainingMode")
+    ) or RewardModelTrainingMode.FULL.value
+    return RewardModelTrainingMode(given or default)
+
+
 def cmd_push(args: argparse.Namespace) -> int:
-    mode = RewardModelTrainingMode(args.mode)
-    params = load_checkpoint(args.checkpoint, mode)
     kwargs: dict[str, Any] = {"timeout_s": args.timeout, "trainer_host": args.trainer_host}
     if args.bucket_bytes:
         kwargs["bucket_bytes"] = args.bucket_bytes
     with _handle(args) as handle:
+        mode = push_mode(handle.get().get("spec") or {}, args.mode)
+        params = load_checkpoint(args.checkpoint, mode)
         result = handle.push_weights(params, args.version, mode, **kwargs)
     print(
         f"pushed version {result.version} ({result.training_mode}, {result.bytes} bytes) to {result.replicas} "
         f"replica(s) in {result.duration_s:.2f}s (transfer {result.transfer_s:.2f}s)"
     )
     return 0
+
+
+class UsageError(ValueError):
+    """Bad command-line input, said in one line."""
 
 
 COMMANDS = {"status": cmd_status, "score": cmd_score, "push": cmd_push}
@@ -167,13 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except Exception as exc:  # one clear line, not a traceback, for expected failures
-        from rewardplane.protocol.naming import WeightValidationError
+        from rewardplane.protocol.errors import RewardplaneError
 
-        from .cluster import ClusterError, WeightSyncFailed
-
-        if isinstance(
-            exc, (ClusterError, WeightSyncFailed, WeightValidationError, FileNotFoundError, TimeoutError)
-        ):
+        if isinstance(exc, (RewardplaneError, UsageError, FileNotFoundError, TimeoutError)):
             print(f"rewardplane {args.command}: {exc}", file=sys.stderr)
             return 1
         raise

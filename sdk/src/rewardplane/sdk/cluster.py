@@ -41,7 +41,7 @@ from rewardplane.api.names import (
     custom_path,
     token_secret_name,
 )
-from rewardplane.api.status import EndpointStatus, RewardModelStatus
+from rewardplane.api.status import WEIGHTS_LOST, EndpointStatus, RewardModelStatus
 from rewardplane.api.weightsync import adapter_spec
 from rewardplane.protocol import (
     DEFAULT_BUCKET_BYTES,
@@ -71,6 +71,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # status polls during a push (one GET each; a push is short)
+CLIENT_WAIT_S = 60.0  # client(): how long to wait for a ready replica when there is no client yet
+CLIENT_POLL_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,8 @@ class RewardModelHandle:
 
     def wait_ready(self, timeout_s: float = 300.0, *, min_replicas: int | None = None) -> RewardModelStatus:
         """Wait until every desired replica (or ``min_replicas``) is ready; returns the status.
-        Raises RewardplaneTimeout (a TimeoutError) with the phase and message when it is not."""
+        Raises RewardplaneTimeout (a TimeoutError) with the phase and message when it is not, and
+        ClusterError at once when the operator reports the weights lost (only a push helps)."""
         deadline = time.monotonic() + timeout_s
         while True:
             rm = self.get()
@@ -234,6 +237,11 @@ class RewardModelHandle:
             # Sleeping: every replica ready and asleep (awake() wakes them)
             if ready >= want and (min_replicas is not None or status.phase in ("Ready", "Sleeping")):
                 return status
+            if status.reason == WEIGHTS_LOST:
+                raise ClusterError(
+                    f"RewardModel {self.namespace}/{self.name} will not become ready by itself: "
+                    f"{status.message}"
+                )
             if time.monotonic() > deadline:
                 raise RewardplaneTimeout(
                     f"RewardModel {self.namespace}/{self.name} not ready after {timeout_s:.0f}s: phase "
@@ -242,16 +250,31 @@ class RewardModelHandle:
                 )
             time.sleep(0.2)
 
-    def client(self, **kwargs: Any) -> VLLMRewardClient:
+    def client(self, *, wait_s: float = CLIENT_WAIT_S, **kwargs: Any) -> VLLMRewardClient:
         """A scoring client over the ready replicas; a new one when the set of ready replicas changed
-        since the last call (the old one is closed). ``kwargs`` go to VLLMRewardClient."""
+        since the last call (the old one is closed). ``kwargs`` go to VLLMRewardClient.
+
+        While no replica is ready (a readiness blip: a kubelet restart resets every Pod's
+        readiness for a few seconds), the client of the last call is returned as it is: its
+        replicas most likely still serve, and its retries ride out the rest. Without one, this
+        waits up to ``wait_s`` seconds for a ready replica, then raises ClusterError."""
         from .client import VLLMRewardClient
 
         urls = tuple(self.get_urls())
         if not urls:
-            raise ClusterError(
-                f"RewardModel {self.namespace}/{self.name} has no ready replica; wait_ready() first"
-            )
+            with self._lock:
+                if self._client is not None and not kwargs:
+                    return self._client
+            deadline = time.monotonic() + wait_s
+            while not urls:
+                if time.monotonic() >= deadline:
+                    raise ClusterError(
+                        f"RewardModel {self.namespace}/{self.name} has no ready replica after {wait_s:.0f}s "
+                        f"({self.get_status().message or 'no message'}); wait_ready() first, or see "
+                        "`kubectl describe rm`"
+                    )
+                time.sleep(CLIENT_POLL_S)
+                urls = tuple(self.get_urls())
         with self._lock:
             if self._client is None or urls != self._client_urls or kwargs:
                 old, self._client = self._client, None

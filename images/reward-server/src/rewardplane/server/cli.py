@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import signal
+import stat
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rewardplane.protocol import ModelTask
 from rewardplane.protocol.auth import resolve_token
+from rewardplane.protocol.errors import MODEL_FILES_UNREADABLE
 
 from .config import ServerConfig, parse_args
 from .engine import RewardEngine
@@ -78,6 +81,36 @@ def local_spellings(source: str) -> list[str]:
     return [str(path.absolute()), str(path.resolve())]
 
 
+def unreadable_files(path: Path) -> list[Path]:
+    """The checkpoint's files (or the folder itself) this process cannot read."""
+    try:
+        if not path.exists() and not path.parent.exists():
+            return []
+        if path.is_dir():
+            if not os.access(path, os.R_OK | os.X_OK):
+                return [path]
+            return sorted(p for p in path.iterdir() if p.is_file() and not os.access(p, os.R_OK))
+        return [path] if path.exists() and not os.access(path, os.R_OK) else []
+    except PermissionError:  # a folder above it cannot be entered
+        return [path]
+
+
+def unreadable_message(path: Path, files: list[Path]) -> str:
+    """The file, its mode and owner, this server's uid, and the fix."""
+    first = files[0]
+    try:
+        st = first.stat()
+        facts = f"mode {stat.filemode(st.st_mode)} ({st.st_mode & 0o7777:o}), owner uid {st.st_uid} gid {st.st_gid}"
+    except OSError:
+        facts = "cannot even be inspected"
+    more = f" and {len(files) - 1} more file(s)" if len(files) > 1 else ""
+    return (
+        f"{MODEL_FILES_UNREADABLE}: {first} ({facts}){more} cannot be read by this server (uid {os.getuid()}, "
+        f"gid {os.getgid()}); make the checkpoint readable to it: chmod -R a+rX {path} (save_pretrained as root "
+        "under umask 077 writes 0600 files), or chown it to the server's uid"
+    )
+
+
 def model_source_problem(source: str) -> str | None:
     """Why ``--model`` cannot be loaded, when that is clear before loading anything: a path that
     does not exist, or a folder that is not a checkpoint. (A hub id is left to the loader; without
@@ -85,6 +118,9 @@ def model_source_problem(source: str) -> str | None:
     # Hub ids are "name" or "org/name"; anything absolute, relative-marked or deeper is a path.
     looks_like_path = source.startswith(("/", "./", "../", "~")) or source.count("/") > 1
     path = Path(source).expanduser()
+    unreadable = unreadable_files(path)
+    if unreadable:
+        return unreadable_message(path, unreadable)
     if path.exists():
         if path.is_dir() and not (path / "config.json").exists():
             return (
