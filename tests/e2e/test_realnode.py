@@ -891,10 +891,14 @@ def test_every_cause_a_replica_does_not_start_is_named(real_cluster: RealCluster
                 f"{name} to say {reason}", lambda n=name, r=reason, x=needle: named(n, r, x), 240, 2
             )
             assert st["phase"] == "Degraded", st
-            events = c.core.list_namespaced_event(
-                NS, field_selector=f"involvedObject.name={name},type=Warning"
-            ).items
-            assert any(e.reason == reason for e in events), [(e.reason, e.message) for e in events]
+
+            def warned(n: str = name, r: str = reason) -> bool:  # posted right after the status write
+                events = c.core.list_namespaced_event(
+                    NS, field_selector=f"involvedObject.name={n},type=Warning"
+                )
+                return any(e.reason == r for e in events.items)
+
+            wait_for(f"a Warning Event {reason} on {name}", warned, 30, 0.5)
         table = kubectl(c, "get", "rm", *cases, "-n", NS)
         assert "REASON" in table.splitlines()[0], table
         for name, (_, reason, _) in cases.items():

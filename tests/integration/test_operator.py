@@ -221,8 +221,9 @@ def test_tiny_model_becomes_ready_with_endpoints(
             timeout=30,
         ).stdout
         header, row = table.splitlines()[:2]
-        assert header.split() == ["NAME", "READY", "PHASE", "MODEL", "VERSION", "GPU-FRAC", "AGE"]
-        # GPU-FRAC is empty for a model on CPU (gpu.mode none): the row goes on with AGE.
+        assert header.split() == ["NAME", "READY", "PHASE", "REASON", "MODEL", "VERSION", "GPU-FRAC", "AGE"]
+        # REASON is empty when Ready, GPU-FRAC for a model on CPU (gpu.mode none): the row goes on
+        # with AGE.
         cells = row.split()
         assert cells[:5] == [name, "1/1", "Ready", str(tiny_model_dir), "0"] and len(cells) == 6
 

@@ -519,3 +519,81 @@ def test_no_pod_copy_when_turned_off() -> None:
     pod = kube.get(core_path("pods", NS, "rm-0")) or {}
     assert "--weights-dir" not in pod["spec"]["containers"][0]["args"]
     assert all(v["name"] != "persisted-weights" for v in pod["spec"]["volumes"])
+
+
+def test_replicas_that_turn_stale_one_after_the_other_are_restored_one_after_the_other() -> None:
+    """Scale 1 → 3 where the second new replica comes up while the first is being copied to: the
+    source would refuse a second send (409), so the operator waits for the first copy to land (its
+    watcher reconciles) and then starts the next, with no RestoreFailed and no 30 s retry."""
+    from rewardplane.operator.reconcile import Reconciler
+
+    kube = MemoryKube()
+    kube.put(
+        core_path("nodes"),
+        {"metadata": {"name": "cpu-a"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
+    )
+    kube.put(
+        custom_path(NS),
+        {
+            "metadata": {"name": "rm", "namespace": NS, "uid": "uid-1", "generation": 1},
+            "spec": {
+                "model": {"source": "/m"},
+                "engine": {"kind": "hf"},
+                "gpu": {"mode": "none"},
+                "replicas": 3,
+            },
+            "status": {"weightsVersion": 3},
+        },
+    )
+    urls = [f"http://10.0.0.1{i}:8001" for i in range(3)]
+    fake = FakeReplicas(
+        {
+            urls[0]: FakeReplica(version=3),
+            urls[1]: FakeReplica(admitted=False, polls_until_done=2),
+            urls[2]: FakeReplica(admitted=False, answers=False),  # still starting
+        }
+    )
+    later: list[Callable[[], None]] = []
+    reconciler = Reconciler(kube, replicas=fake, later=lambda _d, work: later.append(work))  # type: ignore[arg-type]
+    reconciler.reconcile((NS, "rm"))
+    fake.token = base64.b64decode(
+        (kube.get(core_path("secrets", NS, "rm-control-token")) or {})["data"]["token"]
+    ).decode()
+    for i in range(3):
+        kube.merge_patch(
+            core_path("pods", NS, f"rm-{i}") + "/status",
+            {
+                "status": {
+                    "podIP": f"10.0.0.1{i}",
+                    "conditions": [{"type": "Ready", "status": "True" if i == 0 else "False"}],
+                    "containerStatuses": [{"restartCount": 0, "started": True}],
+                }
+            },
+        )
+    reconciler.reconcile((NS, "rm"))  # copies to rm-1
+    assert fake.calls.count(("send_weights", urls[0])) == 1
+    fake.replicas[urls[2]].answers = True  # rm-2 is up now, while rm-1's copy is in flight
+    reconciler.reconcile((NS, "rm"))
+    assert fake.calls.count(("send_weights", urls[0])) == 1  # waits: the source is sending
+    while later:  # the copy to rm-1 lands; its watcher reconciles, which starts rm-2's
+        fake.replicas[urls[1]].polls_until_done = 0
+        fake.replicas[urls[2]].polls_until_done = 0
+        later.pop(0)()
+    assert fake.calls.count(("send_weights", urls[0])) == 2
+    assert fake.replicas[urls[1]].admitted and fake.replicas[urls[2]].admitted
+    assert "RestoreFailed" not in [e["reason"] for e in kube.list(core_path("events", NS))]
+
+
+def test_a_status_field_that_is_no_longer_true_is_removed() -> None:
+    """A merge patch keeps what it does not name: the REASON of a Degraded model must not stay
+    on once it is Ready."""
+    from rewardplane.operator.reconcile import Reconciler
+
+    kube = MemoryKube()
+    kube.put(custom_path(NS), {"metadata": {"name": "rm", "namespace": NS}, "spec": {}})
+    reconciler = Reconciler(kube, replicas=FakeReplicas(), later=lambda _d, _w: None)  # type: ignore[arg-type]
+    reconciler._write_status(
+        kube.get(custom_path(NS, "rm")) or {}, {"phase": "Degraded", "reason": "OOMKilled"}
+    )
+    reconciler._write_status(kube.get(custom_path(NS, "rm")) or {}, {"phase": "Ready"})
+    assert (kube.get(custom_path(NS, "rm")) or {})["status"] == {"phase": "Ready"}

@@ -71,7 +71,7 @@ log = logging.getLogger("rewardplane.operator")
 COMPONENT = "rewardplane-operator"
 _EVENT_MESSAGE_LIMIT = 1024  # the API server refuses longer Event messages
 RESTORE_TIMEOUT_S = 300.0  # loading saved weights from disk, or receiving them from a peer
-PEER_RETRY_S = 30.0  # after a peer restore could not start
+PEER_RETRY_S = 5.0  # after a peer restore could not start (the source was busy, a call failed)
 # A started replica that could not be probed or admitted yet is looked at again this soon (its Pod
 # sends no further event until it is Ready, which needs the admission).
 ADMISSION_RETRY_S = 1.0
@@ -294,9 +294,14 @@ class Reconciler:
         key = (rm["metadata"]["namespace"], rm["metadata"]["name"])
         self._phases[key] = status["phase"]
         self._update_phase_gauge()
-        if all(previous.get(k) == v for k, v in status.items()):
+        # A field the status no longer has (status.reason once Ready) is removed: a merge patch
+        # keeps whatever it does not name, so it names them with null.
+        gone = {k: None for k in previous if k not in status}
+        if not gone and all(previous.get(k) == v for k, v in status.items()):
             return  # unchanged: no write, no watch event, no churn
-        written = self.kube.merge_patch(custom_path(key[0], key[1]) + "/status", {"status": status})
+        written = self.kube.merge_patch(
+            custom_path(key[0], key[1]) + "/status", {"status": {**status, **gone}}
+        )
         if self.cluster is not None and written:
             self._written[key] = plain(written)
         for event in transition_events(previous, status):
@@ -514,16 +519,20 @@ class Reconciler:
 
         self.later(delay_s, again)
 
-    def _watch_peer_restore(self, key: Key, urls: list[str], target: int) -> None:
-        """Reconcile the moment the receivers of a peer restore serve ``target`` (or it ends
-        otherwise), so they are admitted at once rather than at the next resync."""
+    def _watch_peer_restore(self, key: Key, receivers: dict[str, str], target: int) -> None:
+        """Reconcile the moment the receivers (pod → URL) of a peer restore serve ``target`` (or it
+        ends otherwise), so they are admitted, and the next restore starts, at once rather than at
+        the next resync."""
 
         def watch() -> None:
-            for url in urls:
+            for url in receivers.values():
                 try:
                     self.replicas.wait_for_version(url, target, RESTORE_TIMEOUT_S)
                 except ReplicaError as exc:
                     log.info("%s/%s: following a peer restore at %s: %s", *key, url, exc)
+            with self._guard:
+                for pod in receivers:
+                    self._restoring.pop((key[0], pod), None)
             self.request(key, "restored")
 
         self.later(0.0, watch)
@@ -608,7 +617,10 @@ class Reconciler:
                 ),
             )
         # Replicas whose disk restore failed just now go to a peer on the next pass.
-        if todo.peer_source is not None and todo.from_peer:
+        # One peer restore of a model at a time: its source sends to every receiver of it at once,
+        # and would refuse a second send (409) until the first is done; the watcher of the one in
+        # flight reconciles when it lands, which starts the next.
+        if todo.peer_source is not None and todo.from_peer and not busy:
             source = by_name[todo.peer_source]
             receivers = [by_name[p] for p in todo.from_peer]
             group = f"{name}-peer-v{target}-{uuid.uuid4().hex[:6]}"
@@ -644,7 +656,9 @@ class Reconciler:
                     for p in receivers:
                         self._restoring[(ns, p["metadata"]["name"])] = (identity(p), now + RESTORE_TIMEOUT_S)
                 metrics.POD_ACTIONS.labels(action="peer-restore").inc()
-                self._watch_peer_restore((ns, name), [self._url(p, plan) for p in receivers], target)
+                self._watch_peer_restore(
+                    (ns, name), {p["metadata"]["name"]: self._url(p, plan) for p in receivers}, target
+                )
                 self._post_event(
                     rm,
                     Event(
