@@ -764,6 +764,7 @@ def test_a_lone_replica_keeps_its_pushed_weights_across_a_restart(real_cluster: 
             restarts = pod.status.container_statuses[0].restart_count
             cid = pod.status.container_statuses[0].container_id.removeprefix("containerd://")
             with service_watch(c, {1}, name) as watch:
+                wait_for("answers through the Service", lambda: len(watch.answers) >= 3, 30, 0.1)
                 c.node.ctr(["tasks", "kill", "-s", "SIGKILL", cid], timeout=30)
 
                 def back() -> bool:
@@ -774,7 +775,9 @@ def test_a_lone_replica_keeps_its_pushed_weights_across_a_restart(real_cluster: 
                     )
 
                 wait_for(f"{name} restarted and Ready again", back, READY_TIMEOUT_S, 0.5)
-            watch.check(min_answers=5)
+                seen = len(watch.answers)
+                wait_for("answers after the restore", lambda: len(watch.answers) >= seen + 3, 60, 0.1)
+            watch.check(min_answers=6)
             assert get_rm(c, name)["status"]["weightsVersion"] == 1
             events = c.core.list_namespaced_event(NS, field_selector=f"involvedObject.name={name}").items
             assert any(e.reason == "ReplicaRestored" for e in events), [(e.reason, e.message) for e in events]

@@ -138,14 +138,16 @@ def test_400_is_not_retried_and_the_message_reaches_the_caller(
 
 
 def test_too_many_items_is_a_400_with_the_limit(tiny_model_dir: Path, server_factory) -> None:  # type: ignore[no-untyped-def]
+    """A client told a larger per-request limit than the server's gets the server's 400 naming it
+    (not retried); left to itself, a client reads the server's limit and splits."""
     server = server_factory(tiny_model_dir, max_items_per_request=4)
     with FlakyProxy(server.url) as proxy, VLLMRewardClient(endpoints=[proxy.url], retry=FAST) as client:
+        client.max_items_per_request = 8
         with pytest.raises(RewardServerError) as err:
             client.score_batch_sync(TEXTS[:5])
-        assert err.value.status_code == 400 and "4" in err.value.message
+        assert err.value.status_code == 400 and "at most 4" in err.value.message
         assert proxy.count("/score") == 1
-        # Cutting requests to the server's limit on the client side makes the same call work.
-        client.max_items_per_request = 4
+        client.max_items_per_request = None  # the server's own limit, from /model_info
         assert len(client.score_batch_sync(TEXTS[:10])) == 10
         assert proxy.count("/score") == 1 + 3
 
