@@ -160,6 +160,26 @@ def test_the_log_names_the_http_stack_the_server_runs(stack, request):
     assert "/httptools/parser/" in maps and "/uvloop/loop." in maps
 
 
+def health_while(
+    server, abusers: list[threading.Thread], stop: threading.Event, seconds: float = 5
+) -> list[float]:
+    """Start ``abusers``, poll ``/health`` for ``seconds``, stop them (``stop``): the latencies, sorted."""
+    for t in abusers:
+        t.start()
+    health: list[float] = []
+    with httpx.Client(timeout=30) as c:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            r, took = _timed(lambda: c.get(f"{server.url}/health"))
+            assert r.status_code == 200
+            health.append(took)
+            time.sleep(0.02)
+    stop.set()
+    for t in abusers:
+        t.join(timeout=60)
+    return sorted(health)
+
+
 def test_huge_inputs_are_refused_before_tokenizing_while_health_stays_fast(limited):
     body = json.dumps({"input": [TEN_MB]}).encode()
     refusals: list[tuple[int, str, float]] = []
@@ -175,24 +195,11 @@ def test_huge_inputs_are_refused_before_tokenizing_while_health_stays_fast(limit
     abusers = [
         threading.Thread(target=abuse, args=(p,), daemon=True) for p in ("/score", "/classify", "/pooling")
     ]
-    for t in abusers:
-        t.start()
-    health: list[float] = []
-    with httpx.Client(timeout=30) as c:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            r, took = _timed(lambda: c.get(f"{limited.url}/health"))
-            assert r.status_code == 200
-            health.append(took)
-            time.sleep(0.02)
-    stop.set()
-    for t in abusers:
-        t.join(timeout=60)
+    health = health_while(limited, abusers, stop)
     assert len(refusals) >= 6, refusals
     for status, message, took in refusals:
         assert status == 400 and "bytes per input" in message and "--max-input-bytes" in message, message
         assert took < 5.0
-    health.sort()
     print(
         f"/health under 10 MB abuse: n={len(health)} p50={statistics.median(health) * 1000:.1f} ms "
         f"p99={health[int(0.99 * (len(health) - 1))] * 1000:.1f} ms max={health[-1] * 1000:.1f} ms; "
@@ -428,24 +435,11 @@ def test_a_token_id_flood_is_refused_without_holding_the_event_loop(limited):
                 answers.append((r.status_code, r.json()["error"]))
 
     abusers = [threading.Thread(target=abuse, args=(b,), daemon=True) for b in (flood, long_prompt)]
-    for t in abusers:
-        t.start()
-    health: list[float] = []
-    with httpx.Client(timeout=30) as c:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            r, took = _timed(lambda: c.get(f"{limited.url}/health"))
-            assert r.status_code == 200
-            health.append(took)
-            time.sleep(0.02)
-    stop.set()
-    for t in abusers:
-        t.join(timeout=60)
+    health = health_while(limited, abusers, stop)
     assert len(answers) >= 4, answers
     assert all(status == 400 for status, _ in answers), answers[:3]
     assert any("200000 inputs in one request" in m for _, m in answers), answers[:3]
     assert any("one prompt of 1000000 token ids" in m for _, m in answers), answers[:3]
-    health.sort()
     p99 = health[int(0.99 * (len(health) - 1))]
     print(
         f"/health under the token-id flood: n={len(health)} p50={statistics.median(health) * 1000:.1f} ms "

@@ -314,23 +314,7 @@ def test_reconciler_brings_a_new_replica_to_the_models_version_from_a_peer() -> 
     from rewardplane.operator.reconcile import Reconciler
 
     kube = MemoryKube()
-    kube.put(
-        core_path("nodes"),
-        {"metadata": {"name": "cpu-a"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
-    )
-    kube.put(
-        custom_path(NS),
-        {
-            "metadata": {"name": "rm", "namespace": NS, "uid": "uid-1", "generation": 1},
-            "spec": {
-                "model": {"source": "/m"},
-                "engine": {"kind": "hf"},
-                "gpu": {"mode": "none"},
-                "replicas": 2,
-            },
-            "status": {"weightsVersion": 3},
-        },
-    )
+    _put_model(kube, replicas=2, version=3)
     fake = FakeReplicas(
         {
             "http://10.0.0.10:8001": FakeReplica(version=3),
@@ -420,7 +404,8 @@ def test_restore_plan_takes_the_pods_own_copy_after_a_container_restart() -> Non
     assert plan.unrecoverable == ("rm-0",)
 
 
-def _single_replica_model(kube: MemoryKube, **weight_sync: Any) -> None:
+def _put_model(kube: MemoryKube, *, replicas: int = 1, version: int = 4, **weight_sync: Any) -> None:
+    """A node and a RewardModel on CPU whose status says weights ``version``."""
     kube.put(
         core_path("nodes"),
         {"metadata": {"name": "cpu-a"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
@@ -433,10 +418,10 @@ def _single_replica_model(kube: MemoryKube, **weight_sync: Any) -> None:
                 "model": {"source": "/m"},
                 "engine": {"kind": "hf"},
                 "gpu": {"mode": "none"},
-                "replicas": 1,
+                "replicas": replicas,
                 "weightSync": weight_sync,
             },
-            "status": {"weightsVersion": 4},
+            "status": {"weightsVersion": version},
         },
     )
 
@@ -458,7 +443,7 @@ def test_a_single_replica_restarted_in_its_pod_is_restored_from_its_own_copy() -
     from rewardplane.operator.reconcile import Reconciler
 
     kube = MemoryKube()
-    _single_replica_model(kube)  # no persistDir: podCopy (the default) keeps the weights in the Pod
+    _put_model(kube)  # no persistDir: podCopy (the default) keeps the weights in the Pod
     fake = FakeReplicas({"http://10.0.0.10:8001": FakeReplica(version=0, admitted=False, saved_version=4)})
     reconciler = Reconciler(kube, replicas=fake, later=lambda _d, _w: None)  # type: ignore[arg-type]
     reconciler.reconcile((NS, "rm"))
@@ -482,7 +467,7 @@ def test_weights_nothing_can_restore_are_reported_lost_not_restoring() -> None:
     from rewardplane.operator.reconcile import Reconciler
 
     kube = MemoryKube()
-    _single_replica_model(kube)
+    _put_model(kube)
     fake = FakeReplicas({"http://10.0.0.10:8001": FakeReplica(version=0, admitted=False)})
     reconciler = Reconciler(kube, replicas=fake, later=lambda _d, _w: None)  # type: ignore[arg-type]
     reconciler.reconcile((NS, "rm"))
@@ -514,7 +499,7 @@ def test_no_pod_copy_when_turned_off() -> None:
     from rewardplane.operator.reconcile import Reconciler
 
     kube = MemoryKube()
-    _single_replica_model(kube, podCopy=False)
+    _put_model(kube, podCopy=False)
     Reconciler(kube, replicas=FakeReplicas(), later=lambda _d, _w: None).reconcile((NS, "rm"))  # type: ignore[arg-type]
     pod = kube.get(core_path("pods", NS, "rm-0")) or {}
     assert "--weights-dir" not in pod["spec"]["containers"][0]["args"]
@@ -528,23 +513,7 @@ def test_replicas_that_turn_stale_one_after_the_other_are_restored_one_after_the
     from rewardplane.operator.reconcile import Reconciler
 
     kube = MemoryKube()
-    kube.put(
-        core_path("nodes"),
-        {"metadata": {"name": "cpu-a"}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}},
-    )
-    kube.put(
-        custom_path(NS),
-        {
-            "metadata": {"name": "rm", "namespace": NS, "uid": "uid-1", "generation": 1},
-            "spec": {
-                "model": {"source": "/m"},
-                "engine": {"kind": "hf"},
-                "gpu": {"mode": "none"},
-                "replicas": 3,
-            },
-            "status": {"weightsVersion": 3},
-        },
-    )
+    _put_model(kube, replicas=3, version=3)
     urls = [f"http://10.0.0.1{i}:8001" for i in range(3)]
     fake = FakeReplicas(
         {
