@@ -202,10 +202,6 @@ def replica_cause(
     return None
 
 
-def have_names(pods: Sequence[Mapping[str, Any]]) -> set[str]:
-    return {(p.get("metadata") or {}).get("name", "") for p in pods}
-
-
 def waits_for_mount(pod: Mapping[str, Any]) -> bool:
     """The Pod's containers wait in ContainerCreating: a volume may not mount (the cause is only in
     the Pod's Events, which the operator then reads)."""
@@ -433,7 +429,7 @@ def compute_status(
         is not None
     }
     for name in lost_pods:
-        if name in have_names(live):
+        if name in have:
             causes[name] = Cause(
                 WEIGHTS_LOST,
                 f"{name} lost weights version {target_version}: it restarted on its base weights and "
@@ -479,6 +475,7 @@ def compute_status(
     else:
         # Nothing serves, so nothing can be said to serve the current weights.
         in_sync = (False, "NoReplicas", "no replica is serving yet")
+    restoring = [n for n in behind if n not in lost_pods]  # the lost ones wait for a push
     if errors:
         message = "; ".join(errors)
         retry = (
@@ -506,12 +503,12 @@ def compute_status(
         ]
         if pending_work:
             progressing = (True, "RollingOut", "; ".join(pending_work))
-        elif behind and set(behind) - set(lost_pods):
+        elif restoring:
             # Pods are all there but some still have to reach the model's weights version.
             progressing = (
                 True,
                 "RestoringWeights",
-                f"bringing {', '.join(n for n in behind if n not in lost_pods)} to weights version {target_version}",
+                f"bringing {', '.join(restoring)} to weights version {target_version}",
             )
         else:
             progressing = (False, "RolloutComplete", f"{desired} replica(s) up to date")

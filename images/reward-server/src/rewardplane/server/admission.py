@@ -48,14 +48,17 @@ class Admission:
             )
         return AdmissionResponse(admitted=self.admitted, version=g.version, changed=self.admitted != before)
 
+    def _unadmitted(self) -> str:
+        return (
+            f"this replica is not admitted yet: it serves weights version {self.guard.version} and waits "
+            "for the operator to confirm (or restore) the model's version; send the request to a ready "
+            "replica (the SDK and the Service do)"
+        )
+
     def refusal(self) -> str | None:
         """Why this replica takes no traffic now (None: it does)."""
         if not self.admitted:
-            return (
-                f"this replica is not admitted yet: it serves weights version {self.guard.version} and waits "
-                "for the operator to confirm (or restore) the model's version; send the request to a ready "
-                "replica (the SDK and the Service do)"
-            )
+            return self._unadmitted()
         if self.guard.state == "broken":
             return f"this replica's weights are broken ({self.guard.broken_reason}); a full push repairs it"
         return None
@@ -63,9 +66,7 @@ class Admission:
     def check_scoring(self) -> None:
         """503 for a scoring request while unadmitted (the guard refuses broken and sleeping itself)."""
         if not self.admitted:
-            reason = self.refusal()
-            assert reason is not None
-            raise Unavailable(reason)
+            raise Unavailable(self._unadmitted())
 
     def ready(self) -> ReadyResponse:
         g = self.guard

@@ -84,8 +84,6 @@ def local_spellings(source: str) -> list[str]:
 def unreadable_files(path: Path) -> list[Path]:
     """The checkpoint's files (or the folder itself) this process cannot read."""
     try:
-        if not path.exists() and not path.parent.exists():
-            return []
         if path.is_dir():
             if not os.access(path, os.R_OK | os.X_OK):
                 return [path]
