@@ -28,7 +28,7 @@ import torch
 from rewardplane.protocol import RewardModelTrainingMode as Mode
 from rewardplane.sdk.direct_sync import DirectWeightSync
 from rewardplane.sdk.lora import adapter_payload
-from rewardplane.server.vllm_lora import adapter_load_from_env
+from rewardplane.server.engines.vllm_lora import adapter_load_from_env
 from rewardplane.testing.gpus import visible_gpus
 from rewardplane.testing.servers import free_port, launch_server, wait_healthy
 

@@ -1,5 +1,5 @@
 """CPU time of loading a push into vLLM: the model's own ``load_weights`` against the copy plan
-(``rewardplane.server.copy_plan``), on vLLM's real ``LlamaForSequenceClassification`` (or
+(``rewardplane.server.weight_sync.copy_plan``), on vLLM's real ``LlamaForSequenceClassification`` (or
 ``Qwen2ForSequenceClassification``: ``--arch qwen2``).
 
 The tensors are small CPU tensors, so the figures are the Python time per call that a GPU push
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rewardplane.server.copy_plan import CopyPlan
+from rewardplane.server.weight_sync.copy_plan import CopyPlan
 from rewardplane.testing.servers import free_port
 
 

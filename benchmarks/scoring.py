@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rewardplane.sdk.http_pool import ShardedAsyncClient  # noqa: E402
-from rewardplane.server.batching import plan_micro_batches  # noqa: E402
 from rewardplane.server.config import ServerConfig  # noqa: E402
-from rewardplane.server.hf_engine import HFEngine  # noqa: E402
+from rewardplane.server.engines.batching import plan_micro_batches  # noqa: E402
+from rewardplane.server.engines.hf_engine import HFEngine  # noqa: E402
 from rewardplane.testing.servers import start_server  # noqa: E402
 from rewardplane.tinymodel import build_tiny_reward_model, corpus_lines  # noqa: E402
 

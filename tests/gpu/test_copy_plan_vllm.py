@@ -33,7 +33,7 @@ from vllm.model_executor.layers.linear import QKVParallelLinear, MergedColumnPar
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from rewardplane.server.copy_plan import CopyPlan
+from rewardplane.server.weight_sync.copy_plan import CopyPlan
 
 class Tiny(torch.nn.Module):
     def __init__(self):
@@ -119,7 +119,7 @@ import torch
 from benchmarks.copy_plan import build_models, checkpoint, push, trainer_shapes
 from rewardplane.protocol import ParamMeta
 from rewardplane.protocol import weights as wire
-from rewardplane.server.worker_extension import RewardWeightSyncExtension
+from rewardplane.server.weight_sync.worker_extension import RewardWeightSyncExtension
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.transfer import send_buckets
 

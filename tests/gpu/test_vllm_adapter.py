@@ -45,7 +45,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def test_engine_args_enable_lora(tiny_seqcls_1label: Path) -> None:
     from rewardplane.server.config import ServerConfig
-    from rewardplane.server.vllm_engine import build_engine_args
+    from rewardplane.server.engines.vllm_engine import build_engine_args
 
     cfg = ServerConfig(model=str(tiny_seqcls_1label), engine="vllm", enable_lora=True, max_lora_rank=MAX_RANK)
     args = build_engine_args(cfg, 1024)

@@ -53,7 +53,7 @@ def test_engine_args_defaults_and_user_overrides(tiny_seqcls_1label: Path) -> No
     """Whole prompts per step and offline-sized batches unless the user says otherwise; flags the
     server owns are refused, not silently overridden."""
     from rewardplane.server.config import ServerConfig
-    from rewardplane.server.vllm_engine import build_engine_args
+    from rewardplane.server.engines.vllm_engine import build_engine_args
 
     cfg = ServerConfig(model=str(tiny_seqcls_1label), engine="vllm")
     args = build_engine_args(cfg, 1024)

@@ -67,7 +67,7 @@ def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_engine_args_in_generate_mode(tiny_lm: Path) -> None:
     from rewardplane.protocol import ModelTask
     from rewardplane.server.config import ServerConfig
-    from rewardplane.server.vllm_engine import build_engine_args
+    from rewardplane.server.engines.vllm_engine import build_engine_args
 
     args = build_engine_args(ServerConfig(model=str(tiny_lm), engine="vllm", task=ModelTask.GENERATE), 1024)
     assert args.runner == "generate" and args.pooler_config is None

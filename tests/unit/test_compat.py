@@ -25,7 +25,7 @@ from rewardplane.protocol import (
 )
 from rewardplane.sdk.integrations import TRLRewardFunction, _float, openrlhf_remote_url
 from rewardplane.server.config import parse_args
-from rewardplane.server.model_names import ModelNames
+from rewardplane.server.http.model_names import ModelNames
 from tests.unit.test_planning import NODES, cpu_rm
 
 NAMES = ModelNames.of("tiny-rm", "/models/skywork/", ["Skywork/Skywork-Reward"])
@@ -159,7 +159,7 @@ def test_trl_function_needs_a_server_and_one_float_per_completion() -> None:
 
 def test_a_local_checkpoint_is_accepted_by_its_absolute_path(tmp_path, monkeypatch):
     from rewardplane.server.cli import local_spellings
-    from rewardplane.server.model_names import ModelNames
+    from rewardplane.server.http.model_names import ModelNames
 
     (tmp_path / "ckpt").mkdir()
     monkeypatch.chdir(tmp_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rewardplane.server.copy_plan import CopyPlan
+from rewardplane.server.weight_sync.copy_plan import CopyPlan
 
 
 class FusedModel(torch.nn.Module):

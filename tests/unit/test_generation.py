@@ -7,8 +7,8 @@ import pytest
 
 from rewardplane.protocol import ChatCompletionRequest, ModelTask
 from rewardplane.server.config import parse_args
+from rewardplane.server.engines.generation import cut_at_stop, sampling_options
 from rewardplane.server.errors import BadRequest
-from rewardplane.server.generation import cut_at_stop, sampling_options
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rewardplane.server.app import ObserveMiddleware
+from rewardplane.server.http.app import ObserveMiddleware
 from rewardplane.server.metrics import ServerMetrics
 
 

@@ -10,7 +10,7 @@ import time
 import torch
 
 from rewardplane.protocol import ParamMeta
-from rewardplane.server.worker_extension import RewardWeightSyncExtension
+from rewardplane.server.weight_sync.worker_extension import RewardWeightSyncExtension
 from rewardplane.testing.servers import free_port
 from rewardplane.transport.buckets import meta_of
 from rewardplane.transport.comm import Communicator, create_store

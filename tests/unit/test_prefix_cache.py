@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rewardplane.server.prefix_cache import CacheEpoch, invalidation_from_env
+from rewardplane.server.engines.prefix_cache import CacheEpoch, invalidation_from_env
 
 
 @pytest.mark.parametrize("raw,choice", [(None, "salt"), ("salt", "salt"), (" RESET ", "reset")])

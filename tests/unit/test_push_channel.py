@@ -9,7 +9,7 @@ from multiprocessing.connection import Client
 
 import pytest
 
-from rewardplane.server.push_channel import ChannelClosed, ChannelHub, WorkerChannel
+from rewardplane.server.weight_sync.push_channel import ChannelClosed, ChannelHub, WorkerChannel
 
 
 def join(hub: ChannelHub, ranks: list[int]) -> dict[int, WorkerChannel]:

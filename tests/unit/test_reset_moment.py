@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rewardplane.server.data_push import _reset_moment_from_env
+from rewardplane.server.weight_sync.data_push import _reset_moment_from_env
 
 
 @pytest.mark.parametrize("raw,moment", [("", "go"), ("go", "go"), ("LOCK", "lock"), (" posted ", "posted")])

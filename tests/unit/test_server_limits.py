@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from rewardplane.server.errors import MAX_DETAIL_ITEMS, BadRequest, cap_detail, error_body
-from rewardplane.server.inputs import bound_texts, limits_for, split_prompt_input
+from rewardplane.server.http.inputs import bound_texts, limits_for, split_prompt_input
 from rewardplane.server.threads import run_in_daemon_thread
 
 LIMITS = limits_for(max_items=4, max_tokens=8)  # 256 bytes per input

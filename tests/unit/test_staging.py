@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from rewardplane.server.staging import GIB, STAGING_MARGIN_BYTES, staging_limit_from_env, staging_problem
+from rewardplane.server.weight_sync.staging import (
+    GIB,
+    STAGING_MARGIN_BYTES,
+    staging_limit_from_env,
+    staging_problem,
+)
 
 
 def test_a_push_that_fits_is_not_refused() -> None:

@@ -19,9 +19,9 @@ HINT = "pip install 'rewardplane[vllm]'"
 
 
 def test_import_raises_actionable_import_error() -> None:
-    sys.modules.pop("rewardplane.server.vllm_engine", None)
+    sys.modules.pop("rewardplane.server.engines.vllm_engine", None)
     with pytest.raises(ImportError) as info:
-        importlib.import_module("rewardplane.server.vllm_engine")
+        importlib.import_module("rewardplane.server.engines.vllm_engine")
     message = str(info.value)
     assert HINT in message
     assert "GPU" in message

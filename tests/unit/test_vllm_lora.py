@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rewardplane.protocol import AdapterConfig
-from rewardplane.server.vllm_lora import (
+from rewardplane.server.engines.vllm_lora import (
     ADAPTER_LOAD_ENV,
     VLLMInternalsChanged,
     adapter_load_from_env,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from rewardplane.protocol import MAX_LAYOUTS
-from rewardplane.server.worker_extension import HFWeightSyncWorker
+from rewardplane.server.weight_sync.worker_extension import HFWeightSyncWorker
 
 
 def _worker() -> HFWeightSyncWorker:

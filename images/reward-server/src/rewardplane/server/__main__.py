@@ -5,7 +5,7 @@ import os
 # only errors are logged. TORCH_CPP_LOG_LEVEL=WARNING (or INFO) brings the warnings back.
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-from .cli import main  # noqa: E402
+from rewardplane.server.cli import main  # noqa: E402
 
 # Guarded: vLLM workers started with "spawn" re-import the main module and must not start a server.
 if __name__ == "__main__":

@@ -14,14 +14,13 @@ from typing import TYPE_CHECKING
 from rewardplane.protocol import ModelTask
 from rewardplane.protocol.auth import resolve_token
 from rewardplane.protocol.errors import MODEL_FILES_UNREADABLE
-
-from .config import ServerConfig, parse_args
-from .engine import RewardEngine
-from .heap import keep_freed_memory
-from .http_stack import choose_http_stack
-from .inputs import limits_for
-from .metrics import ServerMetrics
-from .shutdown import bounded_shutdown_server
+from rewardplane.server.config import ServerConfig, parse_args
+from rewardplane.server.engines.engine import RewardEngine
+from rewardplane.server.heap import keep_freed_memory
+from rewardplane.server.http.http_stack import choose_http_stack
+from rewardplane.server.http.inputs import limits_for
+from rewardplane.server.metrics import ServerMetrics
+from rewardplane.server.shutdown import bounded_shutdown_server
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -32,16 +31,18 @@ def create_engine(cfg: ServerConfig, metrics: ServerMetrics) -> RewardEngine:
     # either error is printed last by main, so it becomes the Pod's termination message
     # (FallbackToLogsOnError) and the operator's status names it.
     if cfg.engine == "vllm":
-        from .vllm_engine import VLLMEngine  # import-guarded: needs the `vllm` extra
+        from rewardplane.server.engines.vllm_engine import (
+            VLLMEngine,  # import-guarded: needs the `vllm` extra
+        )
 
         check_model_source(cfg.model)
         return VLLMEngine(cfg, metrics)
     check_model_source(cfg.model)
     if cfg.task == ModelTask.GENERATE:
-        from .hf_generate import HFGenerativeEngine
+        from rewardplane.server.engines.hf_generate import HFGenerativeEngine
 
         return HFGenerativeEngine(cfg, metrics)
-    from .hf_engine import HFEngine
+    from rewardplane.server.engines.hf_engine import HFEngine
 
     return HFEngine(cfg, metrics)
 
@@ -53,8 +54,8 @@ def check_model_source(source: str) -> None:
 
 
 def build_server_app(cfg: ServerConfig) -> FastAPI:
-    from .app import build_app
-    from .model_names import ModelNames
+    from rewardplane.server.http.app import build_app
+    from rewardplane.server.http.model_names import ModelNames
 
     token = resolve_token(cfg.token, cfg.token_file)  # before the model loads: a bad token file fails fast
     metrics = ServerMetrics()

@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Literal
 
-from .errors import Conflict, Unavailable
+from rewardplane.server.errors import Conflict, Unavailable
 
 State = Literal["serving", "updating", "broken", "sleeping"]
 WAKE_HINT = "POST /wake first (SDK: client.wake() or `async with handle.awake():`)"

@@ -19,9 +19,8 @@ from typing import Any, Literal, Protocol, TypeVar
 
 from rewardplane.protocol import STOP_LISTENING, PushGo, PushHeader, PushKeys, PushLoaded, PushVerdict
 from rewardplane.protocol.env import choice_from_env
+from rewardplane.server.weight_sync.push_channel import COMING, POSTED, SPIN_S, ChannelClosed, ChannelHub
 from rewardplane.transport.signals import StoreClosed, group_store, put, wait_value
-
-from .push_channel import COMING, POSTED, SPIN_S, ChannelClosed, ChannelHub
 
 log = logging.getLogger(__name__)
 

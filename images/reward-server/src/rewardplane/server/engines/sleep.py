@@ -27,11 +27,10 @@ import time
 from collections.abc import AsyncIterator
 
 from rewardplane.protocol import SleepResponse
-
-from .control_plane import WeightSyncService
-from .engine import RewardEngine
-from .errors import Conflict, ServerError, Unavailable
-from .metrics import ServerMetrics
+from rewardplane.server.engines.engine import RewardEngine
+from rewardplane.server.errors import Conflict, ServerError, Unavailable
+from rewardplane.server.metrics import ServerMetrics
+from rewardplane.server.weight_sync.control_plane import WeightSyncService
 
 log = logging.getLogger(__name__)
 

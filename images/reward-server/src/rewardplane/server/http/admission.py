@@ -10,9 +10,8 @@ from __future__ import annotations
 import logging
 
 from rewardplane.protocol import AdmissionRequest, AdmissionResponse, ReadyResponse
-
-from .errors import Conflict, Unavailable
-from .locking import WeightsGuard
+from rewardplane.server.errors import Conflict, Unavailable
+from rewardplane.server.locking import WeightsGuard
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,11 @@ import torch
 
 from rewardplane.protocol import ModelTask, PoolingType
 from rewardplane.protocol.compat import FinishReason
-
-from .config import ServerConfig
-from .engine import Completion, EngineInfo, SamplingOptions
-from .generation import cut_at_stop, wrong_task
-from .hf_engine import HFEngineBase
-from .metrics import ServerMetrics
+from rewardplane.server.config import ServerConfig
+from rewardplane.server.engines.engine import Completion, EngineInfo, SamplingOptions
+from rewardplane.server.engines.generation import cut_at_stop, wrong_task
+from rewardplane.server.engines.hf_engine import HFEngineBase
+from rewardplane.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import asyncio
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import error_response
+from rewardplane.server.errors import error_response
 
 # A scoring request of 32 texts of a few KB is far below this; a body above it is read alone.
 LARGE_BODY_BYTES = 1 << 20

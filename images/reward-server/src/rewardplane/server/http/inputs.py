@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import BadRequest
+from rewardplane.server.errors import BadRequest
 
 # A token covers a few bytes of text (English ~4, CJK ~6, long runs of whitespace or symbols in
 # code more): 32 bytes per token of --max-model-len leaves room for any real text.

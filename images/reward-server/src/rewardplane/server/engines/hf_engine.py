@@ -13,16 +13,15 @@ from typing import Any
 import torch
 
 from rewardplane.protocol import ParamMeta, PoolingType
-
-from .batching import plan_micro_batches
-from .config import ServerConfig
-from .engine import Completion, EngineInfo, SamplingOptions, ServedAdapter
-from .errors import BadRequest
-from .generation import wrong_task
-from .locking import WeightsGuard
-from .metrics import ServerMetrics
-from .threads import run_in_daemon_thread
-from .worker_extension import HFWeightSyncWorker
+from rewardplane.server.config import ServerConfig
+from rewardplane.server.engines.batching import plan_micro_batches
+from rewardplane.server.engines.engine import Completion, EngineInfo, SamplingOptions, ServedAdapter
+from rewardplane.server.engines.generation import wrong_task
+from rewardplane.server.errors import BadRequest
+from rewardplane.server.locking import WeightsGuard
+from rewardplane.server.metrics import ServerMetrics
+from rewardplane.server.threads import run_in_daemon_thread
+from rewardplane.server.weight_sync.worker_extension import HFWeightSyncWorker
 
 log = logging.getLogger(__name__)
 

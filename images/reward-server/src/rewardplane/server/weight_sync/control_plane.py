@@ -30,14 +30,13 @@ from rewardplane.protocol import (
     plan_buckets,
     remember_layout,
 )
-
-from .data_push import RESET_CACHE_AT, PushListener
-from .engine import ServedAdapter, WeightSyncPort
-from .errors import BadRequest, Conflict, Unavailable
-from .locking import WeightsGuard
-from .metrics import ServerMetrics
-from .persistence import PERSIST_WAIT_S, WeightsStore, base_fingerprint
-from .push_channel import ChannelHub
+from rewardplane.server.engines.engine import ServedAdapter, WeightSyncPort
+from rewardplane.server.errors import BadRequest, Conflict, Unavailable
+from rewardplane.server.locking import WeightsGuard
+from rewardplane.server.metrics import ServerMetrics
+from rewardplane.server.weight_sync.data_push import RESET_CACHE_AT, PushListener
+from rewardplane.server.weight_sync.persistence import PERSIST_WAIT_S, WeightsStore, base_fingerprint
+from rewardplane.server.weight_sync.push_channel import ChannelHub
 
 log = logging.getLogger(__name__)
 # How long a replica's workers have to join the push channel after a group is formed (seconds).

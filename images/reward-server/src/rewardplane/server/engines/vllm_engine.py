@@ -67,21 +67,20 @@ import torch
 
 from rewardplane.protocol import ModelTask, ParamMeta, PoolingType
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, is_head_key
-
-from .checkpoint import checkpoint_files
-from .config import ServerConfig
-from .engine import Completion, EngineInfo, SamplingOptions, ServedAdapter
-from .errors import BadRequest, ServerError, Unavailable
-from .generation import wrong_task
-from .locking import WeightsGuard
-from .metrics import ServerMetrics
-from .prefix_cache import CacheEpoch, invalidation_from_env
-from .vllm_lora import IN_MEMORY_PATH, adapter_load_from_env
+from rewardplane.server.config import ServerConfig
+from rewardplane.server.engines.checkpoint import checkpoint_files
+from rewardplane.server.engines.engine import Completion, EngineInfo, SamplingOptions, ServedAdapter
+from rewardplane.server.engines.generation import wrong_task
+from rewardplane.server.engines.prefix_cache import CacheEpoch, invalidation_from_env
+from rewardplane.server.engines.vllm_lora import IN_MEMORY_PATH, adapter_load_from_env
+from rewardplane.server.errors import BadRequest, ServerError, Unavailable
+from rewardplane.server.locking import WeightsGuard
+from rewardplane.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-WORKER_EXTENSION = "rewardplane.server.worker_extension.RewardWeightSyncExtension"
+WORKER_EXTENSION = "rewardplane.server.weight_sync.worker_extension.RewardWeightSyncExtension"
 
 # Bounds on waits for the engine (seconds). Overridable for very large models / slow links.
 SCORE_TIMEOUT_S = float(os.environ.get("REWARDPLANE_VLLM_SCORE_TIMEOUT_S", "600"))

@@ -22,9 +22,8 @@ import logging
 import time
 
 from rewardplane.protocol import SendWeightsRequest
-
-from .control_plane import WeightSyncService
-from .errors import Conflict
+from rewardplane.server.errors import Conflict
+from rewardplane.server.weight_sync.control_plane import WeightSyncService
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,8 @@ a stop string cuts a generated text. The engines run the model; these decide the
 from __future__ import annotations
 
 from rewardplane.protocol import ChatCompletionRequest, ModelTask
-
-from .engine import EngineInfo, SamplingOptions
-from .errors import BadRequest
+from rewardplane.server.engines.engine import EngineInfo, SamplingOptions
+from rewardplane.server.errors import BadRequest
 
 
 def sampling_options(req: ChatCompletionRequest, prompt_tokens: int, max_model_len: int) -> SamplingOptions:

@@ -48,12 +48,11 @@ from rewardplane.protocol import (
     Usage,
     encode_base64_floats,
 )
-
-from .errors import BadRequest
-from .inputs import check_items, check_token_ids, render_chat
-from .routes import OPENAI_SCORING_ERRORS, SCORING_ERRORS, JSONRoute
-from .scoring import activation, to_score
-from .service import ScoringService
+from rewardplane.server.errors import BadRequest
+from rewardplane.server.http.inputs import check_items, check_token_ids, render_chat
+from rewardplane.server.http.routes import OPENAI_SCORING_ERRORS, SCORING_ERRORS, JSONRoute
+from rewardplane.server.http.scoring import activation, to_score
+from rewardplane.server.http.service import ScoringService
 
 _STARTED = int(time.time())
 

@@ -13,12 +13,11 @@ from concurrent.futures import Executor
 from typing import Any
 
 from rewardplane.protocol import ChatCompletionRequest, ModelTask, PoolingType
-
-from .admission import Admission
-from .engine import Completion, EngineInfo, RewardEngine
-from .errors import BadRequest
-from .generation import sampling_options, wrong_task
-from .inputs import (
+from rewardplane.server.engines.engine import Completion, EngineInfo, RewardEngine
+from rewardplane.server.engines.generation import sampling_options, wrong_task
+from rewardplane.server.errors import BadRequest
+from rewardplane.server.http.admission import Admission
+from rewardplane.server.http.inputs import (
     Limits,
     apply_length_limit,
     bound_texts,
@@ -27,8 +26,8 @@ from .inputs import (
     split_prompt_input,
     tokenize_texts,
 )
-from .metrics import ServerMetrics
-from .model_names import ModelNames
+from rewardplane.server.http.model_names import ModelNames
+from rewardplane.server.metrics import ServerMetrics
 
 
 class ScoringService:

@@ -19,21 +19,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rewardplane.protocol import Endpoints
-
-from .admission import Admission
-from .compat_routes import compat_router
-from .control_plane import WeightSyncService
-from .engine import RewardEngine
-from .errors import ServerError, error_response
-from .inputs import Limits
-from .metrics import ServerMetrics
-from .model_names import ModelNames
-from .persistence import WeightsStore
-from .request_body import BodyLimitMiddleware
-from .routes import admission_router, control_router, persistence_router, scoring_router, sleep_router
-from .service import ScoringService
-from .sleep import SleepService
-from .threads import tokenizer_pool
+from rewardplane.server.engines.engine import RewardEngine
+from rewardplane.server.engines.sleep import SleepService
+from rewardplane.server.errors import ServerError, error_response
+from rewardplane.server.http.admission import Admission
+from rewardplane.server.http.compat_routes import compat_router
+from rewardplane.server.http.inputs import Limits
+from rewardplane.server.http.model_names import ModelNames
+from rewardplane.server.http.request_body import BodyLimitMiddleware
+from rewardplane.server.http.routes import (
+    admission_router,
+    control_router,
+    persistence_router,
+    scoring_router,
+    sleep_router,
+)
+from rewardplane.server.http.service import ScoringService
+from rewardplane.server.metrics import ServerMetrics
+from rewardplane.server.threads import tokenizer_pool
+from rewardplane.server.weight_sync.control_plane import WeightSyncService
+from rewardplane.server.weight_sync.persistence import WeightsStore
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,7 @@ from typing import Any, Protocol
 
 from rewardplane.protocol import ModelTask, ParamMeta, PoolingType
 from rewardplane.protocol.compat import FinishReason
-
-from .locking import WeightsGuard
+from rewardplane.server.locking import WeightsGuard
 
 
 @dataclass(frozen=True)

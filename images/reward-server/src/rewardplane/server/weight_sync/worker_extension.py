@@ -33,19 +33,9 @@ from rewardplane.protocol import (
     remember_layout,
 )
 from rewardplane.protocol.adapters import LORA_PAIR
-from rewardplane.transport.buckets import torch_dtype, unpack_bucket
-from rewardplane.transport.checksums import digests
-from rewardplane.transport.comm import Communicator, create_store
-from rewardplane.transport.transfer import Received, receive_buckets, send_buckets
-
-from .checkpoint import iter_checkpoint
-from .copy_plan import CopyPlan
-from .data_push import RESET_CACHE_AT
-from .lora_hooks import LoraHooks
-from .persistence import WeightsStore
-from .push_channel import COMING, POSTED, SPIN_S, ChannelClosed, WorkerChannel
-from .staging import staging_limit_from_env, staging_problem
-from .vllm_lora import (
+from rewardplane.server.engines.checkpoint import iter_checkpoint
+from rewardplane.server.engines.lora_hooks import LoraHooks
+from rewardplane.server.engines.vllm_lora import (
     IN_MEMORY_PATH,
     PEFT_PREFIX,
     VLLMInternalsChanged,
@@ -54,6 +44,15 @@ from .vllm_lora import (
     lora_model_from_tensors,
     peft_adapter_config,
 )
+from rewardplane.server.weight_sync.copy_plan import CopyPlan
+from rewardplane.server.weight_sync.data_push import RESET_CACHE_AT
+from rewardplane.server.weight_sync.persistence import WeightsStore
+from rewardplane.server.weight_sync.push_channel import COMING, POSTED, SPIN_S, ChannelClosed, WorkerChannel
+from rewardplane.server.weight_sync.staging import staging_limit_from_env, staging_problem
+from rewardplane.transport.buckets import torch_dtype, unpack_bucket
+from rewardplane.transport.checksums import digests
+from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.transfer import Received, receive_buckets, send_buckets
 
 log = logging.getLogger(__name__)
 

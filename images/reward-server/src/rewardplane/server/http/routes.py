@@ -47,15 +47,14 @@ from rewardplane.protocol import (
     WakeRequest,
     WorldSizeResponse,
 )
-
-from .admission import Admission
-from .control_plane import WeightSyncService
-from .errors import BadRequest, Forbidden, Unauthorized
-from .inputs import Limits, check_items
-from .peer import send_weights
-from .scoring import to_score
-from .service import ScoringService
-from .sleep import SleepService
+from rewardplane.server.engines.sleep import SleepService
+from rewardplane.server.errors import BadRequest, Forbidden, Unauthorized
+from rewardplane.server.http.admission import Admission
+from rewardplane.server.http.inputs import Limits, check_items
+from rewardplane.server.http.scoring import to_score
+from rewardplane.server.http.service import ScoringService
+from rewardplane.server.weight_sync.control_plane import WeightSyncService
+from rewardplane.server.weight_sync.peer import send_weights
 
 _ERROR_DESCRIPTIONS = {
     400: "The request is well-formed but cannot be served as asked (the message says what to change).",

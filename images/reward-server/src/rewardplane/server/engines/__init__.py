@@ -1,0 +1,1 @@
+"""The engines that run the model (transformers, vLLM) and what the server needs of them."""
