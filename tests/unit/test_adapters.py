@@ -113,7 +113,7 @@ def test_written_adapter_loads_in_peft_and_computes_what_was_pushed(tmp_path) ->
     from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 
     from rewardplane.protocol.naming import normalize_params
-    from rewardplane.server.weight_sync.worker_extension import write_peft_adapter
+    from rewardplane.server.weight_sync.worker.adapters import write_peft_adapter
 
     class Net(torch.nn.Module):
         def __init__(self) -> None:
@@ -179,7 +179,7 @@ def test_hf_hooks_compute_peft_lora_and_swap_whole() -> None:
 def test_plain_parameter_names_under_lora_wrappers() -> None:
     """vLLM's LoRA layers hold the original as ``base_layer``; the models' loaders and the
     checksums look parameters up under the plain names."""
-    from rewardplane.server.weight_sync.worker_extension import _plain_parameter_names
+    from rewardplane.server.weight_sync.worker.base import _plain_parameter_names
 
     class Wrapper(torch.nn.Module):
         def __init__(self, base: torch.nn.Module) -> None:

@@ -1,0 +1,183 @@
+"""Pushes started from the data plane: a thread of the worker waits for the control plane's go on
+the push channel, then joins the ready reduction, receives, reports and joins the commit reduction."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from rewardplane.protocol import PushGo, PushLoaded, PushVerdict
+from rewardplane.server.weight_sync.data_push import RESET_CACHE_AT
+from rewardplane.server.weight_sync.push_channel import COMING, POSTED, SPIN_S, ChannelClosed, WorkerChannel
+from rewardplane.server.weight_sync.worker.receive import ReceivePart
+from rewardplane.transport.comm import Communicator
+from rewardplane.transport.transfer import Received, receive_buckets
+
+log = logging.getLogger(__name__)
+
+
+class DataPushListener(ReceivePart):
+    """The listener thread and one data-plane push at a time."""
+
+    def rp_listen(self, address: str, authkey: bytes) -> bool:
+        """Wait, on a thread of this worker, for pushes the control plane lets through (its
+        ``PushGo`` over the push channel at ``address``, ``push_channel``); False without a
+        communicator. Between pushes the thread is blocked on a socket: no GPU work is pending and
+        the GIL is free, so scoring runs as without it."""
+        comm = self._rp_comm
+        if comm is None:
+            return False
+        self._rp_stop_listening()
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=self._rp_listen_loop,
+            args=(comm, address, authkey, stop),
+            name="rp-push-listener",
+            daemon=True,
+        )
+        self._rp_listener, self._rp_listen_stop = thread, stop
+        thread.start()
+        return True
+
+    def _rp_listen_loop(
+        self, comm: Communicator, address: str, authkey: bytes, stop: threading.Event
+    ) -> None:
+        if comm.device.type == "cuda":
+            torch.cuda.set_device(comm.device)  # the device is per thread
+        try:
+            channel = WorkerChannel(address, authkey, comm.rank)
+        except Exception as exc:  # the control plane gave up on us: pushes go over HTTP
+            log.warning("could not join the push channel (%s); pushes go over HTTP", exc)
+            return
+        try:
+            while True:
+                raw = channel.recv(None, stop)
+                while raw == COMING:  # a header arrived: the go follows once the push is admitted
+                    raw = channel.recv(None, stop, spin_s=SPIN_S)
+                if raw is None:
+                    return
+                go = PushGo.model_validate_json(raw)
+                if self._rp_comm is not comm or not self._rp_data_push(comm, channel, go):
+                    return
+        except ChannelClosed as exc:
+            log.info("stopped waiting for pushes: %s", exc)
+        except Exception:
+            log.exception("the push listener failed; pushes go over HTTP until the group is formed again")
+        finally:
+            channel.close()
+
+    def _rp_data_push(self, comm: Communicator, channel: WorkerChannel, go: PushGo) -> bool:
+        """One push: the ready reduction, the transfer, the report, the commit reduction. Returns
+        whether to wait for the next one (False once the group is unusable)."""
+        entered = time.monotonic()
+        layout = None if go.error else self._rp_layout(None, go.bucket_bytes, go.layout_id)
+        refusal = go.error or (None if layout else f"layout {go.layout_id} is not cached in this worker")
+        if refusal is None and layout is not None and not go.apply:  # atomic: is there room to stage it?
+            refusal = self.rp_staging_problem(sum(b.nbytes for b in layout[1]))
+        got = Received()
+
+        agreed: float | None = None
+        ready_posting: float | None = None  # this worker's side of the ready reduction: called,
+        ready_posted: float | None = None  # and enqueued
+        posted_signalled = RESET_CACHE_AT != "posted"  # only that moment of the cache reset waits for it
+
+        def signal_posted() -> None:
+            # the control plane sends the engine's cache reset now, while the bytes move
+            nonlocal posted_signalled
+            if posted_signalled:
+                return
+            posted_signalled = True
+            try:
+                channel.send(POSTED)
+            except ChannelClosed as exc:  # the control plane is gone: nothing to reset for
+                log.debug("push %d: could not signal the first receive: %s", go.seq, exc)
+
+        def report(ok: bool, *, refused: bool = False, error: str | None = None) -> None:
+            signal_posted()  # a refusal or an early failure never leaves the control plane waiting
+            times = {"worker_in": entered, "worker_out": time.monotonic()}
+            if ready_posting is not None and ready_posted is not None:
+                times["worker_ready_posting"] = ready_posting
+                times["worker_ready_posted"] = ready_posted
+            if agreed is not None:
+                times["worker_agreed"] = agreed
+            if got.posting_at is not None and got.posted_at is not None:
+                times["worker_posting"] = got.posting_at
+                times["worker_posted"] = got.posted_at
+            partial = got.applied_any and not ok
+            msg = PushLoaded(
+                ok=ok,
+                partial=partial,
+                refused=refused,
+                bytes=got.bytes,
+                in_place_bytes=got.in_place_bytes,
+                error=error,
+                times=times,
+            )
+            self._rp_push_outcome = (go.seq, msg)
+            channel.send(msg.model_dump_json().encode())
+
+        try:
+            agreement = comm.max_flag(1 if refusal else 0)
+        except Exception as exc:  # communication failed: the trainer died or timed out
+            if self._rp_comm is comm:
+                self.rp_close_communicator()
+            report(False, error=str(exc))
+            return False
+        ready_posting, ready_posted = comm.flag_calling, comm.flag_enqueued
+        if agreement != 0:  # every rank agrees before a byte moves
+            report(False, refused=True, error=refusal or "another replica refused the push")
+            return True
+        agreed = time.monotonic()  # the ready reduction is done: every rank accepted
+        assert layout is not None
+        metas, plan = layout
+        self._rp_kept = {} if go.apply and self._rp_keeps() else None
+        load = self._rp_load_kept if go.apply else None
+        try:
+            receive_buckets(
+                comm,
+                metas,
+                go.bucket_bytes,
+                comm.world_size - 1,
+                load,
+                out=got,
+                plan=plan,
+                place=self.rp_place,
+                on_posted=signal_posted,
+            )
+        except Exception as exc:  # communication failed: the trainer died or timed out
+            if self._rp_comm is comm:
+                self.rp_close_communicator()
+            report(False, error=str(exc))
+            return False
+        if got.error is not None:
+            report(False, error=got.error)
+        else:
+            self._rp_staged = None if go.apply else got.staged
+            report(True)
+        # the control plane commits (or not) and says so; the trainer learns it in one reduction
+        try:
+            raw = channel.recv(comm.timeout.total_seconds(), spin_s=SPIN_S)
+        except (TimeoutError, ChannelClosed):  # no verdict: the trainer learns of a failure at once
+            raw = None
+        committed = raw is not None and PushVerdict.model_validate_json(raw).committed
+        # False when some replica failed: the trainer forms a new group
+        return comm.max_flag(0 if committed else 1) == 0
+
+    def rp_push_outcome(self, seq: int, timeout_s: float) -> dict[str, Any]:
+        """What the listener reported for push ``seq`` (for the control plane when the store is gone);
+        waits for it, bounded. Unknown → a failure that may have overwritten weights."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            outcome = self._rp_push_outcome
+            if outcome is not None and outcome[0] == seq:
+                return outcome[1].model_dump()
+            if self._rp_listener is None or not self._rp_listener.is_alive():
+                break
+            time.sleep(0.01)
+        return PushLoaded(
+            ok=False, partial=True, error=f"push {seq}: the worker reported no outcome"
+        ).model_dump()

@@ -1,0 +1,116 @@
+"""Peer restore, the sending side: this replica's live weights broadcast to a restarted one."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from rewardplane.protocol import ParamMeta
+from rewardplane.server.weight_sync.worker.base import WorkerBase
+from rewardplane.transport.buckets import torch_dtype
+from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.transfer import send_buckets
+
+log = logging.getLogger(__name__)
+
+
+class PeerSendPart(WorkerBase):
+    """Reading the live weights back under their pushed names, and sending them on a thread."""
+
+    def rp_named_parameters(self) -> dict[str, torch.Tensor] | None:
+        """The live parameters under their pushed names, for the base fingerprint; None where they
+        are not (vLLM fuses q/k/v and gate/up, shards for TP, and its tensors cannot travel back over
+        its RPC). A peer send reads them in the worker instead (``rp_peer_send_start``)."""
+        return None
+
+    def _rp_peer_view(self, name: str) -> torch.Tensor | None:
+        """The live tensor that holds ``name``'s values under its pushed shape, read in place. vLLM:
+        the parameter slice a push copied it into (the copy plan), where it has been pushed since
+        the replica started and the loader only copied it (tensor parallelism shards instead)."""
+        plan = self._rp_copy_plan
+        return None if plan is None else plan.held(name)
+
+    def rp_peer_send_problem(self, names: list[str]) -> str | None:
+        """Why this worker cannot send ``names`` to a peer now, or None."""
+        missing = [n for n in names if self._rp_peer_view(n) is None]
+        if not missing:
+            return None
+        why = (
+            "direct loads are off (REWARDPLANE_DIRECT_LOAD=0), so the replica does not know where its loader put them"
+            if self._rp_copy_plan is not None and not self._rp_copy_plan.enabled
+            else "they were not pushed to this replica since it started, or its loader transforms them"
+        )
+        return f"{len(missing)} of {len(names)} parameters cannot be read back under their pushed names ({why}): e.g. {missing[:3]}"
+
+    def rp_peer_send_start(
+        self,
+        metadata: list[dict[str, Any]],
+        port: int,
+        world_size: int,
+        bucket_bytes: int,
+        timeout_s: float,
+        group_id: str,
+    ) -> None:
+        """Host the group's rendezvous, take its last rank and broadcast ``metadata``'s tensors as a
+        full push, on a thread of its own (vLLM's engine loop, and scoring, go on meanwhile);
+        ``rp_peer_send_outcome`` tells how it ended."""
+        if self._rp_sender is not None and self._rp_sender.is_alive():
+            raise RuntimeError("this worker is sending its weights to peers already")
+        metas = [ParamMeta(**m) for m in metadata]
+        device = self.rp_device()
+        tensors: dict[str, torch.Tensor] = {}
+        for meta in metas:
+            view = self._rp_peer_view(meta.name)
+            if view is None:
+                raise LookupError(f"{meta.name} cannot be read back (rp_peer_send_problem says why)")
+            # the wire carries the manifest's dtype (an fp32 head pushed as bf16 goes back as bf16)
+            want = torch_dtype(meta.dtype)
+            tensors[meta.name] = (
+                view if view.dtype == want and view.is_contiguous() else view.to(want).contiguous()
+            )
+        self._rp_send_outcome = None
+
+        def send() -> None:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # the device is per thread
+            rank = world_size - 1
+            try:
+                store = create_store(
+                    "0.0.0.0", port, is_master=True, world_size=world_size, timeout_s=timeout_s
+                )
+                comm = Communicator(
+                    store,
+                    rank=rank,
+                    world_size=world_size,
+                    device=device,
+                    timeout_s=timeout_s,
+                    group_id=group_id,
+                )
+                try:
+                    with torch.no_grad():
+                        sent = send_buckets(comm, metas, tensors, bucket_bytes, src=rank)
+                    failed = comm.max_flag(0)  # the receivers commit only once every rank agrees
+                except BaseException:
+                    comm.abort()  # the receivers see the group fail at once instead of waiting it out
+                    raise
+                comm.close()
+                self._rp_send_outcome = (
+                    (False, "a receiver reported a failure")
+                    if failed
+                    else (True, f"{sent} bytes to {rank} rank(s)")
+                )
+            except Exception as e:  # reported through rp_peer_send_outcome; this replica only read
+                log.exception("sending the weights to peers failed")
+                self._rp_send_outcome = (False, f"{type(e).__name__}: {e}")
+
+        self._rp_sender = threading.Thread(target=send, name="rp-peer-send", daemon=True)
+        self._rp_sender.start()
+
+    def rp_peer_send_outcome(self) -> tuple[bool, str] | None:
+        """(succeeded, what happened) once the send started last has ended; None while it runs."""
+        if self._rp_sender is not None and self._rp_sender.is_alive():
+            return None
+        return self._rp_send_outcome or (False, "no send was started")

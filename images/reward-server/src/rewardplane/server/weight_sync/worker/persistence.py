@@ -1,0 +1,103 @@
+"""Keeping pushed weights on disk (the server's ``--weights-dir``), restoring them after a restart,
+and loading the base checkpoint again after a level-2 sleep."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from rewardplane.server.engines.checkpoint import iter_checkpoint
+from rewardplane.server.weight_sync.persistence import WeightsStore
+from rewardplane.server.weight_sync.worker.base import WorkerBase
+
+log = logging.getLogger(__name__)
+
+
+class PersistencePart(WorkerBase):
+    """Host copies of what a push loaded, written in the background; restore and checkpoint reload."""
+
+    def rp_persist_to(self, directory: str, base: str = "") -> None:
+        """From now on keep host copies of loaded weights and persist them into ``directory``;
+        ``base`` is the fingerprint of the base model they are pushed onto (saved with them)."""
+        self._rp_store = WeightsStore(Path(directory), base)
+
+    def _rp_keeps(self) -> bool:
+        return self._rp_store is not None and self.rp_local_rank() == 0
+
+    def _rp_load_kept(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load, then copy to host what was loaded (the tensors are views of a bucket reused next)."""
+        self.rp_load(weights)
+        if self._rp_kept is not None:
+            with torch.no_grad():
+                for name, tensor in weights:
+                    self._rp_kept[name] = tensor.detach().to("cpu", copy=True)
+
+    def rp_persist(self, version: int) -> bool:
+        """Write this update's host copies into the store's union, in a background thread (disk I/O
+        stays off the engine's loop). Returns whether this worker writes (the replica's first)."""
+        kept, self._rp_kept = self._rp_kept, None
+        store = self._rp_store
+        if store is None or kept is None or not self._rp_keeps():
+            return False
+        previous = self._rp_writer
+
+        def write() -> None:
+            if previous is not None:
+                previous.join()  # versions land in order
+            try:
+                store.save(version, kept)
+                log.info("persisted version %d (%d parameters) in %s", version, len(kept), store.dir)
+            except Exception:
+                log.exception("persisting version %d failed; a restart cannot be restored to it", version)
+
+        self._rp_writer = threading.Thread(target=write, name=f"rp-persist-v{version}", daemon=True)
+        self._rp_writer.start()
+        return True
+
+    def rp_persist_pending(self) -> bool:
+        return self._rp_writer is not None and self._rp_writer.is_alive()
+
+    def rp_restore(self, version: int) -> int:
+        """Load the persisted union of ``version`` through the engine's own loader (HF names, full
+        tensors: vLLM fuses and shards them itself). Returns the number of parameters restored.
+
+        Raises ``LookupError`` naming the version found when it is not ``version``."""
+        store = self._rp_store
+        if store is None:
+            raise LookupError("this worker persists no weights (no --weights-dir)")
+        loaded = store.load()
+        if loaded is None:
+            raise LookupError(f"no persisted weights in {store.dir}")
+        saved, tensors = loaded
+        if saved != version:
+            raise LookupError(f"the persisted weights are version {saved}, not {version}")
+        device = self.rp_device()
+        with torch.no_grad():
+            # one tensor at a time on the device: restoring needs no more memory than one parameter
+            for name, tensor in tensors.items():
+                self.rp_load([(name, tensor.to(device))])
+        return len(tensors)
+
+    def rp_load_checkpoint(self, model_dir: str) -> list[str]:
+        """Load the base checkpoint's weights again (after a level-2 sleep discarded them), one tensor
+        at a time through the engine's own loader; the names loaded."""
+        loaded: list[str] = []
+        device = self.rp_device()
+        if self._rp_copy_plan is not None:
+            self._rp_copy_plan.forget()  # the weights were discarded: learn their places again
+        with torch.no_grad():
+            for name, tensor in iter_checkpoint(Path(model_dir)):
+                if self.rp_accepts(name):
+                    self.rp_load([(name, tensor.to(device))])
+                    loaded.append(name)
+        if not loaded:
+            raise LookupError(f"no safetensors weights found in {model_dir}")
+        return loaded
+
+    def rp_accepts(self, name: str) -> bool:
+        """Whether ``rp_load`` takes a checkpoint tensor of this name (vLLM's loader skips what it
+        does not use by itself)."""
+        return True
