@@ -13,7 +13,7 @@ memory, wake, read memory, score again. Latencies are what the client waits for 
 level, ``/param_checksums`` before and after says whether every live parameter came back bit for bit.
 
     bash scripts/gpu-run.sh bench-sleep                       # ~4-5 minutes on an H100
-    python benchmarks/sleep_wake.py --cycles 3 --out benchmarks/results/sleep_wake-1.4b-H100.json
+    python benchmarks/sleep_wake.py --cycles 3 --out benchmarks/results/sleep_wake-1.35b-H100-<date>-<commit>.json
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ python examples/make_tiny_model.py --out /tmp/rewardplane-tiny-rm >/dev/null
 install -d -m 0755 -o 0 -g 0 /tmp/rewardplane-weights
 eval "$(rewardplane dev up --node "$NODE")"
 echo "KUBECONFIG=$KUBECONFIG"
-# start from version 0 on every run (a cluster left up by an earlier run keeps its objects)
+# start from version 0 on every run (a cluster that is still up keeps its objects)
 kubectl delete -f examples/rewardmodel.yaml --ignore-not-found --wait=true --timeout=120s
 kubectl apply -f examples/rewardmodel.yaml
 # Bounded, and saying what it waits for: the RewardModel's phase and message every 10 s; on a
