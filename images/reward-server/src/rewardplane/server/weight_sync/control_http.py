@@ -1,0 +1,293 @@
+"""The control plane's side of the group and of pushes announced over HTTP: joining and leaving the
+trainer's group, validating an announced layout, and running the receive and commit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from rewardplane.protocol import (
+    MAX_LAYOUTS,
+    InitCommunicatorRequest,
+    RewardModelTrainingMode,
+    UpdateParamBatchRequest,
+    check_adapter_metadata,
+    check_metadata,
+    layout_id,
+    plan_buckets,
+    remember_layout,
+)
+from rewardplane.server.engines.engine import ServedAdapter
+from rewardplane.server.errors import BadRequest, Conflict
+from rewardplane.server.weight_sync.control_data_plane import DataPlanePushes
+from rewardplane.server.weight_sync.control_state import Layout, PendingJoin, _merge, _slowest
+
+log = logging.getLogger(__name__)
+
+
+class AnnouncedPushes(DataPlanePushes):
+    """The group, and pushes announced with ``/update_param_batch``."""
+
+    # ---- init / close -----------------------------------------------------------------------
+    async def init_communicator(self, req: InitCommunicatorRequest) -> None:
+        if self.busy():
+            raise Conflict(
+                "a weight update is in progress; wait for it (GET /get_num_background_tasks) and retry"
+            )
+        # One join at a time: a join blocks in the rendezvous until the trainer's store answers or
+        # its timeout passes, and nothing can interrupt that wait, so a second one could only pile up.
+        pending = self._joining()
+        if pending is not None:
+            raise Conflict(
+                f"{pending.describe()}: one join at a time — create the trainer's side of that group, "
+                "or wait until it gives up (GET /get_num_background_tasks shows its outcome) and join again"
+            )
+        group_id = req.group_id or uuid.uuid4().hex[:12]
+        self._stop_listening()
+
+        async def join() -> None:
+            try:
+                await self.port.call_workers(
+                    "rp_init_communicator",
+                    req.host,
+                    req.port,
+                    req.world_size,
+                    req.rank_offset,
+                    req.backend,
+                    req.timeout_s,
+                    group_id,
+                )
+                self._has_comm = True
+                self.last_error = None
+                await self._listen(req, group_id)
+            except Exception as exc:
+                self._has_comm = False
+                self.last_error = f"joining the trainer's group at {req.host}:{req.port} failed: {exc}"
+                log.error(self.last_error)
+
+        self._has_comm = False
+        self._pending_join = PendingJoin(req.host, req.port, time.monotonic(), req.timeout_s)
+        self._init_task = self._spawn(join(), "init-communicator")
+
+    async def close(self) -> None:
+        if self.busy():
+            raise Conflict("a weight update is in progress; close the communicator after it finishes")
+        pending = self._joining()
+        if pending is not None:
+            raise Conflict(f"{pending.describe()}; close the communicator after it finishes")
+        self._stop_listening()
+        await self.port.call_workers("rp_close_communicator")
+        self._has_comm = False
+
+    # ---- update -----------------------------------------------------------------------------
+    def _layout_of(self, req: UpdateParamBatchRequest) -> Layout:
+        """The announced layout, validated against the served model (once per layout)."""
+        adapter = req.training_mode == RewardModelTrainingMode.ADAPTER
+        if adapter and self.max_lora_rank == 0:
+            raise Conflict(
+                "this server does not serve LoRA adapters, so it refuses adapter-only pushes: enable LoRA on the "
+                "RewardModel (spec.lora.enabled; server flag --enable-lora), or push merged weights (sync mode "
+                "full / training_mode lora)"
+            )
+        if not req.metadata:
+            assert req.layout_id is not None  # the request model guarantees one or the other
+            known = self._layouts.get(req.layout_id)
+            if known is None or known.bucket_bytes != req.bucket_bytes or known.adapter != adapter:
+                raise Conflict(
+                    f"unknown layout_id {req.layout_id!r} (this server restarted or forgot it); announce the "
+                    "metadata again — the SDK does so by itself on the next push"
+                )
+            self._layouts.move_to_end(req.layout_id)
+            return known
+        if adapter:
+            assert req.adapter is not None  # the request model guarantees it
+            problems = check_adapter_metadata(
+                req.metadata, self.manifest, req.adapter, max_rank=self.max_lora_rank
+            )
+        else:
+            problems = check_metadata(req.metadata, self.manifest)
+        if problems:
+            raise BadRequest(
+                f"{len(problems)} announced parameter(s) do not fit the served model; nothing was received: "
+                + "; ".join(problems[:10])
+                + (" …" if len(problems) > 10 else ""),
+                detail=problems,
+            )
+        layout = Layout(
+            # a given layout_id was checked against the metadata when the request was parsed
+            req.layout_id or layout_id(req.metadata, req.bucket_bytes),
+            req.bucket_bytes,
+            [m.name for m in req.metadata],
+            [m.model_dump(mode="json") for m in req.metadata],
+            sum(b.nbytes for b in plan_buckets(req.metadata, req.bucket_bytes)),
+            adapter,
+        )
+        self._layouts[layout.id] = layout
+        self._layouts.move_to_end(layout.id)
+        while len(self._layouts) > MAX_LAYOUTS:
+            self._layouts.popitem(last=False)
+        return layout
+
+    async def update(self, req: UpdateParamBatchRequest) -> int:
+        arrived = time.monotonic()
+        layout = self._layout_of(req)
+        guard = self.guard
+        if (refusal := guard.write_refusal()) is not None:
+            raise Conflict(refusal)
+        if guard.needs_full_push and set(layout.names) != set(self.manifest):
+            raise Conflict(
+                f"this replica's weights are gone ({guard.broken_reason}); only a push of every parameter "
+                f"({len(self.manifest)}, training mode full) or a restore repairs it, not {len(layout.names)}"
+            )
+        version = req.version if req.version is not None else guard.version + 1
+        if version <= guard.version and guard.state != "broken":
+            raise Conflict(
+                f"version {version} is not newer than the served version {guard.version}; versions must increase"
+            )
+        await self._let_committed_update_finish(req.timeout_s)
+        if self.busy():
+            raise Conflict("another weight update is in progress; wait for it to finish")
+        if self._init_task is not None and not self._init_task.done():
+            try:  # the trainer forms the group right after /init_communicator; give it that long
+                await asyncio.wait_for(asyncio.shield(self._init_task), timeout=req.timeout_s)
+            except TimeoutError as exc:
+                raise Conflict(
+                    "the communicator is still forming; the trainer must create its side of the group"
+                ) from exc
+        if not self._has_comm:
+            raise Conflict(
+                "no communicator: call /init_communicator (and create the trainer's side of the group) first"
+                + (f"; the last attempt failed: {self.last_error}" if self.last_error else "")
+            )
+        if req.atomic and not layout.adapter:  # refused now, while nothing moves, not mid-receive
+            problems = [p for p in await self.port.call_workers("rp_staging_problem", layout.nbytes) if p]
+            if problems:
+                raise Conflict(problems[0])
+        self._update_task = self._spawn(self._run_update(req, layout, version, arrived), f"update-v{version}")
+        # once the outcome is known (the task is done), wake trainers waiting on /runtime_version
+        self._update_task.add_done_callback(lambda _: guard.signal_change())
+        return version
+
+    async def _run_update(
+        self, req: UpdateParamBatchRequest, layout: Layout, version: int, arrived: float
+    ) -> None:
+        guard = self.guard
+        self._update_committed = False
+        metadata = layout.metadata
+        mode = req.training_mode.value
+        start = time.monotonic()
+        stamps: dict[str, float | None] = {"task": start}
+        result: dict[str, Any] = {"ok": False, "error": "not started", "partial": False, "bytes": 0}
+        adapter = req.training_mode == RewardModelTrainingMode.ADAPTER
+        try:
+            await self._prepare_workers()  # once: the workers keep what they load when --weights-dir is set
+            if req.atomic or adapter:
+                # Stage while the old weights keep serving, then swap under the exclusive lock. An
+                # adapter is always staged: it is small, and vLLM builds it from the whole set.
+                result = _merge(await self._receive(layout, False))
+                stamps.update(result.pop("times"), returned=time.monotonic())
+                if result["ok"]:
+                    async with guard.updating(timeout_s=req.timeout_s):
+                        stamps["locked"] = time.monotonic()
+                        if adapter:
+                            stamps.update(await self._apply_adapter(layout, req))
+                        else:
+                            await self.port.call_workers("rp_apply_staged", metadata)
+                            await self._drop_adapter_under(req.training_mode)
+                        await self.port.reset_cache()
+                        guard.commit(version)
+                        self._update_committed = True
+                        stamps["committed"] = time.monotonic()
+                        if adapter:
+                            if self.store is not None:
+                                log.warning(
+                                    "version %d is an adapter push: adapters are not persisted, so a restart "
+                                    "cannot be restored to it (push again after a restart)",
+                                    version,
+                                )
+                        else:
+                            await self._persist(version)
+                else:
+                    await self.port.call_workers("rp_drop_staged")
+            else:
+                async with guard.updating(timeout_s=req.timeout_s):
+                    stamps["locked"] = locked = time.monotonic()
+                    # The cache reset goes out first, alongside the receive: nothing is scored while
+                    # the exclusive lock is held, so no block made from old weights can enter the
+                    # cache after it, and its round trip to the engine leaves the critical path.
+                    # Both finish before the lock is released, whatever happens to either.
+                    reset, received = await asyncio.gather(
+                        self.port.reset_cache(),
+                        self._receive(layout, True),
+                        return_exceptions=True,
+                    )
+                    stamps["returned"] = time.monotonic()
+                    if isinstance(received, BaseException):
+                        raise received
+                    result = _merge(received)
+                    stamps.update(result.pop("times"))
+                    if isinstance(reset, BaseException) and result["ok"]:
+                        raise reset  # new weights, but cached blocks of the old ones: refuse to serve
+                    result["lock_s"], result["receive_s"] = locked - start, time.monotonic() - locked
+                    if result["ok"]:
+                        await self._drop_adapter_under(req.training_mode)
+                        guard.commit(version)
+                        self._update_committed = True
+                        stamps["committed"] = time.monotonic()
+                        await self._persist(version)
+                    elif result["partial"]:
+                        guard.mark_broken(f"update to version {version} failed part-way: {result['error']}")
+        except Exception as exc:
+            result = {"ok": False, "partial": False, "bytes": 0, "error": f"{type(exc).__name__}: {exc}"}
+            if guard.state == "updating":
+                guard.mark_broken(f"update to version {version} failed: {exc}")
+        self._record(version, mode, result, stamps, arrived, start)
+        if not result["ok"]:
+            self._has_comm = False  # a failed transfer leaves the group unusable; the trainer re-inits
+            try:
+                await self.port.call_workers("rp_close_communicator")
+            except Exception:
+                log.debug("closing the communicator after a failure failed", exc_info=True)
+
+    async def _apply_adapter(self, layout: Layout, req: UpdateParamBatchRequest) -> dict[str, float]:
+        """Under the exclusive lock: every worker serves the staged adapter under a fresh id, then
+        scoring names it. If any worker fails, every worker drops its adapter (they could disagree)
+        and the caller marks the replica broken until the next push. Returns the slowest worker's
+        steps (the update's timeline)."""
+        assert req.adapter is not None
+        self._adapter_ids += 1
+        adapter_id = self._adapter_ids
+        try:
+            applied = await self.port.call_workers(
+                "rp_apply_adapter", layout.metadata, req.adapter.model_dump(mode="json"), adapter_id
+            )
+        except Exception:
+            self.adapter = None
+            self.port.use_adapter(None)
+            try:
+                await self.port.call_workers("rp_clear_adapter")
+            except Exception:
+                log.exception("dropping the adapters after a failed adapter update failed")
+            raise
+        self.adapter = ServedAdapter(adapter_id, applied[0]["path"] if applied else None)
+        self.port.use_adapter(self.adapter)
+        return _slowest(applied)
+
+    async def _receive(self, layout: Layout, apply: bool) -> list[dict[str, Any]]:
+        """``rp_receive`` on every worker; the metadata only travels when the workers lack it."""
+        known = layout.id in self._worker_layouts
+        results = await self.port.call_workers(
+            "rp_receive", None if known else layout.metadata, layout.bucket_bytes, apply, layout.id
+        )
+        if known and any(r.get("unknown_layout") for r in results):
+            # nothing was posted: the trainer's broadcast waits for the second call
+            log.warning("the workers no longer hold layout %s; sending its metadata", layout.id)
+            self._worker_layouts.pop(layout.id, None)
+            results = await self.port.call_workers(
+                "rp_receive", layout.metadata, layout.bucket_bytes, apply, layout.id
+            )
+        remember_layout(self._worker_layouts, layout.id, None)  # the workers cached it
+        return results
