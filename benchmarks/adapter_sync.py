@@ -28,7 +28,6 @@ import torch
 from rewardplane.protocol import RewardModelTrainingMode as Mode
 from rewardplane.sdk.direct_sync import DirectWeightSync
 from rewardplane.sdk.lora import adapter_payload
-from rewardplane.server.engines.vllm_lora import adapter_load_from_env
 from rewardplane.testing.gpus import visible_gpus
 from rewardplane.testing.servers import free_port, launch_server, wait_healthy
 
@@ -192,8 +191,9 @@ def run(
         }
         diff = max(abs(a - b) for a, b in zip(adapter_scores, merged_scores, strict=True))
         results.update(
-            # how the server's workers hand the adapter to vLLM (REWARDPLANE_ADAPTER_LOAD)
-            adapter_loads=adapter_load_from_env(),
+            # how the server's workers hand the adapter to vLLM: built in memory (the directory
+            # only where vLLM's internals differ; the server's log says so)
+            adapter_loads="memory",
             lora_rank=args.lora_rank,
             bytes=nbytes,
             adapter_push_s=adapter_s,

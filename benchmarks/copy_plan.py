@@ -115,7 +115,7 @@ def main() -> None:
     shapes = trainer_shapes(ckpt)
     stack = contextlib.ExitStack()
     planned, reference = build_models(ckpt, stack)
-    plan = CopyPlan(lambda w: planned.load_weights(w), planned, enabled=True)  # type: ignore[operator]
+    plan = CopyPlan(lambda w: planned.load_weights(w), planned)  # type: ignore[operator]
 
     def buckets(weights: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
         return [weights[i : i + args.per_bucket] for i in range(0, len(weights), args.per_bucket)]

@@ -75,7 +75,7 @@ def push(seed):
 a, b = Tiny(), Tiny()
 with torch.no_grad():
     for p in list(a.parameters()) + list(b.parameters()): p.zero_()
-plan = CopyPlan(a.load_weights, a, enabled=True)
+plan = CopyPlan(a.load_weights, a)
 for seed in range(3):
     w = push(seed)
     plan.load(w); b.load_weights(w)
@@ -118,7 +118,6 @@ from pathlib import Path
 import torch
 from benchmarks.copy_plan import build_models, checkpoint, push, trainer_shapes
 from rewardplane.protocol import ParamMeta
-from rewardplane.protocol import weights as wire
 from rewardplane.server.weight_sync.worker_extension import RewardWeightSyncExtension
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.transfer import send_buckets
@@ -164,8 +163,8 @@ for version in range(3):
     result = worker.rp_receive([m.model_dump() for m in metas], bucket, True, "layout")
     thread.join()
     assert result["ok"], result
-    if wire.PER_TENSOR_WIRE:  # learned on the first push, received in place from the second on
-        assert (result["in_place_bytes"] > 0) == (version > 0), (version, result)
+    # learned on the first push, received in place from the second on
+    assert (result["in_place_bytes"] > 0) == (version > 0), (version, result)
     reference.load_weights(weights)
     for (name, a), (_, b) in zip(served.named_parameters(), reference.named_parameters()):
         assert torch.equal(a, b), (version, name)
@@ -174,11 +173,10 @@ print("OK")
 """
 
 
-@pytest.mark.parametrize("per_tensor", [False, True], ids=["packed", "per-tensor-wire"])
-def test_the_vllm_worker_receives_pushes_through_the_copy_plan_bit_for_bit(per_tensor: bool) -> None:
+def test_the_vllm_worker_receives_pushes_through_the_copy_plan_bit_for_bit() -> None:
     """The worker extension's own path (join the group, receive the buckets, load each through
-    the copy plan) into vLLM's model, over gloo: three pushes, each equal to vLLM's loader. On the
-    per-tensor wire, what the plan learned is received straight into vLLM's parameters."""
+    the copy plan) into vLLM's model, over gloo: three pushes, each equal to vLLM's loader; what
+    the plan learned is received straight into vLLM's parameters."""
     repo = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-c", WORKER_PUSHES, str(free_port())],
@@ -188,8 +186,6 @@ def test_the_vllm_worker_receives_pushes_through_the_copy_plan_bit_for_bit(per_t
         cwd=repo,
         env={
             **os.environ,
-            "REWARDPLANE_DIRECT_LOAD": "1",
-            "REWARDPLANE_PER_TENSOR_WIRE": "1" if per_tensor else "0",
             "PYTHONPATH": f"{repo}:{os.environ.get('PYTHONPATH', '')}",
         },
     )

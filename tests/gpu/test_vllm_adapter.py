@@ -3,9 +3,9 @@ A/B tensors as a LoRA adapter; the trainer (this process, ``cuda:1``) pushes the
 
 Checks: scores equal the trainer's (PEFT) model; the base weights' bytes do not move; a second
 adapter version replaces the first (scores follow, the prefix cache is not stale); a merged full
-push afterwards drops the adapter and lands bit for bit in the LoRA-wrapped layers. Both ways a
-worker hands an adapter to vLLM run: written to a directory and loaded from there (the default,
-vLLM's public path) and built from the received tensors in memory (``REWARDPLANE_ADAPTER_LOAD=memory``).
+push afterwards drops the adapter and lands bit for bit in the LoRA-wrapped layers. The workers
+build the adapter from the received tensors in memory: no adapter directory is written (vLLM's
+directory loader is only the fallback where vLLM's internals differ).
 
     bash scripts/gpu-run.sh tests tests/gpu/test_vllm_adapter.py    # 2 GPUs, ~4 minutes
 """
@@ -57,15 +57,15 @@ def test_engine_args_enable_lora(tiny_seqcls_1label: Path) -> None:
 @dataclass
 class AdapterServer:
     trainer: Trainer
-    adapter_dir: Path  # the server's REWARDPLANE_ADAPTER_DIR
-    loads: str  # how its workers hand adapters to vLLM: REWARDPLANE_ADAPTER_LOAD
+    adapter_dir: Path  # the server's --adapter-dir
+    loads: str  # how its workers hand adapters to vLLM: "memory" (the directory only as a fallback)
 
     def written(self) -> list[str]:
         """The adapter directories the server's workers wrote (one per worker process and id)."""
         return sorted(p.name for p in self.adapter_dir.glob("*/*"))
 
 
-@pytest.fixture(scope="module", params=["directory", "memory"])
+@pytest.fixture(scope="module", params=["memory"])
 def lora_server(
     request: pytest.FixtureRequest, tiny_seqcls_1label: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[AdapterServer]:
@@ -75,7 +75,7 @@ def lora_server(
     if device_count() < 2:
         pytest.skip("adapter pushes over NCCL need 2 GPUs (server on GPU 0, trainer on GPU 1)")
     adapter_dir = tmp_path_factory.mktemp("adapters")
-    env = {"REWARDPLANE_ADAPTER_DIR": str(adapter_dir), "REWARDPLANE_ADAPTER_LOAD": request.param}
+    env = {"REWARDPLANE_ADAPTER_DIR": str(adapter_dir)}
     handle = start_vllm_server(
         tiny_seqcls_1label,
         tmp_path_factory.mktemp("vllm-lora-logs"),

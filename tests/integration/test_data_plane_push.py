@@ -31,11 +31,7 @@ def server(server_factory, tiny_model_dir):
     return server_factory(tiny_model_dir, token=TOKEN)
 
 
-@pytest.mark.parametrize("reset_at", ["lock", "go", "posted"], ids=lambda m: f"reset-at-{m}")
-def test_later_pushes_start_from_the_data_plane(server_factory, tiny_model_dir, reset_at):
-    # every moment of the engine's cache reset (data_push.RESET_CACHE_AT) keeps every guarantee
-    env = {"REWARDPLANE_RESET_CACHE_AT": reset_at}
-    server = server_factory(tiny_model_dir, token=TOKEN, env_extra=env)
+def test_later_pushes_start_from_the_data_plane(server, tiny_model_dir):
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:
         sync.sync(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
@@ -51,9 +47,8 @@ def test_later_pushes_start_from_the_data_plane(server_factory, tiny_model_dir, 
             ms = last["after_announce_ms"]
             order = DATA_PLANE_TIMELINE
             assert [ms[k] for k in order] == sorted(ms[k] for k in order), ms
-            # the cache reset went out at its moment, and the commit waited for it
-            moment = {"lock": "locked", "go": "go", "posted": "worker_posted"}[reset_at]
-            assert ms[moment] <= ms["reset"] <= ms["committed"], ms
+            # the cache reset went out once the workers were told to receive, and the commit waited for it
+            assert ms["go"] <= ms["reset"] <= ms["committed"], ms
         stats = sync.open().last_stats
         assert (
             stats["announced_at_s"] <= stats["ready_at_s"] <= stats["synchronized_at_s"] <= stats["total_s"]
@@ -201,17 +196,11 @@ def test_atomic_and_http_only_pushes(server, tiny_model_dir):
         http_only.close()
 
 
-@pytest.mark.parametrize("per_tensor", [True, False], ids=["per-tensor-wire", "packed-buckets"])
-def test_both_wire_shapes_serve_exactly_the_trainers_weights(
-    server_factory, tiny_model_dir, monkeypatch, per_tensor
-):
-    # trainer and server on the same wire. Per-tensor (the default): the server receives each tensor
-    # straight into its parameter (no bucket, no loader); packed (REWARDPLANE_PER_TENSOR_WIRE=0 on
-    # both sides): one broadcast per bucket, loaded by the server's loader. Exact weights through
-    # the HTTP-announced first push and the data-plane pushes after it; atomic pushes always stage.
-    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", per_tensor)
-    env = {"REWARDPLANE_PER_TENSOR_WIRE": "1" if per_tensor else "0"}
-    server = server_factory(tiny_model_dir, token=TOKEN, env_extra=env)
+def test_the_per_tensor_wire_serves_exactly_the_trainers_weights(server_factory, tiny_model_dir):
+    # the server receives each tensor straight into its parameter (no bucket, no loader). Exact
+    # weights through the HTTP-announced first push and the data-plane pushes after it; atomic
+    # pushes always stage.
+    server = server_factory(tiny_model_dir, token=TOKEN)
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:
         for version, via in ((1, "http"), (2, "data_plane")):
@@ -219,7 +208,7 @@ def test_both_wire_shapes_serve_exactly_the_trainers_weights(
             sync.sync(model.state_dict(), version=version)
             last = last_update(server)
             assert (last["via"], last["version"], last["ok"]) == (via, version, True)
-            assert last["bytes"] > 0 and last["in_place_bytes"] == (last["bytes"] if per_tensor else 0), last
+            assert last["bytes"] > 0 and last["in_place_bytes"] == last["bytes"], last
             assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
         staged = sync_for(server, bucket_bytes=1 << 16, atomic=True)
         try:
@@ -237,16 +226,17 @@ def test_both_wire_shapes_serve_exactly_the_trainers_weights(
 def test_a_trainer_on_another_wire_is_refused_before_anything_moves(
     server_factory, tiny_model_dir, monkeypatch
 ):
-    # the server on the per-tensor wire, the trainer (this process) on packed buckets: mismatched
-    # broadcasts would corrupt weights, so the layout is refused by name and nothing changes
-    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", False)
-    server = server_factory(tiny_model_dir, token=TOKEN, env_extra={"REWARDPLANE_PER_TENSOR_WIRE": "1"})
+    # the trainer (this process) names another wire in its layout ids, as a rewardplane version with
+    # packed buckets did: mismatched broadcasts would corrupt weights, so the layout is refused by
+    # name and nothing changes
+    monkeypatch.setattr(wire, "WIRE_LAYOUT", "packed buckets")
+    server = server_factory(tiny_model_dir, token=TOKEN)
     before, version = served(server)
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:
         with pytest.raises(RewardServerError) as info:
             sync.sync(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
-        assert "REWARDPLANE_PER_TENSOR_WIRE" in info.value.message
+        assert "different wires" in info.value.message
         after, still = served(server)
         assert still == version and close(after, before)
     finally:

@@ -62,7 +62,7 @@ def pushed_through_a_plan(planned: FusedModel, pushes: int) -> CopyPlan:
     """Pushes 0..``pushes``-1 into ``planned`` through a copy plan and into a plain ``FusedModel``
     through its loader; the parameters must be equal after every push."""
     reference = FusedModel()
-    plan = CopyPlan(planned.load_weights, planned, enabled=True)
+    plan = CopyPlan(planned.load_weights, planned)
     for seed in range(pushes):
         weights = push(seed)
         plan.load(weights)
@@ -83,7 +83,7 @@ def test_the_plan_loads_what_the_loader_loads_and_copies_directly_where_it_may()
 
 def test_forget_sends_everything_through_the_loader_again() -> None:
     model = FusedModel()
-    plan = CopyPlan(model.load_weights, model, enabled=True)
+    plan = CopyPlan(model.load_weights, model)
     plan.load(push(0))
     plan.forget()
     plan.load(push(1))
@@ -93,7 +93,7 @@ def test_forget_sends_everything_through_the_loader_again() -> None:
 
 def test_a_name_pushed_in_another_shape_goes_through_the_loader() -> None:
     model = FusedModel()
-    plan = CopyPlan(model.load_weights, model, enabled=True)
+    plan = CopyPlan(model.load_weights, model)
     plan.load(push(0))
     wrong = [("o", torch.ones(9))]
     try:
@@ -101,15 +101,6 @@ def test_a_name_pushed_in_another_shape_goes_through_the_loader() -> None:
     except Exception:
         pass  # the loader's own error; what matters is that no direct copy reshaped it silently
     assert model.calls[-1] == ["o"]
-
-
-def test_switched_off_every_tensor_goes_through_the_loader() -> None:
-    model = FusedModel()
-    plan = CopyPlan(model.load_weights, model, enabled=False)
-    plan.load(push(0))
-    plan.load(push(1))
-    assert not plan.direct_names
-    assert model.calls == [[n for n, _ in push(0)], [n for n, _ in push(1)]]
 
 
 class OwnTorchFunction(torch.nn.Parameter):
@@ -141,7 +132,7 @@ class NarrowingModel(torch.nn.Module):
 
 def test_full_size_views_and_parameter_types_with_their_own_torch_function_are_followed() -> None:
     model = NarrowingModel(tp_size=1)
-    plan = CopyPlan(model.load_weights, model, enabled=True)
+    plan = CopyPlan(model.load_weights, model)
     first = [("gate", torch.randn(4, 3)), ("up", torch.randn(4, 3))]
     plan.load(first)
     assert plan.direct_names == {"gate", "up"}
@@ -152,7 +143,7 @@ def test_full_size_views_and_parameter_types_with_their_own_torch_function_are_f
 
 def test_a_real_shard_stays_with_the_loader() -> None:
     model = NarrowingModel(tp_size=2)
-    plan = CopyPlan(model.load_weights, model, enabled=True)
+    plan = CopyPlan(model.load_weights, model)
     plan.load([("gate", torch.randn(4, 3)), ("up", torch.randn(4, 3))])
     assert not plan.direct_names
 
@@ -180,7 +171,7 @@ def test_a_tensor_changed_in_place_stays_with_the_loader() -> None:
             super().load_weights(weights)
 
     model = Scaling()
-    plan = CopyPlan(model.load_weights, model, enabled=True)
+    plan = CopyPlan(model.load_weights, model)
     plan.load(push(0))
     assert not plan.direct_names
 

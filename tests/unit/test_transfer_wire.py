@@ -1,6 +1,7 @@
-"""The per-tensor wire over a real gloo group (two ranks, one process): the same bytes arrive as
-with packed buckets; a server receives in place only where its placer's tensor really fits, and
-loads the rest; staging never writes in place; the wire is part of every layout's id."""
+"""The per-tensor wire over a real gloo group (two ranks, one process): every byte arrives through
+the loader; a server receives in place only where its placer's tensor really fits, and loads the
+rest; staging never writes in place; the wire is part of every layout's id, and no environment
+variable changes it."""
 
 from __future__ import annotations
 
@@ -63,13 +64,7 @@ def _run_pair(sender: Callable[[Communicator], Any], receiver: Callable[[Communi
     return results[0]
 
 
-@pytest.fixture(params=[False, True], ids=["packed", "per-tensor"])
-def per_tensor(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", request.param)
-    return bool(request.param)
-
-
-def test_every_tensor_arrives_through_the_loader(per_tensor: bool) -> None:
+def test_every_tensor_arrives_through_the_loader() -> None:
     sent = _tensors()
     metas = [meta_of(n, t) for n, t in sent.items()]
     loaded: dict[str, torch.Tensor] = {}
@@ -89,8 +84,7 @@ def test_every_tensor_arrives_through_the_loader(per_tensor: bool) -> None:
         assert torch.equal(loaded[name], t), name
 
 
-def test_tensors_that_fit_are_received_in_place_and_the_rest_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", True)
+def test_tensors_that_fit_are_received_in_place_and_the_rest_loaded() -> None:
     sent = _tensors()
     metas = [meta_of(n, t) for n, t in sent.items()]
     fused = torch.zeros(24, 16)  # q and k land in row slices of one fused parameter
@@ -125,7 +119,7 @@ def test_tensors_that_fit_are_received_in_place_and_the_rest_loaded(monkeypatch:
     assert torch.equal(fused, torch.cat([sent["layer.q.weight"], sent["layer.k.weight"]]))
 
 
-def test_staging_never_writes_in_place(per_tensor: bool) -> None:
+def test_staging_never_writes_in_place() -> None:
     sent = _tensors()
     metas = [meta_of(n, t) for n, t in sent.items()]
     params = {n: torch.zeros_like(t) for n, t in sent.items()}
@@ -142,24 +136,23 @@ def test_staging_never_writes_in_place(per_tensor: bool) -> None:
 
 def test_the_wire_shape_is_part_of_the_layout_id(monkeypatch: pytest.MonkeyPatch) -> None:
     metas = [meta_of(n, t) for n, t in _tensors().items()]
-    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", False)
-    packed = layout_id(metas, BUCKET)
-    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", True)
-    assert layout_id(metas, BUCKET) != packed  # a server on the other wire refuses the layout
+    ours = layout_id(metas, BUCKET)
+    for name in ("REWARDPLANE_PER_TENSOR_WIRE", "REWARDPLANE_FIRST_BUCKET_SHARE"):  # retired: no effect
+        monkeypatch.setenv(name, "0")
+    assert layout_id(metas, BUCKET) == ours
+    monkeypatch.setattr(wire, "WIRE_LAYOUT", "packed buckets")  # another version's wire
+    assert layout_id(metas, BUCKET) != ours  # a server on the other wire refuses the layout
 
 
-def test_the_per_tensor_wire_starts_with_a_short_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_per_tensor_wire_starts_with_a_short_bucket() -> None:
     """No byte moves until both sides posted a bucket's broadcasts; a short first bucket starts the
-    link early. The packed wire keeps full buckets."""
+    link early."""
     small = [ParamMeta(name=f"norm{i}", dtype="float32", shape=(25,)) for i in range(3)]  # 100 B each
     rest = [ParamMeta(name=f"w{i}", dtype="float32", shape=(128,)) for i in range(12)]  # 512 B each
     limit = BUCKET // wire.FIRST_BUCKET_SHARE
-    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", True)
     plan = plan_buckets(small + rest, BUCKET)
     assert [s.index for s in plan[0].slots] == [0, 1] and plan[0].nbytes <= limit
     assert max(b.nbytes for b in plan[1:]) > limit  # the others fill up to BUCKET
     assert all(b.nbytes <= BUCKET for b in plan)
     embed_first = plan_buckets([meta_of(n, t) for n, t in _tensors().items()], BUCKET)
     assert len(embed_first[0].slots) == 1  # larger than the limit: alone
-    monkeypatch.setattr(wire, "PER_TENSOR_WIRE", False)
-    assert len(plan_buckets(small + rest, BUCKET)[0].slots) > 2

@@ -12,9 +12,7 @@ import torch
 
 from rewardplane.protocol import AdapterConfig
 from rewardplane.server.engines.vllm_lora import (
-    ADAPTER_LOAD_ENV,
     VLLMInternalsChanged,
-    adapter_load_from_env,
     expected_lora_modules,
     loading_from_memory,
     lora_model_from_tensors,
@@ -84,15 +82,3 @@ def test_a_manager_not_shaped_like_vllms_says_so_for_the_fallback() -> None:
         lora_model_from_tensors(SimpleNamespace(), 1, tensors, AdapterConfig(rank=2, alpha=4))
     with pytest.raises(VLLMInternalsChanged), loading_from_memory(SimpleNamespace(), 1, object()):
         pass
-
-
-def test_adapters_are_built_in_memory_unless_the_directory_is_asked_for(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv(ADAPTER_LOAD_ENV, raising=False)
-    assert adapter_load_from_env() == "memory"
-    monkeypatch.setenv(ADAPTER_LOAD_ENV, " Directory ")
-    assert adapter_load_from_env() == "directory"
-    monkeypatch.setenv(ADAPTER_LOAD_ENV, "disk")
-    with pytest.raises(ValueError, match="'disk' is not one of directory, memory"):
-        adapter_load_from_env()

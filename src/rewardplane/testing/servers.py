@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from rewardplane.protocol import settings
+
 # Ports handed out below Linux's ephemeral range (32768-60999 by default) and Kubernetes' NodePort
 # range (30000-32767): a port the kernel picks for bind(0) may be given to any outgoing connection
 # (HTTP clients, NCCL's sockets) before the caller binds it, which failed a GPU test with
@@ -131,11 +133,8 @@ def launch_server(
         args += [flag] if value is True else [flag, str(value)]
     args += extra_args or []
     env = dict(os.environ)
-    env.pop("REWARDPLANE_TOKEN_FILE", None)
-    if token is not None:
-        env["REWARDPLANE_TOKEN"] = token
-    else:
-        env.pop("REWARDPLANE_TOKEN", None)
+    settings.TOKEN_FILE.export(None, env)
+    settings.TOKEN.export(token, env)
     env.setdefault("OMP_NUM_THREADS", "1")  # several servers share 2 cores in CI
     env.update(env_extra or {})
     log_path = log_dir / f"server-{port}.log"

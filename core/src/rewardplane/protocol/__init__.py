@@ -4,7 +4,8 @@ Imported by the server, the SDK and the operator. It depends only on pydantic, s
 client needs neither torch nor the server's dependencies. Submodules: ``modes`` (training modes,
 pooling), ``endpoints`` (paths, headers, token variables), ``ports`` (port derivation), ``scoring``
 (scoring requests and answers), ``compat`` (the vLLM, OpenAI and OpenRLHF shapes), ``weights`` (the weight-sync control plane and bucket layout),
-``sleep`` (sleep and wake), ``admission`` (when an operator-run replica takes traffic), ``auth`` (control-plane token), ``naming`` (parameter-name normalisation).
+``sleep`` (sleep and wake), ``admission`` (when an operator-run replica takes traffic), ``auth`` (control-plane token), ``naming`` (parameter-name normalisation),
+``settings`` (every ``REWARDPLANE_*`` environment variable, ``docs/settings.md``).
 """
 
 from __future__ import annotations

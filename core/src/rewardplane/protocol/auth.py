@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from . import settings
 from .endpoints import TOKEN_ENV, TOKEN_FILE_ENV
 
 BEARER_PREFIX = "Bearer "
@@ -50,7 +51,6 @@ def resolve_token(
     Raises ``FileNotFoundError`` for a token file that does not exist and ``ValueError`` for an
     explicitly given token or token file that is empty.
     """
-    env = os.environ if environ is None else environ
     if token is not None:
         stripped = token.strip()
         if not stripped:
@@ -60,11 +60,10 @@ def resolve_token(
         return stripped
     if token_file is not None:
         return _read_token_file(token_file, "token_file argument")
-    env_file = env.get(TOKEN_FILE_ENV)
+    env_file = settings.TOKEN_FILE.get(environ)
     if env_file:
         return _read_token_file(env_file, f"${TOKEN_FILE_ENV}")
-    env_token = env.get(TOKEN_ENV, "").strip()
-    return env_token or None
+    return settings.TOKEN.get(environ)
 
 
 def auth_headers(token: str | None) -> dict[str, str]:

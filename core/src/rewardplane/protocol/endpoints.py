@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from . import settings
+
 
 class Endpoints:
     HEALTH = "/health"
@@ -52,5 +54,6 @@ CONTROL_PLANE_PATHS = frozenset(
 )
 
 VERSION_HEADER = "X-Rewardplane-Weights-Version"
-TOKEN_ENV = "REWARDPLANE_TOKEN"
-TOKEN_FILE_ENV = "REWARDPLANE_TOKEN_FILE"
+# The token's variables (``settings``): their names, for a Pod's env and for messages.
+TOKEN_ENV = settings.TOKEN.name
+TOKEN_FILE_ENV = settings.TOKEN_FILE.name

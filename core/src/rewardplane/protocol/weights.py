@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import re
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Literal
@@ -22,7 +21,6 @@ from pydantic import (
 )
 
 from .adapters import AdapterConfig, lora_pairs
-from .env import whole_number_from_env
 from .modes import RewardModelTrainingMode
 
 # Element sizes, so the bucket layout can be computed without torch on either side.
@@ -102,31 +100,26 @@ def _align(n: int) -> int:
     return (n + BUCKET_ALIGN - 1) // BUCKET_ALIGN * BUCKET_ALIGN
 
 
-# The wire shape of a bucket: one broadcast per tensor, grouped per bucket (the default), so that
-# the trainer sends straight from its parameters and a server receives straight into its own; or
-# (REWARDPLANE_PER_TENSOR_WIRE=0) one broadcast of the packed bucket. Both sides must use the same
-# shape: it is part of every layout's id, so a trainer and a server that differ refuse the layout
-# instead of pairing mismatched broadcasts. On 4x H100 (7B, vLLM) the per-tensor wire pushed in
-# 40.5 ms against 42.1 packed, and to two replicas 1.03x the time of one against 1.12x.
-PER_TENSOR_WIRE = os.environ.get("REWARDPLANE_PER_TENSOR_WIRE", "1") != "0"
-
-
-# With the per-tensor wire the first bucket holds at most an eighth of the others' bytes (or one
-# larger tensor). No byte moves until both sides have posted a bucket's group, and posting costs
-# each side tens of microseconds of Python per tensor: a short first group starts the link while the
-# rest is posted. 1 GiB buckets: the embedding table alone goes first. On 4x H100 (7B, vLLM) the
-# first receive was posted 0.44 ms after the agreement instead of 1.0 ms (25 tensors), and a push
-# took 39.5 ms instead of 40.4 (docs/weight-sync.md).
-# REWARDPLANE_FIRST_BUCKET_SHARE (default 8; 1: a full first bucket) must be alike on both sides:
-# it is part of the layout's id.
-FIRST_BUCKET_SHARE = whole_number_from_env(
-    "REWARDPLANE_FIRST_BUCKET_SHARE", 8, "the first bucket holds 1/N of the others' bytes; 1 = as large"
-)
+# The wire shape of a bucket: one broadcast per tensor, grouped per bucket, so that the trainer
+# sends straight from its parameters and a server receives straight into its own (on 4x H100, 7B,
+# vLLM, a push took 40.5 ms against 42.1 with one broadcast of a packed bucket, and to two
+# replicas 1.03x the time of one against 1.12x).
+#
+# The first bucket holds at most an eighth of the others' bytes (or one larger tensor). No byte
+# moves until both sides have posted a bucket's group, and posting costs each side tens of
+# microseconds of Python per tensor: a short first group starts the link while the rest is posted.
+# 1 GiB buckets: the embedding table alone goes first. On 4x H100 (7B, vLLM) the first receive was
+# posted 0.44 ms after the agreement instead of 1.0 ms (25 tensors), and a push took 39.5 ms
+# instead of 40.4 (docs/weight-sync.md).
+FIRST_BUCKET_SHARE = 8
+# Both sides must plan alike: the wire's shape is part of every layout's id, so a trainer and a
+# server of versions with different wires refuse the layout instead of pairing mismatched broadcasts.
+WIRE_LAYOUT = f"per-tensor wire, first bucket 1/{FIRST_BUCKET_SHARE}"
 
 
 def plan_buckets(metadata: list[ParamMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
     """Pack parameters, in the given order, into flat byte buckets of at most ``bucket_bytes``
-    (the first, with the per-tensor wire, of at most ``bucket_bytes // FIRST_BUCKET_SHARE``).
+    (the first of at most ``bucket_bytes // FIRST_BUCKET_SHARE``).
 
     Both sides compute the same plan from the announced metadata, so only bytes travel on the
     data plane. A tensor larger than its bucket's limit gets a bucket of its own.
@@ -136,7 +129,7 @@ def plan_buckets(metadata: list[ParamMeta], bucket_bytes: int = DEFAULT_BUCKET_B
     buckets: list[Bucket] = []
     slots: list[BucketSlot] = []
     used = 0
-    limit = max(BUCKET_ALIGN, bucket_bytes // FIRST_BUCKET_SHARE) if PER_TENSOR_WIRE else bucket_bytes
+    limit = max(BUCKET_ALIGN, bucket_bytes // FIRST_BUCKET_SHARE)
     for i, meta in enumerate(metadata):
         size = meta.nbytes
         start = _align(used)
@@ -273,8 +266,7 @@ def layout_id(metadata: Sequence[ParamMeta], bucket_bytes: int) -> str:
     path."""
     h = hashlib.blake2b(digest_size=8)
     h.update(f"{bucket_bytes}\n".encode())
-    if PER_TENSOR_WIRE:  # with its short first bucket (a receiver of the older wire refuses the id)
-        h.update(f"per-tensor wire, first bucket 1/{FIRST_BUCKET_SHARE}\n".encode())
+    h.update(f"{WIRE_LAYOUT}\n".encode())  # a receiver of another wire refuses the id
     for m in metadata:
         h.update(f"{m.name}\0{m.dtype}\0{','.join(str(d) for d in m.shape)}\n".encode())
     return h.hexdigest()
@@ -322,7 +314,8 @@ class UpdateParamBatchRequest(BaseModel):
         if self.layout_id is not None and self.layout_id != layout_id(self.metadata, self.bucket_bytes):
             raise ValueError(
                 "layout_id does not match the announced metadata and bucket_bytes (or the trainer and "
-                "this server use different wire shapes: set REWARDPLANE_PER_TENSOR_WIRE alike on both)"
+                f"this server plan different wires: this server's is {WIRE_LAYOUT!r}; run one rewardplane "
+                "version on both)"
             )
         seen: set[str] = set()
         for m in self.metadata:

@@ -1,8 +1,9 @@
-"""Flat byte buckets on both sides of the data plane, laid out by ``protocol.plan_buckets``."""
+"""Flat byte buckets on both sides of the data plane, laid out by ``protocol.plan_buckets``: a
+server receives what it cannot take in place into one, and stages an atomic push in them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -35,27 +36,6 @@ def meta_of(name: str, tensor: torch.Tensor) -> ParamMeta:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes, flat (a copy only if it is not contiguous)."""
     return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def pack_bucket(
-    bucket: Bucket,
-    metadata: Sequence[ParamMeta],
-    tensors: Mapping[str, torch.Tensor],
-    device: torch.device,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Copy the bucket's tensors into one flat uint8 buffer (reusing ``out`` when large enough)."""
-    buf = (
-        out[: bucket.nbytes]
-        if out is not None and out.numel() >= bucket.nbytes
-        else torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-    )
-    for slot in bucket.slots:
-        src = tensors[metadata[slot.index].name]
-        if src.device != device:
-            src = src.to(device, non_blocking=True)
-        buf[slot.offset : slot.offset + slot.nbytes].copy_(as_bytes(src))
-    return buf
 
 
 def unpack_bucket(

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 Backend = Literal["auto", "nccl", "gloo"]
 # How long a wait for the GPU polls without sleeping (seconds): a push's waits are short, and a
 # sleep costs at least ~60 us (the kernel's timer slack) plus a wake-up on a host whose idle CPUs
-# wake slowly. 0.2 ms until the tenth GPU session; 2 ms since (docs/weight-sync.md).
+# wake slowly. 2 ms covers the short waits inside a push (docs/weight-sync.md, "Where a push's
+# time goes").
 SPIN_S = 2e-3
 
 

@@ -1,17 +1,16 @@
 """Moving flat buckets over a ``Communicator``, on both sides of a push.
 
-On CUDA the transfer is pipelined with two bucket buffers: the trainer packs bucket k+1 on a side
-stream while bucket k is on the wire, and a server loads bucket k on a side stream while bucket
-k+1 arrives, so copies hide behind the link. On a server a buffer's reuse waits on the GPU for
-its last load, and the CPU runs up to ``RECEIVE_LOOKAHEAD`` buckets ahead (a bounded wait per
-bucket), so a slow ``load`` call (vLLM's loader is Python) does not stall the link or, with several
-replicas in one group, every other replica. A bounded ``synchronize`` at the end catches a dead
-peer. On CPU (gloo) it runs bucket by bucket.
+A bucket travels as one group of broadcasts, one per tensor (the per-tensor wire,
+``protocol.weights``): the trainer sends from its parameters without packing, and a server
+receives each tensor where ``place`` says (its own parameter, when the tensor lands there
+unchanged) or into a bucket buffer, for its loader.
 
-With the per-tensor wire (``wire.PER_TENSOR_WIRE``) a bucket travels as one group of broadcasts, one
-per tensor: the trainer sends from its parameters without packing, and a server receives each
-tensor where ``place`` says (its own parameter, when the tensor lands there unchanged) or into the
-bucket buffer, for its loader.
+On CUDA a server loads bucket k on a side stream while bucket k+1 arrives, with two bucket
+buffers, so copies hide behind the link. A buffer's reuse waits on the GPU for its last load, and
+the CPU runs up to ``RECEIVE_LOOKAHEAD`` buckets ahead (a bounded wait per bucket), so a slow
+``load`` call (vLLM's loader is Python) does not stall the link or, with several replicas in one
+group, every other replica. A bounded ``synchronize`` at the end catches a dead peer. On CPU
+(gloo) it runs bucket by bucket.
 """
 
 from __future__ import annotations
@@ -25,10 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from rewardplane.protocol import Bucket, ParamMeta, plan_buckets
-from rewardplane.protocol import weights as wire
-from rewardplane.protocol.env import whole_number_from_env
 
-from .buckets import as_bytes, pack_bucket, torch_dtype, unpack_bucket
+from .buckets import as_bytes, torch_dtype, unpack_bucket
 from .comm import Communicator, TensorCommunicator
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
@@ -38,12 +35,9 @@ Placer = Callable[[ParamMeta], "torch.Tensor | None"]
 
 
 # How many buckets a server's CPU may enqueue ahead of the GPU's loads (the two buffers are
-# guarded on the GPU): enough to ride out a slow Python ``load`` call. 2 = wait on the CPU for
-# each buffer's previous load, the earlier behaviour; the same within run-to-run noise on 4x H100
-# (benchmarks/README.md).
-RECEIVE_LOOKAHEAD = whole_number_from_env(
-    "REWARDPLANE_RECEIVE_LOOKAHEAD", 4, "buckets a server's CPU may enqueue ahead of its loads"
-)
+# guarded on the GPU): enough to ride out a slow Python ``load`` call. 2 (wait on the CPU for each
+# buffer's previous load) measures the same within run-to-run noise on 4x H100.
+RECEIVE_LOOKAHEAD = 4
 
 
 @functools.cache
@@ -62,72 +56,16 @@ def send_buckets(
     plan: list[Bucket] | None = None,
     before_first: Callable[[], bool] | None = None,
 ) -> int:
-    """Broadcast ``tensors`` (ordered as ``metadata``) from rank ``src``; returns bytes sent.
+    """Broadcast ``tensors`` (ordered as ``metadata``) from rank ``src``, each bucket one group of
+    broadcasts straight from the tensors (a tensor not on the device is copied first, on the
+    transfer stream); returns bytes sent.
 
     The receivers must have accepted the push (the announce) before: on CUDA everything is enqueued
     and waited for here, bounded by the group's timeout. ``plan``: ``plan_buckets(metadata,
-    bucket_bytes)`` when the caller has it already. ``before_first``: called once the first bucket's
-    packing is enqueued and before any byte is sent (the receivers' agreement, so the packing
-    overlaps with it); False → nothing is sent and 0 is returned.
+    bucket_bytes)`` when the caller has it already. ``before_first``: called before any byte is
+    sent (the receivers' agreement); False → nothing is sent and 0 is returned.
     """
     plan = plan if plan is not None else plan_buckets(list(metadata), bucket_bytes)
-    device = comm.device
-    if wire.PER_TENSOR_WIRE:
-        return _send_per_tensor(comm, metadata, tensors, src, plan, before_first)
-    if device.type != "cuda":
-        if before_first is not None and not before_first():
-            return 0
-        buf: torch.Tensor | None = None
-        for bucket in plan:
-            buf = pack_bucket(bucket, metadata, tensors, device, out=buf)
-            comm.broadcast(buf[: bucket.nbytes], src)
-        return sum(b.nbytes for b in plan)
-    caller = torch.cuda.current_stream(device)
-    main, pack_stream = _streams(device)  # a wedged transfer must not block the caller's stream
-    main.wait_stream(caller)
-    pack_stream.wait_stream(caller)  # the parameters were produced on the caller's stream
-    largest = max(b.nbytes for b in plan)
-    bufs = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(min(2, len(plan)))]
-    free: list[torch.cuda.Event | None] = [None] * len(bufs)
-
-    def pack(k: int) -> torch.cuda.Event:
-        with torch.cuda.stream(pack_stream):
-            pack_bucket(plan[k], metadata, tensors, device, out=bufs[k % len(bufs)])
-            packed = torch.cuda.Event()
-            packed.record(pack_stream)
-        return packed
-
-    first = pack(0)
-    if before_first is not None and not before_first():
-        return 0
-    with torch.cuda.stream(main):
-        for k, bucket in enumerate(plan):
-            i = k % len(bufs)
-            previous = free[i]
-            if previous is not None:
-                # at most two buckets in flight (a progress bar follows the link), and a dead peer
-                # is noticed here, within the timeout
-                comm.wait_event(previous)
-            main.wait_event(first if k == 0 else pack(k))
-            comm.broadcast(bufs[i][: bucket.nbytes], src)
-            done = torch.cuda.Event()
-            done.record(main)
-            free[i] = done
-        comm.synchronize()
-    caller.wait_stream(main)  # the caller may overwrite the parameters once this returns
-    return sum(b.nbytes for b in plan)
-
-
-def _send_per_tensor(
-    comm: TensorCommunicator,
-    metadata: Sequence[ParamMeta],
-    tensors: Mapping[str, torch.Tensor],
-    src: int,
-    plan: list[Bucket],
-    before_first: Callable[[], bool] | None,
-) -> int:
-    """The per-tensor wire: each bucket one group of broadcasts straight from the tensors (a tensor
-    not contiguous on the device is copied first, on the transfer stream)."""
     device = comm.device
 
     def sources(bucket: Bucket) -> list[torch.Tensor]:
@@ -144,7 +82,7 @@ def _send_per_tensor(
             comm.broadcast_group(sources(bucket), src)
         return sum(b.nbytes for b in plan)
     caller = torch.cuda.current_stream(device)
-    main, _ = _streams(device)
+    main, _ = _streams(device)  # a wedged transfer must not block the caller's stream
     main.wait_stream(caller)  # the parameters were produced on the caller's stream
     if before_first is not None and not before_first():
         return 0
@@ -152,13 +90,15 @@ def _send_per_tensor(
     with torch.cuda.stream(main):
         for k, bucket in enumerate(plan):
             if k >= 2:
-                comm.wait_event(sent[k - 2])  # two buckets in flight, as with packed buckets
+                # two buckets in flight (a progress bar follows the link), and a dead peer is
+                # noticed here, within the timeout
+                comm.wait_event(sent[k - 2])
             comm.broadcast_group(sources(bucket), src)
             done = torch.cuda.Event()
             done.record(main)
             sent.append(done)
         comm.synchronize()
-    caller.wait_stream(main)
+    caller.wait_stream(main)  # the caller may overwrite the parameters once this returns
     return sum(b.nbytes for b in plan)
 
 
@@ -187,56 +127,49 @@ def receive_buckets(
     out: Received | None = None,
     plan: list[Bucket] | None = None,
     place: Placer | None = None,
-    on_posted: Callable[[], None] | None = None,
 ) -> Received:
     """Receive every bucket; ``load`` each as it arrives, or stage them all when ``load`` is None.
 
     A failing ``load`` does not stop the receive (the trainer's broadcast must not hang); its
     error is returned. Communication failures raise ``CommunicatorError``; pass ``out`` to see,
     after such a failure, whether weights may already have been written (``applied_any``).
-    ``place`` (per-tensor wire, loading only): where to receive a tensor in place, skipping ``load``.
-    ``on_posted``: called once, right after the first bucket's receive is posted.
+    ``place`` (loading only): where to receive a tensor in place, skipping ``load``.
     """
     metas = list(metadata)
     plan = plan if plan is not None else plan_buckets(metas, bucket_bytes)
     device = comm.device
     out = out if out is not None else Received()
-    place = place if load is not None and wire.PER_TENSOR_WIRE else None  # staging never writes in place
+    place = place if load is not None else None  # staging never writes in place
 
     def post(bucket: Bucket, buffer: Callable[[], torch.Tensor]) -> Bucket:
         """Post the bucket's receive (on the current stream); returns what of it lands in the
         bucket buffer (``buffer()``, asked for only when something does)."""
-        if not wire.PER_TENSOR_WIRE:
-            comm.broadcast(buffer(), src)
-        else:
-            targets: list[torch.Tensor] = []
-            left = []
-            for slot in bucket.slots:
-                meta = metas[slot.index]
-                target = place(meta) if place is not None else None
-                if (  # only an exact fit: a cast or a reshape is the loader's, a wrong buffer corrupts
-                    target is not None
-                    and target.is_contiguous()
-                    and target.dtype == torch_dtype(meta.dtype)
-                    and tuple(target.shape) == tuple(meta.shape)
-                    and target.device == device
-                ):
-                    targets.append(target.view(-1).view(torch.uint8))
-                    out.in_place_bytes += slot.nbytes
-                else:
-                    targets.append(buffer()[slot.offset : slot.offset + slot.nbytes])
-                    left.append(slot)
-            if len(left) < len(bucket.slots):
-                out.applied_any = True  # parameters are written as the bytes arrive
-                bucket = bucket.model_copy(update={"slots": tuple(left)})
-            if out.posting_at is None:
-                out.posting_at = time.monotonic()
-            comm.broadcast_group(targets, src)
+        targets: list[torch.Tensor] = []
+        left = []
+        for slot in bucket.slots:
+            meta = metas[slot.index]
+            target = place(meta) if place is not None else None
+            if (  # only an exact fit: a cast or a reshape is the loader's, a wrong buffer corrupts
+                target is not None
+                and target.is_contiguous()
+                and target.dtype == torch_dtype(meta.dtype)
+                and tuple(target.shape) == tuple(meta.shape)
+                and target.device == device
+            ):
+                targets.append(target.view(-1).view(torch.uint8))
+                out.in_place_bytes += slot.nbytes
+            else:
+                targets.append(buffer()[slot.offset : slot.offset + slot.nbytes])
+                left.append(slot)
+        if len(left) < len(bucket.slots):
+            out.applied_any = True  # parameters are written as the bytes arrive
+            bucket = bucket.model_copy(update={"slots": tuple(left)})
+        if out.posting_at is None:
+            out.posting_at = time.monotonic()
+        comm.broadcast_group(targets, src)
         out.bytes += bucket.nbytes
         if out.posted_at is None:
             out.posted_at = time.monotonic()
-            if on_posted is not None:
-                on_posted()
         return bucket
 
     def apply(bucket: Bucket, buf: torch.Tensor) -> None:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from typing import Any
+
+from rewardplane.protocol import settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rewardplane.operator", description=__doc__)
+    try:  # the flags' defaults come from the environment (docs/settings.md)
+        resync_interval, log_level = settings.RESYNC_INTERVAL.get(), settings.LOG_LEVEL.get()
+    except settings.SettingError as exc:
+        p.error(str(exc))
     p.add_argument(
         "--kubeconfig", help="kubeconfig to use (default: in-cluster, else $KUBECONFIG or ~/.kube/config)"
     )
@@ -26,8 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--resync-interval",
         type=float,
-        default=None,
-        help="seconds between periodic reconciles of each RewardModel besides its events (default 30)",
+        default=resync_interval,
+        help="seconds between periodic reconciles of each RewardModel besides its events "
+        f"(default {settings.RESYNC_INTERVAL.shown_default}, or ${settings.RESYNC_INTERVAL.name})",
     )
     p.add_argument(
         "--leader-election-namespace",
@@ -40,7 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="act without holding the Lease (only where no second operator can run)",
     )
-    p.add_argument("--log-level", default=os.environ.get("REWARDPLANE_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--log-level",
+        default=log_level,
+        help=f"DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO, or ${settings.LOG_LEVEL.name})",
+    )
     p.add_argument(
         "--delete-children",
         action="store_true",
@@ -60,12 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if logging.getLogger().level > logging.DEBUG:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    if args.resync_interval is not None:
-        if args.resync_interval <= 0:
-            print("--resync-interval must be > 0 seconds", file=sys.stderr)
-            return 2
-        # Read by the handlers module when it registers the timer, so set before importing it.
-        os.environ["REWARDPLANE_RESYNC_INTERVAL"] = str(args.resync_interval)
+    if args.resync_interval <= 0:
+        print("--resync-interval must be > 0 seconds", file=sys.stderr)
+        return 2
+    # Read by the handlers module when it registers the timer, so set before importing it.
+    settings.RESYNC_INTERVAL.export(args.resync_interval)
+    for name in settings.retired_in_environment():
+        logging.getLogger("rewardplane.operator").warning(
+            "%s is set but retired: %s", name, settings.RETIRED[name]
+        )
 
     import kopf
 

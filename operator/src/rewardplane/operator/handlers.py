@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,6 +18,7 @@ import kopf
 
 from rewardplane.api.names import FINALIZER, GROUP, LABEL_MODEL, VERSION, WS_PLURAL
 from rewardplane.api.names import RM_PLURAL as PLURAL
+from rewardplane.protocol import settings
 
 from .cluster import NETWORK_POLICIES, SECRETS, SERVICES, IndexedCluster, plain, summary
 from .planning import NodeInfo, node_info
@@ -29,8 +29,8 @@ RESOURCE = (GROUP, VERSION, PLURAL)
 # finished): catches what no event announces (a server that turned broken, an API error to retry).
 # A resync reads kopf's indexes and probes each ready replica; it calls the API server only when
 # something differs from the plan. 1000 models at 30 s is ~33 reconciles per second
-# (benchmarks/README.md).
-RESYNC_INTERVAL_S = float(os.environ.get("REWARDPLANE_RESYNC_INTERVAL", "30"))
+# (benchmarks/README.md). ``--resync-interval``, else REWARDPLANE_RESYNC_INTERVAL (docs/settings.md).
+RESYNC_INTERVAL_S = settings.RESYNC_INTERVAL.get()
 # Pushes run in handler threads for as long as a transfer lasts; reconciles need threads meanwhile.
 EXECUTOR_THREADS = 32
 RESYNC_THREADS = 4

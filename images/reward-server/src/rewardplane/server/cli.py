@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rewardplane.protocol import ModelTask
+from rewardplane.protocol import ModelTask, settings
 from rewardplane.protocol.auth import resolve_token
 from rewardplane.protocol.errors import MODEL_FILES_UNREADABLE
 from rewardplane.server.config import ServerConfig, parse_args
@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn replaces this with its own draining handler once it serves.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg.export_settings()  # the flags' values, for the engine and its worker processes
+    for name in settings.retired_in_environment():
+        logging.getLogger(__name__).warning("%s is set but retired: %s", name, settings.RETIRED[name])
     try:
         app = build_server_app(cfg)
     except (ValueError, RuntimeError, OSError, ImportError) as exc:

@@ -8,7 +8,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from rewardplane.protocol import DEFAULT_HTTP_PORT, ModelTask, PoolingType
+from rewardplane.protocol import DEFAULT_HTTP_PORT, ModelTask, PoolingType, settings
+
+# ServerConfig fields whose flag falls back to a setting's environment variable.
+SETTING_FLAGS: dict[str, settings.Setting[Any]] = {
+    "staging_max_bytes": settings.STAGING_MAX_BYTES,
+    "adapter_dir": settings.ADAPTER_DIR,
+    "vllm_score_timeout_s": settings.VLLM_SCORE_TIMEOUT_S,
+    "vllm_rpc_timeout_s": settings.VLLM_RPC_TIMEOUT_S,
+    "vllm_sleep_timeout_s": settings.VLLM_SLEEP_TIMEOUT_S,
+}
 
 
 class ServerConfig(BaseModel):
@@ -45,6 +54,22 @@ class ServerConfig(BaseModel):
     # Adapter-only weight sync (training_mode adapter): serve pushed LoRA adapters over the base.
     enable_lora: bool = False
     max_lora_rank: int = Field(default=16, ge=1)
+    # Operational settings: a flag, else its environment variable (None: the environment decides;
+    # docs/settings.md). ``export_settings`` hands them to the engine and its worker processes
+    # through the environment they read them from (and inherit).
+    staging_max_bytes: int | None = Field(default=None, ge=0)
+    adapter_dir: Path | None = None
+    vllm_score_timeout_s: float | None = Field(default=None, gt=0)
+    vllm_rpc_timeout_s: float | None = Field(default=None, gt=0)
+    vllm_sleep_timeout_s: float | None = Field(default=None, gt=0)
+
+    def export_settings(self) -> None:
+        """Write the settings given as flags into this process's environment, before the engine
+        starts (vLLM's worker processes inherit it); unset ones keep the environment's value."""
+        for field, setting in SETTING_FLAGS.items():
+            value = getattr(self, field)
+            if value is not None:
+                setting.export(value)
 
     @property
     def name(self) -> str:
@@ -53,6 +78,10 @@ class ServerConfig(BaseModel):
     def model_len(self, hf_config: Any) -> int:
         """``--max-model-len``, else the checkpoint's context (4096 where its config names none)."""
         return self.max_model_len or int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
+
+
+def _from_env(setting: settings.Setting[Any]) -> str:
+    return f"default: ${setting.name}, else {setting.shown_default}"
 
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
@@ -135,7 +164,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         "--token-file",
         type=Path,
         default=None,
-        help="control-plane bearer token file (else env REWARDPLANE_TOKEN / REWARDPLANE_TOKEN_FILE)",
+        help=f"control-plane bearer token file (else env {settings.TOKEN_FILE.name} / {settings.TOKEN.name})",
     )
     p.add_argument(
         "--weights-dir",
@@ -182,8 +211,47 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         "weights version served; the operator starts every replica so, which keeps a restarted container "
         "(back on its base weights) out of the Service until its version is the model's",
     )
+    p.add_argument(
+        "--staging-max-bytes",
+        type=int,
+        default=None,
+        help="a cap on what one atomic push may stage on this server, e.g. to bound host memory on a CPU "
+        f"server ({_from_env(settings.STAGING_MAX_BYTES)}: the device's free memory decides)",
+    )
+    p.add_argument(
+        "--adapter-dir",
+        type=Path,
+        default=None,
+        help="where the workers write pushed LoRA adapters when vLLM loads them from a directory "
+        f"({_from_env(settings.ADAPTER_DIR)})",
+    )
+    p.add_argument(
+        "--vllm-score-timeout-s",
+        type=float,
+        default=None,
+        help=f"vLLM engine: bound on one scoring or generation call ({_from_env(settings.VLLM_SCORE_TIMEOUT_S)})",
+    )
+    p.add_argument(
+        "--vllm-rpc-timeout-s",
+        type=float,
+        default=None,
+        help="vLLM engine: backstop on a long worker call, e.g. a push's receive "
+        f"({_from_env(settings.VLLM_RPC_TIMEOUT_S)})",
+    )
+    p.add_argument(
+        "--vllm-sleep-timeout-s",
+        type=float,
+        default=None,
+        help=f"vLLM engine: bound on /sleep and /wake ({_from_env(settings.VLLM_SLEEP_TIMEOUT_S)})",
+    )
     p.add_argument("--log-level", default="info")
     args, extra = p.parse_known_args(argv)
+    for field, setting in SETTING_FLAGS.items():
+        if getattr(args, field) is None:
+            try:  # a bad value in the environment stops the start here, not a worker mid-push
+                setting.get()
+            except settings.SettingError as exc:
+                p.error(str(exc))
     if extra and args.engine != "vllm":
         p.error(f"unknown arguments {extra} (extra engine arguments are passed only to --engine vllm)")
     if args.task == ModelTask.GENERATE.value:

@@ -87,7 +87,8 @@ class WeightSyncPort(Protocol):
         ...
 
     async def reset_cache(self) -> None:
-        """Drop whatever the engine computed with the old weights (vLLM's prefix cache)."""
+        """Drop whatever the engine computed with the old weights (vLLM: its prefix cache, by advancing
+        the cache salt's epoch, ``prefix_cache``)."""
         ...
 
     def use_adapter(self, adapter: ServedAdapter | None) -> None:

@@ -18,8 +18,7 @@ Why the pieces look the way they do:
 - vLLM keeps the score head in fp32 for pooling models by default (``head_dtype``); we set it
   explicitly from ``--head-dtype`` (``hf_overrides``) so both engines hold the same head dtype.
 - No request reuses KV blocks cached under older weights: every request carries the weights'
-  cache epoch as vLLM's cache salt, and a weight change advances the epoch (``prefix_cache``;
-  ``REWARDPLANE_PREFIX_CACHE=reset``: vLLM's engine-wide prefix-cache reset instead).
+  cache epoch as vLLM's cache salt, and a weight change advances the epoch (``prefix_cache``).
 - ``AsyncLLM`` is built in ``start()`` (inside the server's event loop: its ZMQ asyncio sockets
   and output task belong to the loop that uses them); everything the app needs before that
   (``info``, the manifest, the tokenizer) is derived from the checkpoint's config here. A warm-up
@@ -41,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -65,14 +63,14 @@ except ImportError as _exc:  # pragma: no cover - exercised where vllm is absent
 
 import torch
 
-from rewardplane.protocol import ModelTask, ParamMeta, PoolingType
+from rewardplane.protocol import ModelTask, ParamMeta, PoolingType, settings
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, is_head_key
 from rewardplane.server.config import ServerConfig
 from rewardplane.server.engines.checkpoint import checkpoint_files
 from rewardplane.server.engines.engine import Completion, EngineInfo, SamplingOptions, ServedAdapter
 from rewardplane.server.engines.generation import wrong_task
-from rewardplane.server.engines.prefix_cache import CacheEpoch, invalidation_from_env
-from rewardplane.server.engines.vllm_lora import IN_MEMORY_PATH, adapter_load_from_env
+from rewardplane.server.engines.prefix_cache import CacheEpoch
+from rewardplane.server.engines.vllm_lora import IN_MEMORY_PATH
 from rewardplane.server.errors import BadRequest, ServerError, Unavailable
 from rewardplane.server.locking import WeightsGuard
 from rewardplane.server.metrics import ServerMetrics
@@ -82,12 +80,10 @@ T = TypeVar("T")
 
 WORKER_EXTENSION = "rewardplane.server.weight_sync.worker_extension.RewardWeightSyncExtension"
 
-# Bounds on waits for the engine (seconds). Overridable for very large models / slow links.
-SCORE_TIMEOUT_S = float(os.environ.get("REWARDPLANE_VLLM_SCORE_TIMEOUT_S", "600"))
-RPC_TIMEOUT_S = float(os.environ.get("REWARDPLANE_VLLM_RPC_TIMEOUT_S", "3600"))
+# Bounds on waits for the engine (seconds). Scoring, long worker calls and sleep/wake are settings
+# (--vllm-score-timeout-s, --vllm-rpc-timeout-s, --vllm-sleep-timeout-s; docs/settings.md), for
+# very large models and slow links; these are fixed.
 SHORT_RPC_TIMEOUT_S = 120.0
-RESET_CACHE_TIMEOUT_S = 120.0
-SLEEP_TIMEOUT_S = float(os.environ.get("REWARDPLANE_VLLM_SLEEP_TIMEOUT_S", "600"))  # copies of the weights
 
 # safetensors header dtype codes → wire dtype names (rewardplane.protocol.DTYPE_ITEMSIZE)
 _ST_DTYPES = {
@@ -184,7 +180,6 @@ def build_engine_args(cfg: ServerConfig, max_model_len: int) -> AsyncEngineArgs:
     if getattr(cfg, "enable_lora", False):
         # Adapter-only sync: pushed adapters are served through vLLM's LoRA support (pooling models
         # included in 0.24). One adapter at a time: each push replaces the previous one.
-        adapter_load_from_env()  # a bad REWARDPLANE_ADAPTER_LOAD is refused here, not in a worker
         base.update(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1, max_cpu_loras=1)
         owned.update(
             enable_lora="--enable-lora",
@@ -306,7 +301,7 @@ class VLLMEngine:
             raise ValueError("--pooling step is not served; use last, mean or cls")
         self.cfg = cfg
         self.metrics = metrics or ServerMetrics()
-        self.cache_epoch = CacheEpoch(invalidation_from_env())
+        self.cache_epoch = CacheEpoch()
         config = AutoConfig.from_pretrained(cfg.model)
         self.task = cfg.task
         generate = cfg.task == ModelTask.GENERATE
@@ -452,13 +447,14 @@ class VLLMEngine:
         """``work`` under the weights lock (one weights version for all of it), bounded in time, with
         vLLM's errors turned into answers."""
         llm = self._require_llm()
+        timeout = settings.VLLM_SCORE_TIMEOUT_S.get()
         async with self.guard.scoring() as version:
             try:
-                result = await asyncio.wait_for(work(llm), SCORE_TIMEOUT_S)
+                result = await asyncio.wait_for(work(llm), timeout)
             except TimeoutError as exc:  # wait_for cancelled the requests; vLLM aborts them
                 raise Unavailable(
-                    f"{what} took longer than {SCORE_TIMEOUT_S:.0f}s (REWARDPLANE_VLLM_SCORE_TIMEOUT_S); the "
-                    "replica is overloaded — retry or send less"
+                    f"{what} took longer than {timeout:.0f}s (--vllm-score-timeout-s, "
+                    f"{settings.VLLM_SCORE_TIMEOUT_S.name}); the replica is overloaded — retry or send less"
                 ) from exc
             except EngineDeadError as exc:
                 raise Unavailable(f"the vLLM engine died ({exc}); restart this replica") from exc
@@ -532,14 +528,14 @@ class VLLMEngine:
         before = await self._free_bytes(llm)
         # Called under the exclusive weights lock: none of our requests runs, so vLLM's default
         # pause mode (abort what runs) aborts nothing.
-        await asyncio.wait_for(llm.sleep(level), SLEEP_TIMEOUT_S)
+        await asyncio.wait_for(llm.sleep(level), settings.VLLM_SLEEP_TIMEOUT_S.get())  # copies the weights
         after = await self._free_bytes(llm)
         return after - before if before is not None and after is not None else None
 
     async def wake(self, level: int) -> None:
         llm = self._require_llm()
         # All tags at once (weights, KV cache): vLLM resumes scheduling once everything is back.
-        await asyncio.wait_for(llm.wake_up(), SLEEP_TIMEOUT_S)
+        await asyncio.wait_for(llm.wake_up(), settings.VLLM_SLEEP_TIMEOUT_S.get())
 
     # ---- weight sync -----------------------------------------------------------------------
     def weight_port(self) -> VLLMWeightPort:
@@ -563,7 +559,8 @@ class VLLMWeightPort:
             results = await asyncio.wait_for(llm.collective_rpc(method, args=tuple(args)), timeout)
         except TimeoutError as exc:
             raise RuntimeError(
-                f"worker call {method} did not finish within {timeout:.0f}s (REWARDPLANE_VLLM_RPC_TIMEOUT_S)"
+                f"worker call {method} did not finish within {timeout:.0f}s (--vllm-rpc-timeout-s, "
+                f"{settings.VLLM_RPC_TIMEOUT_S.name})"
             ) from exc
         return list(results)
 
@@ -581,16 +578,7 @@ class VLLMWeightPort:
         )
 
     async def reset_cache(self) -> None:
-        if not self.engine.cache_epoch.weights_changed():  # salted: new requests miss the old blocks
-            return
-        llm = self.engine._require_llm()
-        # Called under the exclusive weights lock: none of our requests runs, so preempting
-        # "running" ones (reset_running_requests) only catches stragglers being aborted.
-        ok = await asyncio.wait_for(
-            llm.reset_prefix_cache(reset_running_requests=True), RESET_CACHE_TIMEOUT_S
-        )
-        if ok is False:
-            raise RuntimeError("vLLM did not reset its prefix cache; cached blocks would hold old weights")
+        self.engine.cache_epoch.weights_changed()  # salted: new requests miss the old blocks
 
 
 def _token_prompt(ids: list[int], cache_salt: str | None) -> Any:
@@ -611,5 +599,6 @@ def _rpc_timeout(method: str, args: tuple[Any, ...]) -> float:
     if method == "rp_init_communicator" and len(args) > 5:
         return float(args[5]) + 60.0  # the worker's own rendezvous timeout, plus slack
     if method in ("rp_receive", "rp_apply_staged", "rp_apply_adapter"):
-        return RPC_TIMEOUT_S  # the worker's communicator bounds each collective; this is a backstop
+        # the worker's communicator bounds each collective; this is a backstop
+        return settings.VLLM_RPC_TIMEOUT_S.get()
     return SHORT_RPC_TIMEOUT_S

@@ -9,13 +9,11 @@ only the activation's device-to-device copies remain.
 
 It reaches into vLLM's worker LoRA manager (``_load_adapter``, ``_lora_model_cls``), which is not
 a public API: where those differ (another vLLM version), ``VLLMInternalsChanged`` says so and the
-caller falls back to the directory. The default; ``REWARDPLANE_ADAPTER_LOAD=directory`` goes back to
-vLLM's public path (tests/gpu/test_vllm_adapter.py runs both on a device).
+caller falls back to the directory (vLLM's public path, 4.3x slower at 7B), for good.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,22 +29,6 @@ PEFT_PREFIX = "base_model.model."
 # adapter, and the server keeps one adapter (max_cpu_loras 1) until the next replaces it; if it
 # ever did, vLLM's error names this.
 IN_MEMORY_PATH = "in-memory (rewardplane adapter push)"
-
-
-ADAPTER_LOAD_ENV = "REWARDPLANE_ADAPTER_LOAD"
-ADAPTER_LOADS = ("directory", "memory")
-
-
-def adapter_load_from_env() -> str:
-    """How workers hand a pushed adapter to vLLM: ``memory`` (the default: built from the received
-    tensors) or ``directory`` (vLLM's public path, 4.3× slower at 7B)."""
-    value = os.environ.get(ADAPTER_LOAD_ENV, "").strip().lower() or "memory"
-    if value not in ADAPTER_LOADS:
-        raise ValueError(
-            f"{ADAPTER_LOAD_ENV}={value!r} is not one of {', '.join(ADAPTER_LOADS)}: unset it (memory: "
-            "adapters built from the received tensors) or set 'directory' for vLLM's own loader"
-        )
-    return value
 
 
 class VLLMInternalsChanged(RuntimeError):

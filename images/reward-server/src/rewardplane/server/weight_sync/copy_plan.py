@@ -20,7 +20,6 @@ discards the weights) calls ``forget``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,11 +29,9 @@ from torch.utils._pytree import tree_leaves
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
-# On unless REWARDPLANE_DIRECT_LOAD=0 (then every tensor goes through the model's loader). Checked
-# against vLLM 0.24's own models (bit-identical, 0.08 of the loader's CPU time per bucket) and on
-# 2x H100, where the GPU suite's checksum tests passed with it and a head-only push lost the
-# loader's ~1.4 ms after the last byte (docs/weight-sync.md).
-ENABLED = os.environ.get("REWARDPLANE_DIRECT_LOAD", "1") == "1"
+# Always on. Checked against vLLM 0.24's own models (bit-identical, 0.08 of the loader's CPU time
+# per bucket) and on 2x H100, where the GPU suite's checksum tests passed with it and a head-only
+# push lost the loader's ~1.4 ms after the last byte (docs/weight-sync.md).
 
 # Reading a tensor's metadata does not change what the loader copies.
 _METADATA = frozenset(
@@ -139,21 +136,15 @@ class _Watch(TorchFunctionMode):
 class CopyPlan:
     """Where each pushed name lands in the model, learned from ``load`` (the model's loader)."""
 
-    def __init__(self, load: Loader, model: torch.nn.Module, *, enabled: bool = ENABLED) -> None:
+    def __init__(self, load: Loader, model: torch.nn.Module) -> None:
         self._load = load
         self._model = model
-        self._enabled = enabled
         self._views: dict[str, list[torch.Tensor]] = {}  # name -> parameter views it is copied into
         self._opaque: set[str] = set()  # names only the loader can load
 
     def forget(self) -> None:
         self._views.clear()
         self._opaque.clear()
-
-    @property
-    def enabled(self) -> bool:
-        """Whether names are learned (REWARDPLANE_DIRECT_LOAD)."""
-        return self._enabled
 
     @property
     def direct_names(self) -> frozenset[str]:
@@ -184,7 +175,7 @@ class CopyPlan:
                 direct_src.extend([tensor] * len(views))
                 continue
             through_loader.append((name, tensor))
-            if self._enabled and name not in self._opaque and name not in learning:
+            if name not in self._opaque and name not in learning:
                 learning[name] = tensor
         if direct_dst:
             with torch.no_grad():

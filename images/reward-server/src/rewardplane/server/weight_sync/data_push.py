@@ -15,32 +15,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from rewardplane.protocol import STOP_LISTENING, PushGo, PushHeader, PushKeys, PushLoaded, PushVerdict
-from rewardplane.protocol.env import choice_from_env
-from rewardplane.server.weight_sync.push_channel import COMING, POSTED, SPIN_S, ChannelClosed, ChannelHub
+from rewardplane.server.weight_sync.push_channel import COMING, SPIN_S, ChannelClosed, ChannelHub
 from rewardplane.transport.signals import StoreClosed, group_store, put, wait_value
 
 log = logging.getLogger(__name__)
 
-ResetMoment = Literal["lock", "go", "posted"]
-RESET_MOMENTS: tuple[ResetMoment, ...] = ("lock", "go", "posted")
-
-
-def _reset_moment_from_env() -> ResetMoment:
-    return choice_from_env("REWARDPLANE_RESET_CACHE_AT", RESET_MOMENTS, "go")
-
-
-# When a streamed push sends the engine's cache invalidation. It only costs anything with vLLM's
-# engine-wide reset (REWARDPLANE_PREFIX_CACHE=reset; the default salt is an attribute write): that
-# runs in the engine process, where the receiving worker thread lives, and walks every KV block in
-# Python. "go" (default), once this replica's workers were told to receive; "lock", as soon as the
-# lock is held (on 2x H100 a 7B push took 10 ms longer that way: 53.5 vs 43.8 ms,
-# docs/weight-sync.md); "posted", once the first worker posted its first receive, i.e. while the
-# bytes move rather than while the worker joins the ready reduction (not measured on a GPU).
-# Commit always waits for it.
-RESET_CACHE_AT = _reset_moment_from_env()
+# A streamed push sends the engine's cache invalidation (vLLM: the cache salt's epoch advances, an
+# attribute write, ``prefix_cache``) once this replica's workers were told to receive, off their
+# critical path; commit waits for it.
 
 T = TypeVar("T")
 STOP_TIMEOUT_S = 5.0
@@ -50,7 +35,7 @@ class PushHost(Protocol):
     """The service's side (``control_plane.WeightSyncService``), run on the event loop."""
 
     async def admit_data_push(self, header: PushHeader, arrived: float) -> Any:
-        """A ``control_plane.DataPush``: ``error`` (refused, with ``code``) or admitted, ``apply``."""
+        """A ``control_state.DataPush``: ``error`` (refused, with ``code``) or admitted, ``apply``."""
         ...
 
     def start_cache_reset(self, push: Any) -> None:
@@ -162,10 +147,7 @@ class PushListener:
         try:
             push.stamps["go"] = time.monotonic()  # the control plane's part ends: the workers' starts
             self._tell_workers(go)
-            if RESET_CACHE_AT == "posted" and push.error is None:
-                # a worker that refuses or fails before posting sends this too (never a wait in vain)
-                self._next_report(self.ranks[0], wait_s, posted=True)
-            if RESET_CACHE_AT != "lock" and push.error is None:
+            if push.error is None:
                 self.loop.call_soon_threadsafe(self.host.start_cache_reset, push)
             results = [PushLoaded.model_validate_json(self._next_report(r, wait_s)) for r in self.ranks]
             push.stamps["reported"] = time.monotonic()  # every worker's report is in (this thread)
@@ -190,11 +172,6 @@ class PushListener:
                     raise
                 log.warning("push %d: rank %d left the push channel: %s", self.seq, rank, exc)
 
-    def _next_report(self, rank: int, timeout_s: float, posted: bool = False) -> bytes:
-        """The worker's next report: its first receive posted (``posted``), else what it loaded.
-        With ``REWARDPLANE_RESET_CACHE_AT=posted`` every worker signals its first receive before it
-        reports; only the first rank's is awaited, the others' are skipped here."""
-        while True:
-            raw = self.channel.recv(rank, timeout_s, spin_s=SPIN_S)  # a head-only push reports within it
-            if (raw == POSTED) == posted:
-                return raw
+    def _next_report(self, rank: int, timeout_s: float) -> bytes:
+        """The worker's next report: what it loaded (or staged)."""
+        return self.channel.recv(rank, timeout_s, spin_s=SPIN_S)  # a head-only push reports within it

@@ -19,8 +19,6 @@ from multiprocessing.connection import Client, Connection, Listener
 
 from rewardplane.transport.signals import wait_slices
 
-# A message a worker sends once its first receive is posted (``REWARDPLANE_RESET_CACHE_AT=posted``).
-POSTED = b"posted"
 # What the control plane sends its workers the moment a trainer's header arrives, before it admits
 # the push: they wake now and poll for the go (``SPIN_S``) instead of paying a wake-up after it.
 COMING = b"coming"

@@ -5,7 +5,7 @@ failing its allocation mid-receive, which the trainer would only see as a timeou
 
 from __future__ import annotations
 
-import os
+from rewardplane.protocol import settings
 
 GIB = 1 << 30
 # Room kept beside the staged buffers: NCCL's own buffers, the allocator's rounding, a scoring batch.
@@ -13,20 +13,10 @@ STAGING_MARGIN_BYTES = 256 << 20
 
 
 def staging_limit_from_env() -> int | None:
-    """``REWARDPLANE_STAGING_MAX_BYTES``: a cap on what one atomic push may stage on this server
-    (e.g. to bound host memory on a CPU server); unset: the device's free memory alone decides."""
-    raw = os.environ.get("REWARDPLANE_STAGING_MAX_BYTES", "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(
-            f"REWARDPLANE_STAGING_MAX_BYTES={raw!r}: give a whole number of bytes >= 0, or unset it"
-        )
-    return value
+    """``--staging-max-bytes`` (``settings.STAGING_MAX_BYTES``, in the environment the workers
+    inherit): a cap on what one atomic push may stage on this server (e.g. to bound host memory on
+    a CPU server); unset: the device's free memory alone decides."""
+    return settings.STAGING_MAX_BYTES.get()
 
 
 def staging_problem(
@@ -48,7 +38,10 @@ def staging_problem(
         "spec.gpu.memoryFraction) to leave room for the staged copy"
     )
     if limit is not None and needed > limit:
-        return f"{what}, over this server's limit of {limit / GIB:.2f} GiB (REWARDPLANE_STAGING_MAX_BYTES); {advice}"
+        return (
+            f"{what}, over this server's limit of {limit / GIB:.2f} GiB (--staging-max-bytes, "
+            f"{settings.STAGING_MAX_BYTES.name}); {advice}"
+        )
     if free is None:
         return None
     available = free + cached

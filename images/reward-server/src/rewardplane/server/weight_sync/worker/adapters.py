@@ -13,13 +13,12 @@ from typing import Any
 
 import torch
 
-from rewardplane.protocol import AdapterConfig, ParamMeta
+from rewardplane.protocol import AdapterConfig, ParamMeta, settings
 from rewardplane.protocol.adapters import LORA_PAIR
 from rewardplane.server.engines.vllm_lora import (
     IN_MEMORY_PATH,
     PEFT_PREFIX,
     VLLMInternalsChanged,
-    adapter_load_from_env,
     loading_from_memory,
     lora_model_from_tensors,
     peft_adapter_config,
@@ -36,7 +35,7 @@ class AdapterPart(WorkerBase):
     # The adapter this worker serves (adapter-only sync): its id and where it was written (None:
     # built in memory). Whether adapters are built in memory: off once vLLM's internals differ.
     _rp_adapter: tuple[int, Path | None] | None = None
-    _rp_lora_from_memory = adapter_load_from_env() == "memory"
+    _rp_lora_from_memory = True
 
     def rp_apply_adapter(
         self, metadata: list[dict[str, Any]], adapter: dict[str, Any], adapter_id: int
@@ -126,10 +125,9 @@ class AdapterPart(WorkerBase):
 
 
 def _adapter_root() -> Path:
-    """Where this worker writes adapters: tmpfs where there is one (they are small and short-lived)."""
-    base = os.environ.get("REWARDPLANE_ADAPTER_DIR") or (
-        "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    )
+    """Where this worker writes adapters (``--adapter-dir``, in the environment the workers inherit):
+    tmpfs where there is one (they are small and short-lived)."""
+    base = settings.ADAPTER_DIR.get() or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     return Path(base) / f"rewardplane-adapters-{os.getpid()}"
 
 

@@ -11,8 +11,7 @@ from typing import Any
 import torch
 
 from rewardplane.protocol import PushGo, PushLoaded, PushVerdict
-from rewardplane.server.weight_sync.data_push import RESET_CACHE_AT
-from rewardplane.server.weight_sync.push_channel import COMING, POSTED, SPIN_S, ChannelClosed, WorkerChannel
+from rewardplane.server.weight_sync.push_channel import COMING, SPIN_S, ChannelClosed, WorkerChannel
 from rewardplane.server.weight_sync.worker.receive import ReceivePart
 from rewardplane.transport.comm import Communicator
 from rewardplane.transport.transfer import Received, receive_buckets
@@ -83,21 +82,8 @@ class DataPushListener(ReceivePart):
         agreed: float | None = None
         ready_posting: float | None = None  # this worker's side of the ready reduction: called,
         ready_posted: float | None = None  # and enqueued
-        posted_signalled = RESET_CACHE_AT != "posted"  # only that moment of the cache reset waits for it
-
-        def signal_posted() -> None:
-            # the control plane sends the engine's cache reset now, while the bytes move
-            nonlocal posted_signalled
-            if posted_signalled:
-                return
-            posted_signalled = True
-            try:
-                channel.send(POSTED)
-            except ChannelClosed as exc:  # the control plane is gone: nothing to reset for
-                log.debug("push %d: could not signal the first receive: %s", go.seq, exc)
 
         def report(ok: bool, *, refused: bool = False, error: str | None = None) -> None:
-            signal_posted()  # a refusal or an early failure never leaves the control plane waiting
             times = {"worker_in": entered, "worker_out": time.monotonic()}
             if ready_posting is not None and ready_posted is not None:
                 times["worker_ready_posting"] = ready_posting
@@ -146,7 +132,6 @@ class DataPushListener(ReceivePart):
                 out=got,
                 plan=plan,
                 place=self.rp_place,
-                on_posted=signal_posted,
             )
         except Exception as exc:  # communication failed: the trainer died or timed out
             if self._rp_comm is comm:

@@ -38,11 +38,7 @@ class PeerSendPart(WorkerBase):
         missing = [n for n in names if self._rp_peer_view(n) is None]
         if not missing:
             return None
-        why = (
-            "direct loads are off (REWARDPLANE_DIRECT_LOAD=0), so the replica does not know where its loader put them"
-            if self._rp_copy_plan is not None and not self._rp_copy_plan.enabled
-            else "they were not pushed to this replica since it started, or its loader transforms them"
-        )
+        why = "they were not pushed to this replica since it started, or its loader transforms them"
         return f"{len(missing)} of {len(names)} parameters cannot be read back under their pushed names ({why}): e.g. {missing[:3]}"
 
     def rp_peer_send_start(
