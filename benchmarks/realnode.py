@@ -197,7 +197,7 @@ def bench(
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
     pushes: dict[str, list[float]] = {"head_only": [], "full": []}
     with RewardModelHandle(NAME, NS, kubeconfig=kubeconfig) as rm:
-        version = rm.weights_version
+        version = rm.get_weights_version()
         for mode in (RewardModelTrainingMode.HEAD_ONLY, RewardModelTrainingMode.FULL):
             for _ in range(args.push_runs):
                 params = (
@@ -209,7 +209,7 @@ def bench(
                 start = time.monotonic()
                 rm.push_weights(params, version, mode, timeout_s=120)
                 pushes[mode.value].append(time.monotonic() - start)
-        rm.client().score_batch_sync(TEXTS, normalize=False)
+        rm.client().score_batch(TEXTS, normalize=False)
     rss = rss_mib(operator_pids())
     api.close()
     result = {

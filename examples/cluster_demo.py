@@ -63,7 +63,7 @@ def main() -> int:
     wait_ready_saying_why(rm, 300)
     print(f"ready: {[e.url for e in rm.get_endpoints()]}")
     client = rm.client()
-    before = one_label(client.score_batch_sync(TEXTS, normalize=False))
+    before = one_label(client.score_batch(TEXTS, normalize=False))
     print(f"scores at version {rm.get_weights_version()}: {[round(s, 4) for s in before]}")
 
     trainer = AutoModelForSequenceClassification.from_pretrained(args.model, dtype=torch.float32)
@@ -76,7 +76,7 @@ def main() -> int:
         f"pushed version {result.version} to {result.replicas} replica(s) through the operator in "
         f"{1000 * (time.perf_counter() - start):.0f} ms"
     )
-    after = one_label(rm.client().score_batch_sync(TEXTS, normalize=False))  # the handle owns its client
+    after = one_label(rm.client().score_batch(TEXTS, normalize=False))  # the handle owns its client
     print(f"scores at version {rm.get_weights_version()}: {[round(s, 4) for s in after]}")
     if not all(abs(a + b) < 1e-3 for a, b in zip(after, before, strict=True)):
         print("the served scores do not reflect the push")

@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rewardplane.protocol import Score
-from rewardplane.sdk import RewardModelTrainingMode, VLLMRewardClient, select_head
+from rewardplane.sdk import RewardClient, RewardModelTrainingMode, WeightPusher, select_head
 from rewardplane.tinymodel import build_tiny_reward_model
 
 TEXTS = ["The answer is clear, correct and kind.", "no idea lol", "Here is a careful step-by-step proof."]
@@ -56,31 +56,29 @@ def main() -> int:
             stderr=subprocess.STDOUT,
         )
     try:
-        client = VLLMRewardClient(
-            host="127.0.0.1",
-            port=port,
-            group_port=free_port(),
-            token=token,
-            device="cpu",
-            connection_timeout_s=120,
-            trainer_host="127.0.0.1",
+        url = f"http://127.0.0.1:{port}"
+        client = RewardClient(url, token=token)
+        client.check_server(120)  # the server loads the model first
+        pusher = WeightPusher(
+            [url], group_port=free_port(), token=token, device="cpu", trainer_host="127.0.0.1"
         )
-        before = one_label(client.score_batch_sync(TEXTS, normalize=False))
-        print(f"scores (version {client.get_model_version_sync()}): {[round(s, 4) for s in before]}")
+        before = one_label(client.score_batch(TEXTS, normalize=False))
+        print(f"scores (version {client.get_model_version()}): {[round(s, 4) for s in before]}")
 
         trainer = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
         with torch.no_grad():  # stand-in for a training step on the reward head
             trainer.score.weight.mul_(-1.0)
         start = time.perf_counter()
-        version = client.sync_weights(
+        version = pusher.push(
             select_head(trainer.state_dict()), version=1, training_mode=RewardModelTrainingMode.HEAD_ONLY
         )
         print(
             f"pushed head-only weights as version {version} in {1000 * (time.perf_counter() - start):.1f} ms"
         )
-        after = one_label(client.score_batch_sync(TEXTS, normalize=False))
-        print(f"scores (version {client.get_model_version_sync()}): {[round(s, 4) for s in after]}")
+        after = one_label(client.score_batch(TEXTS, normalize=False))
+        print(f"scores (version {client.get_model_version()}): {[round(s, 4) for s in after]}")
         assert all(abs(a + b) < 1e-4 for a, b in zip(after, before, strict=True)), "the push did not take"
+        pusher.close()
         client.close()
         print("ok: scored, pushed in memory without a restart, and scored again")
         return 0

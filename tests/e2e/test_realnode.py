@@ -246,8 +246,8 @@ def test_score_from_the_host(real_cluster: RealCluster) -> None:
     model, tok = load_model(S.model_dir)
     S.expected = scores_of(model, tok, TEXTS)
     with handle(real_cluster) as rm:
-        assert len(rm.urls) == 2  # pod IPs, reached from the host over the node's bridge
-        assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
+        assert len(rm.get_urls()) == 2  # pod IPs, reached from the host over the node's bridge
+        assert_scores(rm.client().score_batch(TEXTS, normalize=False), S.expected)
 
 
 def test_pushes_from_a_trainer_on_the_host(real_cluster: RealCluster) -> None:
@@ -265,7 +265,7 @@ def test_pushes_from_a_trainer_on_the_host(real_cluster: RealCluster) -> None:
             select_head(model.state_dict()), 1, RewardModelTrainingMode.HEAD_ONLY, timeout_s=120
         )
         assert result.replicas == 2
-        assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), scores_of(model, tok, TEXTS))
+        assert_scores(rm.client().score_batch(TEXTS, normalize=False), scores_of(model, tok, TEXTS))
         watch.allowed = {1, 2}
         with torch.no_grad():
             gen = torch.Generator().manual_seed(1)
@@ -273,7 +273,7 @@ def test_pushes_from_a_trainer_on_the_host(real_cluster: RealCluster) -> None:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.02)
         rm.push_weights(model.state_dict(), 2, RewardModelTrainingMode.FULL, timeout_s=120)
         S.expected = scores_of(model, tok, TEXTS)
-        assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
+        assert_scores(rm.client().score_batch(TEXTS, normalize=False), S.expected)
     watch.check(min_answers=10)
     S.version = 2
 
@@ -288,7 +288,7 @@ name, texts = sys.argv[1], json.loads(sys.argv[2])
 rm = RewardModelHandle(name, "default")  # in-cluster credentials: the pod's ServiceAccount
 rm.wait_ready(timeout_s=120)
 model = AutoModelForSequenceClassification.from_pretrained("/mnt/models/tiny-rm", dtype=torch.float32)
-v = rm.weights_version
+v = rm.get_weights_version()
 with torch.no_grad():
     model.score.weight.mul_(2.0)
 rm.push_weights(select_head(model.state_dict()), v + 1, RewardModelTrainingMode.HEAD_ONLY, timeout_s=120)
@@ -296,8 +296,8 @@ with torch.no_grad():
     for p in model.parameters():
         p.add_(0.01)
 rm.push_weights(model.state_dict(), v + 2, RewardModelTrainingMode.FULL, timeout_s=120)
-print("RESULT " + json.dumps({"version": rm.weights_version,
-                              "scores": rm.client().score_batch_sync(texts, normalize=False)}), flush=True)
+print("RESULT " + json.dumps({"version": rm.get_weights_version(),
+                              "scores": rm.client().score_batch(texts, normalize=False)}), flush=True)
 """
 
 
@@ -412,7 +412,7 @@ def test_killed_container_is_restarted_and_restored(real_cluster: RealCluster) -
         )
     watch.check(min_answers=10)
     with handle(c) as rm:
-        assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
+        assert_scores(rm.client().score_batch(TEXTS, normalize=False), S.expected)
 
 
 def operator_pod(c: RealCluster) -> Any | None:
@@ -510,7 +510,7 @@ def test_a_deleted_operator_hands_over_only_after_it_stopped(real_cluster: RealC
     wait_for(f"both replicas on version {version}", lambda: ready_at(c, 2, version), READY_TIMEOUT_S, 1)
     S.expected, S.version = scores_of(model, tok, TEXTS), version
     with handle(c) as rm:
-        assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
+        assert_scores(rm.client().score_batch(TEXTS, normalize=False), S.expected)
     print(f"\noperator deleted with the push {phase}; pushes needed: {outcome}")
 
 
@@ -661,7 +661,7 @@ def test_scale_1_3_1_and_sigterm_ends_replicas_fast(real_cluster: RealCluster) -
     # out of the endpoints.
     wait_for("3 replicas on the current version", lambda: ready_at(c, 3, S.version), READY_TIMEOUT_S, 2)
     with handle(c) as rm:
-        assert_scores(rm.client().score_batch_sync(TEXTS, normalize=False), S.expected)
+        assert_scores(rm.client().score_batch(TEXTS, normalize=False), S.expected)
     scale(1)
     wait_for("1 replica again", lambda: ready_at(c, 1, S.version), READY_TIMEOUT_S, 1)
 

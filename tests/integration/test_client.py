@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from rewardplane.protocol import ScoringRequest
+from rewardplane.sdk import AsyncRewardClient, RewardClient
 from rewardplane.sdk.chunking import contiguous_chunks
-from rewardplane.sdk.client import VLLMRewardClient
 from rewardplane.sdk.retry import RetryPolicy, RewardServerError, RewardServerUnavailable
 from rewardplane.testing.servers import ServerHandle, free_port, start_server
 from tests.fixtures.flaky_proxy import FlakyProxy
@@ -77,15 +77,15 @@ def dead_url() -> str:
 def test_batch_of_100_is_chunked_in_order_and_equals_a_single_server(
     servers: list[ServerHandle], fresh_proxies: list[FlakyProxy]
 ) -> None:
-    with VLLMRewardClient(endpoints=[servers[0].url], retry=FAST) as single:
-        reference = single.score_batch_sync(TEXTS, normalize=False)
+    with RewardClient([servers[0].url], retry=FAST) as single:
+        reference = single.score_batch(TEXTS, normalize=False)
     for p in fresh_proxies:
         p.reset_counts()
 
     request = ScoringRequest(inputs=TEXTS, normalize=False)
-    with VLLMRewardClient(endpoints=[p.url for p in fresh_proxies], retry=FAST) as client:
-        response, info = client.score_sync(request)
-        again, info_again = client.score_sync(request)
+    with RewardClient([p.url for p in fresh_proxies], retry=FAST) as client:
+        response, info = client.score(request)
+        again, info_again = client.score(request)
 
     assert response.scores == pytest.approx(reference, rel=1e-4, abs=1e-5)
     assert [d.index for d in response.data] == list(range(100))
@@ -104,19 +104,19 @@ def test_batch_of_100_is_chunked_in_order_and_equals_a_single_server(
 
 
 def test_small_calls_round_robin(servers: list[ServerHandle], fresh_proxies: list[FlakyProxy]) -> None:
-    with VLLMRewardClient(endpoints=[p.url for p in fresh_proxies], retry=FAST) as client:
+    with RewardClient([p.url for p in fresh_proxies], retry=FAST) as client:
         for _ in range(6):
-            assert len(client.score_batch_sync(TEXTS[:3])) == 3
+            assert len(client.score_batch(TEXTS[:3])) == 3
     assert [p.count("/score") for p in fresh_proxies] == [2, 2, 2]
 
 
 def test_503_twice_then_200_is_retried(servers: list[ServerHandle], fresh_proxies: list[FlakyProxy]) -> None:
     proxy = fresh_proxies[0]
-    with VLLMRewardClient(endpoints=[servers[0].url], retry=FAST) as direct:
-        expected = direct.score_batch_sync(TEXTS[:5])
+    with RewardClient([servers[0].url], retry=FAST) as direct:
+        expected = direct.score_batch(TEXTS[:5])
     proxy.fail_next(2, status=503)
-    with VLLMRewardClient(endpoints=[proxy.url], retry=FAST) as client:
-        response, info = client.score_sync(ScoringRequest(inputs=TEXTS[:5]))
+    with RewardClient([proxy.url], retry=FAST) as client:
+        response, info = client.score(ScoringRequest(inputs=TEXTS[:5]))
     assert response.scores == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert proxy.count("/score") == 3 and proxy.count("/score", injected=True) == 2
     assert info["chunks"][0]["attempts"] == 3
@@ -127,10 +127,10 @@ def test_400_is_not_retried_and_the_message_reaches_the_caller(
 ) -> None:
     proxy = fresh_proxies[0]
     with (
-        VLLMRewardClient(endpoints=[proxy.url], retry=FAST) as client,
+        RewardClient([proxy.url], retry=FAST) as client,
         pytest.raises(RewardServerError) as err,
     ):
-        client.score_batch_sync(TEXTS[:2], n_labels=3)  # the served model has 1 label
+        client.score_batch(TEXTS[:2], n_labels=3)  # the served model has 1 label
     assert err.value.status_code == 400
     assert "n_labels 3 does not match" in err.value.message
     assert "n_labels 3 does not match" in str(err.value) and proxy.url in str(err.value)
@@ -141,34 +141,39 @@ def test_too_many_items_is_a_400_with_the_limit(tiny_model_dir: Path, server_fac
     """A client told a larger per-request limit than the server's gets the server's 400 naming it
     (not retried); left to itself, a client reads the server's limit and splits."""
     server = server_factory(tiny_model_dir, max_items_per_request=4)
-    with FlakyProxy(server.url) as proxy, VLLMRewardClient(endpoints=[proxy.url], retry=FAST) as client:
+    with FlakyProxy(server.url) as proxy, RewardClient([proxy.url], retry=FAST) as client:
         client.max_items_per_request = 8
         with pytest.raises(RewardServerError) as err:
-            client.score_batch_sync(TEXTS[:5])
+            client.score_batch(TEXTS[:5])
         assert err.value.status_code == 400 and "at most 4" in err.value.message
         assert proxy.count("/score") == 1
         client.max_items_per_request = None  # the server's own limit, from /model_info
-        assert len(client.score_batch_sync(TEXTS[:10])) == 10
+        assert len(client.score_batch(TEXTS[:10])) == 10
         assert proxy.count("/score") == 1 + 3
 
 
 def test_zero_inputs_make_no_request(servers: list[ServerHandle], fresh_proxies: list[FlakyProxy]) -> None:
     proxy = fresh_proxies[0]
-    with VLLMRewardClient(endpoints=[proxy.url], retry=FAST, check_server=False) as client:
-        assert client.score_batch_sync([]) == []
-        response, info = client.score_sync(ScoringRequest(inputs=[]))
+    with RewardClient([proxy.url], retry=FAST) as client:
+        assert client.score_batch([]) == []
+        response, info = client.score(ScoringRequest(inputs=[]))
         assert response.scores == [] and info["versions"] == [] and info["chunks"] == []
-        assert asyncio.run(client.score_batch([])) == []
+
+    async def empty() -> list[object]:
+        async with AsyncRewardClient(proxy.url, retry=FAST) as aclient:
+            return await aclient.score_batch([])  # type: ignore[return-value]
+
+    assert asyncio.run(empty()) == []
     assert proxy.count() == 0
 
 
 def test_dead_endpoint_raises_unavailable_within_the_retry_budget() -> None:
     url = dead_url()
     policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=1, jitter=0)
-    with VLLMRewardClient(endpoints=[url], retry=policy, check_server=False, request_timeout_s=5) as client:
+    with RewardClient([url], retry=policy, request_timeout_s=5) as client:
         start = time.monotonic()
         with pytest.raises(RewardServerUnavailable) as err:
-            client.score_batch_sync(["hello"])
+            client.score_batch(["hello"])
         elapsed = time.monotonic() - start
     assert err.value.attempts == 3 and err.value.url == url
     assert url in str(err.value) and "3 attempt" in str(err.value)
@@ -179,40 +184,41 @@ def test_dead_endpoint_raises_unavailable_within_the_retry_budget() -> None:
 
 def test_connection_error_fails_over_to_the_next_endpoint(servers: list[ServerHandle]) -> None:
     dead = dead_url()
-    with VLLMRewardClient(endpoints=[dead, servers[1].url], retry=FAST, check_server=False) as client:
+    with RewardClient([dead, servers[1].url], retry=FAST) as client:
         # Round robin starts at endpoint 0, the dead one; the retry moves to endpoint 1.
-        response, info = client.score_sync(ScoringRequest(inputs=TEXTS[:2]))
+        response, info = client.score(ScoringRequest(inputs=TEXTS[:2]))
         assert len(response.scores) == 2
         assert info["chunks"][0]["endpoint"] == servers[1].url and info["chunks"][0]["attempts"] == 2
         # A large batch: the dead server's chunk moves over too, order still preserved.
-        scores = client.score_batch_sync(TEXTS[:20])
-    with VLLMRewardClient(endpoints=[servers[1].url], retry=FAST) as direct:
-        assert scores == pytest.approx(direct.score_batch_sync(TEXTS[:20]), rel=1e-4, abs=1e-5)
+        scores = client.score_batch(TEXTS[:20])
+    with RewardClient([servers[1].url], retry=FAST) as direct:
+        assert scores == pytest.approx(direct.score_batch(TEXTS[:20]), rel=1e-4, abs=1e-5)
 
 
 def test_startup_check_fails_fast_with_an_actionable_message() -> None:
     url = dead_url()
     start = time.monotonic()
-    with pytest.raises(RewardServerUnavailable) as err:
-        VLLMRewardClient(endpoints=[url], connection_timeout_s=1)
+    with RewardClient([url]) as client, pytest.raises(RewardServerUnavailable) as err:
+        client.check_server(1)
     assert time.monotonic() - start < 8  # not the default timeouts (tens of seconds); slack for load
-    assert url in str(err.value) and "check_server=False" in str(err.value)
+    assert url in str(err.value) and "check_server(timeout_s=1)" in str(err.value)
 
 
 def test_versions_and_async_use(servers: list[ServerHandle]) -> None:
     urls = [s.url for s in servers]
 
     async def main() -> None:
-        async with VLLMRewardClient(endpoints=urls, retry=FAST) as client:
+        async with AsyncRewardClient(urls, retry=FAST) as client:
             assert await client.get_model_version() == 0
             assert await client.get_model_versions() == dict.fromkeys(urls, 0)
             many = await asyncio.gather(*(client.score_batch([t]) for t in TEXTS[:24]))
             assert [len(m) for m in many] == [1] * 24
-            # The sync API also works from inside a running loop (it uses the client's own loop).
-            assert client.score_batch_sync(TEXTS[:24]) == pytest.approx(
-                [m[0] for m in many], rel=1e-4, abs=1e-5
-            )
-            assert client.get_model_version_sync() == 0
+            # The blocking client also works from inside a running loop (it runs no event loop).
+            with RewardClient(urls, retry=FAST) as blocking:
+                assert blocking.score_batch(TEXTS[:24]) == pytest.approx(
+                    [m[0] for m in many], rel=1e-4, abs=1e-5
+                )
+                assert blocking.get_model_version() == 0
 
     asyncio.run(main())
 
@@ -220,9 +226,9 @@ def test_versions_and_async_use(servers: list[ServerHandle]) -> None:
 def test_three_labels_through_the_client(tiny_model_dir_3labels: Path, server_factory) -> None:  # type: ignore[no-untyped-def]
     server = server_factory(tiny_model_dir_3labels)
     texts = TEXTS[:12]
-    with VLLMRewardClient(endpoints=[server.url], retry=FAST) as client:
-        raw = client.score_batch_sync(texts, normalize=False, n_labels=3)
-        probs = client.score_batch_sync(texts, normalize=True)
+    with RewardClient([server.url], retry=FAST) as client:
+        raw = client.score_batch(texts, normalize=False, n_labels=3)
+        probs = client.score_batch(texts, normalize=True)
     reference = reference_logits(tiny_model_dir_3labels, texts)
     assert all(isinstance(r, list) and len(r) == 3 for r in raw)
     # pytest.approx does not nest: compare flattened vectors.
@@ -233,8 +239,6 @@ def test_three_labels_through_the_client(tiny_model_dir_3labels: Path, server_fa
 def test_batches_are_split_to_the_limit_the_server_names(tiny_model_dir: Path, tmp_path: Path) -> None:
     """A server that takes 8 inputs per request: both clients read that from /model_info and split
     a batch of 100 (no 400), scores in input order and equal to one request per text."""
-    from rewardplane.sdk import AsyncRewardClient, RewardClient
-
     server = start_server(tiny_model_dir, tmp_path, extra_args=["--max-items-per-request", "8"])
     try:
         expected = [row[0] for row in reference_logits(tiny_model_dir, TEXTS)]

@@ -19,7 +19,7 @@ import pytest
 from rewardplane.api.kube import Kube, core_path, custom_path
 from rewardplane.cli import main as rewardplane_cli
 from rewardplane.protocol.naming import select_head
-from rewardplane.sdk.cluster import RewardModelHandle, WeightSyncFailed
+from rewardplane.sdk import RewardModelHandle, WeightSyncFailed
 from tests.fixtures.models import TEXTS
 from tests.fixtures.operator import (
     SERVER_READY_S,
@@ -67,7 +67,7 @@ def ws_status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
 
 def every_replica_scores_like(handle: RewardModelHandle, model: Any, model_dir: Path, version: int) -> None:
     want = logits(model, model_dir, TEXTS)
-    urls = [e.url for e in handle.all_endpoints()]
+    urls = [e.url for e in handle.get_all_endpoints()]
     assert urls
     for url in urls:
         got, served_version = scores(url)
@@ -140,7 +140,7 @@ def test_cluster_push_end_to_end(
         client = handle.client()
         assert sorted(client.endpoints) == sorted(e.url for e in handle.get_endpoints())
         assert handle.client() is client  # same replicas: the same client
-        via_client = client.score_batch_sync(TEXTS, normalize=False)
+        via_client = client.score_batch(TEXTS, normalize=False)
         assert close(
             [s if isinstance(s, list) else [s] for s in via_client], logits(full_model, tiny_model_dir, TEXTS)
         )
@@ -348,7 +348,7 @@ def test_restarted_replica_is_marked_stale_restored_and_readmitted(
         assert marked["weightsVersion"] == 4
 
         def readmitted() -> bool:
-            eps = handle.all_endpoints()
+            eps = handle.get_all_endpoints()
             return len(eps) == 2 and all(e.ready and e.weights_version == 4 for e in eps)
 
         wait_for("the replica restored to 4 and back in the endpoints", readmitted, 60, logs)

@@ -44,13 +44,13 @@ def test_scaled_up_replica_gets_the_current_weights_from_a_peer_without_the_trai
         kube.merge_patch(custom_path(ns, name), {"spec": {"replicas": 2}})
 
         def both_on_2() -> bool:
-            eps = handle.all_endpoints()
+            eps = handle.get_all_endpoints()
             return len(eps) == 2 and all(e.ready and e.weights_version == 2 for e in eps)
 
         wait_for("the new replica on version 2 and Ready", both_on_2, SERVER_READY_S, logs)
         print(f"scale 1 -> 2 to both replicas on the pushed version: {time.monotonic() - scaled:.1f}s")
         want = logits(model, tiny_model_dir, TEXTS)
-        for ep in handle.all_endpoints():
+        for ep in handle.get_all_endpoints():
             got, version = scores(ep.url)
             assert version == 2 and close(got, want), ep.pod
         reasons = [e["reason"] for e in _events(kube, ns, name)]

@@ -1,19 +1,20 @@
-"""The SDK's public surface: one exception tree, the flat namespace, and the old names and import
-paths that keep working (with a warning where a module moved)."""
+"""The SDK's public surface: one exception tree, and a flat namespace that is exactly what
+docs/sdk.md documents."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
+import re
 import subprocess
 import sys
-import warnings
+from pathlib import Path
 
 import pytest
 
 import rewardplane.sdk as sdk
-from rewardplane.sdk._compat import MOVED
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "sdk.md"
 
 
 def test_every_public_error_is_a_rewardplane_error_and_keeps_its_builtin_base() -> None:
@@ -33,9 +34,8 @@ def test_every_public_error_is_a_rewardplane_error_and_keeps_its_builtin_base() 
     assert issubclass(sdk.ClientClosedError, RuntimeError)
 
 
-def test_the_old_module_paths_of_the_errors_name_the_same_classes() -> None:
+def test_the_errors_of_the_shared_core_and_the_retry_module_are_the_sdks() -> None:
     from rewardplane.protocol.naming import WeightValidationError
-    from rewardplane.sdk.cluster import ClusterError, WeightSyncFailed
     from rewardplane.sdk.retry import RewardClientError, RewardServerError, RewardServerUnavailable
 
     assert (RewardClientError, RewardServerError, RewardServerUnavailable) == (
@@ -43,11 +43,24 @@ def test_the_old_module_paths_of_the_errors_name_the_same_classes() -> None:
         sdk.RewardServerError,
         sdk.RewardServerUnavailable,
     )
-    assert (ClusterError, WeightSyncFailed, WeightValidationError) == (
-        sdk.ClusterError,
-        sdk.WeightSyncFailed,
-        sdk.WeightValidationError,
-    )
+    assert WeightValidationError is sdk.WeightValidationError
+
+
+def test_all_is_what_the_docs_document() -> None:
+    """``__all__`` is the "Public surface" table of docs/sdk.md, name for name (plus the errors of
+    the tree drawn under "Errors"), and nothing else."""
+    text = DOCS.read_text()
+    table = text.split("## Public surface", 1)[1].split("\n## ", 1)[0]
+    documented = {
+        name
+        for row in table.splitlines()
+        if row.startswith("| ") and not row.startswith("| area")
+        for name in re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)`", row.split("|")[2])
+    }
+    tree = text.split("## Errors", 1)[1].split("```", 2)[1]
+    documented |= {m.group(1) for m in re.finditer(r"^[^A-Za-z\n]*([A-Za-z]+)", tree, re.MULTILINE)}
+    assert set(sdk.__all__) == documented
+    assert len(sdk.__all__) == len(set(sdk.__all__))
 
 
 def test_every_exported_name_resolves_and_the_import_needs_no_torch() -> None:
@@ -57,37 +70,33 @@ def test_every_exported_name_resolves_and_the_import_needs_no_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_push_classes_load_lazily_and_keep_their_old_names() -> None:
-    from rewardplane.sdk.direct_sync import DirectWeightSync
+def test_push_classes_load_lazily() -> None:
+    from rewardplane.sdk.direct_sync import WeightPusher
     from rewardplane.sdk.publisher import WeightSyncError
 
-    assert sdk.WeightPusher is DirectWeightSync and DirectWeightSync.sync is DirectWeightSync.push
+    assert sdk.WeightPusher is WeightPusher
     assert WeightSyncError is sdk.WeightSyncError
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         sdk.Nope  # noqa: B018
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_moved_modules_keep_their_old_path_with_a_deprecation_warning(old: str) -> None:
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=f"{old} moved to {MOVED[old]}"):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(MOVED[old])
+@pytest.mark.parametrize("gone", ["protocol", "naming", "auth", "buckets", "comm", "transfer"])
+def test_the_alias_modules_are_gone(gone: str) -> None:
+    """Modules that moved to the shared core have one home: ``rewardplane.protocol`` or
+    ``rewardplane.transport``, not an alias under the SDK."""
+    with pytest.raises(ModuleNotFoundError):
+        __import__(f"rewardplane.sdk.{gone}")
 
 
-def test_seed_names_and_precise_types() -> None:
-    client = sdk.VLLMRewardClient(endpoints=["http://127.0.0.1:9"], check_server=False)
-    assert isinstance(client, sdk.AsyncRewardClient) and isinstance(client, sdk.RewardModelClient)
-    hints = inspect.get_annotations(sdk.VLLMRewardClient.sync_weights, eval_str=False)
-    assert hints["return"] == "str"  # the seed's contract; WeightPusher.push returns the int
-    assert inspect.signature(sdk.create_reward_publisher).return_annotation == (
-        "RewardModelPublisher | Rank0OnlyPublisher"
-    )
+def test_a_closed_client_raises_client_closed_error() -> None:
+    client = sdk.RewardClient("http://127.0.0.1:9")
     client.close()
-    with pytest.raises(sdk.ClientClosedError, match="VLLMRewardClient is closed"):
-        client.score_batch_sync(["x"])
-    with pytest.raises(RuntimeError):  # still a RuntimeError for code written before the tree
-        asyncio.run(client.score_batch(["x"]))
+    with pytest.raises(sdk.ClientClosedError, match="RewardClient is closed"):
+        client.score_batch(["x"])
+    aclient = sdk.AsyncRewardClient("http://127.0.0.1:9")
+    asyncio.run(aclient.aclose())
+    with pytest.raises(sdk.ClientClosedError, match="AsyncRewardClient is closed"):
+        asyncio.run(aclient.score_batch(["x"]))
 
 
 def test_the_blocking_client_takes_the_async_clients_parameters() -> None:
@@ -106,8 +115,8 @@ def test_the_blocking_client_takes_the_async_clients_parameters() -> None:
         assert async_sig.return_annotation == sync_sig.return_annotation, name
 
 
-def test_cluster_handle_reads_through_methods_and_the_old_properties_warn() -> None:
-    from rewardplane.sdk.cluster import RewardModelHandle
+def test_cluster_handle_reads_through_methods_only() -> None:
+    from rewardplane.sdk import RewardModelHandle
 
     class FakeKube:  # stands in for the API server: returns one RewardModel object
         def get(self, path: str) -> dict[str, object]:
@@ -145,12 +154,10 @@ def test_cluster_handle_reads_through_methods_and_the_old_properties_warn() -> N
     assert handle.get_urls() == ["http://a:8001", "http://b:8001"]  # ready ones, in replica order
     assert handle.get_weights_version() == 3
     assert handle.wait_ready(1).phase == "Ready"  # 2 of 2 desired replicas ready
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert handle.weights_version == 3 and handle.status["phase"] == "Ready"
-        assert [e.url for e in handle.endpoints] == handle.urls == handle.get_urls()
-    assert len(caught) == 4 and all(issubclass(w.category, DeprecationWarning) for w in caught)
-    assert "get_weights_version()" in str(caught[0].message)
+    assert [e.url for e in handle.get_endpoints()] == handle.get_urls()
+    # no attribute reads the cluster: the earlier properties are gone
+    for gone in ("status", "weights_version", "endpoints", "urls", "all_endpoints"):
+        assert not hasattr(handle, gone), gone
 
 
 def test_client_rides_out_a_readiness_blip_and_waits_when_nothing_is_ready() -> None:
@@ -160,7 +167,7 @@ def test_client_rides_out_a_readiness_blip_and_waits_when_nothing_is_ready() -> 
     import time as clock
 
     from rewardplane.api.names import RM_PLURAL, custom_path
-    from rewardplane.sdk.cluster import ClusterError, RewardModelHandle
+    from rewardplane.sdk import ClusterError, RewardClient, RewardModelHandle
     from rewardplane.testing.kube import MemoryKube
 
     kube = MemoryKube()
@@ -188,6 +195,7 @@ def test_client_rides_out_a_readiness_blip_and_waits_when_nothing_is_ready() -> 
     assert clock.monotonic() - started >= 1.0
     put(True)
     client = handle.client()
+    assert isinstance(client, RewardClient) and client.endpoints == ["http://a:8001"]  # the main client
     put(False)  # the blip
     assert handle.client() is client
     client.close()

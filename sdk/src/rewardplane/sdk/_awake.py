@@ -14,7 +14,9 @@ from types import TracebackType
 
 from rewardplane.protocol import DEFAULT_SLEEP_TIMEOUT_S, SleepResponse
 
-from ._client import AsyncRewardClient, RewardClient
+from ._client_base import sleep_body
+from .async_client import AsyncRewardClient
+from .client import RewardClient
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ class AwakeReplicas:
         level: int = 1,
         timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S,
     ) -> None:
-        RewardClient._sleep_body(level, timeout_s)  # a bad level fails here, before anything moves
+        sleep_body(level, timeout_s)  # a bad level fails here, before anything moves
         self._urls, self._token = urls, token
         self.level, self.timeout_s = level, timeout_s
         self.woken: dict[str, SleepResponse] = {}

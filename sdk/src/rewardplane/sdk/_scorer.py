@@ -21,7 +21,7 @@ from ._rollout import Rollout, Step
 
 class AsyncScoringClient(Protocol):
     """What the scorer and the reward loop need from a client: ``score_batch`` in input order
-    (``AsyncRewardClient`` and ``VLLMRewardClient`` have it)."""
+    (``AsyncRewardClient`` and ``GenerativeJudge`` have it)."""
 
     async def score_batch(self, inputs: Sequence[str], *, normalize: bool = True) -> list[Score]: ...
 
@@ -32,8 +32,8 @@ def check_async_client(client: object, who: str) -> None:
     if not callable(method) or not inspect.iscoroutinefunction(method):
         raise TypeError(
             f"{who} needs an async scoring client, but {type(client).__name__}.score_batch is "
-            f"{'missing' if method is None else 'not async'}; pass an AsyncRewardClient or a "
-            "VLLMRewardClient (a RewardClient is the blocking one)"
+            f"{'missing' if method is None else 'not async'}; pass an AsyncRewardClient "
+            "(a RewardClient is the blocking one)"
         )
 
 
@@ -91,8 +91,8 @@ class RewardModelScorer:
     """Scores rollouts through a reward-model client and stores the scores in them.
 
     Args:
-        client: an async scoring client (``AsyncRewardClient``, ``VLLMRewardClient``, or anything
-            with ``async score_batch(inputs, normalize=...)``).
+        client: an async scoring client (``AsyncRewardClient``, or anything with
+            ``async score_batch(inputs, normalize=...)``).
         score_key: sequence level writes ``rollout.meta[score_key]``; step level writes
             ``step.info[score_key]`` for every step.
         score_level: ``sequence`` (one text per rollout, :func:`rollout_text`) or ``step`` (one

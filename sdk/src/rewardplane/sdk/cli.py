@@ -140,7 +140,7 @@ def cmd_score(args: argparse.Namespace) -> int:
     with _handle(args) as handle:
         normalize = score_normalize(handle.get().get("spec") or {}, args.raw, args.normalize)
         client = handle.client()
-        response, _ = client.score_sync(ScoringRequest(inputs=list(args.texts), normalize=normalize))
+        response, _ = client.score(ScoringRequest(inputs=list(args.texts), normalize=normalize))
         for text, score in zip(args.texts, response.scores, strict=True):
             print(f"{json.dumps(score)}\t{text}")
         print(f"(weights version {response.version})", file=sys.stderr)

@@ -1,196 +1,120 @@
-"""``VLLMRewardClient``: the seed-compatible client, a thin layer over the SDK's parts.
+"""The blocking scoring client, :class:`RewardClient`: the SDK's main client.
 
-It is an :class:`~rewardplane.sdk.AsyncRewardClient` (``await score_batch``, ``await score``)
-that also offers
-
-- the seed's constructor (``host``/``port``/``group_port``, ``enable_weight_updates``, ...) and
-  attributes (``server_url``, ``_model_name``);
-- blocking ``*_sync`` methods, served by a :class:`~rewardplane.sdk.RewardClient` with the same
-  configuration (a real blocking client: no private event loop);
-- weight pushes (``sync_weights``, ``create_reward_publisher``) through a
-  :class:`~rewardplane.sdk.WeightPusher` (direct mode; needs torch).
-
-New code can use the three parts directly: ``AsyncRewardClient`` or ``RewardClient`` to score,
-``WeightPusher`` to push.
+Everything but the I/O — configuration, routing over replicas, the requests each method makes and
+the parsing of their answers — is the base's (``_client_base.BaseRewardClient``), shared with
+:class:`~rewardplane.sdk.AsyncRewardClient`; this module sends those requests on one
+``httpx.Client`` and a small thread pool.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import os
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import httpx
 
 from rewardplane.protocol import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_GROUP_PORT,
-    DEFAULT_HTTP_PORT,
-    AdapterConfig,
-    RewardModelTrainingMode,
+    DEFAULT_SLEEP_TIMEOUT_S,
+    ChatCompletionResponse,
+    Endpoints,
+    RuntimeVersionResponse,
     Score,
     ScoringRequest,
     ScoringResponse,
-    pair_servers,
+    SleepResponse,
 )
 
-from ._client import AsyncRewardClient, RewardClient, ScoreInfo
-from .retry import RetryPolicy
-from .reward_client_protocol import RewardModelClient
+from ._client_base import ITEM_LIMIT_PROBE_TIMEOUT_S, BaseRewardClient, _Call
+from ._replies import ScoreInfo
+from .retry import check_response
 
-if TYPE_CHECKING:  # torch is only imported when a push runs
-    from .direct_sync import WeightPusher
-    from .publisher import RewardModelPublisher
+__all__ = ["RewardClient"]
 
-__all__ = ["RewardModelClient", "VLLMRewardClient"]
-
-logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
-def _base_url(host: str, port: int) -> str:
-    if "://" in host:  # a full URL passed as host: take it as the base
-        return host.rstrip("/")
-    if ":" in host and not host.startswith("["):  # bare IPv6 literal
-        host = f"[{host}]"
-    return f"http://{host}:{port}"
+class RewardClient(BaseRewardClient):
+    """The blocking scoring client (see :class:`BaseRewardClient` for the arguments).
 
-
-class VLLMRewardClient(AsyncRewardClient):
-    """Client for one or several reward servers serving the same model (seed-compatible).
-
-    Args (the seed's, then rewardplane's):
-        host, port: the server when ``endpoints`` is not given (``host`` is used as given).
-        group_port: process-group port for weight pushes; server ``i`` uses ``group_port + i``
-            unless ``group_ports`` lists them.
-        connection_timeout_s: how long the start-up health check waits for every server.
-        enable_weight_updates: join the servers' process group at construction (the seed's
-            behaviour); otherwise the first push joins it.
-        device: the trainer's device for pushes (an int is a CUDA index).
-        model_name: ``model`` field of scoring requests.
-        endpoints: base URLs of several servers (``http://127.0.0.2:8001``); overrides host/port.
-        group_ports: one group port per endpoint.
-        retry, request_timeout_s, token, token_file, min_chunk, max_items_per_request,
-            max_connections: as for :class:`~rewardplane.sdk.AsyncRewardClient`.
-        check_server: poll ``/health`` of every server at construction and fail fast if one does
-            not come up within ``connection_timeout_s``.
-        trainer_host, bucket_bytes, atomic_updates, per_server_groups: as for
-            :class:`~rewardplane.sdk.WeightPusher` (``atomic_updates`` is its ``atomic``).
+    Thread-safe. A batch split over several servers is sent concurrently from a small thread
+    pool. Close with ``client.close()`` or ``with``.
     """
 
-    def __init__(
-        self,
-        *,
-        host: str = "0.0.0.0",
-        port: int = DEFAULT_HTTP_PORT,
-        group_port: int = DEFAULT_GROUP_PORT,
-        connection_timeout_s: float = 60,
-        enable_weight_updates: bool = False,
-        device: Any = 0,
-        model_name: str = "reward-model",
-        endpoints: Sequence[str] | None = None,
-        group_ports: int | Sequence[int] | None = None,
-        retry: RetryPolicy | None = None,
-        request_timeout_s: float = 60.0,
-        token: str | None = None,
-        token_file: str | os.PathLike[str] | None = None,
-        check_server: bool = True,
-        min_chunk: int = 8,
-        max_items_per_request: int | None = None,
-        max_connections: int = 256,
-        trainer_host: str | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        atomic_updates: bool = False,
-        per_server_groups: bool = False,
-    ) -> None:
-        if connection_timeout_s <= 0:
-            raise ValueError(f"connection_timeout_s must be > 0, got {connection_timeout_s}")
-        if isinstance(endpoints, str):
-            endpoints = [endpoints]
-        if endpoints is not None and len(endpoints) == 0:
-            raise ValueError("endpoints is empty: give at least one reward server URL, or None for host/port")
-        super().__init__(
-            list(endpoints) if endpoints else [_base_url(host, port)],
-            model_name=model_name,
-            retry=retry,
-            request_timeout_s=request_timeout_s,
-            token=token,
-            token_file=token_file,
-            min_chunk=min_chunk,
-            max_items_per_request=max_items_per_request,
-            max_connections=max_connections,
-        )
-        self.host = host
-        self.port = port
-        self.group_port = group_port
-        self.connection_timeout_s = float(connection_timeout_s)
-        self.enable_weight_updates = enable_weight_updates
-        self.device = device
-        self._model_name = model_name  # the seed's attribute name
-        ports: int | list[int] = (
-            group_port
-            if group_ports is None
-            else (group_ports if isinstance(group_ports, int) else list(group_ports))
-        )
-        self.servers: list[tuple[str, int]] = pair_servers(self.endpoints, ports)
-        self.group_ports: list[int] = [p for _, p in self.servers]
-        self.server_url = self.endpoints[0]  # the seed's attribute (single-server code paths)
-        self._push_options: dict[str, Any] = {
-            "trainer_host": trainer_host,
-            "bucket_bytes": bucket_bytes,
-            "atomic": atomic_updates,
-            "per_server_groups": per_server_groups,
-        }
-        self._blocking_client: RewardClient | None = None
-        self._pusher: WeightPusher | None = None
+    def __init__(self, endpoints: str | Sequence[str], **kwargs: Any) -> None:
+        super().__init__(endpoints, **kwargs)
+        self._http: httpx.Client | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
-        if check_server:
-            self.check_server(self.connection_timeout_s)
-        if enable_weight_updates:
-            self.weight_pusher().open()  # the seed joins the group at construction
+    # -- I/O ------------------------------------------------------------------------------------
 
-    def check_server(self, timeout_s: float | None = None) -> None:
-        """Wait until every endpoint's ``/health`` says ok (default: ``connection_timeout_s``)."""
-        super().check_server(self.connection_timeout_s if timeout_s is None else timeout_s)
-
-    # ------------------------------------------------------------------------------------------
-    # Blocking API: a RewardClient with this client's configuration
-    # ------------------------------------------------------------------------------------------
-
-    def blocking(self) -> RewardClient:
-        """The blocking client behind the ``*_sync`` methods (same endpoints, policy, limits)."""
+    def _client(self) -> httpx.Client:
         self._check_open()
         with self._lock:
-            if self._blocking_client is None:
-                self._blocking_client = RewardClient(
-                    self.endpoints,
-                    model_name=self.model_name,
-                    retry=self.retry,
-                    request_timeout_s=self.request_timeout_s,
-                    token=self.token,
-                    min_chunk=self.min_chunk,
-                    max_items_per_request=self.max_items_per_request,
-                    max_connections=self._max_connections,
+            if self._http is None:
+                limits = httpx.Limits(
+                    max_connections=self._max_connections, max_keepalive_connections=self._max_connections
                 )
-                # One round robin for sync and async calls alike.
-                self._blocking_client._round_robin = self._round_robin
-            client = self._blocking_client
-        # Settings changed on this client after construction apply to the blocking calls too.
-        client.model_name, client.retry = self.model_name, self.retry
-        client.min_chunk, client.max_items_per_request = self.min_chunk, self.max_items_per_request
-        return client
+                self._http = httpx.Client(timeout=self._timeout, limits=limits, headers=self.headers)
+            return self._http
 
-    @property
-    def http(self) -> httpx.Client:
-        """The blocking httpx client (kept for code that used it directly)."""
-        return self.blocking()._client()
+    def _fan_out(self, calls: Sequence[Callable[[], T]]) -> list[T]:
+        if not calls:
+            return []
+        if len(calls) == 1:
+            return [calls[0]()]
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    max_workers=min(32, self._max_connections), thread_name_prefix="rewardplane-score"
+                )
+            pool = self._pool
+        futures = [pool.submit(c) for c in calls]
+        try:
+            return [f.result() for f in futures]
+        finally:
+            for f in futures:  # the first failure is raised; requests not yet started are dropped
+                f.cancel()
 
-    def score_sync(self, request: ScoringRequest) -> tuple[ScoringResponse, ScoreInfo]:
-        """Blocking :meth:`score`."""
-        return self.blocking().score(request)
+    def _send(self, call: _Call[T]) -> T:
+        """One request under the retry policy, its answer parsed."""
+        client = self._client()
+        attempts = self._attempts(call.index, call.method, call.path, call.failover)
+        with attempts.giving_up():
+            for attempt in self.retry.retrying():
+                with attempt, attempts.next_url() as url:
+                    resp = check_response(client.request(call.method, url + call.path, json=call.json))
+                    return call.parse(resp, url, len(attempts.tried))
+        raise AssertionError("unreachable: tenacity returns, raises or gives RetryError")
 
-    def score_batch_sync(
+    def _send_all(self, calls: Sequence[_Call[T]]) -> list[T]:
+        """Several requests, concurrently from the thread pool; answers in order."""
+        return self._fan_out([functools.partial(self._send, c) for c in calls])
+
+    def _item_limit(self, n: int) -> int | None:
+        """The servers' per-request item limit, asked once (``/model_info``) when a batch could need it."""
+        if not self._needs_item_limit(n):
+            return self._server_item_limit
+        try:
+            resp: httpx.Response | None = self._client().get(
+                self.endpoints[0] + Endpoints.MODEL_INFO, timeout=ITEM_LIMIT_PROBE_TIMEOUT_S
+            )
+        except httpx.HTTPError:
+            resp = None
+        return self._learn_item_limit(resp)
+
+    # -- the API (the same methods and parameters as AsyncRewardClient's) ----------------------
+
+    def score(self, request: ScoringRequest) -> tuple[ScoringResponse, ScoreInfo]:
+        """Score ``request.inputs``; returns ``(response, info)`` (as :meth:`AsyncRewardClient.score`)."""
+        self._check_open()
+        calls = self._score_calls(request, self._item_limit(len(request.inputs)))
+        start = time.monotonic()
+        return self._scored(request, self._send_all(calls), start)
+
+    def score_batch(
         self,
         inputs: Sequence[str],
         *,
@@ -198,106 +122,80 @@ class VLLMRewardClient(AsyncRewardClient):
         n_labels: int | None = None,
         truncate: bool = False,
     ) -> list[Score]:
-        """Blocking :meth:`score_batch`; usable from plain code and from inside a running loop."""
-        return self.blocking().score_batch(inputs, normalize=normalize, n_labels=n_labels, truncate=truncate)
+        """Scores of ``inputs`` in order (as :meth:`AsyncRewardClient.score_batch`)."""
+        self._check_open()
+        if len(inputs) == 0:
+            return []
+        response, _ = self.score(self._batch_request(inputs, normalize, n_labels, truncate))
+        return response.scores
 
-    def score_chats_sync(
+    def score_chats(
         self, chats: Sequence[Sequence[Mapping[str, Any]]], *, normalize: bool = True
     ) -> list[Score]:
-        """Blocking :meth:`score_chats`."""
-        return self.blocking().score_chats(chats, normalize=normalize)
-
-    def get_model_version_sync(self) -> int:
-        """Blocking :meth:`get_model_version`."""
-        return self.blocking().get_model_version()
-
-    # ------------------------------------------------------------------------------------------
-    # Weight pushes (direct mode: this client drives the servers' control plane)
-    # ------------------------------------------------------------------------------------------
-
-    def weight_pusher(self, timeout_s: float = 600.0) -> WeightPusher:
-        """The :class:`~rewardplane.sdk.WeightPusher` over this client's servers (created once)."""
+        """Scores of chats in order (as :meth:`AsyncRewardClient.score_chats`), sent concurrently
+        from the client's thread pool."""
         self._check_open()
-        if self._pusher is None:
-            from .direct_sync import WeightPusher  # torch is only needed for pushes
+        return self._send_all(self._chat_score_calls(chats, normalize))
 
-            self._pusher = WeightPusher(
-                self.endpoints,
-                group_port=self.group_ports[0],
-                group_ports=self.group_ports,
-                token=self.token,
-                device=self.device,
-                timeout_s=timeout_s,
-                connect_timeout_s=self.connection_timeout_s,
-                **self._push_options,
-            )
-        return self._pusher
-
-    def sync_weights(
+    def chat(
         self,
-        params: Mapping[str, Any],
+        messages: Sequence[Mapping[str, Any]],
         *,
-        timeout_s: float = 600.0,
-        version: int | None = None,
-        training_mode: RewardModelTrainingMode | str = RewardModelTrainingMode.FULL,
-        keep_lora: bool = False,
-        adapter: AdapterConfig | None = None,
-    ) -> str:
-        """Push reward-model parameters into every server; returns the new version as a string
-        (the seed's contract; :meth:`WeightPusher.push` returns it as an int).
-
-        ``params`` by mode: head_only → only the head (``select_head``); lora → the merged state
-        dict (``lora.merge_for_sync``); full → the whole state dict. Names are normalised from
-        HF/PEFT form; the servers validate names, shapes and dtypes before any byte moves.
-        ``version`` defaults to the servers' version + 1. Blocks until every server serves it.
-        """
-        pushed = self.weight_pusher(timeout_s).push(
-            params, version=version, training_mode=training_mode, keep_lora=keep_lora, adapter=adapter
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        n: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        **extra: Any,
+    ) -> ChatCompletionResponse:
+        """Answer one chat with a generative model (as :meth:`AsyncRewardClient.chat`)."""
+        self._check_open()
+        sampling = dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, n=n, seed=seed, stop=stop, **extra
         )
-        return str(pushed)
+        return self._send(self._chat_call(messages, sampling))
 
-    def max_lora_rank(self) -> int:
-        """The largest LoRA rank every server serves as an adapter (0: adapter-only sync is refused)."""
-        return self.weight_pusher().max_lora_rank()
+    def get_runtime_versions(self) -> dict[str, RuntimeVersionResponse]:
+        """``/runtime_version`` of every endpoint (version and state), one after another."""
+        self._check_open()
+        return dict(self._send(c) for c in self._runtime_version_calls())
 
-    def create_reward_publisher(self) -> RewardModelPublisher:
-        """The ``RewardModelPublisher`` behind ``sync_weights`` (joins the group on first use)."""
-        return self.weight_pusher().open()
+    def sleep(
+        self, level: int = 1, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S
+    ) -> dict[str, SleepResponse]:
+        """Put every server to sleep (see :meth:`AsyncRewardClient.sleep`)."""
+        calls = self._sleep_calls(level, timeout_s)
+        self._check_open()
+        return dict(self._send_all(calls))
 
-    # ------------------------------------------------------------------------------------------
-    # Closing
-    # ------------------------------------------------------------------------------------------
+    def wake(self, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> dict[str, SleepResponse]:
+        """Wake every server (see :meth:`AsyncRewardClient.wake`)."""
+        self._check_open()
+        return dict(self._send_all(self._wake_calls(timeout_s)))
+
+    def get_model_versions(self) -> dict[str, int]:
+        """Weights version per endpoint."""
+        return {url: r.version for url, r in self.get_runtime_versions().items()}
+
+    def get_model_version(self) -> int:
+        """Weights version served everywhere: the minimum over endpoints (the stalest replica)."""
+        return min(self.get_model_versions().values())
 
     def close(self) -> None:
-        """Close the pusher, the blocking client and the connection pools. From async code prefer
-        :meth:`aclose` (it also closes the current loop's pools cleanly)."""
         if self._closed:
             return
         self._closed = True
-        if self._pusher is not None:
-            try:
-                self._pusher.close()
-            except Exception as exc:  # closing must not fail the caller's shutdown
-                logger.debug("closing the weight pusher failed: %s", exc)
-            self._pusher = None
-        if self._blocking_client is not None:
-            self._blocking_client.close()
-        for loop, pool in self._detach_pools():
-            if not pool.is_closed and not loop.is_closed() and loop.is_running():
-                asyncio.run_coroutine_threadsafe(pool.aclose(), loop)
+        with self._lock:
+            http, self._http = self._http, None
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        if http is not None:
+            http.close()
 
-    async def aclose(self) -> None:
-        """Close this loop's pools, then everything else (without blocking the loop)."""
-        if self._closed:
-            return
-        await self._close_pools()
-        await asyncio.to_thread(self.close)
-
-    def __enter__(self) -> VLLMRewardClient:
+    def __enter__(self) -> RewardClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    async def __aenter__(self) -> VLLMRewardClient:
-        return self

@@ -1,4 +1,4 @@
-"""rewardplane as the reward model of RL frameworks, each a few lines over :class:`VLLMRewardClient`.
+"""rewardplane as the reward model of RL frameworks, each a few lines over the SDK's scoring clients.
 
 - TRL: :class:`TRLRewardFunction` is a ``reward_funcs`` entry of ``GRPOTrainer``
   (``(prompts, completions, **kwargs) -> list[float]``), standard or conversational data.
@@ -13,17 +13,17 @@ Docs: ``docs/integrations/``.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rewardplane.protocol import Endpoints, Score
+from rewardplane.protocol import Endpoints, Score, settings
 
-from .client import VLLMRewardClient
+from .async_client import AsyncRewardClient
+from .client import RewardClient
 
-URL_ENV = "REWARDPLANE_URL"  # comma-separated base URLs of the reward servers
-MODEL_ENV = "REWARDPLANE_MODEL"
+URL_ENV = settings.URL.name  # comma-separated base URLs of the reward servers
+MODEL_ENV = settings.MODEL.name
 
 
 def _float(score: Score, label: int | None) -> float:
@@ -51,7 +51,7 @@ class TRLRewardFunction:
 
     def __init__(
         self,
-        client: VLLMRewardClient | None = None,
+        client: RewardClient | None = None,
         *,
         endpoints: Sequence[str] | None = None,
         normalize: bool = False,
@@ -60,8 +60,8 @@ class TRLRewardFunction:
         **client_kwargs: Any,
     ) -> None:
         if client is None and not endpoints:
-            raise ValueError("give a VLLMRewardClient or endpoints=['http://host:port', ...]")
-        self.client = client or VLLMRewardClient(endpoints=endpoints, **client_kwargs)
+            raise ValueError("give a RewardClient or endpoints=['http://host:port', ...]")
+        self.client = client or RewardClient(endpoints or [], **client_kwargs)
         self.normalize = normalize
         self.label = label
         self.__name__ = name  # TRL names the reward's logged metrics after the function
@@ -71,30 +71,30 @@ class TRLRewardFunction:
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
         if completions and _is_chat(completions[0]):
             chats = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
-            scores = self.client.score_chats_sync(chats, normalize=self.normalize)
+            scores = self.client.score_chats(chats, normalize=self.normalize)
         else:
             texts = [str(p) + str(c) for p, c in zip(prompts, completions, strict=True)]
-            scores = self.client.score_batch_sync(texts, normalize=self.normalize)
+            scores = self.client.score_batch(texts, normalize=self.normalize)
         return [_float(s, self.label) for s in scores]
 
 
-_clients: dict[tuple[str, str], VLLMRewardClient] = {}
+_clients: dict[tuple[str, str], AsyncRewardClient] = {}
 _clients_lock = threading.Lock()
 
 
-def _shared_client(url: str | None, model: str | None) -> VLLMRewardClient:
-    url = url or os.environ.get(URL_ENV)
+def _shared_client(url: str | None, model: str | None) -> AsyncRewardClient:
+    url = url or settings.URL.get()
     if not url:
         raise ValueError(
             f"no reward server address: set custom_reward_function.reward_kwargs.url or {URL_ENV} "
             "(comma-separated base URLs, e.g. http://rm-0.rm:8001)"
         )
-    model = model or os.environ.get(MODEL_ENV) or "reward-model"
+    model = model or settings.MODEL.get()
     key = (url, model)
     with _clients_lock:  # verl calls this from many tasks and threads; one client per address
         if key not in _clients:
-            _clients[key] = VLLMRewardClient(
-                endpoints=[u.strip() for u in url.split(",") if u.strip()], model_name=model
+            _clients[key] = AsyncRewardClient(
+                [u.strip() for u in url.split(",") if u.strip()], model_name=model
             )
         return _clients[key]
 

@@ -54,7 +54,7 @@ def reinit_adapters(merged: torch.nn.Module, config: Any) -> Any:
 def merge_sync_reinit(peft_model: Any, push: Callable[[dict[str, torch.Tensor]], Any]) -> Any:
     """Merge, push the merged state dict with ``push``, reinitialise adapters; return the new model.
 
-    ``push`` is e.g. ``lambda sd: client.sync_weights(sd, version=v, training_mode="lora")``.
+    ``push`` is e.g. ``lambda sd: pusher.push(sd, version=v, training_mode="lora")``.
     Rebuild the optimizer afterwards (``rebuild_optimizer``): adapter state cannot carry over.
     """
     merged, config = merge_for_sync(peft_model)
@@ -119,8 +119,8 @@ class LoraSync:
 
     ``fallback_to_full`` (default True): when an adapter push fails, a warning is given once and this
     object pushes merged weights from then on. With False the push raises ``WeightSyncError``
-    saying what to do. ``client`` is a ``VLLMRewardClient``, a ``WeightPusher`` or a
-    ``RewardModelHandle`` (cluster mode: ``auto`` then follows the RewardModel's ``spec.lora.enabled``).
+    saying what to do. ``client`` is a ``WeightPusher`` or a ``RewardModelHandle`` (cluster mode:
+    ``auto`` then follows the RewardModel's ``spec.lora.enabled``).
     """
 
     def __init__(
@@ -147,8 +147,7 @@ class LoraSync:
         kwargs = {**self.push_options, **kwargs}
         if hasattr(self.client, "push_weights"):  # RewardModelHandle: through the operator
             return self.client.push_weights(params, version, **kwargs)
-        push = getattr(self.client, "sync_weights", None) or self.client.push
-        return push(params, version=version, **kwargs)
+        return self.client.push(params, version=version, **kwargs)
 
     def sync(self, peft_model: Any, version: int) -> Any:
         """Push; returns the model to keep training (the same one after an adapter push, a new one

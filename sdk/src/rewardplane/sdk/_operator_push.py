@@ -1,0 +1,313 @@
+"""A push through the operator (cluster mode), the work behind ``RewardModelHandle.push_weights``.
+
+Prepare the parameters exactly like the publisher (normalise names, validate for the training
+mode, check them against the served manifest, so a bad name fails before anything moves) → store
+the manifest in a ConfigMap → host the rendezvous (TCPStore) → create or patch the model's
+``WeightSync`` → the operator asks every replica to join (phase Rendezvous) and announces the
+update (phase Transferring) → broadcast the buckets as the last rank → agree on success in one
+status reduction → wait until the operator reports every replica on the new version (Completed),
+or raise with its reason (Failed).
+
+torch is imported when a push runs, not with this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rewardplane.api.names import API_VERSION, LABEL_MODEL, WS_KIND, WS_PLURAL, core_path, custom_path
+from rewardplane.api.weightsync import adapter_spec
+from rewardplane.protocol import (
+    AdapterConfig,
+    ParamMeta,
+    RewardModelTrainingMode,
+    plan_buckets,
+)
+
+from ._cluster_status import wait_for_version
+from ._exceptions import WeightSyncFailed
+
+if TYPE_CHECKING:
+    import torch
+
+    from rewardplane.transport.comm import Backend
+
+    from .cluster import RewardModelHandle
+
+log = logging.getLogger("rewardplane.sdk.cluster")
+
+POLL_S = 0.02  # WeightSync status polls during a push (one GET each; a push is short)
+
+
+@dataclass(frozen=True)
+class PushResult:
+    version: int
+    training_mode: str
+    bytes: int
+    world_size: int
+    replicas: int
+    duration_s: float
+    """From the call until the operator reported Completed."""
+    transfer_s: float
+    """The broadcast and the status reduction, on the trainer."""
+    weightsync: dict[str, Any]
+
+
+class _ProgressComm:
+    """Wraps a Communicator to advance a progress bar by the bytes of each broadcast bucket."""
+
+    def __init__(self, comm: Any, bar: Any) -> None:
+        self._comm, self._bar = comm, bar
+        self.device = comm.device
+
+    def broadcast(self, tensor: Any, src: int) -> None:
+        self._comm.broadcast(tensor, src)
+        self._bar.update(int(tensor.numel() * tensor.element_size()))
+
+    def broadcast_group(self, tensors: Any, src: int) -> None:
+        self._comm.broadcast_group(tensors, src)
+        self._bar.update(sum(int(t.numel() * t.element_size()) for t in tensors))
+
+    def wait_event(self, done: Any) -> None:
+        self._comm.wait_event(done)
+
+    def synchronize(self) -> None:
+        self._comm.synchronize()
+
+    def max_flag(self, value: int) -> int:
+        return int(self._comm.max_flag(value))
+
+    def close(self) -> None:
+        self._comm.close()
+
+
+class OperatorPush:
+    """The pushes of one RewardModel through its ``WeightSync`` object and the operator."""
+
+    def __init__(self, handle: RewardModelHandle) -> None:
+        self.handle = handle
+        self.name, self.namespace = handle.name, handle.namespace
+        self.label = f"{handle.namespace}/{handle.name}"
+        self._kube = handle._kube
+
+    def owner_references(self) -> list[dict[str, Any]]:
+        """The RewardModel as owner: garbage collection deletes the push objects with the model."""
+        meta = self.handle.get()["metadata"]
+        return [{"apiVersion": API_VERSION, "kind": "RewardModel", "name": meta["name"], "uid": meta["uid"]}]
+
+    def store_manifest(self, metadata: list[ParamMeta]) -> tuple[str, str, str]:
+        from rewardplane.api.weightsync import encode_manifest
+
+        data, key, sha = encode_manifest(metadata)
+        name = f"{self.name}-weightsync-manifest"
+        field = "binaryData" if key.endswith(".gz") else "data"
+        body = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": name,
+                "namespace": self.namespace,
+                "labels": {LABEL_MODEL: self.name},
+                "ownerReferences": self.owner_references(),
+            },
+            field: data,
+        }
+        if self._kube.create(core_path("configmaps", self.namespace), body) is None:
+            other = "data" if field == "binaryData" else "binaryData"
+            self._kube.merge_patch(core_path("configmaps", self.namespace, name), {field: data, other: None})
+        return name, key, sha
+
+    def request_push(self, spec: dict[str, Any]) -> int:
+        """Create or patch the model's WeightSync; returns the generation the operator must handle."""
+        path = custom_path(self.namespace, self.name, WS_PLURAL)
+        body = {
+            "apiVersion": API_VERSION,
+            "kind": WS_KIND,
+            "metadata": {
+                "name": self.name,
+                "namespace": self.namespace,
+                "labels": {LABEL_MODEL: self.name},
+                "ownerReferences": self.owner_references(),
+            },
+            "spec": spec,
+        }
+        created = self._kube.create(custom_path(self.namespace, None, WS_PLURAL), body)
+        if created is not None:
+            return int(created["metadata"].get("generation") or 1)
+        # a merge patch keeps fields it does not name: clear an earlier push's adapter explicitly
+        patched = self._kube.merge_patch(path, {"spec": {"adapter": None, **spec}})
+        return int(patched["metadata"]["generation"])
+
+    def wait_phase(self, generation: int, phases: set[str], deadline: float, what: str) -> dict[str, Any]:
+        while True:
+            ws = self.handle.weightsync() or {}
+            status = ws.get("status") or {}
+            if status.get("observedGeneration") == generation:
+                if status.get("phase") == "Failed":
+                    raise _operator_failed(status)
+                if status.get("phase") in phases:
+                    return ws
+            if time.monotonic() > deadline:
+                raise WeightSyncFailed(
+                    f"timed out waiting for {what} (WeightSync {self.namespace}/{self.name} is in phase "
+                    f"{status.get('phase')!r} for generation {status.get('observedGeneration')}, want {generation}); "
+                    "is the operator running? see its log",
+                    "Timeout",
+                    status,
+                )
+            time.sleep(POLL_S)
+
+    def push(
+        self,
+        metadata: list[ParamMeta],
+        tensors: Mapping[str, torch.Tensor],
+        version: int,
+        mode: RewardModelTrainingMode,
+        *,
+        started: float,
+        timeout_s: float,
+        trainer_host: str | None,
+        bucket_bytes: int,
+        device: torch.device | str | None,
+        backend: Backend,
+        progress: bool | None,
+        adapter: AdapterConfig | None,
+    ) -> PushResult:
+        """Push prepared parameters (``RewardModelHandle.prepare``) as ``version``, within
+        ``timeout_s`` of ``started``; returns when the operator reports every replica serving it."""
+        import torch
+
+        from rewardplane.transport.comm import Communicator, create_store
+        from rewardplane.transport.transfer import send_buckets
+
+        from .publisher import local_address_towards
+
+        deadline = started + timeout_s
+        first = next(iter(tensors.values()))
+        dev = torch.device(device) if device is not None else first.device
+        config_map, key, sha = self.store_manifest(metadata)
+
+        urls = self.handle._push_urls()
+        host = trainer_host or local_address_towards(urls[0])
+        # world_size None: the operator decides it from the ready replicas (status.worldSize).
+        store = create_store(host, 0, is_master=True, world_size=None, timeout_s=timeout_s)
+        generation = self.request_push(
+            {
+                "rewardModelRef": self.name,
+                "version": int(version),
+                "trainingMode": mode.value,
+                "rendezvous": {"address": host, "port": int(store.port)},
+                "manifestRef": {"configMapName": config_map, "key": key, "sha256": sha},
+                "bucketBytes": int(bucket_bytes),
+                "timeoutSeconds": max(1, int(timeout_s)),
+                **({"adapter": adapter_spec(adapter)} if adapter is not None else {}),
+            }
+        )
+        ws = self.wait_phase(
+            generation, {"Rendezvous", "Transferring", "Completed"}, deadline, "the rendezvous"
+        )
+        status = ws["status"]
+        world = int(status["worldSize"])
+        comm_box: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                comm_box["comm"] = Communicator(
+                    store,
+                    rank=world - 1,
+                    world_size=world,
+                    device=dev,
+                    backend=backend,
+                    timeout_s=max(1.0, deadline - time.monotonic()),
+                    group_id=status["groupId"],
+                )
+            except Exception as exc:
+                comm_box["error"] = exc
+
+        joiner = threading.Thread(target=join, name="rewardplane-join", daemon=True)
+        joiner.start()
+        while joiner.is_alive():  # watch the operator meanwhile: a failed rendezvous must not hang us
+            joiner.join(POLL_S)
+            if joiner.is_alive():
+                self.raise_if_failed(generation, deadline)
+        if "error" in comm_box:
+            self.raise_if_failed(generation, deadline)
+            raise WeightSyncFailed(
+                f"joining the replicas' group failed: {comm_box['error']}", "RendezvousFailed"
+            )
+        comm = comm_box["comm"]
+        try:
+            self.wait_phase(
+                generation, {"Transferring", "Completed"}, deadline, "every replica to accept the announce"
+            )
+            transfer_start = time.monotonic()
+            total = sum(b.nbytes for b in plan_buckets(metadata, bucket_bytes))
+            bar = _progress_bar(total, progress, f"push v{version}")
+            try:
+                sender = _ProgressComm(comm, bar) if bar is not None else comm
+                sent = send_buckets(sender, metadata, tensors, bucket_bytes, world - 1)
+                failed = comm.max_flag(0)
+            finally:
+                if bar is not None:
+                    bar.close()
+            transfer_s = time.monotonic() - transfer_start
+        except BaseException:
+            comm.abort()  # replicas see the group fail at once instead of waiting for the timeout
+            raise
+        comm.close()
+        done = self.wait_phase(
+            generation, {"Completed"}, deadline, f"every replica to serve version {version}"
+        )
+        if failed:
+            log.warning("the status reduction reported a failure, but the operator reported Completed")
+        wait_for_version(
+            self.handle.get_status, self.label, int(version), min(deadline, time.monotonic() + 30)
+        )
+        s = done["status"]
+        return PushResult(
+            version=int(version),
+            training_mode=mode.value,
+            bytes=int(sent),
+            world_size=world,
+            replicas=len(s.get("replicas") or []),
+            duration_s=time.monotonic() - started,
+            transfer_s=transfer_s,
+            weightsync=done,
+        )
+
+    def raise_if_failed(self, generation: int, deadline: float) -> None:
+        status = (self.handle.weightsync() or {}).get("status") or {}
+        if status.get("observedGeneration") == generation and status.get("phase") == "Failed":
+            raise _operator_failed(status)
+        if time.monotonic() > deadline:
+            raise WeightSyncFailed(
+                "timed out joining the replicas' process group; see the operator's log", "Timeout"
+            )
+
+
+def _operator_failed(status: Mapping[str, Any]) -> WeightSyncFailed:
+    return WeightSyncFailed(
+        f"the operator failed the push of version {status.get('version')}: "
+        f"{status.get('reason')}: {status.get('message')}",
+        status.get("reason"),
+        status,
+    )
+
+
+def _progress_bar(total: int, progress: bool | None, desc: str) -> Any:
+    """A tqdm bar over the bytes of a push, only when asked or when stderr is a terminal."""
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False)

@@ -1,5 +1,0 @@
-"""Deprecated: moved to ``rewardplane.protocol``; this path keeps working and warns."""
-
-from ._compat import alias
-
-alias(__name__)
