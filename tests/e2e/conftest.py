@@ -28,17 +28,10 @@ from rewardplane.localcluster import realnode
 from rewardplane.localcluster.binaries import cache_dir, missing_binaries
 from rewardplane.localcluster.controlplane import api_client_for
 from rewardplane.localcluster.dev import OPERATOR_NAMESPACE, OPERATOR_RELEASE, helm_install_operator
+from rewardplane.localcluster.realnode.tools import KUBE_BINARIES
+from rewardplane.protocol import settings
 
-NODE_BINARIES = (
-    "etcd",
-    "kube-apiserver",
-    "kube-controller-manager",
-    "kube-scheduler",
-    "kubelet",
-    "kube-proxy",
-    "kubectl",
-    "helm",
-)
+NODE_BINARIES = (*KUBE_BINARIES, "kubectl", "helm")
 IMAGES = ("pause", "operator", "reward-server", "trainer")
 
 
@@ -105,21 +98,21 @@ def real_cluster() -> Iterator[RealCluster]:
         pytest.skip(why)
     state = cache_dir() / "realnode-e2e"
     node = realnode.RealNode(state)
-    if node.running():  # left up by an earlier run (REWARDPLANE_E2E_KEEP): start from scratch
+    if node.running():  # left up by a run with REWARDPLANE_E2E_KEEP: start from scratch
         node.down()
     kubeconfig = node.up(timeout_s=300)
     api = api_client_for(kubeconfig)
     try:
         helm_install_operator(kubeconfig, log_path=node.layout.logs / "helm.log")
         volumes = state / "volumes"
-        shutil.rmtree(volumes, ignore_errors=True)  # an earlier run's model and weights must not leak in
+        shutil.rmtree(volumes, ignore_errors=True)  # model and weights left from another run must not leak in
         volumes.mkdir()
         yield RealCluster(node=node, kubeconfig=kubeconfig, api=api, volumes=volumes)
     finally:
         api.close()
         # The suite's last test normally brought it down (and checked it); REWARDPLANE_E2E_KEEP=1
         # keeps a failed run's cluster for a look (KUBECONFIG=<state>/kubeconfig).
-        if node.running() and os.environ.get("REWARDPLANE_E2E_KEEP") != "1":
+        if node.running() and not settings.E2E_KEEP.get():
             node.down()
 
 

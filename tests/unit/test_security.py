@@ -81,7 +81,8 @@ def test_with_persist_dir_the_server_keeps_root_to_write_the_hostpath() -> None:
 
 def test_reconciler_keeps_the_policy_as_rendered_and_removes_it_when_disabled() -> None:
     from rewardplane.api.names import custom_path
-    from rewardplane.operator.reconcile import Reconciler, network_policy_path
+    from rewardplane.operator.cluster import network_policy_path
+    from rewardplane.operator.reconcile import Reconciler
     from rewardplane.testing.kube import MemoryKube
     from rewardplane.testing.replicas import FakeReplicas
 

@@ -11,6 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
+from rewardplane.protocol import settings
+
 INSTALL_SCRIPT = "scripts/install-k8s-tools.sh"
 KNOWN_BINARIES = ("kube-apiserver", "etcd", "kubectl", "helm")
 
@@ -21,7 +23,7 @@ class BinaryNotFoundError(FileNotFoundError):
 
 def cache_dir() -> Path:
     """Root of rewardplane's cache (``$REWARDPLANE_CACHE`` or ``~/.cache/rewardplane``)."""
-    env = os.environ.get("REWARDPLANE_CACHE")
+    env = settings.CACHE.get()
     return Path(env).expanduser() if env else Path.home() / ".cache" / "rewardplane"
 
 

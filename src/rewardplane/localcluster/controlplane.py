@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rewardplane.localcluster.binaries import find_binary
+from rewardplane.protocol import settings
 
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
@@ -57,6 +58,20 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     except OSError:
         return f"(no log at {path})"
     return "\n".join(text.splitlines()[-lines:])
+
+
+def spawn_logged(cmd: list[str], log_path: Path, *, cwd: Path) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in a session of its own (its pid is its group id), stdin closed, stdout and
+    stderr appended to ``log_path``."""
+    with open(log_path, "ab") as logf:
+        return subprocess.Popen(
+            cmd,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+            start_new_session=True,
+        )
 
 
 def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
@@ -303,15 +318,7 @@ class LocalControlPlane:
 
     # -- helpers ------------------------------------------------------------------------------
     def _spawn(self, cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-        with open(log_path, "ab") as logf:
-            return subprocess.Popen(
-                cmd,
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=self.workdir,
-                start_new_session=True,
-            )
+        return spawn_logged(cmd, log_path, cwd=self.workdir)
 
     @staticmethod
     def _wait(name: str, proc: subprocess.Popen[bytes], log_path: Path, deadline: float, probe: Any) -> None:
@@ -392,7 +399,7 @@ def _read_kubeconfig(path: Path) -> tuple[str, str | None]:
 
 def connect_existing() -> ExistingCluster | None:
     """The user's own cluster when ``REWARDPLANE_EXISTING_CLUSTER=1`` and ``KUBECONFIG`` is set."""
-    if os.environ.get("REWARDPLANE_EXISTING_CLUSTER") != "1":
+    if not settings.EXISTING_CLUSTER.get():
         return None
     kubeconfig = os.environ.get("KUBECONFIG")
     if not kubeconfig:

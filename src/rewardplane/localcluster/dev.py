@@ -268,7 +268,7 @@ def apply_crds(kube: Kube, crds: Path = REPO_CRDS, timeout_s: float = 30.0) -> l
             crd = yaml.safe_load(path.read_text())
             name = crd["metadata"]["name"]
             names.append(name)
-            if kube.create(CRD_PATH, crd) is None:  # there from an earlier run: replace it
+            if kube.create(CRD_PATH, crd) is None:  # the CRD exists already: replace it
                 existing = kube.get(f"{CRD_PATH}/{name}") or {}
                 crd["metadata"]["resourceVersion"] = existing.get("metadata", {}).get("resourceVersion")
                 kube._call("PUT", f"{CRD_PATH}/{name}", json=crd)

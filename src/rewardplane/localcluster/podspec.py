@@ -495,3 +495,28 @@ def build_pod_status(rt: ContainerRuntime, now: float) -> dict[str, Any]:
     if rt.pod_start is not None:
         status["startTime"] = rfc3339(rt.pod_start)
     return status
+
+
+def referenced_objects(pod: Pod) -> tuple[set[str], set[str]]:
+    """Names of the Secrets and ConfigMaps a pod's first container and volumes refer to."""
+    secrets: set[str] = set()
+    cms: set[str] = set()
+    spec = pod.get("spec", {})
+    for c in (spec.get("containers") or [])[:1]:
+        for src in c.get("envFrom") or []:
+            if src.get("secretRef"):
+                secrets.add(src["secretRef"]["name"])
+            if src.get("configMapRef"):
+                cms.add(src["configMapRef"]["name"])
+        for var in c.get("env") or []:
+            vf = var.get("valueFrom") or {}
+            if vf.get("secretKeyRef"):
+                secrets.add(vf["secretKeyRef"]["name"])
+            if vf.get("configMapKeyRef"):
+                cms.add(vf["configMapKeyRef"]["name"])
+    for vol in spec.get("volumes") or []:
+        if vol.get("secret"):
+            secrets.add(vol["secret"].get("secretName", ""))
+        if vol.get("configMap"):
+            cms.add(vol["configMap"].get("name", ""))
+    return secrets - {""}, cms - {""}

@@ -1,7 +1,8 @@
-"""Container probes (readiness, liveness) for the node agent.
+"""Container probes (startup, readiness, liveness) for the node agent.
 
 ``ProbeTracker`` is the pure state machine (when a probe is due, when the result flips after
-``successThreshold``/``failureThreshold``); ``run_probe`` performs one probe against the pod IP.
+``successThreshold``/``failureThreshold``); ``run_probe`` performs one probe against the pod IP;
+``ContainerProbes`` runs a container's probes in the kubelet's order and says what follows.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 Probe = Mapping[str, Any]
+ExecArgv = Callable[[list[str]], tuple[list[str], dict[str, str]]]  # an exec probe's argv → (argv, env)
 
 
 def resolve_port(port: int | str, container: Mapping[str, Any]) -> int:
@@ -32,7 +34,7 @@ def run_probe(
     *,
     pod_ip: str,
     container: Mapping[str, Any],
-    exec_argv: Callable[[list[str]], tuple[list[str], dict[str, str]]] | None = None,
+    exec_argv: ExecArgv | None = None,
 ) -> tuple[bool, str]:
     """One probe attempt, bounded by ``timeoutSeconds`` (default 1). Returns (success, detail)."""
     timeout = float(probe.get("timeoutSeconds") or 1)
@@ -107,3 +109,81 @@ class ProbeTracker:
             if self.failures >= int(self.probe.get("failureThreshold") or 3):
                 self.healthy = False
         return self.healthy
+
+
+@dataclass
+class ProbeVerdict:
+    """What one look at a container's probes found."""
+
+    started: bool = False  # the startup probe passed just now: the other probes start
+    ready: bool | None = None  # the readiness result, when the readiness probe ran
+    ready_detail: str = ""
+    failed: str | None = None  # "liveness" or "startup": that probe failed, the process restarts
+    failed_detail: str = ""
+
+
+class ContainerProbes:
+    """A container's startup, readiness and liveness probes, run as the kubelet runs them: until
+    the startup probe passes no other probe runs; ``failureThreshold`` startup failures in a row, or
+    a liveness probe that turns unhealthy, restart the process."""
+
+    def __init__(self, container: Mapping[str, Any]) -> None:
+        self.container = container
+        rp, lp, sp = (container.get(k) for k in ("readinessProbe", "livenessProbe", "startupProbe"))
+        self.readiness = ProbeTracker(rp, healthy=False) if rp else None
+        self.liveness = ProbeTracker(lp, healthy=True) if lp else None
+        self.startup = ProbeTracker(sp, healthy=False) if sp else None
+
+    @property
+    def gates_start(self) -> bool:
+        """A probe says when the process has started (startup or readiness)."""
+        return self.startup is not None or self.readiness is not None
+
+    def process_started(self, now: float) -> None:
+        """A new run of the process: every probe starts over."""
+        for tracker in (self.readiness, self.liveness, self.startup):
+            if tracker:
+                tracker.healthy = tracker is self.liveness
+                tracker.start(now)
+
+    def check(self, pod_ip: str, exec_argv: ExecArgv, now: Callable[[], float]) -> ProbeVerdict:
+        """Run the probes that are due."""
+        verdict = ProbeVerdict()
+        if self.startup is not None and not self.startup.healthy:
+            self._check_startup(self.startup, pod_ip, exec_argv, now, verdict)
+            return verdict
+        for tracker in (self.readiness, self.liveness):
+            if tracker is None or not tracker.due(now()):
+                continue
+            ok, detail = self._run(tracker, pod_ip, exec_argv)
+            healthy = tracker.record(ok, detail, now())
+            if tracker is self.readiness:
+                verdict.ready, verdict.ready_detail = healthy, detail
+            elif not healthy:
+                verdict.failed, verdict.failed_detail = "liveness", detail
+                break
+        return verdict
+
+    def _check_startup(
+        self,
+        tracker: ProbeTracker,
+        pod_ip: str,
+        exec_argv: ExecArgv,
+        now: Callable[[], float],
+        verdict: ProbeVerdict,
+    ) -> None:
+        if not tracker.due(now()):
+            return
+        ok, detail = self._run(tracker, pod_ip, exec_argv)
+        tracker.record(ok, detail, now())
+        if ok:
+            tracker.healthy = True
+            verdict.started = True
+            for other in (self.readiness, self.liveness):
+                if other:
+                    other.start(now())
+        elif tracker.failures >= int(tracker.probe.get("failureThreshold") or 3):
+            verdict.failed, verdict.failed_detail = "startup", detail
+
+    def _run(self, tracker: ProbeTracker, pod_ip: str, exec_argv: ExecArgv) -> tuple[bool, str]:
+        return run_probe(tracker.probe, pod_ip=pod_ip, container=self.container, exec_argv=exec_argv)

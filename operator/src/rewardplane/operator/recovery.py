@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from rewardplane.api.status import STATE_BROKEN, STATE_SLEEPING
 
+from .planning import Plan
 from .status import ProbeResult, pod_restarts
 
 Identity = tuple[str, int]  # (pod UID, container restarts)
@@ -134,3 +136,32 @@ def admission_changes(
     )
     revoke = sorted(n for n, p in answered.items() if p.admitted and n in stale)
     return AdmissionChanges(tuple(admit), tuple(revoke))
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """One model's live replicas as one reconcile pass sees them: their Pods, what their servers
+    answered, which are stale, and the weights version they should serve."""
+
+    rm: Mapping[str, Any]
+    plan: Plan
+    pods: Sequence[Mapping[str, Any]]
+    probes: Mapping[str, ProbeResult]
+    stale: Collection[str]
+    target: int
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.rm["metadata"]["namespace"], self.rm["metadata"]["name"]
+
+    @cached_property
+    def by_name(self) -> dict[str, Mapping[str, Any]]:
+        return {p["metadata"]["name"]: p for p in self.pods}
+
+    def url(self, pod: Mapping[str, Any]) -> str:
+        """The pod's server."""
+        return replica_url(pod, self.plan)
+
+
+def replica_url(pod: Mapping[str, Any], plan: Plan) -> str:
+    return f"http://{pod['status']['podIP']}:{plan.ports.http}"

@@ -9,7 +9,7 @@ raises ``ReplicaError`` naming the URL and what the server said.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -93,29 +93,20 @@ class HttpReplicas:
     def _get(
         self, url: str, path: str, token: str | None = None, timeout: httpx.Timeout = CALL_TIMEOUT
     ) -> Any:
-        try:
-            resp = self._http.get(url + path, headers=auth_headers(token) if token else None, timeout=timeout)
-        except httpx.HTTPError as exc:
-            raise ReplicaError(f"{url}{path} did not answer: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code >= 400:
-            raise ReplicaError(f"{url}{path} answered {resp.status_code}: {_detail(resp)}")
+        headers = auth_headers(token) if token else None
+        resp = _answered(url, path, lambda: self._http.get(url + path, headers=headers, timeout=timeout))
         try:
             return resp.json()
         except ValueError as exc:
             raise ReplicaError(f"{url}{path} answered something that is not JSON: {resp.text[:200]}") from exc
 
     def _post(self, url: str, path: str, token: str, body: dict[str, Any], timeout_s: float) -> Any:
-        try:
-            resp = self._http.post(
-                url + path,
-                json=body,
-                headers=auth_headers(token),
-                timeout=httpx.Timeout(timeout_s, connect=3.0),
-            )
-        except httpx.HTTPError as exc:
-            raise ReplicaError(f"{url}{path} did not answer: {type(exc).__name__}: {exc}") from exc
-        if resp.status_code >= 400:
-            raise ReplicaError(f"{url}{path} answered {resp.status_code}: {_detail(resp)}")
+        timeout = httpx.Timeout(timeout_s, connect=3.0)
+        resp = _answered(
+            url,
+            path,
+            lambda: self._http.post(url + path, json=body, headers=auth_headers(token), timeout=timeout),
+        )
         try:
             return resp.json()
         except ValueError:
@@ -256,3 +247,15 @@ def restore_from_peer(
     )
     for r in receivers:
         replicas.update_param_batch(r.url, token, announce, timeout_s + 5.0)
+
+
+def _answered(url: str, path: str, call: Callable[[], httpx.Response]) -> httpx.Response:
+    """The answer of ``call`` (a request to ``url + path``); ReplicaError when there is none or it
+    is an error."""
+    try:
+        resp = call()
+    except httpx.HTTPError as exc:
+        raise ReplicaError(f"{url}{path} did not answer: {type(exc).__name__}: {exc}") from exc
+    if resp.status_code >= 400:
+        raise ReplicaError(f"{url}{path} answered {resp.status_code}: {_detail(resp)}")
+    return resp

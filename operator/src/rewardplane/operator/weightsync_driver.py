@@ -23,18 +23,13 @@ from rewardplane.protocol import InitCommunicatorRequest, ParamMeta, UpdateParam
 from . import weightsync as wsm
 from .render import HTTP_PORT_NAME, selector
 from .replicas import HttpReplicas, ReplicaError, Replicas
+from .reporting import now_rfc3339
 from .status import pod_ready, replica_index
 
 log = logging.getLogger("rewardplane.operator.weightsync")
 
 Key = tuple[str, str]
 POLL_S = 0.02
-
-
-def now_rfc3339() -> str:
-    from .reconcile import now_rfc3339 as now
-
-    return now()
 
 
 def http_port(pod: Mapping[str, Any]) -> int | None:
