@@ -47,7 +47,9 @@ def server_image() -> str:
     return f"localhost/rewardplane/reward-server:{local_image_tag()}"
 
 
-def rm_body(replicas: int, source: str, persist_dir: str | None, name: str = RM) -> dict[str, Any]:
+def rm_body(
+    replicas: int, source: str, persist_dir: str | None, name: str = RM, interface: str | None = None
+) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "model": {
             "source": source,
@@ -63,6 +65,8 @@ def rm_body(replicas: int, source: str, persist_dir: str | None, name: str = RM)
     }
     if persist_dir:
         spec["weightSync"] = {"persistDir": persist_dir}
+    if interface:
+        spec["transport"] = {"interface": interface}
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "RewardModel",
@@ -221,7 +225,12 @@ def test_rewardmodel_from_a_volume_becomes_ready(real_cluster: RealCluster) -> N
         },
     )
     c.custom.create_namespaced_custom_object(
-        GROUP, VERSION, NS, "rewardmodels", rm_body(2, f"pvc://{MODEL_CLAIM}/tiny-rm", str(weights))
+        GROUP,
+        VERSION,
+        NS,
+        "rewardmodels",
+        # the pushes below (gloo) run over the interface the spec names: the Pod network's eth0
+        rm_body(2, f"pvc://{MODEL_CLAIM}/tiny-rm", str(weights), interface="eth0"),
     )
     rm = wait_for("2 ready replicas", lambda: ready_at(c, 2), READY_TIMEOUT_S, 2)
     assert {c["type"]: c["status"] for c in rm["status"]["conditions"]}["Available"] == "True"
@@ -240,6 +249,11 @@ def test_rewardmodel_from_a_volume_becomes_ready(real_cluster: RealCluster) -> N
         secret_volumes = [v for v in pod.spec.volumes if v.secret is not None]
         assert [v.secret.secret_name for v in secret_volumes] == [f"{RM}-control-token"]
         assert "--token-file" in ctr.args and pod.status.pod_ip.startswith("10.244.0.")
+        env = {e.name: e.value for e in ctr.env}
+        assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "eth0"
+    # the address each replica's NCCL (here gloo) uses: the Pod's, on the Pod network
+    ips = {p.metadata.name: p.status.pod_ip for p in model_pods(c)}
+    assert {e["pod"]: e["ncclAddress"] for e in rm["status"]["endpoints"]} == ips
 
 
 def test_score_from_the_host(real_cluster: RealCluster) -> None:

@@ -626,6 +626,7 @@ def test_status_ready_with_endpoints() -> None:
         "pod": "rm-1",
         "node": "cpu-a",
         "url": "http://127.0.0.6:8001",
+        "ncclAddress": "127.0.0.6",
         "groupPort": 51218,
         "rankOffset": 1,
         "worldSize": 1,

@@ -102,6 +102,26 @@ class NetworkPolicySpec(_Spec):
     enabled: bool = True
 
 
+# Environment a RewardModel may pass to its servers for the weight transfer: the collective
+# libraries' own settings, never variables the operator sets itself (CUDA_VISIBLE_DEVICES, ...).
+TRANSPORT_ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "UCX_", "NVSHMEM_")
+# What spec.transport.interface sets: NCCL's interface on GPUs, gloo's on CPU.
+INTERFACE_VARIABLES = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+
+class TransportSpec(_Spec):
+    """What a push between hosts needs of the reward servers' Pods: the collective library's
+    environment, the interface it uses, the host's network, and locked memory for RDMA."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    # The interface the transfer uses (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME); with a secondary
+    # network (Multus), the address status.endpoints gives for NCCL is this interface's.
+    interface: str | None = Field(default=None, min_length=1, pattern=r"^[A-Za-z0-9_.:@-]{1,15}$")
+    host_network: bool = Field(default=False, alias="hostNetwork")
+    # CAP_IPC_LOCK: RDMA verbs register (lock) the buffers they send from, beyond RLIMIT_MEMLOCK.
+    ipc_lock: bool = Field(default=False, alias="ipcLock")
+
+
 class ResourcesSpec(_Spec):
     limits: dict[str, int | str] = Field(default_factory=dict)
     requests: dict[str, int | str] = Field(default_factory=dict)
@@ -118,6 +138,7 @@ class RewardModelSpec(_Spec):
     lora: LoraSpec = Field(default_factory=LoraSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec, alias="networkPolicy")
+    transport: TransportSpec = Field(default_factory=TransportSpec)
 
     @property
     def devices_needed(self) -> int:

@@ -43,6 +43,8 @@ class EndpointStatus(_Status):
     pod: str = ""
     node: str = ""
     url: str = ""
+    # The address this replica's NCCL uses (spec.transport.interface's, else the Pod's IP).
+    nccl_address: str = Field(default="", alias="ncclAddress")
     group_port: int = Field(default=0, alias="groupPort")
     rank_offset: int = Field(default=0, alias="rankOffset")
     world_size: int = Field(default=1, alias="worldSize")

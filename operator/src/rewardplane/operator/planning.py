@@ -15,7 +15,9 @@ from typing import Any
 
 from rewardplane.api.names import LABEL_MODEL, RESERVATIONS_ANNOTATION, pod_name
 from rewardplane.api.spec import (
+    INTERFACE_VARIABLES,
     PLACEMENT_REFUSED,
+    TRANSPORT_ENV_PREFIXES,
     EngineKind,
     GpuMode,
     InvalidSpecError,
@@ -272,7 +274,46 @@ def validate_spec(spec: Mapping[str, Any], name: str | None = None) -> list[str]
         + _check_source(parsed)
         + _check_lora(parsed)
         + _check_task(parsed)
+        + _check_transport(parsed)
     )
+
+
+def _check_transport(spec: RewardModelSpec) -> list[str]:
+    """The transport environment holds the collective libraries' settings only, and agrees with
+    ``interface``."""
+    transport = spec.transport
+    errors = [
+        f"spec.transport.env sets {name}, which is not a setting of the weight transfer; give only names "
+        f"starting with {', '.join(TRANSPORT_ENV_PREFIXES)} (other environment is the operator's)"
+        for name in sorted(transport.env)
+        if not name.startswith(TRANSPORT_ENV_PREFIXES)
+    ]
+    for variable in INTERFACE_VARIABLES:
+        ifname = transport.env.get(variable)
+        if transport.interface and ifname is not None and ifname != transport.interface:
+            errors.append(
+                f"spec.transport.env {variable}={ifname!r} contradicts spec.transport.interface "
+                f"{transport.interface!r}; set the interface in one place (spec.transport.interface)"
+            )
+    return errors
+
+
+def _check_host_network(spec: RewardModelSpec, nodes: list[str], ports: RewardModelPorts) -> list[str]:
+    """On the host's network every replica of a node would listen on the same HTTP port."""
+    if not spec.transport.host_network:
+        return []
+    seen: dict[str, int] = {}
+    errors = []
+    for i, node in enumerate(nodes):
+        if node in seen:
+            errors.append(
+                f"replicas {seen[node]} and {i} would both run on node {node} with spec.transport.hostNetwork, "
+                f"where they share the host's port {ports.http}; give each replica a node of its own (fewer "
+                "replicas, unset spec.gpu.node, gpu.mode exclusive) or turn hostNetwork off"
+            )
+        else:
+            seen[node] = i
+    return errors
 
 
 # vLLM 0.24 sizes its LoRA buffers by one of these ranks (LoRAConfig.max_lora_rank).
@@ -566,6 +607,7 @@ def plan_reward_model(rm: Mapping[str, Any], cluster: ClusterView) -> Plan:
         nodes = [spec.gpu.node or ""] * spec.replicas
     else:
         nodes, errors = _place_nodes(spec, cluster)
+    errors = errors or _check_host_network(spec, nodes, ports)
     if errors:
         raise InvalidSpecError(errors, reason=PLACEMENT_REFUSED)
 

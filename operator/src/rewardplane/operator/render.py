@@ -29,7 +29,7 @@ from rewardplane.api.names import (
     token_secret_name,
 )
 from rewardplane.api.names import RM_KIND as KIND
-from rewardplane.api.spec import EngineKind, GpuMode
+from rewardplane.api.spec import INTERFACE_VARIABLES, EngineKind, GpuMode
 from rewardplane.protocol import TOKEN_FILE_ENV, Endpoints, ModelTask
 
 from .planning import GPU_RESOURCE, Plan, ReplicaPlan
@@ -184,7 +184,10 @@ def _env(plan: Plan, replica: ReplicaPlan) -> list[dict[str, Any]]:
             {"name": "CUDA_VISIBLE_DEVICES", "value": ids},
             {"name": "NVIDIA_VISIBLE_DEVICES", "value": ids},
         ]
-    return env
+    transport = dict(plan.spec.transport.env)
+    if plan.spec.transport.interface:
+        transport |= dict.fromkeys(INTERFACE_VARIABLES, plan.spec.transport.interface)
+    return env + [{"name": k, "value": v} for k, v in sorted(transport.items())]
 
 
 def _resources(plan: Plan, replica: ReplicaPlan) -> dict[str, Any]:
@@ -203,21 +206,29 @@ def _resources(plan: Plan, replica: ReplicaPlan) -> dict[str, Any]:
 
 def security_context(plan: Plan) -> dict[str, Any]:
     """Least privilege for the server container: no privilege escalation, no capabilities, a
-    read-only root filesystem (scratch space is an emptyDir), and a non-root user, except with
-    ``persistDir``: the kubelet creates that hostPath owned by root, so only root can write there (with
-    DAC_OVERRIDE alone added back, for a directory that already existed under another owner)."""
+    read-only root filesystem (scratch space is an emptyDir), and a non-root user, except where a
+    capability is needed, which only root gets: DAC_OVERRIDE with ``persistDir`` (the kubelet creates
+    that hostPath owned by root, and it may already exist under another owner), IPC_LOCK with
+    ``transport.ipcLock`` (RDMA registers the buffers it sends from)."""
     ctx: dict[str, Any] = {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
-    if not plan.spec.weight_sync.persist_dir:
-        ctx |= {"runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID}
-    else:  # explicit: the image's own user is 65532
+    added: list[str] = []
+    if plan.spec.weight_sync.persist_dir:
         # root without capabilities still cannot write a directory someone else owns (a persistDir
-        # made by an earlier release's uid 65532, or by an administrator): DAC_OVERRIDE, only then
-        ctx |= {"runAsUser": 0, "runAsGroup": 0, "capabilities": {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}}
+        # made by another uid, or by an administrator): DAC_OVERRIDE, only then
+        added.append("DAC_OVERRIDE")
+    if plan.spec.transport.ipc_lock:
+        added.append("IPC_LOCK")
+    if not added:
+        ctx |= {"runAsNonRoot": True, "runAsUser": NON_ROOT_UID, "runAsGroup": NON_ROOT_UID}
+    else:
+        # An added capability is effective only for root: Kubernetes gives a non-root process none
+        # (no ambient capabilities). The image's own user is 65532, hence explicit.
+        ctx |= {"runAsUser": 0, "runAsGroup": 0, "capabilities": {"drop": ["ALL"], "add": added}}
     return ctx
 
 
@@ -328,6 +339,9 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
             "volumes": volumes,
         },
     }
+    if plan.spec.transport.host_network:
+        # the host's NICs and addresses for NCCL; the cluster's DNS stays reachable
+        pod["spec"] |= {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
     pod["metadata"]["annotations"][ANNOTATION_SPEC_HASH] = spec_hash(pod, plan.spec.gpu.node)
     return pod
 

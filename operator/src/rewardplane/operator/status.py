@@ -7,6 +7,7 @@ Kubernetes Events the change deserves, so an unchanged status posts nothing.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -277,8 +278,34 @@ def restore_failed_message(pod: str, target: int, detail: str, persist_dir: str 
     return f"{pod} could not be restored to weights version {target}: {detail}; it stays out of the endpoints ({way_out})"
 
 
+# Multus (secondary networks, e.g. for RDMA) lists a Pod's interfaces and addresses here.
+NETWORK_STATUS_ANNOTATION = "k8s.v1.cni.cncf.io/network-status"
+
+
+def nccl_address(pod: Mapping[str, Any], interface: str | None) -> str:
+    """The address NCCL of this replica uses: ``interface``'s, where the Pod's network status
+    (Multus) lists it, else the Pod's IP (the host's, with hostNetwork)."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    pod_ip = str(status.get("podIP") or "")
+    raw = (meta.get("annotations") or {}).get(NETWORK_STATUS_ANNOTATION)
+    if not interface or not raw:
+        return pod_ip
+    try:
+        networks = json.loads(raw)
+    except ValueError:
+        return pod_ip  # written by the CNI: a malformed one is not this replica's fault
+    for net in networks if isinstance(networks, list) else []:
+        if isinstance(net, Mapping) and net.get("interface") == interface and net.get("ips"):
+            return str(net["ips"][0])
+    return pod_ip
+
+
 def _endpoint(
-    pod: Mapping[str, Any], http_port: int, probe: ProbeResult | None, world_size: int
+    pod: Mapping[str, Any],
+    http_port: int,
+    probe: ProbeResult | None,
+    world_size: int,
+    interface: str | None = None,
 ) -> dict[str, Any]:
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     annotations = meta.get("annotations") or {}
@@ -288,6 +315,7 @@ def _endpoint(
         "pod": meta.get("name", ""),
         "node": (pod.get("spec") or {}).get("nodeName", ""),
         "url": f"http://{ip}:{http_port}" if ip else "",
+        "ncclAddress": nccl_address(pod, interface),
         "groupPort": int(annotations.get(ANNOTATION_GROUP_PORT, 0)),
         "rankOffset": int(annotations.get(ANNOTATION_RANK_OFFSET, 0)),
         "worldSize": world_size,
@@ -384,6 +412,7 @@ def compute_status(
     desired = len(plan.replicas) if plan else int((rm.get("spec") or {}).get("replicas", 1) or 0)
     http_port = plan.ports.http if plan else 0
     world_size = plan.spec.tensor_parallel_size if plan else 1
+    interface = plan.spec.transport.interface if plan else None
 
     healthy_names = {p["metadata"]["name"] for p in live if _healthy(p, probes.get(p["metadata"]["name"]))}
     reported = [v for n in healthy_names if (v := probes[n].version) is not None]
@@ -395,7 +424,7 @@ def compute_status(
     endpoints = []
     for pod in live:
         name = pod["metadata"]["name"]
-        ep = _endpoint(pod, http_port, probes.get(name), world_size)
+        ep = _endpoint(pod, http_port, probes.get(name), world_size, interface)
         ep["ready"] = name in healthy_names and ep.get("weightsVersion") == target_version and bool(ep["url"])
         if name in stale_pods:
             ep["state"], ep["ready"] = STATE_STALE, False
