@@ -6,6 +6,7 @@ when asked (not at import)."""
 from __future__ import annotations
 
 import io
+import logging
 import re
 import subprocess
 import sys
@@ -143,9 +144,14 @@ def test_export_writes_what_get_reads() -> None:
     assert settings.TOKEN.get(env) is None and "REWARDPLANE_TOKEN" not in env
 
 
-def test_retired_names_are_reported_not_read() -> None:
+def test_retired_names_are_reported_not_read(caplog: pytest.LogCaptureFixture) -> None:
     env = {"REWARDPLANE_PER_TENSOR_WIRE": "0", "REWARDPLANE_TOKEN": "t"}
     assert settings.retired_in_environment(env) == ["REWARDPLANE_PER_TENSOR_WIRE"]
+    with caplog.at_level(logging.WARNING):
+        settings.warn_retired(logging.getLogger("test"), env)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"REWARDPLANE_PER_TENSOR_WIRE is set but retired: {settings.RETIRED['REWARDPLANE_PER_TENSOR_WIRE']}"
+    ]
 
 
 def test_server_flags_fall_back_to_the_environment_and_reach_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,6 +15,7 @@ Depends only on the standard library, so every layer may import it.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -383,6 +384,12 @@ def retired_in_environment(environ: Mapping[str, str] | None = None) -> list[str
     """Retired names set in ``environ`` (they do nothing now; a program may warn about them)."""
     env = os.environ if environ is None else environ
     return sorted(name for name in RETIRED if name in env)
+
+
+def warn_retired(log: logging.Logger, environ: Mapping[str, str] | None = None) -> None:
+    """One warning per retired name set in ``environ``: it does nothing now, and says what holds."""
+    for name in retired_in_environment(environ):
+        log.warning("%s is set but retired: %s", name, RETIRED[name])
 
 
 def _cell(text: str) -> str:

@@ -75,10 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Read by the handlers module when it registers the timer, so set before importing it.
     settings.RESYNC_INTERVAL.export(args.resync_interval)
-    for name in settings.retired_in_environment():
-        logging.getLogger("rewardplane.operator").warning(
-            "%s is set but retired: %s", name, settings.RETIRED[name]
-        )
+    settings.warn_retired(logging.getLogger("rewardplane.operator"))
 
     import kopf
 

@@ -149,8 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg.export_settings()  # the flags' values, for the engine and its worker processes
-    for name in settings.retired_in_environment():
-        logging.getLogger(__name__).warning("%s is set but retired: %s", name, settings.RETIRED[name])
+    settings.warn_retired(logging.getLogger(__name__))
     try:
         app = build_server_app(cfg)
     except (ValueError, RuntimeError, OSError, ImportError) as exc:
