@@ -5,6 +5,7 @@
 #   bash scripts/gpu-run.sh tests [PYTEST ARGS]   # tests/gpu (NCCL sync; vLLM tests when vllm imports),
 #                                                 # or the test files / options given
 #   bash scripts/gpu-run.sh bench-sync [ARGS]     # benchmarks/weight_sync.py
+#   bash scripts/gpu-run.sh bench-sharded [ARGS]  # benchmarks/sharded_push.py (4 GPUs)
 #   bash scripts/gpu-run.sh bench-score [ARGS]    # benchmarks/scoring_gpu.py
 #   bash scripts/gpu-run.sh bench-pending         # benchmarks/pending_receive.py (2 GPUs)
 #   bash scripts/gpu-run.sh bench-http [ARGS]     # benchmarks/http_client.py (CPU only)
@@ -43,6 +44,7 @@ case "$what" in
   tests) [ $# -gt 0 ] || set -- tests/gpu  # default: the whole GPU suite; or name test files / -k
     python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" "$@" 2>&1 | tee "$OUT/gpu-tests.log" ;;
   bench-sync) python3 benchmarks/weight_sync.py "$@" 2>&1 | tee "$OUT/bench-sync.log" ;;
+  bench-sharded) python3 benchmarks/sharded_push.py "$@" 2>&1 | tee "$OUT/bench-sharded.log" ;;
   bench-score) python3 benchmarks/scoring_gpu.py "$@" 2>&1 | tee "$OUT/bench-score.log" ;;
   bench-pending) python3 benchmarks/pending_receive.py "$@" 2>&1 | tee "$OUT/bench-pending.log" ;;
   bench-http) python3 benchmarks/http_client.py "$@" 2>&1 | tee "$OUT/bench-http.log" ;;
@@ -51,5 +53,5 @@ case "$what" in
   all)
     python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/gpu 2>&1 | tee "$OUT/gpu-tests.log"
     python3 benchmarks/weight_sync.py 2>&1 | tee "$OUT/bench-sync.log" ;;
-  *) echo "usage: gpu-run.sh tests|bench-sync|bench-score|bench-pending|bench-http|bench-sleep|all [args]"; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench-sync|bench-sharded|bench-score|bench-pending|bench-http|bench-sleep|all [args]"; exit 2 ;;
 esac

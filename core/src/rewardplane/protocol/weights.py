@@ -13,10 +13,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
     StrictBool,
     StrictFloat,
     StrictInt,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -53,12 +56,34 @@ def canonical_dtype(dtype: str) -> str:
     return name
 
 
+class Piece(BaseModel):
+    """Rows ``start:stop`` along a tensor's ``split_dim``, sent by trainer rank ``sender`` (its
+    index among the trainer's sending ranks: an FSDP shard, or a tensor-parallel slice)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sender: StrictInt = Field(ge=0)
+    start: StrictInt = Field(ge=0)
+    stop: StrictInt = Field(ge=1)
+
+
+# What a ParamMeta carries only when a push has several senders: left out of its JSON otherwise,
+# so a single-sender layout reads (and hashes) as it always did.
+_SHARDING_DEFAULTS: dict[str, Any] = {"sender": 0, "split_dim": None, "pieces": ()}
+
+
 class ParamMeta(BaseModel):
+    """One pushed tensor, whole: name, dtype, full shape. With several trainer ranks sending, who
+    sends it: ``sender`` for the whole tensor, or ``pieces`` along ``split_dim`` that cover it."""
+
     model_config = ConfigDict(frozen=True)
 
     name: str = Field(min_length=1)
     dtype: str
     shape: tuple[StrictInt, ...]
+    sender: StrictInt = Field(default=0, ge=0)
+    split_dim: StrictInt | None = None
+    pieces: tuple[Piece, ...] = ()
 
     @field_validator("dtype")
     @classmethod
@@ -72,6 +97,41 @@ class ParamMeta(BaseModel):
             raise ValueError(f"shape {v} has a negative dimension")
         return v
 
+    @model_validator(mode="after")
+    def _pieces_cover(self) -> ParamMeta:
+        if not self.pieces and self.split_dim is None:
+            return self
+        if self.split_dim is None or not 0 <= self.split_dim < len(self.shape):
+            raise ValueError(
+                f"parameter {self.name!r}: pieces need a split_dim within its {len(self.shape)} dimensions"
+            )
+        if self.sender != 0:
+            raise ValueError(f"parameter {self.name!r}: give either one sender or pieces, not both")
+        if len(self.senders) != len(self.pieces):
+            raise ValueError(f"parameter {self.name!r}: a sender sends at most one piece of a tensor")
+        at = 0
+        for p in self.pieces:
+            if p.start != at or p.stop <= p.start:
+                raise ValueError(
+                    f"parameter {self.name!r}: pieces must cover dimension {self.split_dim} in order without "
+                    f"gaps or overlaps; a piece starts at {p.start}, expected {at}"
+                )
+            at = p.stop
+        if at != self.shape[self.split_dim]:
+            raise ValueError(
+                f"parameter {self.name!r}: pieces cover {at} of the {self.shape[self.split_dim]} rows of "
+                f"dimension {self.split_dim}"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler, info: SerializationInfo) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        for key, default in _SHARDING_DEFAULTS.items():
+            if key in out and out[key] in (default, [] if default == () else default):
+                del out[key]
+        return out
+
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -79,6 +139,24 @@ class ParamMeta(BaseModel):
     @property
     def nbytes(self) -> int:
         return self.numel * DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def senders(self) -> set[int]:
+        """The trainer ranks (sender indexes) that send part of this tensor."""
+        return {p.sender for p in self.pieces} if self.pieces else {self.sender}
+
+    def piece_shape(self, piece: Piece) -> tuple[int, ...]:
+        assert self.split_dim is not None
+        shape = list(self.shape)
+        shape[self.split_dim] = piece.stop - piece.start
+        return tuple(shape)
+
+    def wire_parts(self) -> list[tuple[int, Piece | None, int]]:
+        """(sender, piece or None for the whole tensor, bytes) in the order they travel."""
+        if not self.pieces:
+            return [(self.sender, None, self.nbytes)]
+        item = DTYPE_ITEMSIZE[self.dtype]
+        return [(p.sender, p, math.prod(self.piece_shape(p)) * item) for p in self.pieces]
 
 
 class BucketSlot(BaseModel):
@@ -222,13 +300,17 @@ def check_adapter_metadata(
 
 
 class InitCommunicatorRequest(BaseModel):
-    """Join the trainer's process group. The trainer hosts the TCPStore at host:port and is the
-    last rank; this server's workers take ranks ``rank_offset .. rank_offset + world_size_local - 1``."""
+    """Join the trainer's process group. The trainer hosts the TCPStore at host:port; its
+    ``senders`` ranks take the last ranks (sender i is rank ``world_size - senders + i``); this
+    server's workers take ranks ``rank_offset .. rank_offset + world_size_local - 1``."""
 
     host: str
     port: StrictInt = Field(ge=1, le=65535)
     world_size: StrictInt = Field(ge=2)
     rank_offset: StrictInt = Field(default=0, ge=0)
+    senders: StrictInt = Field(
+        default=1, ge=1, description="How many trainer ranks send parts of each push (the last ranks)."
+    )
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     # A server waits on one join at a time: until this passes, a second join is answered 409.
     timeout_s: StrictFloat = Field(default=120.0, gt=0)
@@ -236,10 +318,10 @@ class InitCommunicatorRequest(BaseModel):
 
     @model_validator(mode="after")
     def _rank_fits(self) -> InitCommunicatorRequest:
-        if self.rank_offset >= self.world_size - 1:
+        if self.rank_offset >= self.world_size - self.senders:
             raise ValueError(
                 f"rank_offset {self.rank_offset} leaves no room in world_size {self.world_size}: the "
-                "trainer takes the last rank, servers take ranks before it"
+                f"trainer's {self.senders} sending rank(s) take the last ranks, servers take ranks before them"
             )
         return self
 
@@ -269,6 +351,9 @@ def layout_id(metadata: Sequence[ParamMeta], bucket_bytes: int) -> str:
     h.update(f"{WIRE_LAYOUT}\n".encode())  # a receiver of another wire refuses the id
     for m in metadata:
         h.update(f"{m.name}\0{m.dtype}\0{','.join(str(d) for d in m.shape)}\n".encode())
+        if m.sender or m.pieces:  # who sends what is part of the wire; one sender hashes as it did
+            pieces = ",".join(f"{p.sender}:{p.start}:{p.stop}" for p in m.pieces)
+            h.update(f"\1{m.sender}\0{m.split_dim}\0{pieces}\n".encode())
     return h.hexdigest()
 
 

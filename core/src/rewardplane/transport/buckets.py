@@ -3,11 +3,12 @@ server receives what it cannot take in place into one, and stages an atomic push
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from rewardplane.protocol import Bucket, ParamMeta, canonical_dtype
+from rewardplane.protocol import Bucket, ParamMeta, Piece, canonical_dtype
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -46,3 +47,19 @@ def unpack_bucket(
         meta = metadata[slot.index]
         raw = buf[slot.offset : slot.offset + slot.nbytes]
         yield meta.name, raw.view(torch_dtype(meta.dtype)).view(meta.shape)
+
+
+def piece_view(full: torch.Tensor, meta: ParamMeta, piece: Piece) -> torch.Tensor:
+    """The piece's place in ``full`` (the whole tensor, typed and shaped as announced): a view."""
+    assert meta.split_dim is not None
+    return full.narrow(meta.split_dim, piece.start, piece.stop - piece.start)
+
+
+def piece_bytes(full_bytes: torch.Tensor, meta: ParamMeta, piece: Piece) -> torch.Tensor | None:
+    """The piece's bytes inside ``full_bytes`` (the whole tensor's, flat) when they are contiguous
+    there (a split along the first dimension of more than one element), else None."""
+    assert meta.split_dim is not None
+    if any(d != 1 for d in meta.shape[: meta.split_dim]):
+        return None
+    row = math.prod(meta.shape[meta.split_dim + 1 :]) * torch_dtype(meta.dtype).itemsize
+    return full_bytes[piece.start * row : piece.stop * row]

@@ -36,7 +36,7 @@ class TensorCommunicator(Protocol):
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
 
-    def broadcast_group(self, tensors: Sequence[torch.Tensor], src: int) -> None: ...
+    def broadcast_group(self, tensors: Sequence[torch.Tensor], src: int | Sequence[int]) -> None: ...
 
     def wait_event(self, done: torch.cuda.Event) -> None: ...
 
@@ -93,9 +93,15 @@ class Communicator:
         backend: Backend = "auto",
         timeout_s: float = 120.0,
         group_id: str = "default",
+        senders: int = 1,
     ) -> None:
+        if not 1 <= senders < world_size:
+            raise CommunicatorError(f"{senders} sending rank(s) do not fit a group of {world_size}")
         self.rank = rank
         self.world_size = world_size
+        # the trainer's sending ranks are the last ones: sender i is rank first_sender + i
+        self.senders = senders
+        self.first_sender = world_size - senders
         if device.type == "cuda" and device.index is None:  # NCCL needs a concrete device
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
@@ -155,20 +161,24 @@ class Communicator:
         else:
             self._wait(work, "broadcast")
 
-    def broadcast_group(self, tensors: Sequence[torch.Tensor], src: int) -> None:
-        """Broadcast several tensors from rank ``src`` as one NCCL group (one launch; the peers
-        must post the same sizes in the same order, into buffers of their choice). gloo: one
+    def broadcast_group(self, tensors: Sequence[torch.Tensor], src: int | Sequence[int]) -> None:
+        """Broadcast several tensors as one NCCL group (one launch; the peers must post the same
+        sizes in the same order, into buffers of their choice), each from rank ``src`` (one rank
+        for all, or one per tensor: several trainer ranks send their own parts). gloo: one
         broadcast after the other. Ordering and waiting as ``broadcast``."""
+        roots = [src] * len(tensors) if isinstance(src, int) else list(src)
+        if len(roots) != len(tensors):
+            raise ValueError(f"{len(tensors)} tensors but {len(roots)} source ranks")
         if self.backend != "nccl":
-            for tensor in tensors:
-                self.broadcast(tensor, src)
+            for tensor, root in zip(tensors, roots, strict=True):
+                self.broadcast(tensor, root)
             return
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
         self.pg._start_coalescing()  # the backend's own: no device argument
         try:
-            for tensor in tensors:
+            for tensor, root in zip(tensors, roots, strict=True):
+                opts = dist.BroadcastOptions()
+                opts.rootRank = root
+                opts.rootTensor = 0
                 self.pg.broadcast([tensor], opts)
         except BaseException:
             # half a group must never be launched: the peers would pair it with other buffers

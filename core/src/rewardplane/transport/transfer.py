@@ -25,7 +25,7 @@ import torch
 
 from rewardplane.protocol import Bucket, ParamMeta, plan_buckets
 
-from .buckets import as_bytes, torch_dtype, unpack_bucket
+from .buckets import as_bytes, piece_bytes, piece_view, torch_dtype, unpack_bucket
 from .comm import Communicator, TensorCommunicator
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
@@ -55,10 +55,15 @@ def send_buckets(
     src: int,
     plan: list[Bucket] | None = None,
     before_first: Callable[[], bool] | None = None,
+    sender: int = 0,
 ) -> int:
     """Broadcast ``tensors`` (ordered as ``metadata``) from rank ``src``, each bucket one group of
     broadcasts straight from the tensors (a tensor not on the device is copied first, on the
     transfer stream); returns bytes sent.
+
+    Several sending ranks: ``src`` is the first one's rank and this rank is sender ``sender``; it
+    sends what ``metadata`` gives it (``tensors[name]`` is its piece of a split tensor) and takes
+    part in the other senders' broadcasts with scratch buffers (at most two buckets' worth).
 
     The receivers must have accepted the push (the announce) before: on CUDA everything is enqueued
     and waited for here, bounded by the group's timeout. ``plan``: ``plan_buckets(metadata,
@@ -67,19 +72,38 @@ def send_buckets(
     """
     plan = plan if plan is not None else plan_buckets(list(metadata), bucket_bytes)
     device = comm.device
+    scratch: list[torch.Tensor | None] = [None, None]
 
-    def sources(bucket: Bucket) -> list[torch.Tensor]:
-        out = []
+    def sources(k: int, bucket: Bucket) -> tuple[list[torch.Tensor], list[int]]:
+        out: list[torch.Tensor] = []
+        roots: list[int] = []
+        foreign: list[tuple[int, int]] = []  # (position in out, bytes) sent by another rank
         for slot in bucket.slots:
-            t = tensors[metadata[slot.index].name]
-            out.append(as_bytes(t if t.device == device else t.to(device, non_blocking=True)))
-        return out
+            meta = metadata[slot.index]
+            for owner, _, nbytes in meta.wire_parts():
+                roots.append(src + owner)
+                if owner != sender:
+                    foreign.append((len(out), nbytes))
+                    out.append(_EMPTY)
+                    continue
+                t = tensors[meta.name]
+                out.append(as_bytes(t if t.device == device else t.to(device, non_blocking=True)))
+        if foreign:  # another rank's bytes pass through here: into scratch, reused every other bucket
+            need = sum(n for _, n in foreign)
+            buf = scratch[k % 2]
+            if buf is None or buf.numel() < need:
+                buf = scratch[k % 2] = torch.empty(need, dtype=torch.uint8, device=device)
+            at = 0
+            for pos, n in foreign:
+                out[pos] = buf[at : at + n]
+                at += n
+        return out, roots
 
     if device.type != "cuda":
         if before_first is not None and not before_first():
             return 0
-        for bucket in plan:
-            comm.broadcast_group(sources(bucket), src)
+        for k, bucket in enumerate(plan):
+            comm.broadcast_group(*sources(k, bucket))
         return sum(b.nbytes for b in plan)
     caller = torch.cuda.current_stream(device)
     main, _ = _streams(device)  # a wedged transfer must not block the caller's stream
@@ -91,15 +115,18 @@ def send_buckets(
         for k, bucket in enumerate(plan):
             if k >= 2:
                 # two buckets in flight (a progress bar follows the link), and a dead peer is
-                # noticed here, within the timeout
+                # noticed here, within the timeout; the scratch buffer of bucket k-2 is free again
                 comm.wait_event(sent[k - 2])
-            comm.broadcast_group(sources(bucket), src)
+            comm.broadcast_group(*sources(k, bucket))
             done = torch.cuda.Event()
             done.record(main)
             sent.append(done)
         comm.synchronize()
     caller.wait_stream(main)  # the caller may overwrite the parameters once this returns
     return sum(b.nbytes for b in plan)
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass
@@ -130,7 +157,8 @@ def receive_buckets(
 ) -> Received:
     """Receive every bucket; ``load`` each as it arrives, or stage them all when ``load`` is None.
 
-    A failing ``load`` does not stop the receive (the trainer's broadcast must not hang); its
+    ``src``: the rank of the trainer's first sending rank (a split tensor's pieces come from
+    ``src + piece.sender``). A failing ``load`` does not stop the receive (the trainer's broadcast must not hang); its
     error is returned. Communication failures raise ``CommunicatorError``; pass ``out`` to see,
     after such a failure, whether weights may already have been written (``applied_any``).
     ``place`` (loading only): where to receive a tensor in place, skipping ``load``.
@@ -145,6 +173,8 @@ def receive_buckets(
         """Post the bucket's receive (on the current stream); returns what of it lands in the
         bucket buffer (``buffer()``, asked for only when something does)."""
         targets: list[torch.Tensor] = []
+        roots: list[int] = []
+        scattered: list[tuple[torch.Tensor, torch.Tensor]] = []  # (piece received, its place)
         left = []
         for slot in bucket.slots:
             meta = metas[slot.index]
@@ -156,17 +186,30 @@ def receive_buckets(
                 and tuple(target.shape) == tuple(meta.shape)
                 and target.device == device
             ):
-                targets.append(target.view(-1).view(torch.uint8))
+                whole = target.view(-1).view(torch.uint8)
                 out.in_place_bytes += slot.nbytes
             else:
-                targets.append(buffer()[slot.offset : slot.offset + slot.nbytes])
+                whole = buffer()[slot.offset : slot.offset + slot.nbytes]
                 left.append(slot)
+            for owner, piece, nbytes in meta.wire_parts():
+                roots.append(src + owner)
+                if piece is None:
+                    targets.append(whole)
+                    continue
+                contiguous = piece_bytes(whole, meta, piece)
+                if contiguous is None:  # e.g. a split along columns: received whole, then put in place
+                    contiguous = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                    typed = whole.view(torch_dtype(meta.dtype)).view(meta.shape)
+                    scattered.append((contiguous, piece_view(typed, meta, piece)))
+                targets.append(contiguous)
         if len(left) < len(bucket.slots):
             out.applied_any = True  # parameters are written as the bytes arrive
             bucket = bucket.model_copy(update={"slots": tuple(left)})
         if out.posting_at is None:
             out.posting_at = time.monotonic()
-        comm.broadcast_group(targets, src)
+        comm.broadcast_group(targets, roots)
+        for received, dst in scattered:  # stream-ordered after the receive (gloo: it is done)
+            dst.copy_(received.view(dst.dtype).view(dst.shape))
         out.bytes += bucket.nbytes
         if out.posted_at is None:
             out.posted_at = time.monotonic()

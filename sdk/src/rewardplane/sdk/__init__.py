@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from .direct_sync import WeightPusher
     from .lora import LoraSync
     from .publisher import Rank0OnlyPublisher
+    from .sharding import TensorPiece
 
 # What docs/sdk.md documents, by its table's areas (tests/unit/test_sdk_surface.py keeps the two alike).
 __all__ = [
@@ -89,6 +90,7 @@ __all__ = [
     "ReplicaEndpoint",
     "RewardModelHandle",
     "RewardModelTrainingMode",
+    "TensorPiece",
     "WeightPusher",
     "WeightSyncMode",
     "normalize_params",
@@ -143,6 +145,7 @@ _LAZY = {
     "WeightPusher": ".direct_sync",
     "Rank0OnlyPublisher": ".publisher",
     "LoraSync": ".lora",
+    "TensorPiece": ".sharding",
 }
 
 

@@ -70,7 +70,7 @@ class _ProgressComm:
         self._comm.broadcast(tensor, src)
         self._bar.update(int(tensor.numel() * tensor.element_size()))
 
-    def broadcast_group(self, tensors: Any, src: int) -> None:
+    def broadcast_group(self, tensors: Any, src: Any) -> None:
         self._comm.broadcast_group(tensors, src)
         self._bar.update(sum(int(t.numel() * t.element_size()) for t in tensors))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from rewardplane.protocol import (
     DEFAULT_BUCKET_BYTES,
@@ -21,6 +22,8 @@ from rewardplane.protocol import (
 from rewardplane.protocol.naming import WeightValidationError
 from rewardplane.transport.comm import Backend, Communicator, default_device
 
+from ._exceptions import WeightSyncError
+from ._sharded_push import ShardedPusher
 from .data_plane import DataPlaneStarter
 from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards, open_trainer_group
 from .retry import RewardServerError
@@ -37,7 +40,7 @@ class FanOutCommunicator:
         for c in self.comms:
             c.broadcast(tensor, c.world_size - 1)
 
-    def broadcast_group(self, tensors: Sequence[torch.Tensor], src: int) -> None:
+    def broadcast_group(self, tensors: Sequence[torch.Tensor], src: int | Sequence[int]) -> None:
         for c in self.comms:
             c.broadcast_group(tensors, c.world_size - 1)
 
@@ -84,6 +87,11 @@ class WeightPusher:
         head_name_patterns: what counts as the head for head-only pushes.
         data_plane: once every server accepted a layout over HTTP, start its later pushes from
             the data plane (a header in the group's store, no HTTP request; one group only).
+        trainer_group: the trainer's own process group (e.g. FSDP's) when it has several ranks:
+            :meth:`push` and :meth:`close` become collectives that every rank calls with its own
+            state dict (FSDP2 ``DTensor``s, ``TensorPiece`` slices, or tensors every rank holds
+            alike). Each rank sends its own part from its own device; nothing is gathered. Rank 0
+            talks to the servers and hosts the group on ``group_port``; ``device`` is each rank's.
 
     The group is formed on the first push (or :meth:`open`) and kept for the next ones; a failed
     transfer drops it and the next push forms it again.
@@ -107,6 +115,7 @@ class WeightPusher:
         per_server_groups: bool = False,
         head_name_patterns: Sequence[str] | None = None,
         data_plane: bool = True,
+        trainer_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.urls = list(urls)
         self.data_plane = data_plane
@@ -133,14 +142,52 @@ class WeightPusher:
         self.atomic = atomic
         self.per_server_groups = per_server_groups
         self.head_name_patterns = head_name_patterns
-        self.control = HTTPControlPlane(self.urls, token=token, token_file=token_file, timeout_s=timeout_s)
         self._publisher: RewardModelPublisher | None = None
+        self.sharded: ShardedPusher | None = None
+        if trainer_group is not None and dist.get_world_size(trainer_group) > 1:
+            if per_server_groups:
+                raise ValueError("per_server_groups and a multi-rank trainer_group do not go together")
+            self.sharded = ShardedPusher(
+                trainer_group,
+                self.urls,
+                group_port=group_port,
+                token=token,
+                token_file=token_file,
+                trainer_host=trainer_host,
+                device=self.device,
+                backend=backend,
+                timeout_s=timeout_s,
+                connect_timeout_s=connect_timeout_s,
+                bucket_bytes=bucket_bytes,
+                atomic=atomic,
+                head_name_patterns=head_name_patterns,
+                data_plane=data_plane,
+            )
+            self._control = self.sharded.control  # rank 0's; None on the other ranks
+        else:
+            self._control = HTTPControlPlane(
+                self.urls, token=token, token_file=token_file, timeout_s=timeout_s
+            )
+
+    @property
+    def control(self) -> HTTPControlPlane:
+        """The servers' control plane (with a multi-rank ``trainer_group``: rank 0's only)."""
+        if self._control is None:
+            raise WeightSyncError(
+                "only rank 0 of the trainer group talks to the reward servers; call this on rank 0"
+            )
+        return self._control
 
     def _control_for(self, urls: Sequence[str]) -> HTTPControlPlane:
         return HTTPControlPlane(urls, token=self.token, token_file=self.token_file, timeout_s=self.timeout_s)
 
     def open(self) -> RewardModelPublisher:
-        """Form the process group (once) and return the publisher that pushes over it."""
+        """Form the process group (once) and return the publisher that pushes over it. With a
+        multi-rank ``trainer_group`` the group forms in :meth:`push` or :meth:`open_group`."""
+        if self.sharded is not None:
+            raise WeightSyncError(
+                "with a multi-rank trainer_group, call open_group() on every rank (or just push)"
+            )
         if self._publisher is not None:
             return self._publisher
         host = self.trainer_host or local_address_towards(self.urls[0])
@@ -190,6 +237,14 @@ class WeightPusher:
         )
         return self._publisher
 
+    def open_group(self) -> None:
+        """Form the push group ahead of the first push (a collective with a multi-rank
+        ``trainer_group``: every rank calls it)."""
+        if self.sharded is not None:
+            self.sharded.open()
+        else:
+            self.open()
+
     def max_lora_rank(self) -> int:
         """The largest LoRA rank every server serves as an adapter; 0 where any serves none (then
         sync mode ``auto`` resolves to ``full``)."""
@@ -215,9 +270,13 @@ class WeightPusher:
         ``training_mode="adapter"`` pushes only LoRA A/B tensors (plus e.g. the head), with their
         ``adapter`` configuration; the servers serve them as a LoRA adapter over untouched base
         weights (``rewardplane.sdk.LoraSync`` picks the mode and falls back to merged pushes)."""
+        mode = RewardModelTrainingMode(training_mode)
+        if self.sharded is not None:
+            return self.sharded.push(
+                params, version, training_mode=mode, keep_lora=keep_lora, adapter=adapter
+            )
         publisher = self.open()
         v = self.next_version() if version is None else version
-        mode = RewardModelTrainingMode(training_mode)
         try:
             return publisher.publish(params, v, training_mode=mode, keep_lora=keep_lora, adapter=adapter)
         except (WeightValidationError, RewardServerError) as exc:
@@ -240,6 +299,9 @@ class WeightPusher:
 
     def close(self) -> None:
         """Tell the servers to leave the group, then release it and the HTTP clients."""
+        if self.sharded is not None:
+            self.sharded.close()
+            return
         if self._publisher is not None:
             self.control.close_communicator()
         self.reset()

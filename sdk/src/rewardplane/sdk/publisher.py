@@ -177,10 +177,11 @@ class HTTPControlPlane:
         return self._manifest
 
     def init_communicator(
-        self, host: str, port: int, *, backend: Backend, timeout_s: float, group_id: str
+        self, host: str, port: int, *, backend: Backend, timeout_s: float, group_id: str, senders: int = 1
     ) -> None:
+        """Ask every server to join the group whose last ``senders`` ranks are the trainer's."""
         self._announced.clear()  # a new group may mean restarted servers: announce layouts in full again
-        world = self.total_world_size()
+        world = sum(self.world_sizes()) + senders
         for url, offset in zip(self.urls, self.rank_offsets(), strict=True):
             req = InitCommunicatorRequest(
                 host=host,
@@ -190,8 +191,9 @@ class HTTPControlPlane:
                 backend=backend,
                 timeout_s=timeout_s,
                 group_id=group_id,
+                senders=senders,
             )
-            self._post(url, Endpoints.INIT_COMMUNICATOR, req.model_dump(mode="json"))
+            self._post(url, Endpoints.INIT_COMMUNICATOR, req.model_dump(mode="json", exclude_defaults=True))
 
     def announce_update_batch(
         self,
@@ -456,6 +458,7 @@ class RewardModelPublisher:
                 adapter=adapter,
             )
             announced = time.perf_counter()
+            self._phase("send")
             return True
 
         total = send_buckets(
@@ -485,6 +488,10 @@ class RewardModelPublisher:
         }
         return version
 
+    def _phase(self, step: str) -> None:
+        """Called as a push enters a phase other sending ranks take part in (``ready``: a
+        data-plane push's ready reduction is next; ``send``: the servers accepted the announce)."""
+
     def _publish_from_data_plane(
         self,
         dp: DataPlaneStarter,
@@ -507,6 +514,7 @@ class RewardModelPublisher:
             timeout_s=self.timeout_s,
         )
         header = time.perf_counter()
+        self._phase("ready")
         tensors = _detached(state_dict, order)  # while the servers take the header in
         ready: float | None = None  # when every replica had accepted it; None: one refused
 

@@ -59,7 +59,9 @@ class AnnouncedPushes(DataPlanePushes):
                     req.backend,
                     req.timeout_s,
                     group_id,
+                    req.senders,
                 )
+                self._senders = req.senders
                 self._has_comm = True
                 self.last_error = None
                 await self._listen(req, group_id)
@@ -109,6 +111,12 @@ class AnnouncedPushes(DataPlanePushes):
             )
         else:
             problems = check_metadata(req.metadata, self.manifest)
+        problems += [
+            f"parameter {m.name!r} names sender {max(m.senders)}, but the trainer's group has "
+            f"{self._senders} sending rank(s); join with senders={max(m.senders) + 1} or more"
+            for m in req.metadata
+            if max(m.senders) >= self._senders
+        ]
         if problems:
             raise BadRequest(
                 f"{len(problems)} announced parameter(s) do not fit the served model; nothing was received: "

@@ -104,6 +104,7 @@ class ControlPlaneState:
         # persisting thread: a push right behind it waits for that moment instead of a 409
         self._update_committed = False
         self._has_comm = False
+        self._senders = 1  # the trainer's sending ranks in the group joined last
         # Validated push layouts by layout_id (most recent last): later pushes name them by id.
         self._layouts: OrderedDict[str, Layout] = OrderedDict()
         # Layouts the workers hold (their cache, mirrored with the same remember_layout): the

@@ -127,7 +127,7 @@ class DataPushListener(ReceivePart):
                 comm,
                 metas,
                 go.bucket_bytes,
-                comm.world_size - 1,
+                comm.first_sender,
                 load,
                 out=got,
                 plan=plan,

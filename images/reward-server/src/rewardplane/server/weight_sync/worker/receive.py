@@ -24,6 +24,7 @@ class ReceivePart(StagingPart):
         backend: str,
         timeout_s: float,
         group_id: str,
+        senders: int = 1,
     ) -> int:
         self.rp_close_communicator()
         rank = rank_offset + self.rp_local_rank()
@@ -36,6 +37,7 @@ class ReceivePart(StagingPart):
             backend=backend,  # type: ignore[arg-type]
             timeout_s=timeout_s,
             group_id=group_id,
+            senders=senders,
         )
         return rank
 
@@ -74,7 +76,7 @@ class ReceivePart(StagingPart):
                 "bytes": 0,
                 "error": "no communicator: call /init_communicator first",
             }
-        src = comm.world_size - 1
+        src = comm.first_sender
         got = Received()
 
         def outcome(ok: bool, partial: bool, error: str | None) -> dict[str, Any]:

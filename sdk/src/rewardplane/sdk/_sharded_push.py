@@ -1,0 +1,417 @@
+"""Pushes from every rank of a multi-rank trainer: a collective, like FSDP's own state-dict calls.
+
+Rank 0 of the trainer's process group (the leader) talks to the servers over HTTP, hosts the
+push group's store and decides each push's path, exactly as a one-process trainer does; every
+rank (the leader too) sends its own part of the bytes, from its own GPU, into the same push group,
+where the trainer's ranks are the last ranks. Nothing is gathered.
+
+The other ranks follow the leader through the push group's store (a dead leader's store closes, so
+they learn of it at once): the leader posts a step before each phase they take part in: ``ready``
+(a data-plane push: join the ready reduction, then send and join the commit reduction), ``send``
+(a push announced over HTTP: send, then join the commit reduction), and exactly one final step,
+``done`` or ``fail`` with the reason, so that every rank returns or raises alike.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+
+from rewardplane.protocol import (
+    DEFAULT_BUCKET_BYTES,
+    AdapterConfig,
+    Bucket,
+    ParamMeta,
+    RewardModelTrainingMode,
+    layout_id,
+    plan_buckets,
+)
+from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, WeightValidationError
+from rewardplane.transport.comm import Backend, Communicator, create_store
+from rewardplane.transport.signals import StoreClosed, put, wait_value
+from rewardplane.transport.transfer import send_buckets
+
+from ._exceptions import WeightSyncError
+from .data_plane import DataPlaneStarter
+from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards
+from .push_checks import check_fits, names_for_mode
+from .retry import RewardServerError
+from .sharding import LocalPart, PushPlan, local_parts, parts_digest, plan_senders
+
+StepName = Literal["ready", "send", "done", "fail"]
+
+
+class SenderStep(BaseModel):
+    """The leader → the other sending ranks: what to do next in push ``push``."""
+
+    push: int
+    step: StepName
+    version: int
+    error: str | None = None
+    # the push group is dropped (a transfer failed): every rank forms it again on the next push
+    regroup: bool = False
+
+
+class GroupInvite(BaseModel):
+    """The leader → the other ranks, once per push group: how to join it, and the served names."""
+
+    host: str = ""
+    port: int = 0
+    group_id: str = ""
+    world_size: int = 0
+    backend: str = "auto"
+    served: list[str] | None = None
+    error: str | None = None
+
+
+def _step_key(push: int, n: int) -> str:
+    return f"trainers/{push}/{n}"
+
+
+class ShardedLayout:
+    """The servers' names and order for a push of every rank's parts (identical on every rank)."""
+
+    def __init__(self, served: set[str] | None, head_patterns: Sequence[str], bucket_bytes: int) -> None:
+        self.served = served
+        self.head_patterns = tuple(head_patterns)
+        self.bucket_bytes = bucket_bytes
+        self._cache: tuple[Any, list[tuple[str, str]], list[ParamMeta], list[Bucket], str] | None = None
+
+    def of(
+        self,
+        plan: PushPlan,
+        mode: RewardModelTrainingMode,
+        keep_lora: bool,
+        adapter: AdapterConfig | None,
+        manifest: Mapping[str, ParamMeta] | None,
+    ) -> tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket], str]:
+        key = (id(plan), mode, keep_lora, adapter)
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1:]
+        renamed = names_for_mode(
+            {k: k for k in plan.metas},
+            mode,
+            served=self.served,
+            keep_lora=keep_lora,
+            head_patterns=self.head_patterns,
+            adapter=adapter,
+        )
+        order = [(server, renamed[server]) for server in sorted(renamed)]
+        metadata = [plan.metas[k].model_copy(update={"name": server}) for server, k in order]
+        if manifest:
+            check_fits(metadata, manifest, mode, adapter)
+        buckets = plan_buckets(metadata, self.bucket_bytes)
+        lid = layout_id(metadata, self.bucket_bytes)
+        self._cache = (key, order, metadata, buckets, lid)
+        return order, metadata, buckets, lid
+
+
+class _LeaderPublisher(RewardModelPublisher):
+    """Rank 0's publisher: the one-process path, with the other ranks told of each phase."""
+
+    def __init__(self, *args: Any, layout: ShardedLayout, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.sharded_layout = layout
+        self.plan: PushPlan | None = None
+        self.tell: Any = None
+
+    def _layout(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        mode: RewardModelTrainingMode,
+        keep_lora: bool,
+        adapter: AdapterConfig | None = None,
+    ) -> tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket], str]:
+        assert self.plan is not None
+        return self.sharded_layout.of(self.plan, mode, keep_lora, adapter, self.control.manifest())
+
+    def _phase(self, step: str) -> None:
+        if self.tell is not None:
+            self.tell(step)
+
+
+class ShardedPusher:
+    """Every rank of ``group`` calls :meth:`push` with its own state dict (FSDP2 ``DTensor``s,
+    ``TensorPiece`` slices, or plain tensors every rank holds alike); each sends its part."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        urls: Sequence[str],
+        *,
+        group_port: int,
+        token: str | None,
+        token_file: str | None,
+        trainer_host: str | None,
+        device: torch.device,
+        backend: Backend,
+        timeout_s: float,
+        connect_timeout_s: float,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        atomic: bool,
+        head_name_patterns: Sequence[str] | None,
+        data_plane: bool,
+    ) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.senders = dist.get_world_size(group)
+        self.urls = list(urls)
+        self.group_port = group_port
+        self.trainer_host = trainer_host
+        self.device = device
+        self.backend: Backend = backend
+        self.timeout_s = timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.bucket_bytes = bucket_bytes
+        self.atomic = atomic
+        self.head_name_patterns = head_name_patterns
+        self.data_plane = data_plane
+        # the leader alone talks to the servers
+        self.control = (
+            HTTPControlPlane(self.urls, token=token, token_file=token_file, timeout_s=timeout_s)
+            if self.rank == 0
+            else None
+        )
+        self.comm: Communicator | None = None
+        self._publisher: _LeaderPublisher | None = None
+        self._layout: ShardedLayout | None = None
+        self._plan: tuple[list[str], PushPlan] | None = None  # (every rank's digest, the plan)
+        self._pushes = 0
+        self.last_stats: dict[str, float] = {}
+
+    # ---- the group --------------------------------------------------------------------------
+    def _share(self, invite: GroupInvite | None) -> GroupInvite:
+        box: list[Any] = [invite.model_dump_json() if invite is not None else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return GroupInvite.model_validate_json(box[0])
+
+    def open(self) -> Communicator:
+        """Form the push group (a collective: every rank calls it; once, until a failure)."""
+        if self.comm is not None:
+            return self.comm
+        invite: GroupInvite | None = None
+        store: dist.TCPStore | None = None
+        if self.rank == 0:
+            assert self.control is not None
+            try:
+                host = self.trainer_host or local_address_towards(self.urls[0])
+                world = sum(self.control.world_sizes()) + self.senders
+                store = create_store(
+                    host, self.group_port, is_master=True, world_size=world, timeout_s=self.connect_timeout_s
+                )
+                group_id = uuid.uuid4().hex[:12]
+                self.control.init_communicator(
+                    host,
+                    self.group_port,
+                    backend=self.backend,
+                    timeout_s=self.connect_timeout_s,
+                    group_id=group_id,
+                    senders=self.senders,
+                )
+                manifest = self.control.manifest()
+                invite = GroupInvite(
+                    host=host,
+                    port=self.group_port,
+                    group_id=group_id,
+                    world_size=world,
+                    backend=self.backend,
+                    served=sorted(manifest) if manifest else None,
+                )
+            except Exception as exc:
+                invite = GroupInvite(error=f"{type(exc).__name__}: {exc}")
+        invite = self._share(invite)
+        if invite.error is not None:
+            raise WeightSyncError(f"forming the push group on trainer rank 0 failed: {invite.error}")
+        if store is None:
+            store = create_store(
+                invite.host,
+                invite.port,
+                is_master=False,
+                world_size=invite.world_size,
+                timeout_s=self.connect_timeout_s,
+            )
+        self.comm = Communicator(
+            store,
+            rank=invite.world_size - self.senders + self.rank,
+            world_size=invite.world_size,
+            device=self.device,
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+            group_id=invite.group_id,
+            senders=self.senders,
+        )
+        self._layout = ShardedLayout(
+            set(invite.served) if invite.served is not None else None,
+            self.head_name_patterns or DEFAULT_HEAD_PATTERNS,
+            self.bucket_bytes,
+        )
+        if self.rank == 0:
+            assert self.control is not None
+            starter = (
+                DataPlaneStarter(self.comm.store, self.control.rank_offsets()) if self.data_plane else None
+            )
+            self._publisher = _LeaderPublisher(
+                self.control,
+                self.comm,
+                self.comm.first_sender,
+                layout=self._layout,
+                head_name_patterns=self.head_name_patterns,
+                bucket_bytes=self.bucket_bytes,
+                atomic=self.atomic,
+                data_plane=starter,
+                timeout_s=self.timeout_s,
+            )
+        return self.comm
+
+    # ---- a push -------------------------------------------------------------------------------
+    def _plan_of(self, parts: list[LocalPart]) -> PushPlan:
+        """Every rank's parts → who sends what. The digests travel each push (one small
+        collective); the parts only when some rank's changed."""
+        digests: list[Any] = [None] * self.senders
+        dist.all_gather_object(digests, parts_digest(parts), group=self.group)
+        if self._plan is not None and self._plan[0] == digests:
+            return self._plan[1]
+        everyone: list[Any] = [None] * self.senders
+        dist.all_gather_object(everyone, parts, group=self.group)
+        plan = plan_senders(everyone)
+        self._plan = (digests, plan)
+        return plan
+
+    def push(
+        self,
+        params: Mapping[str, Any],
+        version: int | None,
+        *,
+        training_mode: RewardModelTrainingMode,
+        keep_lora: bool,
+        adapter: AdapterConfig | None,
+    ) -> int:
+        tensors, parts = local_parts(params)
+        plan = self._plan_of(parts)  # the same on every rank; a bad split raises on every rank
+        comm = self.open()
+        push = self._pushes
+        self._pushes += 1
+        if self.rank == 0:
+            return self._lead(push, tensors, plan, version, training_mode, keep_lora, adapter)
+        return self._follow(push, comm, tensors, plan, training_mode, keep_lora, adapter)
+
+    def _lead(
+        self,
+        push: int,
+        tensors: dict[str, torch.Tensor],
+        plan: PushPlan,
+        version: int | None,
+        mode: RewardModelTrainingMode,
+        keep_lora: bool,
+        adapter: AdapterConfig | None,
+    ) -> int:
+        publisher = self._publisher
+        assert publisher is not None and self.control is not None and self.comm is not None
+        store = self.comm.store
+        steps = 0
+        v = -1
+
+        def tell(step: StepName, error: str | None = None, regroup: bool = False) -> None:
+            nonlocal steps
+            message = SenderStep(push=push, step=step, version=v, error=error, regroup=regroup)
+            put(store, _step_key(push, steps), message)
+            steps += 1
+
+        publisher.plan = plan
+        publisher.tell = tell
+        try:
+            v = max(self.control.versions()) + 1 if version is None else version
+            publisher.publish(tensors, v, training_mode=mode, keep_lora=keep_lora, adapter=adapter)
+        except BaseException as exc:
+            self._tell_failure(tell, exc)
+            if isinstance(exc, WeightSyncError | WeightValidationError | RewardServerError) or not isinstance(
+                exc, Exception
+            ):
+                raise
+            raise WeightSyncError(f"the push of version {v} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            publisher.tell = None
+        tell("done")
+        self.last_stats = publisher.last_stats
+        return v
+
+    def _tell_failure(self, tell: Any, exc: BaseException) -> None:
+        # as a one-process trainer does: a push refused before any byte moved keeps the group
+        keep = isinstance(exc, WeightValidationError) or (
+            isinstance(exc, RewardServerError) and not exc.retryable
+        )
+        try:
+            tell("fail", f"{type(exc).__name__}: {exc}", regroup=not keep)
+        except StoreClosed:
+            pass  # the store is this process's: gone only at exit
+        if not keep:
+            self.reset()  # every rank forms the group again on the next push
+
+    def _follow(
+        self,
+        push: int,
+        comm: Communicator,
+        tensors: dict[str, torch.Tensor],
+        plan: PushPlan,
+        mode: RewardModelTrainingMode,
+        keep_lora: bool,
+        adapter: AdapterConfig | None,
+    ) -> int:
+        assert self._layout is not None
+        order, metadata, buckets, _ = self._layout.of(plan, mode, keep_lora, adapter, None)
+        mine = {server: tensors[key] for server, key in order}
+        broken: BaseException | None = None
+
+        def send() -> None:
+            send_buckets(
+                comm, metadata, mine, self.bucket_bytes, comm.first_sender, plan=buckets, sender=self.rank
+            )
+            comm.max_flag(0)  # the commit reduction; the leader reads its outcome
+
+        n = 0
+        while True:
+            try:
+                raw = wait_value(comm.store, _step_key(push, n), self.timeout_s + 60.0)
+            except (StoreClosed, TimeoutError) as exc:
+                self.reset()
+                raise WeightSyncError(f"trainer rank 0 stopped leading push {push}: {exc}") from exc
+            n += 1
+            assert raw is not None
+            step = SenderStep.model_validate_json(raw)
+            if step.step == "done":
+                if broken is not None:  # the leader saw success, this rank did not: say so
+                    raise WeightSyncError(f"version {step.version} committed, but this rank failed: {broken}")
+                return step.version
+            if step.step == "fail":
+                if step.regroup:  # every rank alike: forming the group again is a collective
+                    self.reset()
+                raise WeightSyncError(f"the push of version {step.version} failed: {step.error}")
+            if broken is not None:
+                continue  # this rank's group failed: only the final step matters now
+            try:
+                if step.step == "ready" and comm.max_flag(0) != 0:
+                    continue  # a replica refused: nothing moved, the leader says what next
+                send()
+            except Exception as exc:  # the group failed; the leader learns it too and says so
+                broken = exc
+
+    # ---- upkeep -------------------------------------------------------------------------------
+    def reset(self) -> None:
+        if self.comm is not None:
+            try:
+                self.comm.close()
+            finally:
+                self.comm = None
+                self._publisher = None
+
+    def close(self) -> None:
+        if self.comm is not None and self.control is not None:
+            self.control.close_communicator()
+        self.reset()
+        if self.control is not None:
+            self.control.close()

@@ -1,0 +1,122 @@
+"""Pushes from a trainer of two processes (a gloo world of their own), each sending its own part:
+FSDP2 on CPU (every parameter a DTensor sharded by rows), Megatron-style slices by rows and by
+columns, and replicated tensors, into two real server processes. Scores equal the trainer's model,
+through HTTP-announced and data-plane pushes alike; a rank killed mid-push leaves no replica
+serving a mix (atomic: the old version serves; streamed: the replica refuses to score until a
+full push repairs it). Tensor-parallel replicas (TP=2) receive sharded pushes on the GPU only
+(tests/gpu/test_sharded_push.py): the CPU engine does not shard."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from rewardplane.testing.servers import free_port
+from tests.fixtures.models import TEXTS
+from tests.fixtures.trainer import logits, perturbed, run_sharded_trainers, sharded_model
+from tests.integration.test_weight_sync import TOKEN, close, served, sync_for
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def last_update(h):
+    return httpx.get(f"{h.url}/get_num_background_tasks", headers=AUTH).json()["last_update"]
+
+
+@pytest.fixture
+def pair(server_factory, tiny_model_dir):
+    return server_factory(tiny_model_dir, token=TOKEN), server_factory(tiny_model_dir, token=TOKEN)
+
+
+def _serves(handles, model_dir, version):
+    want = logits(sharded_model(model_dir, version), model_dir, TEXTS)
+    for h in handles:
+        got, v = served(h)
+        assert v == version and close(got, want), (h.url, v, got, want)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "replicated"])
+def test_two_trainer_ranks_each_send_their_part(pair, tiny_model_dir, tmp_path, layout):
+    results = run_sharded_trainers(
+        tmp_path / "out",
+        urls=[h.url for h in pair],
+        group_port=free_port(),
+        model_dir=str(tiny_model_dir),
+        layout=layout,
+        versions=[1, 2, 3],
+    )
+    for r in results:
+        assert r is not None and r.get("error") is None and r["pushed"] == [1, 2, 3], r
+    sent = results[0]["sent_by"]
+    assert min(sent) > 0.35 * sum(sent), sent  # both ranks send, about half each
+    assert results[1]["sent_by"] == sent  # both ranks planned alike
+    # the first push was announced over HTTP, the later ones started from the data plane
+    assert "ready_at_s" not in results[0]["stats"][0] and "ready_at_s" in results[0]["stats"][2]
+    assert last_update(pair[0])["via"] == "data_plane"
+    _serves(pair, tiny_model_dir, 3)
+
+
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_trainer_rank_killed_mid_push_leaves_no_replica_serving_a_mix(
+    pair, tiny_model_dir, tmp_path, atomic
+):
+    results = run_sharded_trainers(
+        tmp_path / "out",
+        urls=[h.url for h in pair],
+        group_port=free_port(),
+        model_dir=str(tiny_model_dir),
+        layout="fsdp",
+        versions=[1, 2],
+        die=1,  # rank 1 dies a few buckets into version 2
+        atomic=atomic,
+        timeout_s=5,
+    )
+    assert results[1] is None  # it died
+    leader = results[0]
+    assert leader is not None and leader["pushed"] == [1] and "version 2" in str(leader.get("error")), leader
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # each server gives up within its group timeout (5 s)
+        states = [httpx.get(f"{h.url}/runtime_version").json()["state"] for h in pair]
+        if "updating" not in states:
+            break
+        time.sleep(0.2)
+    for h in pair:
+        state = httpx.get(f"{h.url}/runtime_version").json()
+        assert state["version"] == 1, state
+        if atomic:  # staged: version 1 keeps serving, whole
+            assert state["state"] == "serving", state
+        else:  # streamed: part of version 2 was written → refuse to score, never serve a mix
+            assert state["state"] == "broken", state
+            assert httpx.post(f"{h.url}/score", json={"input": TEXTS}).status_code == 503
+    if atomic:
+        _serves(pair, tiny_model_dir, 1)
+    model = perturbed(tiny_model_dir, seed=9)  # a one-process trainer repairs both
+    sync = sync_for(*pair)
+    try:
+        sync.push(model.state_dict(), version=3)
+    finally:
+        sync.close()
+    want = logits(model, tiny_model_dir, TEXTS)
+    for h in pair:
+        got, v = served(h)
+        assert v == 3 and close(got, want)
+
+
+def test_a_layout_naming_a_sender_the_group_lacks_is_refused(pair):
+    # a server that joined with one sender refuses pieces from a second before anything moves
+    body = {
+        "metadata": [
+            {
+                "name": "score.weight",
+                "dtype": "float32",
+                "shape": [1, 64],
+                "split_dim": 1,
+                "pieces": [{"sender": 0, "start": 0, "stop": 32}, {"sender": 1, "start": 32, "stop": 64}],
+            }
+        ],
+        "training_mode": "head_only",
+    }
+    r = httpx.post(f"{pair[0].url}/update_param_batch", json=body, headers=AUTH)
+    assert r.status_code == 400 and "sending rank(s); join with senders=2" in r.text, r.text

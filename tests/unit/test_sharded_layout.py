@@ -1,0 +1,217 @@
+"""Who sends what in a push from several trainer ranks: every rank's parts (FSDP2 DTensors, tensor-
+parallel slices, replicated tensors) become one layout, or a clear error naming the tensor and the
+ranks; the pieces' wire format; and the wire itself over a real gloo group of two senders and two
+receivers (threads of one process), split by rows and by columns, in place and through the loader."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from rewardplane.protocol import InitCommunicatorRequest, ParamMeta, Piece, layout_id, plan_buckets
+from rewardplane.protocol.naming import WeightValidationError
+from rewardplane.sdk.sharding import LocalPart, TensorPiece, local_parts, parts_digest, plan_senders
+from rewardplane.testing.servers import free_port
+from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.transfer import receive_buckets, send_buckets
+
+
+def _full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(40, 16, generator=g),
+        "layer.q.weight": torch.randn(16, 16, generator=g),  # split by rows
+        "layer.o.weight": torch.randn(16, 12, generator=g),  # split by columns
+        "layer.norm.weight": torch.randn(16, generator=g),  # replicated
+        "head.weight": torch.randn(1, 16, generator=g),  # one row: one rank holds it all
+        "layer.b.weight": torch.randn(8, 4, generator=g).to(torch.bfloat16),
+    }
+
+
+def _rank_state(rank: int, full: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What trainer rank ``rank`` of two holds: halves by rows, halves by columns, whole."""
+    return {
+        "embed.weight": TensorPiece.even(full["embed.weight"].chunk(2)[rank], 0, rank, 2),
+        "layer.q.weight": TensorPiece.even(full["layer.q.weight"].chunk(2)[rank], 0, rank, 2),
+        "layer.o.weight": TensorPiece.even(full["layer.o.weight"].chunk(2, 1)[rank].contiguous(), 1, rank, 2),
+        "layer.norm.weight": full["layer.norm.weight"],
+        "head.weight": TensorPiece(full["head.weight"][: 1 - rank], 0, 0, (1, 16)),  # rank 1: empty
+        "layer.b.weight": full["layer.b.weight"],
+    }
+
+
+def test_split_tensors_get_pieces_and_replicated_ones_one_sender_each() -> None:
+    full = _full()
+    parts = [local_parts(_rank_state(r, full))[1] for r in (0, 1)]
+    plan = plan_senders(parts)
+    q = plan.metas["layer.q.weight"]
+    assert q.split_dim == 0 and q.pieces == (
+        Piece(sender=0, start=0, stop=8),
+        Piece(sender=1, start=8, stop=16),
+    )
+    o = plan.metas["layer.o.weight"]
+    assert o.split_dim == 1 and [p.sender for p in o.pieces] == [0, 1]
+    head = plan.metas["head.weight"]  # one rank holds every row: sent whole by it
+    assert not head.pieces and head.sender == 0
+    # the two replicated tensors go to different ranks: the one with fewer bytes so far
+    assert {plan.metas["layer.norm.weight"].sender, plan.metas["layer.b.weight"].sender} == {0, 1}
+    total = sum(m.nbytes for m in plan.metas.values())
+    assert plan.sent_by(0) + plan.sent_by(1) == total
+    assert min(plan.sent_by(0), plan.sent_by(1)) > 0.35 * total
+
+
+def test_a_dtensor_sharded_by_fsdp_becomes_pieces() -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    # one process, a mesh of one (two trainer processes with FSDP2: tests/integration/test_sharded_push.py)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w = torch.arange(12.0).reshape(4, 3)
+        sharded = distribute_tensor(w, mesh, [Shard(0)])
+        replicated = distribute_tensor(w, mesh, [Replicate()])
+        tensors, parts = local_parts({"w": sharded, "r": replicated})
+        # on a mesh of one the shard is the whole tensor: sent whole
+        assert parts == [LocalPart("w", "float32", (4, 3)), LocalPart("r", "float32", (4, 3))]
+        assert torch.equal(tensors["w"], w)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pieces_that_leave_a_gap_or_overlap_are_refused_naming_the_tensor() -> None:
+    def piece(start: int, stop: int) -> LocalPart:
+        return LocalPart("layer.q.weight", "float32", (16, 16), 0, start, stop)
+
+    with pytest.raises(WeightValidationError, match="'layer.q.weight'.*gap at index 6"):
+        plan_senders([[piece(0, 6)], [piece(8, 16)]])
+    with pytest.raises(WeightValidationError, match="'layer.q.weight'.*overlapping pieces"):
+        plan_senders([[piece(0, 10)], [piece(8, 16)]])
+    with pytest.raises(WeightValidationError, match="cover 8 of 16"):
+        plan_senders([[piece(0, 8)], [piece(0, 8)]])  # the same piece twice (HSDP): still half
+
+
+def test_ranks_must_describe_the_same_tensors() -> None:
+    a = LocalPart("w", "float32", (4, 4))
+    with pytest.raises(WeightValidationError, match="rank 1 pushes different entries.*missing \\['w'\\]"):
+        plan_senders([[a], [LocalPart("v", "float32", (4, 4))]])
+    with pytest.raises(WeightValidationError, match="rank 1 holds bfloat16"):
+        plan_senders([[a], [LocalPart("w", "bfloat16", (4, 4))]])
+    with pytest.raises(WeightValidationError, match="does not fit a tensor of shape"):
+        local_parts({"w": TensorPiece(torch.zeros(3, 4), 0, 0, (4, 5))})
+    with pytest.raises(WeightValidationError, match="exceed its size"):
+        local_parts({"w": TensorPiece(torch.zeros(3, 4), 0, 2, (4, 4))})
+
+
+def test_the_digest_changes_with_any_part() -> None:
+    a = [LocalPart("w", "float32", (4, 4), 0, 0, 2)]
+    assert parts_digest(a) == parts_digest(list(a))
+    assert parts_digest(a) != parts_digest([LocalPart("w", "float32", (4, 4), 0, 0, 3)])
+
+
+def test_pieces_travel_in_the_metadata_and_the_layout_id_only_when_present() -> None:
+    whole = ParamMeta(name="w", dtype="float32", shape=(4, 3))
+    assert whole.model_dump(mode="json") == {"name": "w", "dtype": "float32", "shape": [4, 3]}
+    # a one-sender layout keeps its id (servers of every version name it alike)
+    assert layout_id([whole], 1024) == "707ba81473244abb"
+    split = ParamMeta(
+        name="w",
+        dtype="float32",
+        shape=(4, 3),
+        split_dim=0,
+        pieces=(Piece(sender=0, start=0, stop=1), Piece(sender=1, start=1, stop=4)),
+    )
+    assert ParamMeta.model_validate(split.model_dump(mode="json")) == split
+    assert layout_id([split], 1024) != layout_id([whole], 1024)
+    assert layout_id([whole.model_copy(update={"sender": 1})], 1024) != layout_id([whole], 1024)
+    with pytest.raises(ValidationError, match="at most one piece"):
+        ParamMeta(
+            name="w",
+            dtype="float32",
+            shape=(4, 3),
+            split_dim=0,
+            pieces=(Piece(sender=0, start=0, stop=1), Piece(sender=0, start=1, stop=4)),
+        )
+    with pytest.raises(ValidationError, match="split_dim within"):
+        ParamMeta(
+            name="w", dtype="float32", shape=(4,), split_dim=1, pieces=(Piece(sender=0, start=0, stop=4),)
+        )
+    with pytest.raises(ValidationError, match="sending rank"):
+        InitCommunicatorRequest(host="h", port=1, world_size=3, rank_offset=1, senders=2)
+
+
+def _run_world(bodies: list[Callable[[Communicator], Any]], senders: int) -> list[Any]:
+    """Ranks 0..n-1 on threads of one gloo group; the last ``senders`` ranks are the trainer's."""
+    port, n = free_port(), len(bodies)
+    results: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            store = create_store("127.0.0.1", port, is_master=r == n - 1, world_size=n, timeout_s=30)
+            comm = Communicator(
+                store,
+                rank=r,
+                world_size=n,
+                device=torch.device("cpu"),
+                backend="gloo",
+                timeout_s=30,
+                senders=senders,
+            )
+            try:
+                results[r] = bodies[r](comm)
+            finally:
+                comm.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "the transfer hung"
+    if errors:
+        raise errors[0]
+    return [results[r] for r in range(n)]
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_two_senders_deliver_every_tensor_whole_to_every_receiver(in_place: bool) -> None:
+    full = _full()
+    states = [local_parts(_rank_state(r, full)) for r in (0, 1)]
+    plan = plan_senders([parts for _, parts in states])
+    metas = [plan.metas[n] for n in sorted(plan.metas)]
+    bucket = 1024  # several buckets, split tensors among them
+    received: list[dict[str, torch.Tensor]] = [{}, {}]
+
+    def receiver(i: int) -> Callable[[Communicator], Any]:
+        params = {n: torch.zeros_like(t) for n, t in full.items()}
+        received[i] = params
+
+        def load(weights: list[tuple[str, torch.Tensor]]) -> None:
+            for name, t in weights:
+                params[name].copy_(t)
+
+        def place(meta: ParamMeta) -> torch.Tensor | None:
+            return params[meta.name] if in_place else None
+
+        return lambda c: receive_buckets(c, metas, bucket, c.first_sender, load, place=place)
+
+    def sender(i: int) -> Callable[[Communicator], Any]:
+        tensors = states[i][0]
+        return lambda c: send_buckets(c, metas, tensors, bucket, c.first_sender, sender=i)
+
+    got = _run_world([receiver(0), receiver(1), sender(0), sender(1)], senders=2)
+    assert got[2] == got[3] == sum(b.nbytes for b in plan_buckets(metas, bucket))
+    for r in (0, 1):
+        assert got[r].error is None
+        assert got[r].in_place_bytes == (sum(t.nbytes for t in full.values()) if in_place else 0)
+        for name, t in full.items():
+            assert torch.equal(received[r][name], t), (r, name)
