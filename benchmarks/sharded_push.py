@@ -369,12 +369,15 @@ def run_transport(
 
 
 def commit() -> str:
+    """RP_COMMIT when set (a copy of the tree on a GPU machine may carry another .git), else git's."""
+    if os.environ.get("RP_COMMIT"):
+        return os.environ["RP_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("RP_COMMIT", "unknown")
+        return "unknown"
 
 
 def save(results: dict[str, Any], size: str) -> None:

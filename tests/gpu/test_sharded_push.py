@@ -290,13 +290,15 @@ def check_serves(url: str, model_dir: Path, weights: Weights, version: int, befo
 
 
 def wait_settled(url: str, timeout_s: float = 240) -> dict[str, Any]:
-    """/runtime_version once the replica is no longer updating (its receive gives up after the
-    group's timeout)."""
+    """/runtime_version once the replica has given up on the push (its receive ends after the
+    group's timeout; an atomic push keeps serving meanwhile, so its background task is waited for)."""
     deadline = time.monotonic() + timeout_s
     state: dict[str, Any] = {}
+    auth = {"Authorization": f"Bearer {TOKEN}"}
     while time.monotonic() < deadline:
         state = httpx.get(f"{url}/runtime_version", timeout=30).json()
-        if state["state"] != "updating":
+        tasks = httpx.get(f"{url}/get_num_background_tasks", headers=auth, timeout=30).json()
+        if state["state"] != "updating" and tasks["num_background_tasks"] == 0:
             return state
         time.sleep(0.5)
     return state
@@ -346,7 +348,7 @@ def killed_mid_push(url: str, model_dir: Path, out: Path, version: int, *, atomi
         {"version": version + 2, "mode": "full", "weights": {"full": 38}, "die": 1},
     ]
     results, codes, logs = run_trainers(url, model_dir, out, pushes, atomic=atomic, timeout_s=30)
-    assert codes[1] == 17 and "dying" in logs, f"rank 1 did not die as planned ({codes}):\n{logs}"
+    assert codes[1] == 17 and "dying" in logs, f"rank 1 did not die as planned ({codes}, {results}):\n{logs}"
     rank0 = results[0]
     assert rank0 is not None, f"rank 0 wrote no result:\n{logs}"
     assert rank0["pushed"] == [version + 1] and rank0["error"], f"rank 0: {rank0}\n{logs}"

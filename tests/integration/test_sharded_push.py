@@ -12,10 +12,11 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from rewardplane.testing.servers import free_port
 from tests.fixtures.models import TEXTS
-from tests.fixtures.trainer import logits, perturbed, run_sharded_trainers, sharded_model
+from tests.fixtures.trainer import load_model, logits, perturbed, run_sharded_trainers, sharded_model
 from tests.integration.test_weight_sync import TOKEN, close, served, sync_for
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -56,6 +57,30 @@ def test_two_trainer_ranks_each_send_their_part(pair, tiny_model_dir, tmp_path, 
     assert "ready_at_s" not in results[0]["stats"][0] and "ready_at_s" in results[0]["stats"][2]
     assert last_update(pair[0])["via"] == "data_plane"
     _serves(pair, tiny_model_dir, 3)
+
+
+def test_a_head_only_push_from_two_ranks(pair, tiny_model_dir, tmp_path):
+    # the one-row head is all on rank 0 under FSDP2 (rank 1's shard of it is empty): rank 0 sends it
+    results = run_sharded_trainers(
+        tmp_path / "out",
+        urls=[h.url for h in pair],
+        group_port=free_port(),
+        model_dir=str(tiny_model_dir),
+        layout="fsdp",
+        mode="head_only",
+        versions=[1, 2],
+    )
+    for r in results:
+        assert r is not None and r.get("error") is None and r["pushed"] == [1, 2], r
+    assert results[0]["sent_by"][1] == 0 < results[0]["sent_by"][0]
+    head = sharded_model(tiny_model_dir, 2)
+    model = load_model(tiny_model_dir)  # the served backbone, version 2's head
+    with torch.no_grad():
+        model.score.weight.copy_(head.score.weight)
+    want = logits(model, tiny_model_dir, TEXTS)
+    for h in pair:
+        got, v = served(h)
+        assert v == 2 and close(got, want), (got, want)
 
 
 @pytest.mark.parametrize("atomic", [False, True])
