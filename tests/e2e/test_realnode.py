@@ -315,6 +315,34 @@ print("RESULT " + json.dumps({"version": rm.get_weights_version(),
 """
 
 
+def trainer_pod(name: str, script_config_map: str, args: list[str]) -> dict[str, Any]:
+    """A Pod of the trainer image running ``/scripts/trainer.py`` from ``script_config_map``, with the
+    model volume and the trainer's ServiceAccount (made by the one-Pod trainer step)."""
+    return {
+        "metadata": {"name": name},
+        "spec": {
+            "serviceAccountName": TRAINER_SA,
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "trainer",
+                    "image": f"localhost/rewardplane/trainer:{local_image_tag()}",
+                    "imagePullPolicy": "Never",
+                    "args": ["/scripts/trainer.py", *args],
+                    "volumeMounts": [
+                        {"name": "scripts", "mountPath": "/scripts"},
+                        {"name": "models", "mountPath": "/mnt/models", "readOnly": True},
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "scripts", "configMap": {"name": script_config_map}},
+                {"name": "models", "persistentVolumeClaim": {"claimName": MODEL_CLAIM, "readOnly": True}},
+            ],
+        },
+    }
+
+
 def test_pushes_from_a_trainer_pod_over_the_pod_network(real_cluster: RealCluster) -> None:
     c = real_cluster
     # What a trainer needs, and nothing more: read the model, drive its WeightSync, store the
@@ -355,32 +383,7 @@ def test_pushes_from_a_trainer_pod_over_the_pod_network(real_cluster: RealCluste
     c.core.create_namespaced_config_map(
         NS, {"metadata": {"name": "e2e-trainer"}, "data": {"trainer.py": TRAINER_SCRIPT}}
     )
-    c.core.create_namespaced_pod(
-        NS,
-        {
-            "metadata": {"name": "e2e-trainer"},
-            "spec": {
-                "serviceAccountName": TRAINER_SA,
-                "restartPolicy": "Never",
-                "containers": [
-                    {
-                        "name": "trainer",
-                        "image": f"localhost/rewardplane/trainer:{local_image_tag()}",
-                        "imagePullPolicy": "Never",
-                        "args": ["/scripts/trainer.py", RM, json.dumps(TEXTS)],
-                        "volumeMounts": [
-                            {"name": "scripts", "mountPath": "/scripts"},
-                            {"name": "models", "mountPath": "/mnt/models", "readOnly": True},
-                        ],
-                    }
-                ],
-                "volumes": [
-                    {"name": "scripts", "configMap": {"name": "e2e-trainer"}},
-                    {"name": "models", "persistentVolumeClaim": {"claimName": MODEL_CLAIM, "readOnly": True}},
-                ],
-            },
-        },
-    )
+    c.core.create_namespaced_pod(NS, trainer_pod("e2e-trainer", "e2e-trainer", [RM, json.dumps(TEXTS)]))
 
     def finished() -> str | None:
         phase = c.core.read_namespaced_pod("e2e-trainer", NS).status.phase
@@ -400,6 +403,89 @@ def test_pushes_from_a_trainer_pod_over_the_pod_network(real_cluster: RealCluste
     trainer_ip = c.core.read_namespaced_pod("e2e-trainer", NS).status.pod_ip
     assert ws["spec"]["rendezvous"]["address"] == trainer_ip and ws["status"]["phase"] == "Completed"
     c.core.delete_namespaced_pod("e2e-trainer", NS, grace_period_seconds=0)
+
+
+SHARDED_TRAINER_SCRIPT = """
+import json, sys, torch
+import torch.distributed as dist
+from transformers import AutoModelForSequenceClassification
+from rewardplane.sdk import RewardModelTrainingMode, TensorPiece
+from rewardplane.sdk.cluster import RewardModelHandle
+
+name, rank, master = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=f"tcp://{master}:29500", rank=rank, world_size=2)
+rm = RewardModelHandle(name, "default")
+rm.wait_ready(timeout_s=120)
+model = AutoModelForSequenceClassification.from_pretrained("/mnt/models/tiny-rm", dtype=torch.float32)
+with torch.no_grad():
+    model.score.weight.mul_(2.0)
+    for p in model.parameters():
+        p.add_(0.02)
+version = rm.get_weights_version() + 1
+# each rank holds half of every tensor whose rows split evenly (FSDP's layout), the rest whole
+state = {
+    k: TensorPiece.even(t.chunk(2)[rank].clone(), 0, rank, 2) if t.dim() and t.shape[0] % 2 == 0 else t
+    for k, t in model.state_dict().items()
+}
+r = rm.push_weights(state, version, RewardModelTrainingMode.FULL, timeout_s=120,
+                    trainer_group=dist.group.WORLD, interface="eth0")
+print("RESULT " + json.dumps({"rank": rank, "version": r.version, "world_size": r.world_size}), flush=True)
+"""
+
+
+def test_two_trainer_pods_push_their_halves(real_cluster: RealCluster) -> None:
+    # A trainer of two Pods (a gloo group over the Pod network): each sends its own half of every
+    # split tensor into the replicas, through the operator (spec.trainer.ranks 2). Uses the
+    # ServiceAccount the one-Pod trainer step made.
+    c = real_cluster
+    c.core.create_namespaced_config_map(
+        NS, {"metadata": {"name": "e2e-sharded"}, "data": {"trainer.py": SHARDED_TRAINER_SCRIPT}}
+    )
+
+    # rank 0 hosts the trainer group's rendezvous; rank 1 is told its Pod IP
+    c.core.create_namespaced_pod(NS, trainer_pod("e2e-sharded-0", "e2e-sharded", [RM, "0", "0.0.0.0"]))
+    master = wait_for(
+        "trainer rank 0's Pod IP",
+        lambda: c.core.read_namespaced_pod("e2e-sharded-0", NS).status.pod_ip,
+        120,
+        0.5,
+    )
+    c.core.create_namespaced_pod(NS, trainer_pod("e2e-sharded-1", "e2e-sharded", [RM, "1", master]))
+
+    def finished() -> list[str] | None:
+        phases = [c.core.read_namespaced_pod(f"e2e-sharded-{r}", NS).status.phase for r in (0, 1)]
+        done = all(p in ("Succeeded", "Failed") for p in phases)
+        return phases if done else None
+
+    phases = wait_for("both trainer pods to finish", finished, 300, 2)
+    logs = [c.core.read_namespaced_pod_log(f"e2e-sharded-{r}", NS) for r in (0, 1)]
+    assert phases == ["Succeeded", "Succeeded"], "\n---\n".join(log[-3000:] for log in logs)
+    results = [
+        json.loads(next(ln for ln in log.splitlines() if ln.startswith("RESULT "))[7:]) for log in logs
+    ]
+    S.version += 1
+    assert [r["version"] for r in results] == [S.version, S.version]
+    ws = c.custom.get_namespaced_custom_object(GROUP, VERSION, NS, "weightsyncs", RM)
+    status = ws["status"]
+    replicas = len(status["replicas"])
+    assert ws["spec"]["trainer"] == {"ranks": 2, "interface": "eth0"}
+    assert (status["phase"], status["senders"], status["worldSize"]) == ("Completed", 2, replicas + 2)
+    assert results[0]["world_size"] == results[1]["world_size"] == replicas + 2
+    import torch
+
+    model, tok = trainer_pod_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # the two-Pod trainer's weights: the one-Pod trainer's, plus 0.01
+    S.expected = scores_of(model, tok, TEXTS)
+    rm = handle(c)
+    try:
+        assert rm.get_weights_version() == S.version
+        assert_scores(rm.client().score_batch(TEXTS, normalize=False), S.expected)
+    finally:
+        rm.close()
+    for r in (0, 1):
+        c.core.delete_namespaced_pod(f"e2e-sharded-{r}", NS, grace_period_seconds=0)
 
 
 def test_killed_container_is_restarted_and_restored(real_cluster: RealCluster) -> None:

@@ -414,3 +414,49 @@ def test_cluster_adapter_push_through_the_operator(
         raise
     finally:
         handle.close()
+
+
+def test_two_trainer_ranks_push_through_the_operator(
+    kube: Kube,
+    operator: Any,
+    node_agent: Any,
+    ns: str,
+    tiny_model_dir: Path,
+    control_plane: Any,
+    tmp_path: Path,
+) -> None:
+    # an FSDP2 trainer of two processes: RewardModelHandle.push_weights(trainer_group=...) on each
+    from tests.fixtures.trainer import run_sharded_trainers, sharded_model
+
+    name = make_model(kube, ns, node_agent.name, tiny_model_dir, replicas=2)
+    logs = lambda: operator.logs() + "\n" + node_agent.log_tail()  # noqa: E731
+    handle = RewardModelHandle(name, ns, kubeconfig=str(control_plane.kubeconfig))
+    try:
+        handle.wait_ready(SERVER_READY_S)
+        results = run_sharded_trainers(
+            tmp_path / "out",
+            via="operator",
+            name=name,
+            namespace=ns,
+            kubeconfig=str(control_plane.kubeconfig),
+            model_dir=str(tiny_model_dir),
+            layout="fsdp",
+            versions=[1, 2],
+        )
+        for r in results:
+            assert r is not None and r.get("error") is None and r["pushed"] == [1, 2], (r, logs()[-4000:])
+        # both ranks return the same result: two replicas of one worker, then the trainer's two ranks
+        assert results[0]["stats"] == results[1]["stats"]
+        assert results[0]["stats"][-1]["world_size"] == 4 and results[0]["stats"][-1]["replicas"] == 2
+        ws = kube.get(custom_path(ns, name, WS_PLURAL)) or {}
+        assert ws["spec"]["trainer"] == {"ranks": 2, "interface": "lo"}
+        status = ws["status"]
+        assert (status["phase"], status["worldSize"], status["senders"]) == ("Completed", 4, 2)
+        assert [(r["rankOffset"], r["phase"]) for r in status["replicas"]] == [
+            (0, "Completed"),
+            (1, "Completed"),
+        ]
+        assert get_rm(kube, ns, name)["status"]["weightsVersion"] == 2
+        every_replica_scores_like(handle, sharded_model(tiny_model_dir, 2), tiny_model_dir, 2)
+    finally:
+        handle.close()

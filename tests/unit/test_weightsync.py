@@ -90,6 +90,16 @@ def test_group_ranks_follow_replica_order_and_world_sizes():
     assert plan.world_size == 6
 
 
+def test_a_multi_rank_trainer_takes_the_last_ranks():
+    req = wsm.parse_push(ws_body(trainer={"ranks": 4, "interface": "eth0"}), {})
+    assert req.senders == 4 and wsm.parse_push(ws_body(), {}).senders == 1
+    cands = [wsm.Candidate(0, "rm-0", "u0", 2, 3, "serving"), wsm.Candidate(1, "rm-1", "u1", 1, 3, "serving")]
+    plan = wsm.plan_group(cands, 3, Mode.FULL, senders=4)
+    assert [t.rank_offset for t in plan.targets] == [0, 2] and plan.world_size == 7  # trainer: ranks 3-6
+    with pytest.raises(wsm.WeightSyncRefused, match=r"spec\.trainer\.ranks must be an integer >= 1"):
+        wsm.parse_push(ws_body(trainer={"ranks": 0}), {})
+
+
 def test_replicas_behind_join_only_full_pushes():
     cands = [wsm.Candidate(0, "rm-0", "u0", 1, 3, "serving"), wsm.Candidate(1, "rm-1", "u1", 1, 0, "serving")]
     head = wsm.plan_group(cands, 3, Mode.HEAD_ONLY)

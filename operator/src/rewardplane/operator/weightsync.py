@@ -50,6 +50,7 @@ class PushRequest:
     bucket_bytes: int
     timeout_s: float
     adapter: AdapterConfig | None = None  # trainingMode adapter: the LoRA configuration
+    senders: int = 1  # the trainer's sending ranks: the last ranks of the group
 
     @property
     def group_id(self) -> str:
@@ -91,6 +92,10 @@ def parse_push(ws: Mapping[str, Any], rm_spec: Mapping[str, Any] | None) -> Push
             problems.append(str(exc))
     elif spec.get("adapter") is not None:
         problems.append(f"spec.adapter goes with trainingMode adapter only, not {mode.value}")
+    senders = (spec.get("trainer") or {}).get("ranks", 1)
+    if not isinstance(senders, int) or isinstance(senders, bool) or senders < 1:
+        problems.append(f"spec.trainer.ranks must be an integer >= 1 (got {senders!r})")
+        senders = 1
     if problems:
         raise WeightSyncRefused(INVALID_SPEC, "; ".join(problems))
     return PushRequest(
@@ -108,6 +113,7 @@ def parse_push(ws: Mapping[str, Any], rm_spec: Mapping[str, Any] | None) -> Push
         bucket_bytes=int(spec.get("bucketBytes") or 1 << 30),
         timeout_s=float(spec.get("timeoutSeconds") or sync.get("timeoutSeconds") or 600),
         adapter=adapter,
+        senders=senders,
     )
 
 
@@ -233,9 +239,11 @@ class GroupPlan:
     """Human-readable "pod: why" for replicas left out."""
 
 
-def plan_group(candidates: Sequence[Candidate], current: int, mode: RewardModelTrainingMode) -> GroupPlan:
+def plan_group(
+    candidates: Sequence[Candidate], current: int, mode: RewardModelTrainingMode, senders: int = 1
+) -> GroupPlan:
     """Targets in replica order; replica i's workers start at Σ world sizes of the targets before it,
-    the trainer is the last rank. A replica on older weights than ``current`` (restarted, not yet
+    the trainer's ``senders`` ranks are the last ranks. A replica on older weights than ``current`` (restarted, not yet
     restored) joins only a full push, which replaces every weight; otherwise it would mix versions."""
     targets: list[Target] = []
     skipped: list[str] = []
@@ -260,7 +268,7 @@ def plan_group(candidates: Sequence[Candidate], current: int, mode: RewardModelT
                 else " (none is running and answering); wait until the RewardModel is Ready and push again"
             ),
         )
-    return GroupPlan(tuple(targets), offset + 1, tuple(skipped))
+    return GroupPlan(tuple(targets), offset + senders, tuple(skipped))
 
 
 # --------------------------------------------------------------------------------------------

@@ -232,7 +232,7 @@ class WeightSyncDriver:
                 )
             metadata = wsapi.decode_manifest(cm, req.manifest_key, req.manifest_sha256)
             token = model_token(self.kube, ns, model)
-            plan = wsm.plan_group(self._candidates(ns, model), current, req.training_mode)
+            plan = wsm.plan_group(self._candidates(ns, model), current, req.training_mode, req.senders)
             self._run(ws, req, plan, metadata, token, started, deadline)
         except wsm.WeightSyncRefused as exc:
             self._finish(ws, wsm.FAILED, started, reason=exc.reason, message=str(exc))
@@ -281,6 +281,7 @@ class WeightSyncDriver:
             {
                 "phase": wsapi.RENDEZVOUS,
                 "worldSize": plan.world_size,
+                "senders": req.senders,
                 "replicas": list(entries.values()),
                 "message": note,
             },
@@ -298,6 +299,7 @@ class WeightSyncDriver:
                         rank_offset=t.rank_offset,
                         timeout_s=remaining,
                         group_id=req.group_id,
+                        senders=req.senders,
                     ),
                 )
             # The first announce waits (server side) until the trainer has joined the group.

@@ -36,7 +36,7 @@ from ._exceptions import WeightSyncFailed
 if TYPE_CHECKING:
     import torch
 
-    from rewardplane.transport.comm import Backend
+    from rewardplane.transport.comm import Backend, Communicator
 
     from .cluster import RewardModelHandle
 
@@ -183,7 +183,7 @@ class OperatorPush:
         ``timeout_s`` of ``started``; returns when the operator reports every replica serving it."""
         import torch
 
-        from rewardplane.transport.comm import Communicator, create_store
+        from rewardplane.transport.comm import create_store
         from rewardplane.transport.transfer import send_buckets
 
         from .publisher import local_address_towards
@@ -198,50 +198,23 @@ class OperatorPush:
         # world_size None: the operator decides it from the ready replicas (status.worldSize).
         store = create_store(host, 0, is_master=True, world_size=None, timeout_s=timeout_s)
         generation = self.request_push(
-            {
-                "rewardModelRef": self.name,
-                "version": int(version),
-                "trainingMode": mode.value,
-                "rendezvous": {"address": host, "port": int(store.port)},
-                "manifestRef": {"configMapName": config_map, "key": key, "sha256": sha},
-                "bucketBytes": int(bucket_bytes),
-                "timeoutSeconds": max(1, int(timeout_s)),
-                **({"adapter": adapter_spec(adapter)} if adapter is not None else {}),
-            }
+            self.push_spec(
+                version,
+                mode,
+                host=host,
+                port=int(store.port),
+                manifest=(config_map, key, sha),
+                bucket_bytes=bucket_bytes,
+                timeout_s=timeout_s,
+                adapter=adapter,
+            )
         )
         ws = self.wait_phase(
             generation, {"Rendezvous", "Transferring", "Completed"}, deadline, "the rendezvous"
         )
         status = ws["status"]
         world = int(status["worldSize"])
-        comm_box: dict[str, Any] = {}
-
-        def join() -> None:
-            try:
-                comm_box["comm"] = Communicator(
-                    store,
-                    rank=world - 1,
-                    world_size=world,
-                    device=dev,
-                    backend=backend,
-                    timeout_s=max(1.0, deadline - time.monotonic()),
-                    group_id=status["groupId"],
-                )
-            except Exception as exc:
-                comm_box["error"] = exc
-
-        joiner = threading.Thread(target=join, name="rewardplane-join", daemon=True)
-        joiner.start()
-        while joiner.is_alive():  # watch the operator meanwhile: a failed rendezvous must not hang us
-            joiner.join(POLL_S)
-            if joiner.is_alive():
-                self.raise_if_failed(generation, deadline)
-        if "error" in comm_box:
-            self.raise_if_failed(generation, deadline)
-            raise WeightSyncFailed(
-                f"joining the replicas' group failed: {comm_box['error']}", "RendezvousFailed"
-            )
-        comm = comm_box["comm"]
+        comm = self.join_group(store, world - 1, status, dev, backend, generation, deadline)
         try:
             self.wait_phase(
                 generation, {"Transferring", "Completed"}, deadline, "every replica to accept the announce"
@@ -261,11 +234,53 @@ class OperatorPush:
             comm.abort()  # replicas see the group fail at once instead of waiting for the timeout
             raise
         comm.close()
+        result = self.finish(generation, version, mode, sent, world, started, transfer_s, deadline)
+        if failed:
+            log.warning("the status reduction reported a failure, but the operator reported Completed")
+        return result
+
+    def push_spec(
+        self,
+        version: int,
+        mode: RewardModelTrainingMode,
+        *,
+        host: str,
+        port: int,
+        manifest: tuple[str, str, str],
+        bucket_bytes: int,
+        timeout_s: float,
+        adapter: AdapterConfig | None,
+        trainer: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The WeightSync's spec for one push (``trainer``: a multi-rank trainer's ranks)."""
+        config_map, key, sha = manifest
+        return {
+            "rewardModelRef": self.name,
+            "version": int(version),
+            "trainingMode": mode.value,
+            "rendezvous": {"address": host, "port": port},
+            "manifestRef": {"configMapName": config_map, "key": key, "sha256": sha},
+            "bucketBytes": int(bucket_bytes),
+            "timeoutSeconds": max(1, int(timeout_s)),
+            **({"adapter": adapter_spec(adapter)} if adapter is not None else {}),
+            **({"trainer": dict(trainer)} if trainer is not None else {}),
+        }
+
+    def finish(
+        self,
+        generation: int,
+        version: int,
+        mode: RewardModelTrainingMode,
+        sent: int,
+        world: int,
+        started: float,
+        transfer_s: float,
+        deadline: float,
+    ) -> PushResult:
+        """Wait until the operator reports every replica serving ``version`` (or raise its reason)."""
         done = self.wait_phase(
             generation, {"Completed"}, deadline, f"every replica to serve version {version}"
         )
-        if failed:
-            log.warning("the status reduction reported a failure, but the operator reported Completed")
         wait_for_version(
             self.handle.get_status, self.label, int(version), min(deadline, time.monotonic() + 30)
         )
@@ -280,6 +295,50 @@ class OperatorPush:
             transfer_s=transfer_s,
             weightsync=done,
         )
+
+    def join_group(
+        self,
+        store: Any,
+        rank: int,
+        status: Mapping[str, Any],
+        device: torch.device,
+        backend: Backend,
+        generation: int,
+        deadline: float,
+        senders: int = 1,
+    ) -> Communicator:
+        """Join the replicas' group at ``rank``, watching the operator meanwhile: a failed
+        rendezvous must not leave the trainer waiting until the deadline."""
+        from rewardplane.transport.comm import Communicator
+
+        box: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                box["comm"] = Communicator(
+                    store,
+                    rank=rank,
+                    world_size=int(status["worldSize"]),
+                    device=device,
+                    backend=backend,
+                    timeout_s=max(1.0, deadline - time.monotonic()),
+                    group_id=status["groupId"],
+                    senders=senders,
+                )
+            except Exception as exc:
+                box["error"] = exc
+
+        joiner = threading.Thread(target=join, name="rewardplane-join", daemon=True)
+        joiner.start()
+        while joiner.is_alive():
+            joiner.join(POLL_S)
+            if joiner.is_alive():
+                self.raise_if_failed(generation, deadline)
+        if "error" in box:
+            self.raise_if_failed(generation, deadline)
+            raise WeightSyncFailed(f"joining the replicas' group failed: {box['error']}", "RendezvousFailed")
+        comm: Communicator = box["comm"]
+        return comm
 
     def raise_if_failed(self, generation: int, deadline: float) -> None:
         status = (self.handle.weightsync() or {}).get("status") or {}

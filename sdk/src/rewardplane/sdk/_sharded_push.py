@@ -1,22 +1,21 @@
-"""Pushes from every rank of a multi-rank trainer: a collective, like FSDP's own state-dict calls.
+"""Pushes from every rank of a multi-rank trainer in direct mode: a collective, like FSDP's own
+state-dict calls.
 
 Rank 0 of the trainer's process group (the leader) talks to the servers over HTTP, hosts the
 push group's store and decides each push's path, exactly as a one-process trainer does; every
 rank (the leader too) sends its own part of the bytes, from its own GPU, into the same push group,
 where the trainer's ranks are the last ranks. Nothing is gathered.
 
-The other ranks follow the leader through the push group's store (a dead leader's store closes, so
-they learn of it at once): the leader posts a step before each phase they take part in: ``ready``
-(a data-plane push: join the ready reduction, then send and join the commit reduction), ``send``
-(a push announced over HTTP: send, then join the commit reduction), and exactly one final step,
-``done`` or ``fail`` with the reason, so that every rank returns or raises alike.
+The other ranks follow the leader's steps (``_trainer_ranks.StepChannel``): ``ready`` (a data-plane
+push: join the ready reduction, then send and join the commit reduction), ``send`` (a push
+announced over HTTP: send, then join the commit reduction), and exactly one final step.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,33 +27,18 @@ from rewardplane.protocol import (
     Bucket,
     ParamMeta,
     RewardModelTrainingMode,
-    layout_id,
-    plan_buckets,
 )
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, WeightValidationError
 from rewardplane.transport.comm import Backend, Communicator, create_store
-from rewardplane.transport.signals import StoreClosed, put, wait_value
+from rewardplane.transport.signals import StoreClosed
 from rewardplane.transport.transfer import send_buckets
 
 from ._exceptions import WeightSyncError
+from ._trainer_ranks import SenderStep, ShardedLayout, StepChannel, StepName, TrainerRanks
 from .data_plane import DataPlaneStarter
 from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards
-from .push_checks import check_fits, names_for_mode
 from .retry import RewardServerError
-from .sharding import LocalPart, PushPlan, local_parts, parts_digest, plan_senders
-
-StepName = Literal["ready", "send", "done", "fail"]
-
-
-class SenderStep(BaseModel):
-    """The leader → the other sending ranks: what to do next in push ``push``."""
-
-    push: int
-    step: StepName
-    version: int
-    error: str | None = None
-    # the push group is dropped (a transfer failed): every rank forms it again on the next push
-    regroup: bool = False
+from .sharding import PushPlan, local_parts
 
 
 class GroupInvite(BaseModel):
@@ -64,51 +48,8 @@ class GroupInvite(BaseModel):
     port: int = 0
     group_id: str = ""
     world_size: int = 0
-    backend: str = "auto"
     served: list[str] | None = None
     error: str | None = None
-
-
-def _step_key(push: int, n: int) -> str:
-    return f"trainers/{push}/{n}"
-
-
-class ShardedLayout:
-    """The servers' names and order for a push of every rank's parts (identical on every rank)."""
-
-    def __init__(self, served: set[str] | None, head_patterns: Sequence[str], bucket_bytes: int) -> None:
-        self.served = served
-        self.head_patterns = tuple(head_patterns)
-        self.bucket_bytes = bucket_bytes
-        self._cache: tuple[Any, list[tuple[str, str]], list[ParamMeta], list[Bucket], str] | None = None
-
-    def of(
-        self,
-        plan: PushPlan,
-        mode: RewardModelTrainingMode,
-        keep_lora: bool,
-        adapter: AdapterConfig | None,
-        manifest: Mapping[str, ParamMeta] | None,
-    ) -> tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket], str]:
-        key = (id(plan), mode, keep_lora, adapter)
-        if self._cache is not None and self._cache[0] == key:
-            return self._cache[1:]
-        renamed = names_for_mode(
-            {k: k for k in plan.metas},
-            mode,
-            served=self.served,
-            keep_lora=keep_lora,
-            head_patterns=self.head_patterns,
-            adapter=adapter,
-        )
-        order = [(server, renamed[server]) for server in sorted(renamed)]
-        metadata = [plan.metas[k].model_copy(update={"name": server}) for server, k in order]
-        if manifest:
-            check_fits(metadata, manifest, mode, adapter)
-        buckets = plan_buckets(metadata, self.bucket_bytes)
-        lid = layout_id(metadata, self.bucket_bytes)
-        self._cache = (key, order, metadata, buckets, lid)
-        return order, metadata, buckets, lid
 
 
 class _LeaderPublisher(RewardModelPublisher):
@@ -157,9 +98,9 @@ class ShardedPusher:
         head_name_patterns: Sequence[str] | None,
         data_plane: bool,
     ) -> None:
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.senders = dist.get_world_size(group)
+        self.ranks = TrainerRanks(group)
+        self.rank = self.ranks.rank
+        self.senders = self.ranks.size
         self.urls = list(urls)
         self.group_port = group_port
         self.trainer_host = trainer_host
@@ -180,15 +121,13 @@ class ShardedPusher:
         self.comm: Communicator | None = None
         self._publisher: _LeaderPublisher | None = None
         self._layout: ShardedLayout | None = None
-        self._plan: tuple[list[str], PushPlan] | None = None  # (every rank's digest, the plan)
         self._pushes = 0
         self.last_stats: dict[str, float] = {}
 
     # ---- the group --------------------------------------------------------------------------
     def _share(self, invite: GroupInvite | None) -> GroupInvite:
-        box: list[Any] = [invite.model_dump_json() if invite is not None else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
-        return GroupInvite.model_validate_json(box[0])
+        shared = self.ranks.share(invite.model_dump_json() if invite is not None else None)
+        return GroupInvite.model_validate_json(shared)
 
     def open(self) -> Communicator:
         """Form the push group (a collective: every rank calls it; once, until a failure)."""
@@ -219,7 +158,6 @@ class ShardedPusher:
                     port=self.group_port,
                     group_id=group_id,
                     world_size=world,
-                    backend=self.backend,
                     served=sorted(manifest) if manifest else None,
                 )
             except Exception as exc:
@@ -269,19 +207,6 @@ class ShardedPusher:
         return self.comm
 
     # ---- a push -------------------------------------------------------------------------------
-    def _plan_of(self, parts: list[LocalPart]) -> PushPlan:
-        """Every rank's parts → who sends what. The digests travel each push (one small
-        collective); the parts only when some rank's changed."""
-        digests: list[Any] = [None] * self.senders
-        dist.all_gather_object(digests, parts_digest(parts), group=self.group)
-        if self._plan is not None and self._plan[0] == digests:
-            return self._plan[1]
-        everyone: list[Any] = [None] * self.senders
-        dist.all_gather_object(everyone, parts, group=self.group)
-        plan = plan_senders(everyone)
-        self._plan = (digests, plan)
-        return plan
-
     def push(
         self,
         params: Mapping[str, Any],
@@ -292,7 +217,7 @@ class ShardedPusher:
         adapter: AdapterConfig | None,
     ) -> int:
         tensors, parts = local_parts(params)
-        plan = self._plan_of(parts)  # the same on every rank; a bad split raises on every rank
+        plan = self.ranks.plan_of(parts)  # the same on every rank; a bad split raises on every rank
         comm = self.open()
         push = self._pushes
         self._pushes += 1
@@ -312,15 +237,11 @@ class ShardedPusher:
     ) -> int:
         publisher = self._publisher
         assert publisher is not None and self.control is not None and self.comm is not None
-        store = self.comm.store
-        steps = 0
+        channel = StepChannel(self.comm.store, push, self.timeout_s + 60.0)
         v = -1
 
         def tell(step: StepName, error: str | None = None, regroup: bool = False) -> None:
-            nonlocal steps
-            message = SenderStep(push=push, step=step, version=v, error=error, regroup=regroup)
-            put(store, _step_key(push, steps), message)
-            steps += 1
+            channel.tell(SenderStep(push=push, step=step, version=v, error=error, regroup=regroup))
 
         publisher.plan = plan
         publisher.tell = tell
@@ -373,16 +294,13 @@ class ShardedPusher:
             )
             comm.max_flag(0)  # the commit reduction; the leader reads its outcome
 
-        n = 0
+        channel = StepChannel(comm.store, push, self.timeout_s + 60.0)
         while True:
             try:
-                raw = wait_value(comm.store, _step_key(push, n), self.timeout_s + 60.0)
-            except (StoreClosed, TimeoutError) as exc:
+                step = channel.hear()
+            except WeightSyncError:
                 self.reset()
-                raise WeightSyncError(f"trainer rank 0 stopped leading push {push}: {exc}") from exc
-            n += 1
-            assert raw is not None
-            step = SenderStep.model_validate_json(raw)
+                raise
             if step.step == "done":
                 if broken is not None:  # the leader saw success, this rank did not: say so
                     raise WeightSyncError(f"version {step.version} committed, but this rank failed: {broken}")

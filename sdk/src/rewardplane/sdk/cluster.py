@@ -270,12 +270,48 @@ class RewardModelHandle:
         head_name_patterns: Sequence[str] | None = None,
         progress: bool | None = None,
         adapter: AdapterConfig | None = None,
+        trainer_group: Any = None,
+        interface: str | None = None,
     ) -> PushResult:
         """Push ``params`` as ``version`` into every replica through the operator; returns when the
         operator reports every replica serving it. Raises WeightValidationError (nothing moved),
-        WeightSyncFailed (the operator's reason), or TimeoutError-like WeightSyncFailed("Timeout")."""
+        WeightSyncFailed (the operator's reason), or TimeoutError-like WeightSyncFailed("Timeout").
+
+        ``trainer_group``: the trainer's own process group when it has several ranks (FSDP,
+        Megatron): a collective that every rank calls with its own ``params`` (FSDP2 ``DTensor``s,
+        ``TensorPiece`` slices, or tensors every rank holds alike); each rank sends its own part from
+        its own device, and every rank returns the same result or raises alike. ``interface``: the
+        network interface this trainer's ranks give NCCL and gloo (a multi-rank push records it in
+        the WeightSync's spec.trainer)."""
         started = time.monotonic()
         mode = RewardModelTrainingMode(training_mode)
+        if trainer_group is not None:
+            import torch.distributed as dist
+
+            if dist.get_world_size(trainer_group) > 1:
+                from ._operator_sharded import push_from_ranks
+
+                return push_from_ranks(
+                    OperatorPush(self),
+                    trainer_group,
+                    params,
+                    version,
+                    mode,
+                    started=started,
+                    timeout_s=timeout_s,
+                    trainer_host=trainer_host,
+                    bucket_bytes=bucket_bytes,
+                    device=device,
+                    backend=backend,
+                    keep_lora=keep_lora,
+                    head_name_patterns=head_name_patterns,
+                    adapter=adapter,
+                    interface=interface,
+                )
+        if interface:
+            from ._operator_sharded import use_interface
+
+            use_interface(interface)
         metadata, tensors = self.prepare(
             params, mode, keep_lora=keep_lora, head_name_patterns=head_name_patterns, adapter=adapter
         )

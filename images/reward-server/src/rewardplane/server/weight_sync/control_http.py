@@ -61,7 +61,6 @@ class AnnouncedPushes(DataPlanePushes):
                     group_id,
                     req.senders,
                 )
-                self._senders = req.senders
                 self._has_comm = True
                 self.last_error = None
                 await self._listen(req, group_id)
@@ -71,6 +70,8 @@ class AnnouncedPushes(DataPlanePushes):
                 log.error(self.last_error)
 
         self._has_comm = False
+        # an announce may arrive while the join waits for the trainer (the operator's does)
+        self._senders = req.senders
         self._pending_join = PendingJoin(req.host, req.port, time.monotonic(), req.timeout_s)
         self._init_task = self._spawn(join(), "init-communicator")
 

@@ -1,0 +1,253 @@
+"""A push through the operator from every rank of a multi-rank trainer
+(``RewardModelHandle.push_weights(..., trainer_group=group)``, called on every rank).
+
+Rank 0 (the leader) does what a one-process trainer does: it checks the layout against the
+served manifest, stores it in a ConfigMap, hosts the rendezvous and creates the WeightSync with
+``spec.trainer.ranks``; the operator then puts the trainer's ranks last in the replicas' group.
+Every rank joins the group and sends its own part once the operator reports every replica ready
+(``Transferring``); rank 0 follows the push to its end and tells the others how it ended
+(``_trainer_ranks.StepChannel``), so every rank returns the same ``PushResult`` or raises alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+
+from rewardplane.protocol import AdapterConfig, Bucket, ParamMeta, RewardModelTrainingMode
+from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, WeightValidationError
+from rewardplane.transport.comm import Backend, Communicator, create_store
+from rewardplane.transport.transfer import send_buckets
+
+from ._exceptions import WeightSyncError, WeightSyncFailed
+from ._operator_push import OperatorPush, PushResult
+from ._trainer_ranks import SenderStep, ShardedLayout, StepChannel, TrainerRanks
+from .sharding import local_parts
+
+
+class OperatorInvite(BaseModel):
+    """Rank 0 → every rank: the push's group, once the operator asked the replicas to join it."""
+
+    host: str = ""
+    port: int = 0
+    world_size: int = 0
+    group_id: str = ""
+    generation: int = 0
+    served: list[str] = []
+    error: str | None = None
+    error_type: str | None = None  # WeightValidationError: nothing moved, raise it as such
+    reason: str | None = None  # WeightSyncFailed's reason
+
+
+def use_interface(interface: str | None) -> None:
+    """The interface this rank gives NCCL and gloo (set before the group forms)."""
+    if interface:
+        os.environ["NCCL_SOCKET_IFNAME"] = interface
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def _raise_shared(invite: OperatorInvite) -> None:
+    if invite.error_type == "WeightValidationError":
+        raise WeightValidationError(invite.error or "")
+    raise WeightSyncFailed(
+        f"trainer rank 0 could not start the push: {invite.error}", invite.reason or "Failed"
+    )
+
+
+def push_from_ranks(
+    op: OperatorPush,
+    group: dist.ProcessGroup,
+    params: Mapping[str, Any],
+    version: int,
+    mode: RewardModelTrainingMode,
+    *,
+    started: float,
+    timeout_s: float,
+    trainer_host: str | None,
+    bucket_bytes: int,
+    device: torch.device | str | None,
+    backend: Backend,
+    keep_lora: bool,
+    head_name_patterns: Sequence[str] | None,
+    adapter: AdapterConfig | None,
+    interface: str | None,
+) -> PushResult:
+    """Every rank of ``group`` calls this with its own ``params``; see the module's docstring."""
+    from .publisher import local_address_towards
+
+    ranks = TrainerRanks(group)
+    deadline = started + timeout_s
+    tensors, parts = local_parts(params)
+    plan = ranks.plan_of(parts)  # the same on every rank; a bad split raises on every rank
+    dev = torch.device(device) if device is not None else next(iter(tensors.values())).device
+    patterns = head_name_patterns or DEFAULT_HEAD_PATTERNS
+    use_interface(interface)
+    invite: OperatorInvite | None = None
+    failure: Exception | None = None  # rank 0's own, raised as it is
+    store: Any = None
+    if ranks.leader:
+        try:
+            manifest = op.handle.manifest()
+            _, metadata, _, _ = ShardedLayout(set(manifest), patterns, bucket_bytes).of(
+                plan, mode, keep_lora, adapter, manifest
+            )
+            config_map, key, sha = op.store_manifest(metadata)
+            urls = op.handle._push_urls()
+            host = trainer_host or local_address_towards(urls[0])
+            store = create_store(host, 0, is_master=True, world_size=None, timeout_s=timeout_s)
+            trainer: dict[str, Any] = {"ranks": ranks.size}
+            if interface:
+                trainer["interface"] = interface
+            generation = op.request_push(
+                op.push_spec(
+                    version,
+                    mode,
+                    host=host,
+                    port=int(store.port),
+                    manifest=(config_map, key, sha),
+                    bucket_bytes=bucket_bytes,
+                    timeout_s=timeout_s,
+                    adapter=adapter,
+                    trainer=trainer,
+                )
+            )
+            ws = op.wait_phase(
+                generation, {"Rendezvous", "Transferring", "Completed"}, deadline, "the rendezvous"
+            )
+            invite = OperatorInvite(
+                host=host,
+                port=int(store.port),
+                world_size=int(ws["status"]["worldSize"]),
+                group_id=str(ws["status"]["groupId"]),
+                generation=generation,
+                served=sorted(manifest),
+            )
+        except Exception as exc:
+            failure = exc
+            invite = OperatorInvite(
+                error=str(exc), error_type=type(exc).__name__, reason=getattr(exc, "reason", None)
+            )
+    invite = OperatorInvite.model_validate_json(ranks.share(invite.model_dump_json() if invite else None))
+    if failure is not None:
+        raise failure
+    if invite.error is not None:
+        _raise_shared(invite)
+    order, metadata, buckets, _ = ShardedLayout(set(invite.served), patterns, bucket_bytes).of(
+        plan, mode, keep_lora, adapter, None
+    )
+    if store is None:
+        store = create_store(invite.host, invite.port, is_master=False, world_size=None, timeout_s=timeout_s)
+    status = {"worldSize": invite.world_size, "groupId": invite.group_id}
+    rank = invite.world_size - ranks.size + ranks.rank
+    comm = op.join_group(store, rank, status, dev, backend, invite.generation, deadline, senders=ranks.size)
+    channel = StepChannel(comm.store, 0, max(1.0, deadline - time.monotonic()) + 30.0)
+    try:
+        if ranks.leader:
+            sending = _Sending(comm, 0, metadata, order, tensors, buckets, bucket_bytes)
+            return _lead(op, sending, channel, invite, version, mode, started, deadline)
+        return _follow(channel, _Sending(comm, ranks.rank, metadata, order, tensors, buckets, bucket_bytes))
+    finally:
+        comm.close()
+
+
+class _Sending:
+    """One rank's part of the push: its tensors under the servers' names, and how to send them."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        sender: int,
+        metadata: list[ParamMeta],
+        order: list[tuple[str, str]],
+        tensors: Mapping[str, torch.Tensor],
+        buckets: list[Bucket],
+        bucket_bytes: int,
+    ) -> None:
+        self.comm = comm
+        self.sender = sender
+        self.metadata = metadata
+        self.mine = {server: tensors[key] for server, key in order}
+        self.buckets = buckets
+        self.bucket_bytes = bucket_bytes
+
+    def send(self) -> int:
+        """This rank's bytes, then the commit reduction (every replica and every sender)."""
+        comm = self.comm
+        sent = send_buckets(
+            comm,
+            self.metadata,
+            self.mine,
+            self.bucket_bytes,
+            comm.first_sender,
+            plan=self.buckets,
+            sender=self.sender,
+        )
+        comm.max_flag(0)
+        return sent
+
+
+def _lead(
+    op: OperatorPush,
+    sending: _Sending,
+    channel: StepChannel,
+    invite: OperatorInvite,
+    version: int,
+    mode: RewardModelTrainingMode,
+    started: float,
+    deadline: float,
+) -> PushResult:
+    def fail(exc: BaseException) -> None:
+        channel.tell(SenderStep(push=0, step="fail", version=version, error=f"{type(exc).__name__}: {exc}"))
+
+    try:
+        op.wait_phase(
+            invite.generation, {"Transferring", "Completed"}, deadline, "every replica to accept the announce"
+        )
+    except BaseException as exc:
+        sending.comm.abort()
+        fail(exc)
+        raise
+    channel.tell(SenderStep(push=0, step="send", version=version))
+    transfer_start = time.monotonic()
+    try:
+        sent = sending.send()
+    except BaseException as exc:
+        sending.comm.abort()  # the replicas see the group fail at once instead of waiting for the timeout
+        fail(exc)
+        raise
+    transfer_s = time.monotonic() - transfer_start
+    try:
+        result = op.finish(
+            invite.generation, version, mode, sent, invite.world_size, started, transfer_s, deadline
+        )
+    except BaseException as exc:
+        fail(exc)
+        raise
+    detail = dataclasses.asdict(result)
+    channel.tell(SenderStep(push=0, step="done", version=version, detail=detail))
+    return result
+
+
+def _follow(channel: StepChannel, sending: _Sending) -> PushResult:
+    broken: BaseException | None = None
+    while True:
+        step = channel.hear()
+        if step.step == "done":
+            if broken is not None:
+                raise WeightSyncError(f"version {step.version} committed, but this rank failed: {broken}")
+            assert step.detail is not None
+            return PushResult(**step.detail)
+        if step.step == "fail":
+            raise WeightSyncFailed(f"the push of version {step.version} failed: {step.error}", "Failed")
+        if broken is None:
+            try:
+                sending.send()
+            except Exception as exc:  # the group failed; rank 0 learns it too and says how it ended
+                broken = exc

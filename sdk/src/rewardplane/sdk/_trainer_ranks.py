@@ -1,0 +1,148 @@
+"""What the ranks of a multi-rank trainer share during a push, in direct and operator mode alike.
+
+- ``TrainerRanks``: the trainer's own process group: rank 0's small messages to every rank (how to
+  join the push group), and the push layout agreed from every rank's parts.
+- ``StepChannel``: rank 0 (the leader) → the other sending ranks, through the push group's store:
+  the step to take next, and exactly one final step (``done`` or ``fail`` with the reason), so that
+  every rank returns or raises alike. A leader that dies takes its store with it: the others learn
+  it at once instead of waiting for a timeout.
+- ``ShardedLayout``: the servers' names and order for every rank's parts (the same on every rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch.distributed as dist
+from pydantic import BaseModel
+
+from rewardplane.protocol import (
+    AdapterConfig,
+    Bucket,
+    ParamMeta,
+    RewardModelTrainingMode,
+    layout_id,
+    plan_buckets,
+)
+from rewardplane.transport.signals import StoreClosed, put, wait_value
+
+from ._exceptions import WeightSyncError
+from .push_checks import check_fits, names_for_mode
+from .sharding import LocalPart, PushPlan, parts_digest, plan_senders
+
+StepName = Literal["ready", "send", "done", "fail"]
+
+
+class SenderStep(BaseModel):
+    """The leader → the other sending ranks: what to do next in push ``push``."""
+
+    push: int
+    step: StepName
+    version: int
+    error: str | None = None
+    # the push group is dropped (a transfer failed): every rank forms it again on the next push
+    regroup: bool = False
+    # done: what the leader learned of the push, for every rank's return value
+    detail: dict[str, Any] | None = None
+
+
+class StepChannel:
+    """The steps of one push (``push`` numbers the pushes of one group), in order."""
+
+    def __init__(self, store: dist.Store, push: int, timeout_s: float) -> None:
+        self.store = store
+        self.push = push
+        self.timeout_s = timeout_s
+        self._n = 0
+
+    def _key(self) -> str:
+        key = f"trainers/{self.push}/{self._n}"
+        self._n += 1
+        return key
+
+    def tell(self, step: SenderStep) -> None:
+        put(self.store, self._key(), step)
+
+    def hear(self) -> SenderStep:
+        """The leader's next step; raises ``WeightSyncError`` when the leader is gone or silent."""
+        try:
+            raw = wait_value(self.store, self._key(), self.timeout_s)
+        except (StoreClosed, TimeoutError) as exc:
+            raise WeightSyncError(f"trainer rank 0 stopped leading push {self.push}: {exc}") from exc
+        assert raw is not None  # no stop event: a value or an exception
+        return SenderStep.model_validate_json(raw)
+
+
+class TrainerRanks:
+    """The trainer's process group as the push sees it: rank, size, and what the ranks agree on."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._plan: tuple[list[Any], PushPlan] | None = None  # (every rank's digest, the plan)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def share(self, message: str | None) -> str:
+        """Rank 0's ``message`` (a JSON document) on every rank; the others pass None."""
+        box: list[Any] = [message]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return str(box[0])
+
+    def plan_of(self, parts: list[LocalPart]) -> PushPlan:
+        """Every rank's parts → who sends what (the same on every rank; a bad split raises on every
+        rank). The digests travel each push (one small collective); the parts only when some
+        rank's changed."""
+        digests: list[Any] = [None] * self.size
+        dist.all_gather_object(digests, parts_digest(parts), group=self.group)
+        if self._plan is not None and self._plan[0] == digests:
+            return self._plan[1]
+        everyone: list[Any] = [None] * self.size
+        dist.all_gather_object(everyone, parts, group=self.group)
+        plan = plan_senders(everyone)
+        self._plan = (digests, plan)
+        return plan
+
+
+class ShardedLayout:
+    """The servers' names and order for a push of every rank's parts (identical on every rank)."""
+
+    def __init__(self, served: set[str] | None, head_patterns: Sequence[str], bucket_bytes: int) -> None:
+        self.served = served
+        self.head_patterns = tuple(head_patterns)
+        self.bucket_bytes = bucket_bytes
+        self._cache: tuple[Any, list[tuple[str, str]], list[ParamMeta], list[Bucket], str] | None = None
+
+    def of(
+        self,
+        plan: PushPlan,
+        mode: RewardModelTrainingMode,
+        keep_lora: bool,
+        adapter: AdapterConfig | None,
+        manifest: Mapping[str, ParamMeta] | None,
+    ) -> tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket], str]:
+        """(server name, the rank's key) in push order, the metadata, its buckets, its layout id.
+        With the served ``manifest`` (rank 0), checked against it first."""
+        key = (id(plan), mode, keep_lora, adapter)
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1:]
+        renamed = names_for_mode(
+            {k: k for k in plan.metas},
+            mode,
+            served=self.served,
+            keep_lora=keep_lora,
+            head_patterns=self.head_patterns,
+            adapter=adapter,
+        )
+        order = [(server, renamed[server]) for server in sorted(renamed)]
+        metadata = [plan.metas[k].model_copy(update={"name": server}) for server, k in order]
+        if manifest:
+            check_fits(metadata, manifest, mode, adapter)
+        buckets = plan_buckets(metadata, self.bucket_bytes)
+        lid = layout_id(metadata, self.bucket_bytes)
+        self._cache = (key, order, metadata, buckets, lid)
+        return order, metadata, buckets, lid
