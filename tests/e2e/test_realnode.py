@@ -1049,6 +1049,21 @@ def test_helm_upgrade_then_uninstall_leaves_nothing(real_cluster: RealCluster) -
     ]
     assert "--log-level=DEBUG" in pod.spec.containers[0].args and pod.status.phase == "Running"
 
+    def lease_owners() -> list[str]:
+        from kubernetes import client
+
+        try:
+            lease = client.CoordinationV1Api(c.api).read_namespaced_lease(
+                "rewardplane-operator", OPERATOR_NAMESPACE
+            )
+        except client.exceptions.ApiException:
+            return []
+        return [f"{o.kind}/{o.name}" for o in lease.metadata.owner_references or []]
+
+    # the operator makes its Lease at run time and has its Deployment own it
+    wait_for(
+        "the Deployment to own the Lease", lambda: lease_owners() == [f"Deployment/{dep.metadata.name}"], 60
+    )
     helm(c, "uninstall", OPERATOR_RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait")
 
     def release_objects() -> str:
@@ -1079,6 +1094,9 @@ def test_helm_upgrade_then_uninstall_leaves_nothing(real_cluster: RealCluster) -
 
     # (the CRDs stay, by Helm's design: it never deletes what a chart's crds/ installed)
     wait_for("nothing of the release left", lambda: not release_objects(), 60)
+    wait_for(
+        "the Lease to go with the Deployment", lambda: lease_holder(c) is None and not lease_owners(), 60
+    )
 
 
 def test_an_image_lost_from_containerd_is_imported_again(real_cluster: RealCluster) -> None:

@@ -42,6 +42,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(POD_NAMESPACE or its ServiceAccount's). Outside a cluster without this flag there is no election",
     )
     p.add_argument(
+        "--lease-owner-deployment",
+        default=None,
+        help="the operator's own Deployment (in the Lease's namespace): the Lease is owned by it, so "
+        "deleting the Deployment (helm uninstall) deletes the Lease too",
+    )
+    p.add_argument(
         "--no-leader-election",
         action="store_true",
         help="act without holding the Lease (only where no second operator can run)",
@@ -113,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     leadership = None
     lease_namespace = None if args.no_leader_election else own_namespace(args.leader_election_namespace)
     if lease_namespace is not None:
-        leadership = Leadership(kube.configuration, lease_namespace)
+        leadership = Leadership(
+            kube.configuration, lease_namespace, owner_deployment=args.lease_owner_deployment
+        )
         leadership.acquire()  # blocks: a second operator waits here until the first stops
     else:
         logging.getLogger("rewardplane.operator").warning(

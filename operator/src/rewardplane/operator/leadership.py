@@ -60,6 +60,7 @@ class Leadership:
         *,
         name: str = LEASE_NAME,
         on_lost: Callable[[], None] | None = None,
+        owner_deployment: str | None = None,
     ) -> None:
         from kubernetes import client
         from kubernetes.leaderelection import electionconfig, leaderelection
@@ -70,9 +71,17 @@ class Leadership:
             take the Lease back right after the release)."""
 
             released = False
+            led = False  # set once this process led: a Lease deleted since is not made again
 
             def update(self, name: str, namespace: str, updated_record: Any) -> bool:
                 return False if self.released else bool(super().update(name, namespace, updated_record))
+
+            def create(self, name: str, namespace: str, election_record: Any) -> bool:
+                # Deleted under a leader: its owner (the Deployment) went, or someone removed it.
+                # Not re-made: renewing fails, this operator stops, and a new candidate starts over.
+                if self.released or self.led:
+                    return False
+                return bool(super().create(name, namespace, election_record))
 
         self.identity = identity()
         self.namespace, self.name = namespace, name
@@ -80,6 +89,8 @@ class Leadership:
         self._lock.api_instance = client.CoordinationV1Api(client.ApiClient(configuration))
         self._leading = threading.Event()
         self._on_lost = on_lost or self._exit
+        self._owner_deployment = owner_deployment
+        self._configuration = configuration
         config = electionconfig.Config(
             self._lock,
             lease_duration=LEASE_DURATION_S,
@@ -99,7 +110,36 @@ class Leadership:
         )
         threading.Thread(target=self._election.run, name="leader-election", daemon=True).start()
         self._leading.wait()
+        self._lock.led = True
         log.info("leading: holding the Lease %s/%s as %s", self.namespace, self.name, self.identity)
+        if self._owner_deployment:
+            self._own_lease(self._owner_deployment)
+
+    def _own_lease(self, deployment: str) -> None:
+        """Make ``deployment`` the Lease's owner, so the garbage collector deletes the Lease with it
+        (the operator makes the Lease at run time: no chart owns it). Best effort: without it the
+        Lease only outlives an uninstall."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            dep = client.AppsV1Api(client.ApiClient(self._configuration)).read_namespaced_deployment(
+                deployment, self.namespace
+            )
+            uid = dep.metadata.uid if dep.metadata is not None else None
+            owner = {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment, "uid": uid}
+            patch = {"metadata": {"ownerReferences": [owner]}}
+            self._lock.api_instance.patch_namespaced_lease(self.name, self.namespace, patch)
+            log.info("the Lease %s/%s is owned by the Deployment %s", self.namespace, self.name, deployment)
+        except ApiException as exc:
+            log.warning(
+                "could not make the Deployment %s own the Lease %s/%s (%s): the Lease will outlive an "
+                "uninstall; grant get on the Deployment and patch on leases (the chart's leader-election Role)",
+                deployment,
+                self.namespace,
+                self.name,
+                exc.reason,
+            )
 
     def _lost(self) -> None:
         if self._lock.released:
