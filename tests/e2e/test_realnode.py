@@ -1009,6 +1009,17 @@ def test_every_cause_a_replica_does_not_start_is_named(real_cluster: RealCluster
             assert reason in row.split(), (name, row)
         unread = named("e2e-unreadable", "ModelUnreadable", "uid 65532") or {}
         assert "chmod -R a+rX" in unread.get("message", ""), unread
+        # the Pod the kubelet refused never runs again: the operator replaces it (as a ReplicaSet
+        # would) after ENDED_POD_GRACE_S, and the new one is named the same way
+        [refused] = [p.metadata.uid for p in model_pods(c, "e2e-nocpu")]
+
+        def replaced() -> bool:
+            return any(p.metadata.uid != refused for p in model_pods(c, "e2e-nocpu"))
+
+        wait_for("the refused Pod to be replaced", replaced, 60, 1)
+        wait_for(
+            "the replacement's cause named", lambda: named("e2e-nocpu", "Unschedulable", "OutOfcpu"), 60, 1
+        )
     finally:
         for name in cases:
             c.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", name)

@@ -756,6 +756,31 @@ def test_rollout_waits_for_terminating_pods() -> None:
     assert actions.create == [] and actions.delete == []
 
 
+def test_a_pod_the_kubelet_refused_is_replaced_after_the_grace() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from rewardplane.operator.rollout import ENDED_POD_GRACE_S
+
+    desired = _desired(2)
+    live = [_live(p) for p in desired]
+    started = datetime(2026, 11, 27, 12, 0, 0, tzinfo=UTC)
+    live[1]["status"] = {
+        "phase": "Failed",
+        "reason": "OutOfcpu",
+        "message": "Pod was rejected: Node didn't have enough resource: cpu",
+        "startTime": started.isoformat().replace("+00:00", "Z"),
+    }
+    soon = started + timedelta(seconds=ENDED_POD_GRACE_S / 2)
+    later = started + timedelta(seconds=ENDED_POD_GRACE_S + 1)
+    assert pod_actions(desired, live, soon).delete == []  # visible first: the status names the cause
+    assert pod_actions(desired, live).delete == []  # no clock: nothing judged
+    [(name, why)] = pod_actions(desired, live, later).delete
+    assert name == "rm-1" and why.startswith("ended (OutOfcpu: Pod was rejected") and "replaced" in why
+    # a running Pod of any age stays; an ended one going away is not deleted twice
+    live[1]["metadata"]["deletionTimestamp"] = NOW
+    assert pod_actions(desired, live, later).delete == []
+
+
 def test_rollout_replaces_ready_pods_one_at_a_time() -> None:
     live = [_live(p) for p in _desired(3)]
     actions = pod_actions(_desired(3, source="/models/new"), live)

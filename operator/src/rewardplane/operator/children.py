@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import logging
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 from rewardplane.api.kube import Kube, core_path, custom_path
@@ -92,7 +93,7 @@ class Children:
     ) -> list[dict[str, Any]] | None:
         """Create and delete Pods one rollout step; the model's Pods afterwards when that follows
         from what the API server answered (nothing deleted, every create accepted), else None."""
-        actions = pod_actions(desired, pods)
+        actions = pod_actions(desired, pods, datetime.now(UTC))
         for name, why in actions.delete:
             self.delete_pod(ns, name, why)
         after: list[dict[str, Any]] | None = None if actions.delete else list(pods)

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -217,7 +218,7 @@ class Reconciler:
         try:
             plan = plan_reward_model(rm, self._cluster_view(rm, pods))
             desired, service = render_children(rm, plan)
-            if self.cluster is not None and pod_actions(desired, pods).delete:
+            if self.cluster is not None and pod_actions(desired, pods, datetime.now(UTC)).delete:
                 pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
                 plan = plan_reward_model(rm, self._cluster_view(rm, pods))
                 desired, service = render_children(rm, plan)
