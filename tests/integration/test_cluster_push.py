@@ -458,5 +458,11 @@ def test_two_trainer_ranks_push_through_the_operator(
         ]
         assert get_rm(kube, ns, name)["status"]["weightsVersion"] == 2
         every_replica_scores_like(handle, sharded_model(tiny_model_dir, 2), tiny_model_dir, 2)
+        # a one-process push on the same WeightSync afterwards: the two ranks are not waited for
+        model = perturbed(tiny_model_dir, seed=5)
+        result = handle.push_weights(model.state_dict(), 3, "full", timeout_s=60, trainer_host="127.0.0.1")
+        ws = kube.get(custom_path(ns, name, WS_PLURAL)) or {}
+        assert "trainer" not in ws["spec"] and result.world_size == 3 and ws["status"]["senders"] == 1
+        every_replica_scores_like(handle, model, tiny_model_dir, 3)
     finally:
         handle.close()

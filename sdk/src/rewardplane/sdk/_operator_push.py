@@ -140,8 +140,9 @@ class OperatorPush:
         created = self._kube.create(custom_path(self.namespace, None, WS_PLURAL), body)
         if created is not None:
             return int(created["metadata"].get("generation") or 1)
-        # a merge patch keeps fields it does not name: clear an earlier push's adapter explicitly
-        patched = self._kube.merge_patch(path, {"spec": {"adapter": None, **spec}})
+        # a merge patch keeps fields it does not name: clear an earlier push's adapter and trainer
+        # ranks explicitly (a one-rank push after a multi-rank one must not wait for absent ranks)
+        patched = self._kube.merge_patch(path, {"spec": {"adapter": None, "trainer": None, **spec}})
         return int(patched["metadata"]["generation"])
 
     def wait_phase(self, generation: int, phases: set[str], deadline: float, what: str) -> dict[str, Any]:
