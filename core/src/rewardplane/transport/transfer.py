@@ -197,7 +197,9 @@ def receive_buckets(
                     targets.append(whole)
                     continue
                 contiguous = piece_bytes(whole, meta, piece)
-                if contiguous is None:  # e.g. a split along columns: received whole, then put in place
+                if (
+                    contiguous is None
+                ):  # e.g. a split along columns: received contiguous, then copied in place
                     contiguous = torch.empty(nbytes, dtype=torch.uint8, device=device)
                     typed = whole.view(torch_dtype(meta.dtype)).view(meta.shape)
                     scattered.append((contiguous, piece_view(typed, meta, piece)))

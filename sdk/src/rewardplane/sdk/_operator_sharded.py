@@ -92,12 +92,14 @@ def push_from_ranks(
     invite: OperatorInvite | None = None
     failure: Exception | None = None  # rank 0's own, raised as it is
     store: Any = None
+    layout: tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket], str] | None = None
     if ranks.leader:
         try:
             manifest = op.handle.manifest()
-            _, metadata, _, _ = ShardedLayout(set(manifest), patterns, bucket_bytes).of(
+            layout = ShardedLayout(set(manifest), patterns, bucket_bytes).of(
                 plan, mode, keep_lora, adapter, manifest
             )
+            metadata = layout[1]
             config_map, key, sha = op.store_manifest(metadata)
             urls = op.handle._push_urls()
             host = trainer_host or local_address_towards(urls[0])
@@ -139,9 +141,11 @@ def push_from_ranks(
         raise failure
     if invite.error is not None:
         _raise_shared(invite)
-    order, metadata, buckets, _ = ShardedLayout(set(invite.served), patterns, bucket_bytes).of(
-        plan, mode, keep_lora, adapter, None
-    )
+    if layout is None:  # the other ranks: the leader's layout, from the served names it shared
+        layout = ShardedLayout(set(invite.served), patterns, bucket_bytes).of(
+            plan, mode, keep_lora, adapter, None
+        )
+    order, metadata, buckets, _ = layout
     if store is None:
         store = create_store(invite.host, invite.port, is_master=False, world_size=None, timeout_s=timeout_s)
     status = {"worldSize": invite.world_size, "groupId": invite.group_id}
