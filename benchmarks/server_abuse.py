@@ -4,6 +4,12 @@ server idle (the baseline, measured in the same run); the server's CPU time per 
 the clients and /health share); the server's peak RSS.
 
     python benchmarks/server_abuse.py [--abusers 3] [--seconds 5]
+    python benchmarks/server_abuse.py --body token-ids [--abusers 2]
+
+``--body token-ids``: the clients post ``{"input": [[16, 22]] * 200000}`` (2 MB, far over
+``--max-items-per-request``) to /classify, and the run is made twice in a row: first with every body
+parsed on the event loop (the helper process of ``http/body_parse.py`` switched off in the server
+process), then as the server runs.
 
 The abusers are separate processes, so the client's own GIL does not colour the figures."""
 
@@ -14,18 +20,31 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from rewardplane.testing.servers import start_server
+from rewardplane.testing.servers import ServerHandle, launch_server, start_server, wait_healthy
 from rewardplane.tinymodel import build_tiny_reward_model
 
+# The server as before the helper process: every body parsed on the event loop.
+_LOOP_PARSE = (
+    "import runpy, rewardplane.server.http.body_parse as b; b.BodyParser._costly = lambda self, raw: False; "
+    "runpy.run_module('rewardplane.server', run_name='__main__')"
+)
 
-def _abuse(url: str, path: str, stop_at: float, out: mp.Queue[list[tuple[int, float]]]) -> None:
-    body = json.dumps({"input": ["word " * (2 * 1024 * 1024)]}).encode()
+
+def _body(kind: str) -> bytes:
+    if kind == "token-ids":
+        return json.dumps({"input": [[16, 22]] * 200000}).encode()
+    return json.dumps({"input": ["word " * (2 * 1024 * 1024)]}).encode()
+
+
+def _abuse(url: str, path: str, stop_at: float, out: mp.Queue[list[tuple[int, float]]], kind: str) -> None:
+    body = _body(kind)
     answers = []
     with httpx.Client(timeout=120) as c:
         while time.monotonic() < stop_at:
@@ -65,48 +84,74 @@ def _fmt(xs: list[float]) -> str:
     return f"p50 {statistics.median(xs) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, max {xs[-1] * 1e3:.1f} ms (n={len(xs)})"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--abusers", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=5.0)
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_reward_model(Path(tmp) / "model", num_labels=1, seed=0)
-        server = start_server(model, Path(tmp), max_model_len=64)
-        try:
-            idle = _health(server.url, args.seconds)
-            idle_hwm = _hwm_mib(server.process.pid)
-            cpu_before = _cpu_s(server.process.pid)
-            q: mp.Queue[list[tuple[int, float]]] = mp.Queue()
-            stop_at = time.monotonic() + args.seconds + 1
-            paths = ["/score", "/classify", "/pooling"]
-            procs = [
-                mp.Process(target=_abuse, args=(server.url, paths[i % 3], stop_at, q))
-                for i in range(args.abusers)
-            ]
-            for p in procs:
-                p.start()
-            time.sleep(0.5)
-            busy = _health(server.url, args.seconds)
-            answers = [a for _ in procs for a in q.get(timeout=300)]
-            for p in procs:
-                p.join(timeout=60)
-            hwm = _hwm_mib(server.process.pid)
-            cpu = _cpu_s(server.process.pid) - cpu_before
-        finally:
-            server.stop()
+def _start(model: Path, work: Path, loop_parse: bool) -> ServerHandle:
+    if not loop_parse:
+        return start_server(model, work, max_model_len=64)
+    handle = launch_server(model, work, max_model_len=64)  # started only for its arguments
+    handle.stop()
+    args = [handle.args[0], "-c", _LOOP_PARSE, *handle.args[3:]]
+    log = open(work / f"server-loop-{handle.port}.log", "wb")  # noqa: SIM115 - the server's lifetime
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return wait_healthy(
+        ServerHandle(
+            url=handle.url, port=handle.port, process=proc, log_path=Path(log.name), token=None, args=args
+        )
+    )
+
+
+def _run(model: Path, work: Path, args: argparse.Namespace, label: str, loop_parse: bool = False) -> None:
+    server = _start(model, work, loop_parse)
+    try:
+        idle = _health(server.url, args.seconds)
+        idle_hwm = _hwm_mib(server.process.pid)
+        cpu_before = _cpu_s(server.process.pid)
+        q: mp.Queue[list[tuple[int, float]]] = mp.Queue()
+        stop_at = time.monotonic() + args.seconds + 1
+        paths = ["/classify"] if args.body == "token-ids" else ["/score", "/classify", "/pooling"]
+        procs = [
+            mp.Process(target=_abuse, args=(server.url, paths[i % len(paths)], stop_at, q, args.body))
+            for i in range(args.abusers)
+        ]
+        for p in procs:
+            p.start()
+        time.sleep(0.5)
+        busy = _health(server.url, args.seconds)
+        answers = [a for _ in procs for a in q.get(timeout=300)]
+        for p in procs:
+            p.join(timeout=60)
+        hwm = _hwm_mib(server.process.pid)
+        cpu = _cpu_s(server.process.pid) - cpu_before
+    finally:
+        server.stop()
+    size = "2 MB token-id" if args.body == "token-ids" else "10 MB"
     statuses = sorted({s for s, _ in answers})
     refusal = sorted(t for _, t in answers)
+    print(f"== {label}")
     print(f"/health idle:                        {_fmt(idle)}")
-    print(f"/health with {args.abusers} clients sending 10 MB: {_fmt(busy)}")
+    print(f"/health with {args.abusers} clients sending {size}: {_fmt(busy)}")
     print(
         f"ratio p50 {statistics.median(busy) / statistics.median(idle):.2f}x, p99 {busy[int(0.99 * (len(busy) - 1))] / idle[int(0.99 * (len(idle) - 1))]:.2f}x"
     )
     print(
-        f"10 MB requests: {len(answers)} answered {statuses}, time to the answer p50 {statistics.median(refusal) * 1e3:.0f} ms"
+        f"{size} requests: {len(answers)} answered {statuses}, time to the answer p50 {statistics.median(refusal) * 1e3:.0f} ms"
     )
-    print(f"server CPU per 10 MB request: {cpu / len(answers) * 1e3:.0f} ms ({cpu:.1f} s for {len(answers)})")
-    print(f"server peak RSS (VmHWM): {idle_hwm:.0f} MiB before the 10 MB requests, {hwm:.0f} MiB after")
+    print(
+        f"server CPU per {size} request: {cpu / len(answers) * 1e3:.0f} ms ({cpu:.1f} s for {len(answers)})"
+    )
+    print(f"server peak RSS (VmHWM): {idle_hwm:.0f} MiB before the {size} requests, {hwm:.0f} MiB after")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--abusers", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--body", choices=["text", "token-ids"], default="text")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_reward_model(Path(tmp) / "model", num_labels=1, seed=0)
+        if args.body == "token-ids":
+            _run(model, Path(tmp), args, "every body parsed on the event loop (before)", loop_parse=True)
+        _run(model, Path(tmp), args, "as the server runs")
 
 
 if __name__ == "__main__":

@@ -203,6 +203,17 @@ VLLM_SLEEP_TIMEOUT_S: Setting[float] = _register(
         flag="--vllm-sleep-timeout-s",
     )
 )
+MAX_JOIN_TIMEOUT_S: Setting[float] = _register(
+    Setting(
+        "REWARDPLANE_MAX_JOIN_TIMEOUT_S",
+        "seconds > 0",
+        600.0,
+        "the largest timeout_s a join of a trainer's group may ask for (a larger one is refused, 400)",
+        SERVER,
+        _seconds,
+        flag="--max-join-timeout-s",
+    )
+)
 ADAPTER_DIR: Setting[str | None] = _register(
     Setting(
         "REWARDPLANE_ADAPTER_DIR",

@@ -24,6 +24,7 @@ from rewardplane.protocol import (
     DEFAULT_BUCKET_BYTES,
     AdapterConfig,
     Bucket,
+    CloseCommunicatorResponse,
     Endpoints,
     InitCommunicatorRequest,
     ParamMeta,
@@ -276,11 +277,26 @@ class HTTPControlPlane:
         self._each(wait_for)
 
     def close_communicator(self) -> None:
+        """Every server leaves the group; one still waiting to join it stops waiting (its join is cancelled)."""
+
         def close(url: str) -> None:
             try:
-                self._post(url, Endpoints.CLOSE_COMMUNICATOR, {})
+                answer = CloseCommunicatorResponse.model_validate(
+                    self._post(url, Endpoints.CLOSE_COMMUNICATOR, {})
+                )
             except Exception as exc:  # closing is best effort; the group is discarded anyway
                 log.warning("closing the communicator on %s failed: %s", url, exc)
+                return
+            if answer.cancelled_join is not None:
+                j = answer.cancelled_join
+                log.info(
+                    "%s: cancelled its join of group %s at %s:%d (pending %.1fs)",
+                    url,
+                    j.group_id,
+                    j.host,
+                    j.port,
+                    j.pending_s,
+                )
 
         self._each(close)
 

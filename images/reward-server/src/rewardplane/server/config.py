@@ -17,6 +17,7 @@ SETTING_FLAGS: dict[str, settings.Setting[Any]] = {
     "vllm_score_timeout_s": settings.VLLM_SCORE_TIMEOUT_S,
     "vllm_rpc_timeout_s": settings.VLLM_RPC_TIMEOUT_S,
     "vllm_sleep_timeout_s": settings.VLLM_SLEEP_TIMEOUT_S,
+    "max_join_timeout_s": settings.MAX_JOIN_TIMEOUT_S,
 }
 
 
@@ -62,6 +63,7 @@ class ServerConfig(BaseModel):
     vllm_score_timeout_s: float | None = Field(default=None, gt=0)
     vllm_rpc_timeout_s: float | None = Field(default=None, gt=0)
     vllm_sleep_timeout_s: float | None = Field(default=None, gt=0)
+    max_join_timeout_s: float | None = Field(default=None, gt=0)
 
     def export_settings(self) -> None:
         """Write the settings given as flags into this process's environment, before the engine
@@ -243,6 +245,13 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         type=float,
         default=None,
         help=f"vLLM engine: bound on /sleep and /wake ({_from_env(settings.VLLM_SLEEP_TIMEOUT_S)})",
+    )
+    p.add_argument(
+        "--max-join-timeout-s",
+        type=float,
+        default=None,
+        help="the largest timeout_s a join of a trainer's group (POST /init_communicator) may ask for; "
+        f"a join that has not formed by its timeout_s is abandoned ({_from_env(settings.MAX_JOIN_TIMEOUT_S)})",
     )
     p.add_argument("--log-level", default="info")
     args, extra = p.parse_known_args(argv)

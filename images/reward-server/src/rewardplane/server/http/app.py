@@ -23,6 +23,7 @@ from rewardplane.server.engines.engine import RewardEngine
 from rewardplane.server.engines.sleep import SleepService
 from rewardplane.server.errors import ServerError, error_response
 from rewardplane.server.http.admission import Admission
+from rewardplane.server.http.body_parse import BodyParser
 from rewardplane.server.http.compat_routes import compat_router
 from rewardplane.server.http.inputs import Limits
 from rewardplane.server.http.model_names import ModelNames
@@ -138,9 +139,11 @@ def build_app(
         finally:
             await engine.stop()
             tokenizers.shutdown(wait=False, cancel_futures=True)
+            await app.state.body_parser.close()
 
     app = FastAPI(title="rewardplane reward server", lifespan=lifespan)
-    app.state.limits = limits  # checked on the parsed body before validation (routes.check_batch_shape)
+    app.state.limits = limits  # checked on the parsed body before validation (body_parse.check_body_shape)
+    app.state.body_parser = BodyParser()
 
     @app.exception_handler(ServerError)
     async def _server_error(request: Request, exc: ServerError) -> JSONResponse:

@@ -19,10 +19,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from rewardplane.protocol import (
+    CONTROL_PLANE_PATHS,
     VERSION_HEADER,
     AdmissionRequest,
     AdmissionResponse,
     BackgroundTasksResponse,
+    CloseCommunicatorResponse,
     Endpoints,
     ErrorResponse,
     HealthResponse,
@@ -50,7 +52,8 @@ from rewardplane.protocol import (
 from rewardplane.server.engines.sleep import SleepService
 from rewardplane.server.errors import BadRequest, Forbidden, Unauthorized
 from rewardplane.server.http.admission import Admission
-from rewardplane.server.http.inputs import Limits, check_items
+from rewardplane.server.http.body_parse import BodyParser, check_body_shape
+from rewardplane.server.http.inputs import Limits
 from rewardplane.server.http.scoring import to_score
 from rewardplane.server.http.service import ScoringService
 from rewardplane.server.weight_sync.control_plane import WeightSyncService
@@ -73,43 +76,29 @@ class _JSONRequest(Request):
     """A request whose JSON body is parsed by pydantic's Rust parser: ~1 ms for a 10 MB text where
     ``json.loads`` holds the event loop for 15-40 ms. The body stays Starlette's joined ``bytes``:
     the parser takes a ``bytearray`` too, but 7-15x slower (a preallocated one cost 15 ms a 10 MB
-    body on the loop, where the join costs about 1)."""
+    body on the loop, where the join costs about 1). A body that would be costly to parse is checked
+    against the limits by a helper process first (``body_parse``)."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             body = await self.body()
+            state = self.scope["app"].state
+            parser: BodyParser | None = getattr(state, "body_parser", None)
+            limits: Limits | None = getattr(state, "limits", None)
+            if self.scope["path"] in CONTROL_PLANE_PATHS:  # token-protected, and not bound by scoring's
+                parser, limits = None, None  # limits: an announce of a large model has many entries
             try:
-                self._json = pydantic_core.from_json(body)
+                if parser is None:
+                    self._json = pydantic_core.from_json(body)
+                    if limits is not None:
+                        check_body_shape(self._json, limits)
+                else:
+                    self._json = await parser.parse(body, limits)
             except ValueError as exc:  # FastAPI answers a JSONDecodeError with its 422 json_invalid
                 raise json.JSONDecodeError(str(exc), body.decode("utf-8", "replace")[:200], 0) from exc
-            limits = getattr(self.scope["app"].state, "limits", None)
-            if limits is not None:
-                try:
-                    check_batch_shape(self._json, limits)
-                except BadRequest as exc:  # FastAPI turns any other error while reading a body into
-                    raise HTTPException(400, exc.message) from exc  # "error parsing the body"
+            except BadRequest as exc:  # FastAPI turns any other error while reading a body into
+                raise HTTPException(400, exc.message) from exc  # "error parsing the body"
         return self._json
-
-
-def check_batch_shape(body: Any, limits: Limits) -> None:
-    """Too many inputs, or one token-id prompt longer than the model takes, refused from the parsed
-    JSON in microseconds: validating 200,000 token-id lists against the request model held the event
-    loop for about a second before the same 400 (and /health with it)."""
-    if not isinstance(body, dict):
-        return
-    for key in ("input", "inputs", "query"):
-        value = body.get(key)
-        if not isinstance(value, list) or not value:
-            continue
-        if isinstance(value[0], int) and not isinstance(value[0], bool):  # one prompt of token ids
-            cut = body.get("truncate") or body.get("truncate_prompt_tokens") is not None
-            if len(value) > limits.max_tokens and not cut:
-                raise BadRequest(
-                    f"{key} is one prompt of {len(value)} token ids; this server takes at most {limits.max_tokens} "
-                    "(--max-model-len): shorten it, or ask for truncation (truncate_prompt_tokens)"
-                )
-        else:
-            check_items(len(value), limits)
 
 
 class JSONRoute(APIRoute):
@@ -284,7 +273,9 @@ def control_router(service: WeightSyncService, token: str | None) -> APIRouter:
     """The weight-sync control plane (``control_plane.WeightSyncService``), token-protected."""
     router = _token_router(token)
 
-    @router.post(Endpoints.INIT_COMMUNICATOR, response_model=StatusResponse, responses=errors(409, 413, 422))
+    @router.post(
+        Endpoints.INIT_COMMUNICATOR, response_model=StatusResponse, responses=errors(400, 409, 413, 422)
+    )
     async def init_communicator(req: InitCommunicatorRequest) -> StatusResponse:
         await service.init_communicator(req)
         return StatusResponse()
@@ -296,14 +287,16 @@ def control_router(service: WeightSyncService, token: str | None) -> APIRouter:
         version = await service.update(req)
         return StatusResponse(detail={"version": version})
 
-    @router.post(Endpoints.CLOSE_COMMUNICATOR, response_model=StatusResponse, responses=errors(409, 413))
-    async def close_communicator() -> StatusResponse:
-        await service.close()
-        return StatusResponse()
+    @router.post(
+        Endpoints.CLOSE_COMMUNICATOR, response_model=CloseCommunicatorResponse, responses=errors(409, 413)
+    )
+    async def close_communicator() -> CloseCommunicatorResponse:
+        """Leave the trainer's group; a join still waiting for the trainer is cancelled, and named."""
+        return CloseCommunicatorResponse(cancelled_join=await service.close())
 
     def background_tasks() -> BackgroundTasksResponse:
         return BackgroundTasksResponse(
-            num_background_tasks=len(service.tasks),
+            num_background_tasks=service.background_count(),
             last_error=service.last_error,
             last_update=service.last_update,
         )

@@ -4,13 +4,16 @@ trainer's group, validating an announced layout, and running the receive and com
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from typing import Any
 
 from rewardplane.protocol import (
+    JOIN_GRACE_S,
     MAX_LAYOUTS,
+    CancelledJoin,
     InitCommunicatorRequest,
     RewardModelTrainingMode,
     UpdateParamBatchRequest,
@@ -19,13 +22,20 @@ from rewardplane.protocol import (
     layout_id,
     plan_buckets,
     remember_layout,
+    settings,
 )
 from rewardplane.server.engines.engine import ServedAdapter
 from rewardplane.server.errors import BadRequest, Conflict
-from rewardplane.server.weight_sync.control_data_plane import DataPlanePushes
+from rewardplane.server.weight_sync.control_data_plane import CHANNEL_CONNECT_TIMEOUT_S, DataPlanePushes
 from rewardplane.server.weight_sync.control_state import Layout, PendingJoin, _merge, _slowest
 
 log = logging.getLogger(__name__)
+# How often a pending join asks the workers whether their rendezvous is done (a short worker call).
+JOIN_POLL_S = 0.05
+
+
+class JoinCancelled(Exception):
+    """A pending join was cancelled (``POST /close_communicator``)."""
 
 
 class AnnouncedPushes(DataPlanePushes):
@@ -33,37 +43,39 @@ class AnnouncedPushes(DataPlanePushes):
 
     # ---- init / close -----------------------------------------------------------------------
     async def init_communicator(self, req: InitCommunicatorRequest) -> None:
+        limit = settings.MAX_JOIN_TIMEOUT_S.get()
+        if req.timeout_s > limit:
+            raise BadRequest(
+                f"timeout_s={req.timeout_s:g} is over this server's maximum of {limit:g}s for a join "
+                f"(--max-join-timeout-s, {settings.MAX_JOIN_TIMEOUT_S.name}): ask for at most {limit:g}s"
+            )
         if self.busy():
             raise Conflict(
                 "a weight update is in progress; wait for it (GET /get_num_background_tasks) and retry"
             )
-        # One join at a time: a join blocks in the rendezvous until the trainer's store answers or
-        # its timeout passes, and nothing can interrupt that wait, so a second one could only pile up.
+        # One join at a time: the rendezvous cannot be interrupted, only given up on, so joins are
+        # not queued; a pending one ends by forming, by its deadline or by POST /close_communicator.
         pending = self._joining()
         if pending is not None:
             raise Conflict(
-                f"{pending.describe()}: one join at a time — create the trainer's side of that group, "
-                "or wait until it gives up (GET /get_num_background_tasks shows its outcome) and join again"
+                f"{pending.describe()}: one join at a time — create the trainer's side of that group, wait "
+                "until it is given up (GET /get_num_background_tasks shows its outcome), or cancel it"
             )
         group_id = req.group_id or uuid.uuid4().hex[:12]
         self._stop_listening()
+        pending = PendingJoin(
+            req.host, req.port, group_id, time.monotonic(), req.timeout_s, attempt=uuid.uuid4().hex
+        )
 
         async def join() -> None:
             try:
-                await self.port.call_workers(
-                    "rp_init_communicator",
-                    req.host,
-                    req.port,
-                    req.world_size,
-                    req.rank_offset,
-                    req.backend,
-                    req.timeout_s,
-                    group_id,
-                    req.senders,
-                )
+                await self._form_group(req, pending)
                 self._has_comm = True
                 self.last_error = None
                 await self._listen(req, group_id)
+            except JoinCancelled as exc:
+                self._has_comm = False
+                log.info("%s", exc)
             except Exception as exc:
                 self._has_comm = False
                 self.last_error = f"joining the trainer's group at {req.host}:{req.port} failed: {exc}"
@@ -72,18 +84,74 @@ class AnnouncedPushes(DataPlanePushes):
         self._has_comm = False
         # an announce may arrive while the join waits for the trainer (the operator's does)
         self._senders = req.senders
-        self._pending_join = PendingJoin(req.host, req.port, time.monotonic(), req.timeout_s)
+        self._pending_join = pending
         self._init_task = self._spawn(join(), "init-communicator")
 
-    async def close(self) -> None:
+    async def _form_group(self, req: InitCommunicatorRequest, pending: PendingJoin) -> None:
+        """The workers' rendezvous, polled until every worker is in the group, one fails, the
+        deadline passes or the join is cancelled; in the last three cases the attempt is abandoned."""
+        await self.port.call_workers(
+            "rp_join_start",
+            pending.attempt,
+            req.host,
+            req.port,
+            req.world_size,
+            req.rank_offset,
+            req.backend,
+            req.timeout_s,
+            pending.group_id,
+            req.senders,
+        )
+        try:
+            while True:
+                polls = await self.port.call_workers("rp_join_poll", pending.attempt)
+                errors = [str(p["error"]) for p in polls if p["done"] and p["error"]]
+                if errors:
+                    raise RuntimeError("; ".join(errors))
+                if all(p["done"] for p in polls):
+                    return
+                if pending.cancelled.is_set():
+                    raise JoinCancelled(
+                        f"the join of the group at {req.host}:{req.port} ({pending.group_id}) was cancelled "
+                        "(POST /close_communicator)"
+                    )
+                if time.monotonic() >= pending.deadline:
+                    raise TimeoutError(
+                        f"the trainer's group did not form within timeout_s={req.timeout_s:g}s (+{JOIN_GRACE_S:g}s): "
+                        "check that the trainer hosts its store there and joins the group itself; this "
+                        "attempt is abandoned"
+                    )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(pending.cancelled.wait(), JOIN_POLL_S)
+        except BaseException:
+            try:
+                await self.port.call_workers("rp_join_abandon", pending.attempt)
+            except Exception:
+                log.warning("abandoning join %s in the workers failed", pending.group_id, exc_info=True)
+            raise
+
+    async def close(self) -> CancelledJoin | None:
+        """Leave the group; a join still waiting for the trainer is cancelled (and returned)."""
         if self.busy():
             raise Conflict("a weight update is in progress; close the communicator after it finishes")
-        pending = self._joining()
-        if pending is not None:
-            raise Conflict(f"{pending.describe()}; close the communicator after it finishes")
+        cancelled = None
+        pending, task = self._joining(), self._init_task
+        if pending is not None and task is not None:
+            pending.cancelled.set()
+            cancelled = CancelledJoin(
+                host=pending.host,
+                port=pending.port,
+                group_id=pending.group_id,
+                pending_s=round(time.monotonic() - pending.started, 3),
+            )
+            # the poll sees the flag at once; a join already past its rendezvous (connecting the
+            # push channel) ends within that step's own bound
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(task), CHANNEL_CONNECT_TIMEOUT_S + JOIN_POLL_S)
         self._stop_listening()
         await self.port.call_workers("rp_close_communicator")
         self._has_comm = False
+        return cancelled
 
     # ---- update -----------------------------------------------------------------------------
     def _layout_of(self, req: UpdateParamBatchRequest) -> Layout:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rewardplane.protocol import (
+    JOIN_GRACE_S,
     ParamMeta,
     PushHeader,
     RewardModelTrainingMode,
@@ -57,19 +58,30 @@ class DataPush:
         return not self.header.atomic
 
 
-@dataclass(frozen=True)
+@dataclass
 class PendingJoin:
     """The one join of a trainer's group this server is waiting on."""
 
     host: str
     port: int
+    group_id: str
     started: float  # time.monotonic()
     timeout_s: float
+    attempt: str  # names this attempt to the workers (rp_join_*)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # set by POST /close_communicator
+
+    @property
+    def deadline(self) -> float:
+        """When the control plane gives the join up, whatever the workers' rendezvous still does."""
+        return self.started + self.timeout_s + JOIN_GRACE_S
 
     def describe(self) -> str:
         age = time.monotonic() - self.started
-        left = max(0.0, self.timeout_s - age)
-        return f"a join of the group at {self.host}:{self.port} is pending ({age:.1f}s so far; it gives up in {left:.1f}s)"
+        left = max(0.0, self.deadline - time.monotonic())
+        return (
+            f"a join of the group at {self.host}:{self.port} is pending ({age:.1f}s so far; it is given up "
+            f"in {left:.1f}s, or now with POST /close_communicator)"
+        )
 
 
 class ControlPlaneState:
@@ -127,6 +139,11 @@ class ControlPlaneState:
         if task is not None and not task.done() and self._update_committed:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(task), timeout_s)
+
+    def background_count(self) -> int:
+        """Work of this control plane still running: its tasks, and a push started from the data
+        plane (its receive may wait on a dead trainer until the group's timeout)."""
+        return len(self.tasks) + (self._data_push is not None)
 
     def busy(self) -> bool:
         """A weight update (receive, apply, commit) is running."""

@@ -18,6 +18,7 @@ from rewardplane.protocol import AdapterConfig, ParamMeta
 from rewardplane.server.engines.lora_hooks import LoraHooks
 from rewardplane.server.weight_sync.worker.adapters import AdapterPart
 from rewardplane.server.weight_sync.worker.checksums import ChecksumPart
+from rewardplane.server.weight_sync.worker.join import JoinPart
 from rewardplane.server.weight_sync.worker.listener import DataPushListener
 from rewardplane.server.weight_sync.worker.peer_send import PeerSendPart
 
@@ -31,7 +32,7 @@ if (
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
-class RewardWeightSyncExtension(DataPushListener, AdapterPart, PeerSendPart, ChecksumPart):
+class RewardWeightSyncExtension(JoinPart, DataPushListener, AdapterPart, PeerSendPart, ChecksumPart):
     """Receive flat buckets from the trainer and load them; serve pushed adapters; send to peers;
     persist and restore; checksum. Each concern is a part under ``worker/``; vLLM loads this class."""
 
