@@ -12,15 +12,18 @@ are passed whole and sent by one rank). Same server, same weights.
         # the server and the trainers: a fresh server for that part); --sockets says the same
     bash scripts/gpu-run.sh bench-sharded --sockets --server-args=--enforce-eager  # device machines
 
-Per transport: one warm-up push, then ``--reps`` timed full pushes, for each sender count; a push's
-time is trainer rank 0's wall time of ``pusher.push(...)`` (every rank starts it after a barrier of the
-trainer group); GB/s = the model's bytes ÷ that time. Goals (issue): two senders ÷ one ≤ 0.6 in time
-over NVLink, ≥ 1.8× the bytes/s over sockets. On the wire every piece is a NCCL broadcast from its
-owner into the whole group (both TP workers and the other trainer rank receive every byte), so over
-NVLink two senders are not expected to beat one yet: this measures what it is.
+Per transport, four phases: one sender, then two, each first broadcasting every tensor to the whole
+group (``REWARDPLANE_PUSH_SLICING=never``: both TP workers receive every byte), then sliced
+(``always``: each TP worker receives only its slice of each tensor, point to point, from the sender
+holding it). Each phase: one warm-up push (announced over HTTP, broadcast: the workers learn and
+publish their slices), then ``--reps`` timed full pushes; a push's time is trainer rank 0's wall time
+of ``pusher.push(...)`` (every rank starts it after a barrier of the trainer group); GB/s = the
+model's bytes ÷ that time. Goals (issue): two senders ÷ one ≤ 0.6 in time over NVLink, ≥ 1.8× the
+bytes/s over sockets; the ratios are taken against one sender broadcasting (and, beside it, against
+one sender sliced). The server reports which wire each phase's last push took.
 
-Every phase is verified: the server's ``GET /param_checksums`` after the last two-sender push equal
-those after the last one-sender push of the same weights (each phase's warm-up pushes other weights
+Every phase is verified: the server's ``GET /param_checksums`` after each phase's last push equal
+those after the first phase's, the same weights (each phase's warm-up pushes other weights
 first). Prints a table; writes JSON to $OUT/sharded_push-<size>.json when OUT is set.
 """
 
@@ -62,6 +65,8 @@ SOCKETS_ENV = {
     "NCCL_DEBUG_SUBSYS": "INIT,NET",
 }
 TRANSPORTS = ("nvlink", "sockets")
+# (name, trainer ranks, REWARDPLANE_PUSH_SLICING): "one" is the baseline every ratio is taken against
+PHASES = (("one", 1, "never"), ("one-sliced", 1, "always"), ("two", 2, "never"), ("two-sliced", 2, "always"))
 WARM_SEED, SEED = 1, 2  # the warm-up pushes other weights than the timed ones: the check sees a change
 FILL_CHUNK = 1 << 26
 
@@ -248,6 +253,13 @@ def param_checksums(url: str) -> tuple[int, list[dict[str, Any]]]:
     return int(body["version"]), sorted(body["workers"], key=lambda w: w["rank"])
 
 
+def last_wire(url: str) -> str:
+    """How the server received the last push: ``sliced`` or ``broadcast``."""
+    r = httpx.get(f"{url}/get_num_background_tasks", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    r.raise_for_status()
+    return str(r.json()["last_update"].get("wire", "broadcast"))
+
+
 def socket_connections(text: str) -> dict[str, int]:
     """NCCL's connection lines (NCCL_DEBUG=INFO): how many went over its socket transport."""
     lines = [ln for ln in text.splitlines() if "Channel" in ln and " via " in ln]
@@ -314,55 +326,56 @@ def run_transport(
                 "out": str(work / f"{transport}-{name}.json"),
             }
 
-        # (a) one sender; it builds its model while the server starts
-        t0 = time.perf_counter()
-        cfg = base("one")
-        procs = spawn_trainers(1, cfg, env, work, f"{transport}-one")
-        try:
-            wait_healthy(server, args.startup_timeout, poll_s=1.0)
-        except BaseException:
-            for p, _ in procs:
-                p.kill()
-            raise
-        out["server_start_s"] = time.perf_counter() - t0
-        one = finish_trainers(procs, Path(cfg["out"]), args.phase_timeout)
-        nbytes = int(one["bytes"])
-        out.update(gpu=one["gpu_name"], bytes=nbytes, params=one["params"])
-        v_one, sums_one = param_checksums(server.url)
-        assert v_one == one["last_version"], (
-            f"the server serves {v_one}, the one sender pushed {one['last_version']}"
-        )
-        out["one"] = summary(one, nbytes)
-        print(f"[{transport}] one sender : {1000 * out['one']['median_s']:.1f} ms median", flush=True)
-
-        # (b) two senders, the same weights
-        cfg = base("two")
-        two = finish_trainers(
-            spawn_trainers(2, cfg, env, work, f"{transport}-two"), Path(cfg["out"]), args.phase_timeout
-        )
-        v_two, sums_two = param_checksums(server.url)
-        assert v_two == two["last_version"], (
-            f"the server serves {v_two}, the two senders pushed {two['last_version']}"
-        )
-        out["two"] = summary(two, nbytes)
-        print(f"[{transport}] two senders: {1000 * out['two']['median_s']:.1f} ms median", flush=True)
-        out["checksums_equal"] = sums_one == sums_two
-        out["parameters_checked"] = sum(len(w["checksums"]) for w in sums_two)
-        out["ratio_two_over_one"] = out["two"]["median_s"] / out["one"]["median_s"]
-        out["speedup_bytes_per_s"] = out["one"]["median_s"] / out["two"]["median_s"]
+        # one sender, then two, each broadcasting and then sliced (each receiving TP worker gets only
+        # its slice of every tensor, point to point); the first phase's trainer builds its model
+        # while the server starts
+        sums: dict[str, list[dict[str, Any]]] = {}
+        for i, (name, senders, slicing) in enumerate(PHASES):
+            cfg = base(name)
+            phase_env = {**env, "REWARDPLANE_PUSH_SLICING": slicing}
+            procs = spawn_trainers(senders, cfg, phase_env, work, f"{transport}-{name}")
+            if i == 0:
+                t0 = time.perf_counter()
+                try:
+                    wait_healthy(server, args.startup_timeout, poll_s=1.0)
+                except BaseException:
+                    for p, _ in procs:
+                        p.kill()
+                    raise
+                out["server_start_s"] = time.perf_counter() - t0
+            got = finish_trainers(procs, Path(cfg["out"]), args.phase_timeout)
+            nbytes = int(got["bytes"])
+            out.update(gpu=got["gpu_name"], bytes=nbytes, params=got["params"])
+            version, sums[name] = param_checksums(server.url)
+            assert version == got["last_version"], (
+                f"the server serves {version}, the {name} phase pushed {got['last_version']}"
+            )
+            out[name] = {**summary(got, nbytes), "wire": last_wire(server.url)}
+            print(
+                f"[{transport}] {name:<11}: {1000 * out[name]['median_s']:.1f} ms median ({out[name]['wire']})",
+                flush=True,
+            )
+        base_s = out["one"]["median_s"]
+        for name, _, _ in PHASES[1:]:
+            out[name]["ratio_to_one"] = out[name]["median_s"] / base_s
+        out["ratio_two_over_one"] = out["two-sliced"]["median_s"] / base_s
+        out["ratio_two_over_one_sliced"] = out["two-sliced"]["median_s"] / out["one-sliced"]["median_s"]
+        out["speedup_bytes_per_s"] = base_s / out["two-sliced"]["median_s"]
+        first = sums["one"]
+        out["checksums_equal"] = all(v == first for v in sums.values())
+        out["parameters_checked"] = sum(len(w["checksums"]) for w in first)
         if transport == "sockets":
             logs = server.log() + "".join(p.read_text(errors="replace") for p in work.glob("sockets-*.log"))
             out["nccl_connections"] = socket_connections(logs)
         if not out["checksums_equal"]:
             differ = [
-                (w1["rank"], n)
-                for w1, w2 in zip(sums_one, sums_two, strict=False)
+                (name, w1["rank"], n)
+                for name, got_sums in sums.items()
+                for w1, w2 in zip(first, got_sums, strict=False)
                 for n in w1["checksums"]
                 if w1["checksums"][n] != w2["checksums"].get(n)
             ]
-            raise AssertionError(
-                f"[{transport}] the two senders' push left other bytes than the one sender's: {differ[:8]}"
-            )
+            raise AssertionError(f"[{transport}] the phases left different bytes: {differ[:8]}")
         return out
     finally:
         server.stop()
@@ -394,20 +407,22 @@ def print_table(results: dict[str, Any]) -> None:
         f"({first['params'] / 1e9:.2f}B params, {gb:.2f} GB), {first['gpu']}, {results['reps']} reps =="
     )
     print(
-        f"{'transport':<10}{'senders':>8}{'median ms':>12}{'GB/s':>9}{'warm-up ms':>12}   sent by rank (GB)"
+        f"{'transport':<10}{'senders':>8}{'wire':>10}{'median ms':>12}{'GB/s':>9}{'warm-up ms':>12}   sent by rank (GB)"
     )
     for name, p in phases.items():
-        for senders, key in ((1, "one"), (2, "two")):
-            s = p[key]
-            sent = ", ".join(f"{b / 1e9:.2f}" for b in s["sent_by"]) if s.get("sent_by") else "all"
+        for key, senders, _ in PHASES:
+            ph = p[key]
+            sent = ", ".join(f"{b / 1e9:.2f}" for b in ph["sent_by"]) if ph.get("sent_by") else "all"
             print(
-                f"{name:<10}{senders:>8}{1000 * s['median_s']:>12.1f}{s['gbps']:>9.1f}"
-                f"{1000 * s['warmup_s']:>12.1f}   {sent}"
+                f"{name:<10}{senders:>8}{ph['wire']:>10}{1000 * ph['median_s']:>12.1f}{ph['gbps']:>9.1f}"
+                f"{1000 * ph['warmup_s']:>12.1f}   {sent}"
             )
         goal = "goal <= 0.6" if name == "nvlink" else "goal: speed-up >= 1.8"
         print(
-            f"{name:<10} two / one: time {p['ratio_two_over_one']:.3f}, bytes/s x{p['speedup_bytes_per_s']:.2f}"
-            f" ({goal}); checksums identical: {p['checksums_equal']} ({p['parameters_checked']} parameters)"
+            f"{name:<10} two sliced / one broadcast: time {p['ratio_two_over_one']:.3f}, bytes/s "
+            f"x{p['speedup_bytes_per_s']:.2f} ({goal}); two sliced / one sliced: "
+            f"{p['ratio_two_over_one_sliced']:.3f}; checksums identical: {p['checksums_equal']} "
+            f"({p['parameters_checked']} parameters)"
         )
         if "nccl_connections" in p:
             c = p["nccl_connections"]

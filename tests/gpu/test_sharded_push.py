@@ -181,22 +181,27 @@ def trainer_main(cfg: dict[str, Any]) -> None:
 
 
 def die_after_buckets(pusher: Any, n: int, device: torch.device) -> None:
-    """This rank's process exits after its ``n``-th bucket: the buckets enqueued so far are waited
-    for first, so they reach the replica (a streamed push has then written some parameters)."""
+    """This rank's process exits after its ``n``-th bucket (broadcast or sliced): the buckets
+    enqueued so far are waited for first, so they reach the replica (a streamed push has then
+    written some parameters)."""
     comm = pusher.sharded.comm
     assert comm is not None, "the push group is not formed"
-    real, sent = comm.broadcast_group, [0]
+    sent = [0]
 
-    def dying(tensors: Any, src: Any) -> None:
-        real(tensors, src)
-        sent[0] += 1
-        if sent[0] == n:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            print("dying", flush=True)
-            os._exit(17)
+    def counted(real: Any) -> Any:
+        def dying(*args: Any) -> None:
+            real(*args)
+            sent[0] += 1
+            if sent[0] == n:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                print("dying", flush=True)
+                os._exit(17)
 
-    comm.broadcast_group = dying
+        return dying
+
+    comm.broadcast_group = counted(comm.broadcast_group)
+    comm.exchange = counted(comm.exchange)
 
 
 def run_trainers(
@@ -331,6 +336,26 @@ def test_lora_merged_push_from_two_ranks(url: str, model_dir: Path, version: int
         url, model_dir, tmp_path / "out", [{"version": version + 1, "mode": "lora", "weights": weights}]
     )
     check_serves(url, model_dir, weights, version + 1, before, "lora (merged), two ranks")
+
+
+def test_sliced_pushes_from_two_ranks_land_bit_for_bit(
+    url: str, model_dir: Path, version: int, tmp_path: Path
+) -> None:
+    # the first push of the layout is broadcast (the TP workers learn and publish their slices); the
+    # next ones send each worker only its slice of each tensor, from the rank holding those rows
+    before = fill_prefix_cache(url)
+    last = {"full": 44}
+    pushes = [
+        {"version": version + 1, "mode": "full", "weights": {"full": 41}},
+        {"version": version + 2, "mode": "full", "weights": {"full": 42}},
+        {"version": version + 3, "mode": "lora", "weights": {"full": 42, "lora": 43}},
+        {"version": version + 4, "mode": "full", "weights": last},
+    ]
+    pushed_ok(url, model_dir, tmp_path / "out", pushes)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    update = httpx.get(f"{url}/get_num_background_tasks", headers=auth, timeout=30).json()["last_update"]
+    assert update["wire"] == "sliced" and update["via"] == "data_plane", update
+    check_serves(url, model_dir, last, version + 4, before, "sliced full push, two ranks")
 
 
 def test_atomic_push_from_two_ranks(url: str, model_dir: Path, version: int, tmp_path: Path) -> None:

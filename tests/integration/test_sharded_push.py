@@ -56,6 +56,31 @@ def test_two_trainer_ranks_each_send_their_part(pair, tiny_model_dir, tmp_path, 
     # the first push was announced over HTTP, the later ones started from the data plane
     assert "ready_at_s" not in results[0]["stats"][0] and "ready_at_s" in results[0]["stats"][2]
     assert last_update(pair[0])["via"] == "data_plane"
+    assert last_update(pair[0])["wire"] == "broadcast"  # whole tensors everywhere: broadcast moves less
+    _serves(pair, tiny_model_dir, 3)
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_a_sliced_push_from_two_ranks_lands_exactly(pair, tiny_model_dir, tmp_path, layout, monkeypatch):
+    # The CPU engine keeps whole tensors, so ``auto`` broadcasts; forced, every server rank gets
+    # each sender's part point to point, into its parameters, once it published where they go.
+    monkeypatch.setenv("REWARDPLANE_PUSH_SLICING", "always")
+    results = run_sharded_trainers(
+        tmp_path / "out",
+        urls=[h.url for h in pair],
+        group_port=free_port(),
+        model_dir=str(tiny_model_dir),
+        layout=layout,
+        versions=[1, 2, 3],
+    )
+    for r in results:
+        assert r is not None and r.get("error") is None and r["pushed"] == [1, 2, 3], r
+    for h in pair:
+        update = last_update(h)
+        assert update["via"] == "data_plane" and update["wire"] == "sliced", update
+        # rows land in place; a column piece (tp) goes through scratch into its columns
+        in_place = update["in_place_bytes"] == update["bytes"] > 0
+        assert in_place if layout == "fsdp" else 0 < update["in_place_bytes"] < update["bytes"], update
     _serves(pair, tiny_model_dir, 3)
 
 

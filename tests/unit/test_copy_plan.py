@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from rewardplane.protocol.slices import Region
 from rewardplane.server.weight_sync.copy_plan import CopyPlan
 
 
@@ -141,11 +142,55 @@ def test_full_size_views_and_parameter_types_with_their_own_torch_function_are_f
     assert torch.equal(model.gate_up.data, torch.cat([second[0][1], second[1][1]]))
 
 
-def test_a_real_shard_stays_with_the_loader() -> None:
+def test_a_tensor_parallel_shard_is_learned_with_the_region_it_keeps() -> None:
     model = NarrowingModel(tp_size=2)
     plan = CopyPlan(model.load_weights, model)
     plan.load([("gate", torch.randn(4, 3)), ("up", torch.randn(4, 3))])
-    assert not plan.direct_names
+    assert plan.direct_names == {"gate", "up"}
+    kept = plan.slice_of("up")
+    assert kept is not None and kept[0] == Region(0, 0, 2)
+    assert plan.target("up") is None and plan.held("up") is None  # only a slice of it lives here
+    second = [("gate", torch.randn(4, 3)), ("up", torch.randn(4, 3))]
+    plan.load(second)  # copied without the loader: rank 0's rows of each, side by side
+    assert torch.equal(model.gate_up.data, torch.cat([second[0][1][:2], second[1][1][:2]]))
+    assert torch.equal(kept[1], second[1][1][:2])
+
+
+class RowParallelModel(torch.nn.Module):
+    """vLLM's row-parallel loader on rank 1 of 2: a range of the input dimension (columns)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = torch.nn.Parameter(torch.zeros(3, 2), requires_grad=False)
+
+    @torch.no_grad()
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        for _, w in weights:
+            self.down.data.copy_(w.narrow(-1, 2, 2))
+
+
+def test_a_column_range_is_learned_and_copied_from_then_on() -> None:
+    model = RowParallelModel()
+    plan = CopyPlan(model.load_weights, model)
+    plan.load([("down", torch.randn(3, 4))])
+    kept = plan.slice_of("down")
+    assert kept is not None and kept[0] == Region(1, 2, 4)
+    again = torch.randn(3, 4)
+    plan.load([("down", again)])
+    assert torch.equal(model.down.data, again[:, 2:])
+
+
+def test_a_narrow_of_a_narrow_stays_with_the_loader() -> None:
+    class Twice(RowParallelModel):
+        @torch.no_grad()
+        def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+            for _, w in weights:
+                self.down.data.copy_(w.narrow(0, 0, 3).narrow(1, 2, 2))
+
+    model = Twice()
+    plan = CopyPlan(model.load_weights, model)
+    plan.load([("down", torch.randn(4, 4))])
+    assert not plan.direct_names and plan.slice_of("down") is None
 
 
 class CloningModel(FusedModel):

@@ -15,9 +15,11 @@ from pydantic import ValidationError
 
 from rewardplane.protocol import InitCommunicatorRequest, ParamMeta, Piece, layout_id, plan_buckets
 from rewardplane.protocol.naming import WeightValidationError
+from rewardplane.protocol.slices import Region, needs_from_json, needs_to_json, slice_schedule
 from rewardplane.sdk.sharding import LocalPart, TensorPiece, local_parts, parts_digest, plan_senders
 from rewardplane.testing.servers import free_port
 from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.sliced import receive_slices, send_slices
 from rewardplane.transport.transfer import receive_buckets, send_buckets
 
 
@@ -215,3 +217,83 @@ def test_two_senders_deliver_every_tensor_whole_to_every_receiver(in_place: bool
         assert got[r].in_place_bytes == (sum(t.nbytes for t in full.values()) if in_place else 0)
         for name, t in full.items():
             assert torch.equal(received[r][name], t), (r, name)
+
+
+# What each of two tensor-parallel receivers keeps: rows, columns across the senders' row split
+# (a 2-D box), columns along the senders' own column split, whole tensors, and columns of a tensor
+# one sender holds whole (sent from a contiguous copy).
+_KEPT: dict[str, Callable[[int], Region | None]] = {
+    "embed.weight": lambda r: Region(0, 20 * r, 20 * r + 20),
+    "layer.q.weight": lambda r: Region(1, 8 * r, 8 * r + 8),
+    "layer.o.weight": lambda r: Region(1, 6 * r, 6 * r + 6),
+    "layer.norm.weight": lambda r: None,
+    "head.weight": lambda r: None,
+    "layer.b.weight": lambda r: Region(1, 2 * r, 2 * r + 2),
+}
+
+
+def _kept(t: torch.Tensor, region: Region | None) -> torch.Tensor:
+    return t if region is None else t.narrow(region.dim, region.start, region.stop - region.start)
+
+
+def test_a_sliced_push_gives_each_receiver_only_what_it_keeps() -> None:
+    full = _full()
+    states = [local_parts(_rank_state(r, full)) for r in (0, 1)]
+    plan = plan_senders([parts for _, parts in states])
+    metas = [plan.metas[n] for n in sorted(plan.metas)]
+    buckets = plan_buckets(metas, 1024)
+    needs = {r: [_KEPT[m.name](r) for m in metas] for r in (0, 1)}
+    schedule = slice_schedule(metas, buckets, needs)
+    # receiver 1 keeps the bf16 tensor as float32: received into scratch, cast into place
+    targets = [
+        [torch.zeros_like(_kept(full[m.name], needs[r][i]), dtype=torch.float32) for i, m in enumerate(metas)]
+        for r in (0, 1)
+    ]
+    targets[0] = [t.to(full[m.name].dtype) for t, m in zip(targets[0], metas, strict=True)]
+
+    def receiver(r: int) -> Callable[[Communicator], Any]:
+        return lambda c: receive_slices(
+            c, metas, slice_schedule(metas, buckets, {r: needs[r]}), r, 2, needs[r], targets[r]
+        )
+
+    def sender(i: int) -> Callable[[Communicator], Any]:
+        return lambda c: send_slices(c, metas, states[i][0], schedule, c.first_sender, sender=i)
+
+    got = _run_world([receiver(0), receiver(1), sender(0), sender(1)], senders=2)
+    for r in (0, 1):
+        for i, m in enumerate(metas):
+            expected = _kept(full[m.name], needs[r][i]).to(targets[r][i].dtype)
+            assert torch.equal(targets[r][i], expected), (r, m.name)
+        kept = sum(_kept(full[m.name], needs[r][i]).nbytes for i, m in enumerate(metas))
+        assert got[r].bytes == kept < sum(t.nbytes for t in full.values())  # only its share moved
+    assert got[0].in_place_bytes == got[0].bytes  # each box is contiguous in the receiver's slice
+    assert got[1].in_place_bytes == got[1].bytes - full["layer.b.weight"].nbytes // 2  # a cast: scratch
+    assert got[2] + got[3] == got[0].bytes + got[1].bytes  # nothing sent twice
+
+
+def test_the_schedule_pairs_pieces_with_what_each_receiver_keeps() -> None:
+    meta = ParamMeta(
+        name="w",
+        dtype="float32",
+        shape=(4, 6),
+        split_dim=0,
+        pieces=(Piece(sender=0, start=0, stop=2), Piece(sender=1, start=2, stop=4)),
+    )
+    plan = plan_buckets([meta], 1 << 20)
+    rows = slice_schedule([meta], plan, {0: [Region(0, 0, 2)], 1: [Region(0, 2, 4)]})
+    assert [(t.sender, t.receiver, t.box) for t in rows[0]] == [
+        (0, 0, ((0, 2), (0, 6))),
+        (1, 1, ((2, 4), (0, 6))),
+    ]
+    cols = slice_schedule([meta], plan, {0: [Region(1, 0, 3)], 1: [None]})
+    assert [(t.sender, t.receiver, t.box) for t in cols[0]] == [
+        (0, 0, ((0, 2), (0, 3))),
+        (0, 1, ((0, 2), (0, 6))),
+        (1, 0, ((2, 4), (0, 3))),
+        (1, 1, ((2, 4), (0, 6))),
+    ]
+    assert needs_from_json(needs_to_json([Region(1, 0, 3), None])) == [Region(1, 0, 3), None]
+    with pytest.raises(ValueError, match="not a range inside it"):
+        slice_schedule([meta], plan, {0: [Region(1, 4, 9)]})
+    with pytest.raises(ValueError, match="regions for 2 tensors"):
+        slice_schedule([meta], plan, {0: [None, None]})

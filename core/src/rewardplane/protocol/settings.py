@@ -249,6 +249,20 @@ MODEL: Setting[str] = _register(
     )
 )
 
+PUSH_SLICING: Setting[str] = _register(
+    Setting(
+        "REWARDPLANE_PUSH_SLICING",
+        "auto, always or never",
+        "auto",
+        "data-plane pushes send each server rank only what it keeps of each tensor: `auto` where "
+        "that moves at most 3/4 of a broadcast's bytes (tensor-parallel replicas), `always` wherever "
+        "the ranks published it, `never`: broadcast",
+        "SDK (`WeightPusher`)",
+        _choice("auto", "always", "never"),
+    )
+)
+
+
 # ---- the operator ---------------------------------------------------------------------------------
 RESYNC_INTERVAL: Setting[float] = _register(
     Setting(

@@ -481,6 +481,14 @@ class PushHeader(BaseModel):
     training_mode: RewardModelTrainingMode = RewardModelTrainingMode.FULL
     atomic: StrictBool = False
     timeout_s: StrictFloat = Field(default=600.0, gt=0)
+    # each receiving rank gets only what it published that it keeps (``protocol.slices``)
+    sliced: StrictBool = False
+
+    @model_validator(mode="after")
+    def _sliced_is_streamed(self) -> PushHeader:
+        if self.sliced and self.atomic:
+            raise ValueError("a sliced push writes into the parameters as it arrives: it cannot be atomic")
+        return self
 
 
 class PushGo(BaseModel):
@@ -492,6 +500,7 @@ class PushGo(BaseModel):
     bucket_bytes: StrictInt = 0
     apply: StrictBool = True  # False: stage (atomic); the control plane swaps under the lock later
     error: str | None = None  # refused: join the ready reduction with a failure, move nothing
+    sliced: StrictBool = False  # receive only this worker's published slices, into its parameters
 
 
 class PushLoaded(BaseModel):

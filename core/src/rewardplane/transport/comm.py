@@ -186,6 +186,32 @@ class Communicator:
             raise
         self.pg._end_coalescing().wait()  # stream-ordered only: no CPU block
 
+    def exchange(
+        self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]]
+    ) -> None:
+        """Point-to-point messages as one group: each ``(tensor, peer rank)`` of ``sends`` goes to
+        its peer, each of ``recvs`` is filled from its peer. Messages between two ranks pair in the
+        order they are posted. NCCL: one launch over the group's communicator, stream-ordered (no
+        CPU block). gloo: returns when every message is done (bounded by the timeout)."""
+        if self.backend != "nccl":
+            works = [self.pg.send([t], peer, 0) for t, peer in sends]
+            works += [self.pg.recv([t], peer, 0) for t, peer in recvs]
+            for work in works:
+                self._wait(work, "point-to-point transfer")
+            return
+        if not sends and not recvs:
+            return
+        self.pg._start_coalescing()
+        try:
+            for t, peer in sends:
+                self.pg.send([t], peer, 0)
+            for t, peer in recvs:
+                self.pg.recv([t], peer, 0)
+        except BaseException:
+            self.abort()  # half a group must never be launched
+            raise
+        self.pg._end_coalescing().wait()  # stream-ordered only: no CPU block
+
     def synchronize(self) -> None:
         """Wait (bounded) until the work enqueued on the current stream is done; abort on timeout,
         so a dead peer cannot leave a collective hanging on the GPU."""

@@ -31,9 +31,11 @@ from rewardplane.protocol import (
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, WeightValidationError
 from rewardplane.transport.comm import Backend, Communicator, create_store
 from rewardplane.transport.signals import StoreClosed
+from rewardplane.transport.sliced import send_slices
 from rewardplane.transport.transfer import send_buckets
 
 from ._exceptions import WeightSyncError
+from ._slicing import SliceBook
 from ._trainer_ranks import SenderStep, ShardedLayout, StepChannel, StepName, TrainerRanks
 from .data_plane import DataPlaneStarter
 from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards
@@ -71,9 +73,9 @@ class _LeaderPublisher(RewardModelPublisher):
         assert self.plan is not None
         return self.sharded_layout.of(self.plan, mode, keep_lora, adapter, self.control.manifest())
 
-    def _phase(self, step: str) -> None:
+    def _phase(self, step: str, *, sliced: bool = False) -> None:
         if self.tell is not None:
-            self.tell(step)
+            self.tell(step, sliced=sliced)
 
 
 class ShardedPusher:
@@ -122,6 +124,7 @@ class ShardedPusher:
         self._publisher: _LeaderPublisher | None = None
         self._layout: ShardedLayout | None = None
         self._pushes = 0
+        self._slice_book: SliceBook | None = None
         self.last_stats: dict[str, float] = {}
 
     # ---- the group --------------------------------------------------------------------------
@@ -191,7 +194,9 @@ class ShardedPusher:
         if self.rank == 0:
             assert self.control is not None
             starter = (
-                DataPlaneStarter(self.comm.store, self.control.rank_offsets()) if self.data_plane else None
+                DataPlaneStarter(self.comm.store, self.control.rank_offsets(), self.comm.first_sender)
+                if self.data_plane
+                else None
             )
             self._publisher = _LeaderPublisher(
                 self.control,
@@ -240,8 +245,12 @@ class ShardedPusher:
         channel = StepChannel(self.comm.store, push, self.timeout_s + 60.0)
         v = -1
 
-        def tell(step: StepName, error: str | None = None, regroup: bool = False) -> None:
-            channel.tell(SenderStep(push=push, step=step, version=v, error=error, regroup=regroup))
+        def tell(
+            step: StepName, error: str | None = None, regroup: bool = False, sliced: bool = False
+        ) -> None:
+            channel.tell(
+                SenderStep(push=push, step=step, version=v, error=error, regroup=regroup, sliced=sliced)
+            )
 
         publisher.plan = plan
         publisher.tell = tell
@@ -284,14 +293,20 @@ class ShardedPusher:
         adapter: AdapterConfig | None,
     ) -> int:
         assert self._layout is not None
-        order, metadata, buckets, _ = self._layout.of(plan, mode, keep_lora, adapter, None)
+        order, metadata, buckets, lid = self._layout.of(plan, mode, keep_lora, adapter, None)
         mine = {server: tensors[key] for server, key in order}
         broken: BaseException | None = None
 
-        def send() -> None:
-            send_buckets(
-                comm, metadata, mine, self.bucket_bytes, comm.first_sender, plan=buckets, sender=self.rank
-            )
+        def send(sliced: bool) -> None:
+            if sliced:  # the leader found every receiver's places published: the same ones here
+                schedule = self._slices(comm).schedule(lid, metadata, buckets)
+                if schedule is None:
+                    raise WeightSyncError(f"layout {lid}: the receivers' places were taken back mid-push")
+                send_slices(comm, metadata, mine, schedule, comm.first_sender, sender=self.rank)
+            else:
+                send_buckets(
+                    comm, metadata, mine, self.bucket_bytes, comm.first_sender, plan=buckets, sender=self.rank
+                )
             comm.max_flag(0)  # the commit reduction; the leader reads its outcome
 
         channel = StepChannel(comm.store, push, self.timeout_s + 60.0)
@@ -314,9 +329,15 @@ class ShardedPusher:
             try:
                 if step.step == "ready" and comm.max_flag(0) != 0:
                     continue  # a replica refused: nothing moved, the leader says what next
-                send()
+                send(step.sliced)
             except Exception as exc:  # the group failed; the leader learns it too and says so
                 broken = exc
+
+    def _slices(self, comm: Communicator) -> SliceBook:
+        """A following rank's view of what the receivers published (the leader decided to slice)."""
+        if self._slice_book is None or self._slice_book.store is not comm.store:
+            self._slice_book = SliceBook(comm.store, comm.first_sender, "always")
+        return self._slice_book
 
     # ---- upkeep -------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -43,6 +43,8 @@ class SenderStep(BaseModel):
     error: str | None = None
     # the push group is dropped (a transfer failed): every rank forms it again on the next push
     regroup: bool = False
+    # ready: each receiving rank gets only what it keeps (the leader found them all published)
+    sliced: bool = False
     # done: what the leader learned of the push, for every rank's return value
     detail: dict[str, Any] | None = None
 

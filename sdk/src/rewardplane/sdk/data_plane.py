@@ -13,14 +13,20 @@ import torch.distributed as dist
 from rewardplane.protocol import PushHeader, PushKeys, PushVerdict, RewardModelTrainingMode
 from rewardplane.transport.signals import StoreClosed, put, wait_value
 
+from ._slicing import SliceBook, Slicing
+
 
 class DataPlaneStarter:
     """Writes push headers into the group's store (``Communicator.store``) and reads the verdicts of
     the replicas (named by their rank offsets)."""
 
-    def __init__(self, store: dist.Store, replicas: list[int]) -> None:
+    def __init__(
+        self, store: dist.Store, replicas: list[int], receivers: int, slicing: Slicing | None = None
+    ) -> None:
         self.store = store
         self.replicas = list(replicas)
+        # sliced pushes: what each of the ``receivers`` (the servers' ranks) keeps of each layout
+        self.slices = SliceBook(store, receivers, slicing)
         self.seq = 0
         self._layouts: set[str] = set()
         self._listening = False
@@ -54,6 +60,7 @@ class DataPlaneStarter:
         training_mode: RewardModelTrainingMode,
         atomic: bool,
         timeout_s: float,
+        sliced: bool = False,
     ) -> int:
         """Write the next header; returns its sequence number."""
         seq = self.seq
@@ -65,6 +72,7 @@ class DataPlaneStarter:
             training_mode=training_mode,
             atomic=atomic,
             timeout_s=timeout_s,
+            sliced=sliced,
         )
         put(self.store, PushKeys.header(seq), header)
         self.seq += 1

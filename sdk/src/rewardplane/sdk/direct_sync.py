@@ -221,7 +221,7 @@ class WeightPusher:
             )
             src = comm.world_size - 1
         starter = (
-            DataPlaneStarter(comm.store, self.control.rank_offsets())
+            DataPlaneStarter(comm.store, self.control.rank_offsets(), comm.first_sender)
             if self.data_plane and isinstance(comm, Communicator)
             else None
         )

@@ -39,6 +39,7 @@ from rewardplane.protocol.naming import (
 )
 from rewardplane.transport.buckets import meta_of
 from rewardplane.transport.comm import Backend, Communicator, TensorCommunicator, create_store
+from rewardplane.transport.sliced import send_slices
 from rewardplane.transport.transfer import send_buckets
 
 from ._exceptions import WeightSyncError
@@ -504,9 +505,10 @@ class RewardModelPublisher:
         }
         return version
 
-    def _phase(self, step: str) -> None:
+    def _phase(self, step: str, *, sliced: bool = False) -> None:
         """Called as a push enters a phase other sending ranks take part in (``ready``: a
-        data-plane push's ready reduction is next; ``send``: the servers accepted the announce)."""
+        data-plane push's ready reduction is next, ``sliced`` or broadcast; ``send``: the servers
+        accepted the announce)."""
 
     def _publish_from_data_plane(
         self,
@@ -521,6 +523,8 @@ class RewardModelPublisher:
     ) -> dict[str, float] | None:
         """Header → ready reduction → buckets → commit reduction. None: a server no longer knows the
         layout (nothing moved; announce it over HTTP). Raises the servers' reasons otherwise."""
+        # tensor-parallel replicas that published what they keep get only that (protocol.slices)
+        schedule = None if self.atomic else dp.slices.schedule(lid, metadata, plan)
         seq = dp.start(
             version=version,
             layout=lid,
@@ -528,9 +532,10 @@ class RewardModelPublisher:
             training_mode=mode,
             atomic=self.atomic,
             timeout_s=self.timeout_s,
+            sliced=schedule is not None,
         )
         header = time.perf_counter()
-        self._phase("ready")
+        self._phase("ready", sliced=schedule is not None)
         tensors = _detached(state_dict, order)  # while the servers take the header in
         ready: float | None = None  # when every replica had accepted it; None: one refused
 
@@ -542,9 +547,13 @@ class RewardModelPublisher:
             ready = time.perf_counter()
             return True
 
-        total = send_buckets(
-            self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, plan=plan, before_first=agreed
-        )
+        if schedule is None:
+            total = send_buckets(
+                self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, plan=plan, before_first=agreed
+            )
+        else:
+            assert isinstance(self.comm, Communicator)  # a data plane has one group
+            total = send_slices(self.comm, metadata, tensors, schedule, self.src_rank) if agreed() else 0
         if ready is None:  # some replica refused: nothing moved, the group is intact
             verdicts = dp.verdicts(seq, 10.0)
             if any(v.code == "unknown_layout" for v in verdicts.values()):

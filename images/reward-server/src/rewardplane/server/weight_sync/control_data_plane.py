@@ -122,6 +122,7 @@ class DataPlanePushes(ControlPlaneState):
         version, layout = header.version, push.layout
         assert layout is not None
         merged = _merge([r.model_dump() for r in results])
+        merged["sliced"] = header.sliced
         push.stamps.update(merged.pop("times"))
         push.stamps["returned"] = time.monotonic()
         refused = any(r.refused for r in results)

@@ -172,6 +172,8 @@ class ControlPlaneState:
             "version": version,
             "mode": mode,
             "via": via,
+            # sliced: each rank got only what it keeps of each tensor (protocol.slices)
+            "wire": "sliced" if result.get("sliced") else "broadcast",
             "ok": bool(result["ok"]),
             "bytes": result.get("bytes", 0),
             # received straight into the parameters (per-tensor wire, once the copy plan knows them)

@@ -9,9 +9,11 @@ watching the loader the first time a name arrives: under a ``TorchFunctionMode``
 torch call the loader makes with the pushed tensor. A name whose tensor was only read for its
 metadata, passed through views that are the very same tensor (vLLM's loaders ``narrow`` to the
 full size at tensor-parallel size 1) or plain copies of it (``clone``), and copied into parameters
-is copied straight into the recorded views from then on, in one ``torch._foreach_copy_``. Any other
-use (a cast, a real narrow, an in-place change, a copy into scratch) leaves the name to the loader
-for good. Names are learned in the call that loads them (that call costs some more CPU: each torch
+is copied straight into the recorded views from then on, in one ``torch._foreach_copy_``. One
+``narrow`` (a tensor-parallel worker keeps a range of rows or columns) is followed too: the name's
+``Region`` is recorded beside its view, which is what a sliced push sends this worker alone. Any
+other use (a cast, a second narrow, an in-place change, a copy into scratch) leaves the name to the
+loader for good. Names are learned in the call that loads them (that call costs some more CPU: each torch
 call of the loader passes the watch), so no push is spent on learning alone.
 
 The views share the parameters' storage. Anything that may move the parameters (a sleep that
@@ -21,11 +23,14 @@ discards the weights) calls ``forget``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
+
+from rewardplane.protocol.slices import Region
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
@@ -82,20 +87,42 @@ def _in_place(func: Any) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i") or name == "__setitem__"
 
 
+_NARROWS = frozenset({torch.Tensor.narrow, torch.narrow})
+
+
+def _narrowed(args: Any, kwargs: dict[str, Any], source: torch.Tensor) -> Region | None:
+    """The region ``narrow(dim, start, length)`` takes of ``source``, or None if the call does
+    not say it plainly."""
+    params = list(args[1:]) + [kwargs[k] for k in ("dim", "start", "length") if k in kwargs]
+    if len(params) != 3 or not all(isinstance(p, int) for p in params):
+        return None
+    dim, start, length = params
+    dim = dim % source.dim() if source.dim() else dim
+    if not 0 <= start < start + length <= source.shape[dim]:
+        return None
+    return Region(dim, start, start + length)
+
+
 class _Watch(TorchFunctionMode):
-    """Follows the pushed tensors through one loader call: where each was copied, and whether
-    anything else was done with it."""
+    """Follows the pushed tensors through one loader call: where each was copied (and which region
+    of it), and whether anything else was done with it."""
 
     def __init__(self, sources: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        # id -> (name, tensor): every alias of a pushed tensor (the tensor itself is kept, so the
-        # id stays its own while the call runs)
-        self._alias: dict[int, tuple[str, torch.Tensor]] = {id(t): (n, t) for n, t in sources.items()}
-        self.copies: dict[str, list[torch.Tensor] | None] = {n: [] for n in sources}
+        # id -> (name, tensor, region): every alias of a pushed tensor or of one narrowed range of
+        # it (the tensor itself is kept, so the id stays its own while the call runs)
+        self._alias: dict[int, tuple[str, torch.Tensor, Region | None]] = {
+            id(t): (n, t, None) for n, t in sources.items()
+        }
+        self.copies: dict[str, list[tuple[torch.Tensor, Region | None]] | None] = {n: [] for n in sources}
+
+    def _hit(self, value: Any) -> tuple[str, torch.Tensor, Region | None] | None:
+        hit = self._alias.get(id(value))
+        return hit if hit is not None and hit[1] is value else None
 
     def _name(self, value: Any) -> str | None:
-        hit = self._alias.get(id(value))
-        return hit[0] if hit is not None and hit[1] is value else None
+        hit = self._hit(value)
+        return hit[0] if hit is not None else None
 
     def _spoil(self, name: str) -> None:
         self.copies[name] = None
@@ -112,25 +139,46 @@ class _Watch(TorchFunctionMode):
         if not involved:
             return result
         if func is torch.Tensor.copy_ and len(args) >= 2 and self._name(args[0]) is None:
-            name = self._name(args[1])
-            if name is not None and involved == {name}:
-                copies = self.copies[name]
+            hit = self._hit(args[1])
+            if hit is not None and involved == {hit[0]}:
+                copies = self.copies[hit[0]]
                 if copies is not None:
-                    copies.append(args[0])
+                    copies.append((args[0], hit[2]))
                 return result
-        source = self._name(args[0]) if args else None
+        hit = self._hit(args[0]) if args else None
         if (
-            source is not None
-            and involved == {source}
+            hit is not None
+            and involved == {hit[0]}
             and not _in_place(func)
             and isinstance(result, torch.Tensor)
-            and _same_values(func, result, self._alias[id(args[0])][1])
         ):
-            self._alias[id(result)] = (source, result)  # the same values under another name
-            return result
+            name, source, region = hit
+            if _same_values(func, result, source):
+                self._alias[id(result)] = (name, result, region)  # the same values under another name
+                return result
+            if func in _NARROWS and region is None:
+                narrowed = _narrowed(args, kwargs, source)
+                if narrowed is not None:
+                    self._alias[id(result)] = (name, result, narrowed)  # a range of the pushed tensor
+                    return result
         for name in involved:
             self._spoil(name)
         return result
+
+
+@dataclass(frozen=True)
+class _Place:
+    view: torch.Tensor  # a parameter view the name (or its region) is copied into
+    region: Region | None  # what of the pushed tensor lands there; None: all of it
+    shape: tuple[int, ...]  # the pushed tensor's shape it was learned with
+
+    def source(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """What of ``tensor`` is copied here, or None if it does not fit what was learned."""
+        if tuple(tensor.shape) != self.shape:
+            return None
+        r = self.region
+        part = tensor if r is None else tensor.narrow(r.dim, r.start, r.stop - r.start)
+        return part if part.shape == self.view.shape else None
 
 
 class CopyPlan:
@@ -139,29 +187,39 @@ class CopyPlan:
     def __init__(self, load: Loader, model: torch.nn.Module) -> None:
         self._load = load
         self._model = model
-        self._views: dict[str, list[torch.Tensor]] = {}  # name -> parameter views it is copied into
+        self._places: dict[str, list[_Place]] = {}  # name -> the parameter views it is copied into
         self._opaque: set[str] = set()  # names only the loader can load
 
     def forget(self) -> None:
-        self._views.clear()
+        self._places.clear()
         self._opaque.clear()
 
     @property
     def direct_names(self) -> frozenset[str]:
-        return frozenset(self._views)
+        return frozenset(self._places)
 
     def target(self, name: str) -> torch.Tensor | None:
-        """The one parameter view ``name`` is copied into, or None (not learned, or copied into
-        several). Whether the pushed tensor fits it exactly is the receiver's check."""
-        views = self._views.get(name)
-        return views[0] if views is not None and len(views) == 1 else None
+        """The one parameter view the whole of ``name`` is copied into, or None (not learned,
+        narrowed, or copied into several). Whether the pushed tensor fits it exactly is the
+        receiver's check."""
+        places = self._places.get(name)
+        return (
+            places[0].view if places is not None and len(places) == 1 and places[0].region is None else None
+        )
+
+    def slice_of(self, name: str) -> tuple[Region | None, torch.Tensor] | None:
+        """What this worker keeps of ``name`` (a region, or None: all of it) and the one parameter
+        view it lands in; None where the loader must see the tensor (not learned, transformed, or
+        copied into several places)."""
+        places = self._places.get(name)
+        return (places[0].region, places[0].view) if places is not None and len(places) == 1 else None
 
     def held(self, name: str) -> torch.Tensor | None:
-        """A parameter view that holds ``name``'s values as last loaded (the first of several: a
-        plain copy puts the same values in each), or None where the loader placed it (not learned,
-        or transformed on the way). Read for sending the weights to a peer."""
-        views = self._views.get(name)
-        return views[0] if views else None
+        """A parameter view that holds the whole of ``name``'s values as last loaded (the first of
+        several: a plain copy puts the same values in each), or None where the loader placed it
+        (not learned, narrowed, or transformed on the way). Read for sending the weights to a peer."""
+        places = self._places.get(name)
+        return places[0].view if places and places[0].region is None else None
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         direct_dst: list[torch.Tensor] = []
@@ -169,11 +227,13 @@ class CopyPlan:
         through_loader: list[tuple[str, torch.Tensor]] = []
         learning: dict[str, torch.Tensor] = {}
         for name, tensor in weights:
-            views = self._views.get(name)
-            if views is not None and all(v.shape == tensor.shape for v in views):
-                direct_dst.extend(views)
-                direct_src.extend([tensor] * len(views))
-                continue
+            places = self._places.get(name)
+            if places is not None:
+                parts = [p.source(tensor) for p in places]
+                if all(part is not None for part in parts):
+                    direct_dst.extend(p.view for p in places)
+                    direct_src.extend(part for part in parts if part is not None)
+                    continue
             through_loader.append((name, tensor))
             if name not in self._opaque and name not in learning:
                 learning[name] = tensor
@@ -191,8 +251,10 @@ class CopyPlan:
         # a copy into a scratch tensor that the loader then placed elsewhere is no plan
         live = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
         for name, copies in watch.copies.items():
-            if copies and all(v.untyped_storage().data_ptr() in live for v in copies):
-                self._views[name] = copies  # copied, unchanged, into parameters: a plain copy from now on
+            if copies and all(v.untyped_storage().data_ptr() in live for v, _ in copies):
+                # copied, unchanged, into parameters: a plain copy from now on
+                shape = tuple(learning[name].shape)
+                self._places[name] = [_Place(v, region, shape) for v, region in copies]
             else:  # transformed, skipped or copied elsewhere: the loader's, for good
                 self._opaque.add(name)
 

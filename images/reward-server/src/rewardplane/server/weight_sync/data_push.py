@@ -143,6 +143,7 @@ class PushListener:
             bucket_bytes=header.bucket_bytes,
             apply=push.apply,
             error=push.error,
+            sliced=header.sliced,
         )
         try:
             push.stamps["go"] = time.monotonic()  # the control plane's part ends: the workers' starts

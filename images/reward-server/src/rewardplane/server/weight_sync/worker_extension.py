@@ -15,6 +15,7 @@ import time
 import torch
 
 from rewardplane.protocol import AdapterConfig, ParamMeta
+from rewardplane.protocol.slices import Region
 from rewardplane.server.engines.lora_hooks import LoraHooks
 from rewardplane.server.weight_sync.worker.adapters import AdapterPart
 from rewardplane.server.weight_sync.worker.checksums import ChecksumPart
@@ -63,6 +64,10 @@ class HFWeightSyncWorker(RewardWeightSyncExtension):
     def _rp_parameter_view(self, name: str) -> torch.Tensor | None:
         param = self._params.get(name)  # the parameter itself, under the pushed name
         return None if param is None else param.detach()
+
+    def _rp_slice_of(self, name: str) -> tuple[Region | None, torch.Tensor] | None:
+        view = self._rp_parameter_view(name)  # no tensor parallelism here: the whole parameter
+        return None if view is None else (None, view)
 
     def rp_named_parameters(self) -> dict[str, torch.Tensor] | None:
         return self._params  # in this process: read in place, never copied

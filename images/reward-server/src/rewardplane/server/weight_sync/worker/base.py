@@ -80,6 +80,12 @@ class WorkerBase:
         plan = self._rp_copy_plan
         return None if plan is None else plan.target(name)
 
+    def _rp_forget_places(self) -> None:
+        """The parameters were discarded (and are loaded again): what was learned of where each
+        pushed name lands is void."""
+        if self._rp_copy_plan is not None:
+            self._rp_copy_plan.forget()
+
     def _rp_stop_listening(self) -> None:
         # The listener thread sees the flag within a second; the control plane also closes the channel.
         if self._rp_listen_stop is not None:

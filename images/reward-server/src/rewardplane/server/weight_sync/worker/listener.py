@@ -77,6 +77,8 @@ class DataPushListener(ReceivePart):
         refusal = go.error or (None if layout else f"layout {go.layout_id} is not cached in this worker")
         if refusal is None and layout is not None and not go.apply:  # atomic: is there room to stage it?
             refusal = self.rp_staging_problem(sum(b.nbytes for b in layout[1]))
+        if refusal is None and go.sliced:  # are the places it was published for still valid?
+            refusal = self._rp_sliced_problem(comm, go.layout_id)
         got = Received()
 
         agreed: float | None = None
@@ -123,16 +125,19 @@ class DataPushListener(ReceivePart):
         self._rp_kept = {} if go.apply and self._rp_keeps() else None
         load = self._rp_load_kept if go.apply else None
         try:
-            receive_buckets(
-                comm,
-                metas,
-                go.bucket_bytes,
-                comm.first_sender,
-                load,
-                out=got,
-                plan=plan,
-                place=self.rp_place,
-            )
+            if go.sliced:
+                self._rp_receive_sliced(comm, go.layout_id, metas, got)
+            else:
+                receive_buckets(
+                    comm,
+                    metas,
+                    go.bucket_bytes,
+                    comm.first_sender,
+                    load,
+                    out=got,
+                    plan=plan,
+                    place=self.rp_place,
+                )
         except Exception as exc:  # communication failed: the trainer died or timed out
             if self._rp_comm is comm:
                 self.rp_close_communicator()
@@ -143,6 +148,8 @@ class DataPushListener(ReceivePart):
         else:
             self._rp_staged = None if go.apply else got.staged
             report(True)
+            if go.apply and not go.sliced:
+                self._rp_publish_slices(comm, go.layout_id, metas, plan)
         # the control plane commits (or not) and says so; the trainer learns it in one reduction
         try:
             raw = channel.recv(comm.timeout.total_seconds(), spin_s=SPIN_S)

@@ -86,8 +86,7 @@ class PersistencePart(WorkerBase):
         at a time through the engine's own loader; the names loaded."""
         loaded: list[str] = []
         device = self.rp_device()
-        if self._rp_copy_plan is not None:
-            self._rp_copy_plan.forget()  # the weights were discarded: learn their places again
+        self._rp_forget_places()  # the weights were discarded: learn their places again
         with torch.no_grad():
             for name, tensor in iter_checkpoint(Path(model_dir)):
                 if self.rp_accepts(name):

@@ -7,12 +7,12 @@ import time
 from typing import Any
 
 from rewardplane.protocol import Bucket, ParamMeta, plan_buckets, remember_layout
-from rewardplane.server.weight_sync.worker.staging import StagingPart
+from rewardplane.server.weight_sync.worker.slicing import SlicingPart
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.transfer import Received, receive_buckets
 
 
-class ReceivePart(StagingPart):
+class ReceivePart(SlicingPart):
     """The group and the receive of a push announced over HTTP."""
 
     def rp_init_communicator(
@@ -111,6 +111,8 @@ class ReceivePart(StagingPart):
         if got.error is not None:
             return outcome(False, got.applied_any, got.error)
         self._rp_staged = None if apply else got.staged
+        if apply:
+            self._rp_publish_slices(comm, layout_key, metas, plan)
         return outcome(True, False, None)
 
     def _rp_layout(
