@@ -23,12 +23,11 @@ from pydantic import BaseModel
 
 from rewardplane.protocol import AdapterConfig, Bucket, ParamMeta, RewardModelTrainingMode
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, WeightValidationError
-from rewardplane.transport.comm import Backend, Communicator, create_store
-from rewardplane.transport.transfer import send_buckets
+from rewardplane.transport.comm import Backend, create_store
 
-from ._exceptions import WeightSyncError, WeightSyncFailed
+from ._exceptions import WeightSyncFailed
 from ._operator_push import OperatorPush, PushResult
-from ._trainer_ranks import SenderStep, ShardedLayout, StepChannel, TrainerRanks
+from ._trainer_ranks import RankSends, SenderStep, ShardedLayout, StepChannel, TrainerRanks, follow_leader
 from .sharding import local_parts
 
 
@@ -145,7 +144,6 @@ def push_from_ranks(
         layout = ShardedLayout(set(invite.served), patterns, bucket_bytes).of(
             plan, mode, keep_lora, adapter, None
         )
-    order, metadata, buckets, _ = layout
     if store is None:
         store = create_store(invite.host, invite.port, is_master=False, world_size=None, timeout_s=timeout_s)
     status = {"worldSize": invite.world_size, "groupId": invite.group_id}
@@ -153,53 +151,19 @@ def push_from_ranks(
     comm = op.join_group(store, rank, status, dev, backend, invite.generation, deadline, senders=ranks.size)
     channel = StepChannel(comm.store, 0, max(1.0, deadline - time.monotonic()) + 30.0)
     try:
+        sending = RankSends(comm, ranks.rank, layout, tensors, bucket_bytes)
         if ranks.leader:
-            sending = _Sending(comm, 0, metadata, order, tensors, buckets, bucket_bytes)
             return _lead(op, sending, channel, invite, version, mode, started, deadline)
-        return _follow(channel, _Sending(comm, ranks.rank, metadata, order, tensors, buckets, bucket_bytes))
+        done = follow_leader(channel, lambda _: sending.send(), _failed)
+        assert done.detail is not None
+        return PushResult(**done.detail)
     finally:
         comm.close()
 
 
-class _Sending:
-    """One rank's part of the push: its tensors under the servers' names, and how to send them."""
-
-    def __init__(
-        self,
-        comm: Communicator,
-        sender: int,
-        metadata: list[ParamMeta],
-        order: list[tuple[str, str]],
-        tensors: Mapping[str, torch.Tensor],
-        buckets: list[Bucket],
-        bucket_bytes: int,
-    ) -> None:
-        self.comm = comm
-        self.sender = sender
-        self.metadata = metadata
-        self.mine = {server: tensors[key] for server, key in order}
-        self.buckets = buckets
-        self.bucket_bytes = bucket_bytes
-
-    def send(self) -> int:
-        """This rank's bytes, then the commit reduction (every replica and every sender)."""
-        comm = self.comm
-        sent = send_buckets(
-            comm,
-            self.metadata,
-            self.mine,
-            self.bucket_bytes,
-            comm.first_sender,
-            plan=self.buckets,
-            sender=self.sender,
-        )
-        comm.max_flag(0)
-        return sent
-
-
 def _lead(
     op: OperatorPush,
-    sending: _Sending,
+    sending: RankSends,
     channel: StepChannel,
     invite: OperatorInvite,
     version: int,
@@ -239,19 +203,5 @@ def _lead(
     return result
 
 
-def _follow(channel: StepChannel, sending: _Sending) -> PushResult:
-    broken: BaseException | None = None
-    while True:
-        step = channel.hear()
-        if step.step == "done":
-            if broken is not None:
-                raise WeightSyncError(f"version {step.version} committed, but this rank failed: {broken}")
-            assert step.detail is not None
-            return PushResult(**step.detail)
-        if step.step == "fail":
-            raise WeightSyncFailed(f"the push of version {step.version} failed: {step.error}", "Failed")
-        if broken is None:
-            try:
-                sending.send()
-            except Exception as exc:  # the group failed; rank 0 learns it too and says how it ended
-                broken = exc
+def _failed(step: SenderStep) -> BaseException:
+    return WeightSyncFailed(f"the push of version {step.version} failed: {step.error}", "Failed")

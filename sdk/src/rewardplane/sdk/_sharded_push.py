@@ -31,12 +31,18 @@ from rewardplane.protocol import (
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, WeightValidationError
 from rewardplane.transport.comm import Backend, Communicator, create_store
 from rewardplane.transport.signals import StoreClosed
-from rewardplane.transport.sliced import send_slices
-from rewardplane.transport.transfer import send_buckets
 
 from ._exceptions import WeightSyncError
 from ._slicing import SliceBook
-from ._trainer_ranks import SenderStep, ShardedLayout, StepChannel, StepName, TrainerRanks
+from ._trainer_ranks import (
+    RankSends,
+    SenderStep,
+    ShardedLayout,
+    StepChannel,
+    StepName,
+    TrainerRanks,
+    follow_leader,
+)
 from .data_plane import DataPlaneStarter
 from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards
 from .retry import RewardServerError
@@ -293,45 +299,28 @@ class ShardedPusher:
         adapter: AdapterConfig | None,
     ) -> int:
         assert self._layout is not None
-        order, metadata, buckets, lid = self._layout.of(plan, mode, keep_lora, adapter, None)
-        mine = {server: tensors[key] for server, key in order}
-        broken: BaseException | None = None
+        layout = self._layout.of(plan, mode, keep_lora, adapter, None)
+        sending = RankSends(comm, self.rank, layout, tensors, self.bucket_bytes)
 
-        def send(sliced: bool) -> None:
-            if sliced:  # the leader found every receiver's places published: the same ones here
-                schedule = self._slices(comm).schedule(lid, metadata, buckets)
+        def take(step: SenderStep) -> None:
+            if step.step == "ready" and comm.max_flag(0) != 0:
+                return  # a replica refused: nothing moved, the leader says what next
+            schedule = None
+            if step.sliced:  # the leader found every receiver's places published: the same ones here
+                schedule = self._slices(comm).schedule(sending.layout_id, sending.metadata, sending.buckets)
                 if schedule is None:
-                    raise WeightSyncError(f"layout {lid}: the receivers' places were taken back mid-push")
-                send_slices(comm, metadata, mine, schedule, comm.first_sender, sender=self.rank)
-            else:
-                send_buckets(
-                    comm, metadata, mine, self.bucket_bytes, comm.first_sender, plan=buckets, sender=self.rank
-                )
-            comm.max_flag(0)  # the commit reduction; the leader reads its outcome
+                    raise WeightSyncError(
+                        f"layout {sending.layout_id}: the receivers' places were taken back"
+                    )
+            sending.send(schedule)
+
+        def failed(step: SenderStep) -> BaseException:
+            if step.regroup:  # every rank alike: forming the group again is a collective
+                self.reset()
+            return WeightSyncError(f"the push of version {step.version} failed: {step.error}")
 
         channel = StepChannel(comm.store, push, self.timeout_s + 60.0)
-        while True:
-            try:
-                step = channel.hear()
-            except WeightSyncError:
-                self.reset()
-                raise
-            if step.step == "done":
-                if broken is not None:  # the leader saw success, this rank did not: say so
-                    raise WeightSyncError(f"version {step.version} committed, but this rank failed: {broken}")
-                return step.version
-            if step.step == "fail":
-                if step.regroup:  # every rank alike: forming the group again is a collective
-                    self.reset()
-                raise WeightSyncError(f"the push of version {step.version} failed: {step.error}")
-            if broken is not None:
-                continue  # this rank's group failed: only the final step matters now
-            try:
-                if step.step == "ready" and comm.max_flag(0) != 0:
-                    continue  # a replica refused: nothing moved, the leader says what next
-                send(step.sliced)
-            except Exception as exc:  # the group failed; the leader learns it too and says so
-                broken = exc
+        return follow_leader(channel, take, failed, lost=self.reset).version
 
     def _slices(self, comm: Communicator) -> SliceBook:
         """A following rank's view of what the receivers published (the leader decided to slice)."""

@@ -11,9 +11,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
@@ -25,7 +26,11 @@ from rewardplane.protocol import (
     layout_id,
     plan_buckets,
 )
+from rewardplane.protocol.slices import Transfer
+from rewardplane.transport.comm import Communicator
 from rewardplane.transport.signals import StoreClosed, put, wait_value
+from rewardplane.transport.sliced import send_slices
+from rewardplane.transport.transfer import send_buckets
 
 from ._exceptions import WeightSyncError
 from .push_checks import check_fits, names_for_mode
@@ -74,6 +79,77 @@ class StepChannel:
             raise WeightSyncError(f"trainer rank 0 stopped leading push {self.push}: {exc}") from exc
         assert raw is not None  # no stop event: a value or an exception
         return SenderStep.model_validate_json(raw)
+
+
+class RankSends:
+    """One rank's part of a push: its tensors under the servers' names, and how to send them."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        sender: int,
+        layout: tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket], str],
+        tensors: Mapping[str, torch.Tensor],
+        bucket_bytes: int,
+    ) -> None:
+        self.comm = comm
+        self.sender = sender
+        order, self.metadata, self.buckets, self.layout_id = layout
+        self.mine = {server: tensors[key] for server, key in order}
+        self.bucket_bytes = bucket_bytes
+
+    def send(self, schedule: list[list[Transfer]] | None = None) -> int:
+        """This rank's bytes (broadcast, or ``schedule``'s sliced transfers), then the commit
+        reduction (every replica and every sender)."""
+        comm = self.comm
+        if schedule is None:
+            sent = send_buckets(
+                comm,
+                self.metadata,
+                self.mine,
+                self.bucket_bytes,
+                comm.first_sender,
+                plan=self.buckets,
+                sender=self.sender,
+            )
+        else:
+            sent = send_slices(
+                comm, self.metadata, self.mine, schedule, comm.first_sender, sender=self.sender
+            )
+        comm.max_flag(0)  # the leader reads its outcome
+        return sent
+
+
+def follow_leader(
+    channel: StepChannel,
+    take: Callable[[SenderStep], object],
+    failed: Callable[[SenderStep], BaseException],
+    lost: Callable[[], None] | None = None,
+) -> SenderStep:
+    """A following rank's side of one push: ``take`` each step the leader tells (this rank's part
+    of it) until the final one; returns the ``done`` step, raises ``failed(step)`` on ``fail``.
+    A step this rank could not take is remembered, not raised: the leader learns of the failure
+    through the group and says how the push ended; a ``done`` then still raises here. ``lost``:
+    called before raising when the leader is gone or silent."""
+    broken: BaseException | None = None
+    while True:
+        try:
+            step = channel.hear()
+        except WeightSyncError:
+            if lost is not None:
+                lost()
+            raise
+        if step.step == "done":
+            if broken is not None:
+                raise WeightSyncError(f"version {step.version} committed, but this rank failed: {broken}")
+            return step
+        if step.step == "fail":
+            raise failed(step)
+        if broken is None:
+            try:
+                take(step)
+            except Exception as exc:  # the group failed; the leader learns it too and says so
+                broken = exc
 
 
 class TrainerRanks:
