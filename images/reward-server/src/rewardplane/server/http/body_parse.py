@@ -34,6 +34,8 @@ SMALL_BODY_BYTES = 64 * 1024
 LARGE_BODY_BYTES = 4 * 1024 * 1024
 # The loop's parse budget, in the units of ``_parse_cost``: ~70 ns each, so about 7 ms.
 LOOP_PARSE_COST = 100_000
+# How long the helper may take for one body (a 4 MiB body parses in well under a second).
+HELPER_TIMEOUT_S = 30.0
 _HEADER = struct.Struct("!QQQQ")  # max_items, max_tokens, max_input_bytes, body length
 _REPLY = struct.Struct("!I")
 
@@ -140,10 +142,9 @@ class BodyParser:
                         _HEADER.pack(limits.max_items, limits.max_tokens, limits.max_input_bytes, len(raw))
                     )
                     proc.stdin.write(raw)
-                    await proc.stdin.drain()
-                    (size,) = _REPLY.unpack(await proc.stdout.readexactly(_REPLY.size))
-                    return (await proc.stdout.readexactly(size)).decode() if size else None
-                except (OSError, asyncio.IncompleteReadError) as exc:
+                    # a wedged helper is replaced, like a dead one
+                    return await asyncio.wait_for(_answer(proc), HELPER_TIMEOUT_S)
+                except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
                     self._stop_helper()
                     if attempt == 2:
                         self._broken = True
@@ -174,6 +175,13 @@ class BodyParser:
         if proc is not None and proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def _answer(proc: asyncio.subprocess.Process) -> str | None:
+    assert proc.stdin is not None and proc.stdout is not None
+    await proc.stdin.drain()
+    (size,) = _REPLY.unpack(await proc.stdout.readexactly(_REPLY.size))
+    return (await proc.stdout.readexactly(size)).decode() if size else None
 
 
 def _serve() -> None:
