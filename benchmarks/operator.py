@@ -57,6 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
 NODE = "bench-node"
 NAMESPACE = "bench"
+# The operator's default reward-server image: no Pod here pulls an image (fake kubelet or node agent).
+BENCH_SERVER_IMAGE = "localhost/rewardplane/reward-server:bench"
 
 
 def wait(what: str, check: Callable[[], bool], timeout_s: float, poll_s: float = 0.02) -> None:
@@ -449,6 +451,8 @@ def run_push(args: argparse.Namespace) -> dict[str, Any]:
                         "--kubeconfig",
                         str(cp.kubeconfig),
                         "--delete-children",
+                        "--default-server-image",
+                        BENCH_SERVER_IMAGE,
                         "--metrics-port",
                         "0",
                         "--resync-interval",
@@ -527,6 +531,8 @@ def main() -> int:
                 "--kubeconfig",
                 str(cp.kubeconfig),
                 "--delete-children",
+                "--default-server-image",
+                BENCH_SERVER_IMAGE,
                 "--metrics-port",
                 str(metrics_port),
                 "--log-level",

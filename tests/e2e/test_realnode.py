@@ -736,14 +736,34 @@ def test_scale_1_3_1_and_sigterm_ends_replicas_fast(real_cluster: RealCluster) -
     (which ignores a signal it has no handler for yet), so no stop waits for the kubelet's SIGKILL."""
     c = real_cluster
 
+    selector = f"rewardplane.io/model={RM},app.kubernetes.io/component=reward-server"
+
     def scale(n: int) -> None:
-        c.custom.patch_namespaced_custom_object(
-            GROUP, VERSION, NS, "rewardmodels", RM, {"spec": {"replicas": n}}
+        # through the scale subresource, as kubectl scale, an HPA or KEDA do
+        out = kubectl(c, "scale", f"rewardmodel/{RM}", "-n", NS, f"--replicas={n}")
+        assert f"rewardmodel.rewardplane.io/{RM} scaled" in out, out
+        assert get_rm(c)["spec"]["replicas"] == n
+
+    def scaled_to(n: int) -> bool:
+        """kubectl get rm's READY column, the status and the scale subresource all say n of n, and
+        the selector an HPA gets selects exactly the model's n Pods."""
+        st = get_rm(c).get("status") or {}
+        row = kubectl(c, "get", "rm", RM, "-n", NS, "--no-headers").split()
+        raw = kubectl(c, "get", "--raw", f"/apis/{GROUP}/{VERSION}/namespaces/{NS}/rewardmodels/{RM}/scale")
+        scale_ = json.loads(raw)
+        pods = kubectl(c, "get", "pods", "-n", NS, "-l", selector, "--no-headers").splitlines()
+        return (
+            row[1] == f"{n}/{n}"
+            and (st.get("replicas"), st.get("readyReplicas"), st.get("selector")) == (n, n, selector)
+            and (scale_["spec"]["replicas"], scale_["status"]["replicas"]) == (n, n)
+            and scale_["status"]["selector"] == selector
+            and len(pods) == n
         )
 
     took, state = seconds_to_stop(c, f"{RM}-1", lambda: scale(1))
     assert took < 20, f"the serving replica took {took:.0f} s to stop (its container when deleted: {state})"
     wait_for("1 replica", lambda: ready_at(c, 1, S.version), READY_TIMEOUT_S, 1)
+    wait_for("kubectl get rm and /scale at 1/1", lambda: scaled_to(1), 30, 1)
     scale(3)
 
     # SIGTERM at the first instant of a server process (as the kubelet's stop of a replica that a
@@ -760,10 +780,12 @@ def test_scale_1_3_1_and_sigterm_ends_replicas_fast(real_cluster: RealCluster) -
     # e2e-rm-2 never served, so a healthy peer sends it the current weights. Until then each stays
     # out of the endpoints.
     wait_for("3 replicas on the current version", lambda: ready_at(c, 3, S.version), READY_TIMEOUT_S, 2)
+    wait_for("kubectl get rm and /scale at 3/3", lambda: scaled_to(3), 30, 1)
     with handle(c) as rm:
         assert_scores(rm.client().score_batch(TEXTS, normalize=False), S.expected)
     scale(1)
     wait_for("1 replica again", lambda: ready_at(c, 1, S.version), READY_TIMEOUT_S, 1)
+    wait_for("kubectl get rm and /scale at 1/1 again", lambda: scaled_to(1), 30, 1)
 
 
 def ready_since_start_s(pod: Any) -> float | None:
@@ -801,15 +823,19 @@ def test_replicas_copied_from_a_peer_join_the_service_at_once(real_cluster: Real
             GROUP, VERSION, NS, "rewardmodels", name, {"spec": {"replicas": n}}
         )
 
-    c.custom.create_namespaced_custom_object(
-        GROUP, VERSION, NS, "rewardmodels", rm_body(1, f"pvc://{MODEL_CLAIM}/tiny-rm", None, name)
-    )
+    body = rm_body(1, f"pvc://{MODEL_CLAIM}/tiny-rm", None, name)
+    # No spec.engine.image: the Pods run the operator's default, the chart's serverImage, which
+    # helm_install_operator sets to the reward-server image build-images.sh built and `up` imported.
+    del body["spec"]["engine"]["image"]
+    c.custom.create_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", body)
     model, _ = load_model(S.model_dir)
     with torch.no_grad():
         model.score.weight.mul_(3.0)
     with RewardModelHandle(name, NS, kubeconfig=c.kubeconfig) as rm:
         rm.wait_ready(timeout_s=READY_TIMEOUT_S)
         rm.push_weights(select_head(model.state_dict()), 1, RewardModelTrainingMode.HEAD_ONLY, timeout_s=120)
+    assert "image" not in get_rm(c, name)["spec"]["engine"]  # the CRD defaults none
+    assert {p.spec.containers[0].image for p in model_pods(c, name)} == {server_image()}
     with service_watch(c, {1}, name) as watch:
         asked = time.monotonic()
         scale(3)

@@ -17,6 +17,7 @@ import yaml
 from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
 from rewardplane.protocol import Endpoints
 from tests.fixtures.operator import (
+    DEFAULT_SERVER_IMAGE,
     SERVER_READY_S,
     WAIT_S,
     OperatorProcess,
@@ -178,6 +179,88 @@ def test_overcommitted_device_ends_degraded_with_an_event(
     # Lowering the fraction fixes it.
     kube.merge_patch(custom_path(ns, "second"), {"spec": {"gpu": {"memoryFraction": 0.4}}})
     wait_for("second placed after the fix", lambda: pods_of(kube, ns, "second"), logs=operator.logs)
+
+
+def test_kubectl_scale_moves_a_model_through_its_scale_subresource(
+    kube: Kube, operator: OperatorProcess, node_agent: Any, ns: str, control_plane: Any
+) -> None:
+    """What kubectl scale, an HPA and KEDA use: /scale writes spec.replicas, and reads back the
+    replicas the operator counts and the selector of the model's Pods. The model names no image:
+    its Pods run the operator's default reward-server image."""
+    scale = custom_path(ns, "scaled") + "/scale"
+    kube.create(custom_path(ns), reward_model("scaled", ns, gpu={"mode": "none", "node": node_agent.name}))
+    pods = wait_for("one pod", lambda: pods_of(kube, ns, "scaled"), logs=operator.logs)
+    assert pods["scaled-0"]["spec"]["containers"][0]["image"] == DEFAULT_SERVER_IMAGE
+    kubectl = kubectl_path()
+    if kubectl:
+        scaled = subprocess.run(
+            [
+                kubectl,
+                "--kubeconfig",
+                str(control_plane.kubeconfig),
+                "scale",
+                "rm/scaled",
+                "-n",
+                ns,
+                "--replicas=3",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert scaled.returncode == 0 and "scaled" in scaled.stdout, scaled.stderr
+    else:
+        kube.merge_patch(scale, {"spec": {"replicas": 3}})
+    assert get_rm(kube, ns, "scaled")["spec"]["replicas"] == 3
+    wait_for("three pods", lambda: len(pods_of(kube, ns, "scaled")) == 3, logs=operator.logs)
+    selector = "rewardplane.io/model=scaled,app.kubernetes.io/component=reward-server"
+    got = wait_for(
+        "the scale subresource's status",
+        lambda: (s := kube.get(scale) or {}).get("status", {}).get("replicas") == 3 and s,
+        logs=operator.logs,
+    )
+    assert got["kind"] == "Scale" and got["spec"]["replicas"] == 3 and got["status"]["selector"] == selector
+    assert sorted(
+        p["metadata"]["name"] for p in kube.list(core_path("pods", ns), label_selector=selector)
+    ) == [
+        "scaled-0",
+        "scaled-1",
+        "scaled-2",
+    ]
+    kube.merge_patch(scale, {"spec": {"replicas": 1}})  # as an HPA scaling down
+    wait_for("scale down to 1", lambda: list(pods_of(kube, ns, "scaled")) == ["scaled-0"], logs=operator.logs)
+    wait_for(
+        "status.replicas back to 1",
+        lambda: (kube.get(scale) or {}).get("status", {}).get("replicas") == 1,
+        logs=operator.logs,
+    )
+
+
+def test_a_model_without_an_image_waits_degraded_when_the_operator_has_no_default(
+    kube: Kube, control_plane: Any, node_agent: Any, k8s_namespace: str, tmp_path: Path
+) -> None:
+    ns = k8s_namespace
+    handle = start_operator(control_plane.kubeconfig, tmp_path / "operator-no-image.log", default_image=None)
+    try:
+        kube.create(
+            custom_path(ns), reward_model("imageless", ns, gpu={"mode": "none", "node": node_agent.name})
+        )
+        rm = wait_for(
+            "imageless Degraded with reason NoImage",
+            lambda: (r := get_rm(kube, ns, "imageless")).get("status", {}).get("reason") == "NoImage" and r,
+            logs=handle.logs,
+        )
+        assert rm["status"]["phase"] == "Degraded" and "serverImage" in condition(rm, "Degraded")["message"]
+        assert not pods_of(kube, ns, "imageless")  # no Pod that could never pull its image
+        kube.merge_patch(custom_path(ns, "imageless"), {"spec": {"engine": {"image": "localhost/own:1"}}})
+        pods = wait_for(
+            "a pod once the spec names an image", lambda: pods_of(kube, ns, "imageless"), logs=handle.logs
+        )
+        assert pods["imageless-0"]["spec"]["containers"][0]["image"] == "localhost/own:1"
+        kube.delete(custom_path(ns, "imageless"))
+        wait_for("imageless deleted", lambda: kube.get(custom_path(ns, "imageless")) is None, 30, handle.logs)
+    finally:
+        stop_operator(handle)
 
 
 def test_operator_metrics(operator: OperatorProcess) -> None:

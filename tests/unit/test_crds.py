@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 import yaml
 
-from rewardplane.api.spec import RewardModelSpec
+from rewardplane.api.spec import NO_IMAGE, RewardModelSpec
 from rewardplane.operator.planning import ClusterView, NodeInfo, plan_reward_model, validate_spec
+from rewardplane.operator.render import render_children
 from rewardplane.operator.status import ProbeResult, compute_status
+from rewardplane.protocol import Endpoints
 
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = ROOT / "crds"
@@ -103,14 +105,35 @@ def walk(schema: dict[str, Any], path: str = ""):
 # ------------------------------------------------------------------ CRD shape
 
 
+RM_SCALE = {
+    "specReplicasPath": ".spec.replicas",
+    "statusReplicasPath": ".status.replicas",
+    "labelSelectorPath": ".status.selector",
+}
+
+
 @pytest.mark.parametrize(
-    ("crd", "kind", "short", "columns"),
+    ("crd", "kind", "short", "columns", "subresources"),
     [
-        (RM_CRD, "RewardModel", "rm", ["Ready", "Phase", "Reason", "Model", "Version", "GPU-Frac", "Age"]),
-        (WS_CRD, "WeightSync", "ws", ["Model", "Version", "Mode", "Phase", "Reason", "Duration(s)", "Age"]),
+        (
+            RM_CRD,
+            "RewardModel",
+            "rm",
+            ["Ready", "Phase", "Reason", "Model", "Version", "GPU-Frac", "Age"],
+            {"status": {}, "scale": RM_SCALE},
+        ),
+        (
+            WS_CRD,
+            "WeightSync",
+            "ws",
+            ["Model", "Version", "Mode", "Phase", "Reason", "Duration(s)", "Age"],
+            {"status": {}},
+        ),
     ],
 )
-def test_crd_identity(crd: dict[str, Any], kind: str, short: str, columns: list[str]) -> None:
+def test_crd_identity(
+    crd: dict[str, Any], kind: str, short: str, columns: list[str], subresources: dict[str, Any]
+) -> None:
     assert crd["apiVersion"] == "apiextensions.k8s.io/v1"
     spec = crd["spec"]
     assert spec["group"] == "rewardplane.io" and spec["scope"] == "Namespaced"
@@ -118,7 +141,7 @@ def test_crd_identity(crd: dict[str, Any], kind: str, short: str, columns: list[
     assert crd["metadata"]["name"] == f"{spec['names']['plural']}.rewardplane.io"
     (version,) = spec["versions"]
     assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
-    assert version["subresources"] == {"status": {}}
+    assert version["subresources"] == subresources
     assert [c["name"].upper() for c in version["additionalPrinterColumns"]] == [c.upper() for c in columns]
     for column in version["additionalPrinterColumns"]:
         if column["jsonPath"].startswith((".spec", ".status")):  # the column's field exists in the schema
@@ -201,7 +224,7 @@ def test_operator_status_fits_the_status_schema() -> None:
         "metadata": {"name": "rm", "namespace": "d", "uid": "u", "generation": 2},
         "spec": {"model": {"source": "x"}, "engine": {"kind": "hf"}, "gpu": {"mode": "none"}, "replicas": 2},
     }
-    plan = plan_reward_model(body, ClusterView(nodes=(NodeInfo("n"),)))
+    plan = plan_reward_model(body, ClusterView(nodes=(NodeInfo("n"),)), default_image="img:1")
     pods = [
         {
             "metadata": {
@@ -218,6 +241,42 @@ def test_operator_status_fits_the_status_schema() -> None:
     assert schema_errors(status, RM_SCHEMA["properties"]["status"], "status") == []
     failed = compute_status(body, None, pods, {}, "2026-01-01T00:00:00Z", errors=["x"])
     assert schema_errors(failed, RM_SCHEMA["properties"]["status"], "status") == []
+    no_image = compute_status(
+        body, None, pods, {}, "2026-01-01T00:00:00Z", errors=["x"], error_reason=NO_IMAGE
+    )
+    assert schema_errors(no_image, RM_SCHEMA["properties"]["status"], "status") == []
+    assert no_image["phase"] in RM_SCHEMA["properties"]["status"]["properties"]["phase"]["enum"]
+
+
+def _schema_at(path: str) -> dict[str, Any]:
+    node = RM_SCHEMA
+    for part in path.strip(".").split("."):
+        node = node["properties"][part]
+    return node
+
+
+def test_scale_subresource_reads_fields_the_operator_writes() -> None:
+    """kubectl scale and an HPA read the scale subresource: its paths must be schema fields of the
+    right types (the API server refuses the CRD otherwise), and the operator must fill the status
+    ones: replicas counts the model's Pods, selector selects exactly them."""
+    assert _schema_at(RM_SCALE["specReplicasPath"])["type"] == "integer"
+    assert _schema_at(RM_SCALE["statusReplicasPath"])["type"] == "integer"
+    assert _schema_at(RM_SCALE["labelSelectorPath"])["type"] == "string"
+    body = {
+        "metadata": {"name": "rm", "namespace": "d", "uid": "u", "generation": 1},
+        "spec": {"model": {"source": "x"}, "engine": {"kind": "hf"}, "gpu": {"mode": "none"}, "replicas": 3},
+    }
+    plan = plan_reward_model(body, ClusterView(nodes=(NodeInfo("n"),)), default_image="img:1")
+    desired, service = render_children(body, plan)
+    status = compute_status(body, plan, desired, {}, "2026-01-01T00:00:00Z")
+    assert status["replicas"] == 3 and status["readyReplicas"] == 0 and status["ready"] == "0/3"
+    wanted = dict(term.split("=", 1) for term in status["selector"].split(","))
+    for pod in desired:
+        assert wanted.items() <= pod["metadata"]["labels"].items()  # every replica is selected
+    assert wanted == service["spec"]["selector"]  # and what the Service routes to, nothing else
+    # a refused spec still reports both: an HPA keeps reading the scale of a model it scales
+    refused = compute_status(body, None, desired[:2], {}, "2026-01-01T00:00:00Z", errors=["x"])
+    assert (refused["replicas"], refused["selector"]) == (2, status["selector"])
 
 
 # ------------------------------------------------------------------ examples
@@ -350,3 +409,100 @@ def test_helm_template_renders_the_operator(helm: str) -> None:
         timeout=60,
     )
     assert "--namespace=team-a" in scoped.stdout
+
+
+def _template(helm: str, *sets: str) -> list[dict[str, Any]]:
+    args = [a for s in sets for a in ("--set", s)]
+    result = subprocess.run(
+        [helm, "template", "rp", str(CHART), "--namespace", "rewardplane-system", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+def _operator_args(docs: list[dict[str, Any]]) -> list[str]:
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_the_crd_names_no_image_and_the_chart_gives_the_operator_its_own(helm: str) -> None:
+    """The CRD holds no default image (none exists to pull); the chart hands the operator the
+    reward-server image of its appVersion, or the one its values name, or none at all."""
+    engine = RM_SCHEMA["properties"]["spec"]["properties"]["engine"]["properties"]
+    assert "default" not in engine["image"]
+    assert RewardModelSpec.model_validate({"model": {"source": "x"}}).engine.image is None
+    assert "--default-server-image=ghcr.io/rewardplane/reward-server:0.1.0" in _operator_args(_template(helm))
+    local = _template(
+        helm, "serverImage.repository=localhost/rewardplane/reward-server", "serverImage.tag=0.1.0-local"
+    )
+    assert "--default-server-image=localhost/rewardplane/reward-server:0.1.0-local" in _operator_args(local)
+    none = _operator_args(_template(helm, "serverImage.repository="))
+    assert not [a for a in none if a.startswith("--default-server-image")]
+
+
+def test_prometheus_monitors_are_off_by_default_and_scrape_the_metrics_ports(helm: str) -> None:
+    kinds = {d["kind"] for d in _template(helm)}
+    assert not kinds & {"ServiceMonitor", "PodMonitor"}
+    docs = _template(
+        helm,
+        "metrics.serviceMonitor.enabled=true",
+        "metrics.serviceMonitor.interval=15s",
+        "metrics.serviceMonitor.labels.release=kps",
+        "metrics.podMonitor.enabled=true",
+        "metrics.podMonitor.interval=10s",
+        "metrics.podMonitor.labels.release=kps",
+    )
+    by_kind = {d["kind"]: d for d in docs}
+    # the operator: its metrics Service's port (named metrics, /metrics), in the release namespace
+    monitor, service = by_kind["ServiceMonitor"], by_kind["Service"]
+    assert (
+        monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        and monitor["metadata"]["labels"]["release"] == "kps"
+    )
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["rewardplane-system"]}
+    [endpoint] = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics", "15s")
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    # the reward servers: the replica Pods the operator renders, on their http port
+    pods = by_kind["PodMonitor"]
+    assert pods["metadata"]["labels"]["release"] == "kps" and pods["spec"]["namespaceSelector"] == {
+        "any": True
+    }
+    [endpoint] = pods["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("http", Endpoints.METRICS, "10s")
+    body = {
+        "metadata": {"name": "rm", "namespace": "d", "uid": "u", "generation": 1},
+        "spec": {"model": {"source": "x"}, "engine": {"kind": "hf"}, "gpu": {"mode": "none"}},
+    }
+    plan = plan_reward_model(body, ClusterView(nodes=(NodeInfo("n"),)), default_image="img:1")
+    [pod], _ = render_children(body, plan)
+    assert pods["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    container = pod["spec"]["containers"][0]
+    assert endpoint["port"] in {p["name"] for p in container["ports"]}
+    scoped = {
+        d["kind"]: d for d in _template(helm, "metrics.podMonitor.enabled=true", "operator.watchNamespace=rl")
+    }
+    assert scoped["PodMonitor"]["spec"]["namespaceSelector"] == {"matchNames": ["rl"]}
+
+
+def test_a_service_monitor_without_the_metrics_service_is_refused(helm: str) -> None:
+    result = subprocess.run(
+        [
+            helm,
+            "template",
+            "rp",
+            str(CHART),
+            "--set",
+            "metrics.serviceMonitor.enabled=true",
+            "--set",
+            "metrics.service=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and "metrics.service=true" in result.stderr

@@ -54,11 +54,13 @@ from rewardplane.operator.status import (
 from rewardplane.protocol import derive_ports
 
 NOW = "2026-11-26T00:00:00Z"
+IMAGE = "localhost/rewardplane/reward-server:test"
 
 
 def rm(name: str = "rm", created: str = "2026-11-26T00:00:00Z", **spec: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"model": {"source": "/models/tiny"}}
     body.update(spec)
+    body["engine"] = {"image": IMAGE, **(body.get("engine") or {})}  # an explicit image, unless given
     return {
         "apiVersion": "rewardplane.io/v1alpha1",
         "kind": "RewardModel",

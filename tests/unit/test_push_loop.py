@@ -416,7 +416,7 @@ def _put_model(kube: MemoryKube, *, replicas: int = 1, version: int = 4, **weigh
             "metadata": {"name": "rm", "namespace": NS, "uid": "uid-1", "generation": 1},
             "spec": {
                 "model": {"source": "/m"},
-                "engine": {"kind": "hf"},
+                "engine": {"kind": "hf", "image": "localhost/rewardplane/reward-server:test"},
                 "gpu": {"mode": "none"},
                 "replicas": replicas,
                 "weightSync": weight_sync,

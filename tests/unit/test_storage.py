@@ -53,7 +53,9 @@ def _pod(source: str) -> dict:
             "resources": {"requests": {"cpu": "1"}, "limits": {"memory": "2Gi"}},
         },
     }
-    plan = plan_reward_model(rm, ClusterView(nodes=(NodeInfo(name="n1", gpus=0),)))
+    plan = plan_reward_model(
+        rm, ClusterView(nodes=(NodeInfo(name="n1", gpus=0),)), default_image="localhost/rs:test"
+    )
     return render_pod(rm, plan, plan.replicas[0])
 
 

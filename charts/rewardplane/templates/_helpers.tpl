@@ -38,3 +38,10 @@ app.kubernetes.io/component: operator
 {{- default "default" .Values.serviceAccount.name }}
 {{- end }}
 {{- end }}
+
+{{/* The default reward-server image (serverImage; tag: the appVersion), empty without a repository. */}}
+{{- define "rewardplane.serverImage" -}}
+{{- with .Values.serverImage.repository }}
+{{- printf "%s:%s" . ($.Values.serverImage.tag | default $.Chart.AppVersion) }}
+{{- end }}
+{{- end }}

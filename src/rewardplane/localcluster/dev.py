@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -42,6 +43,7 @@ REPO_CHART = Path(__file__).resolve().parents[3] / "charts" / "rewardplane"
 OPERATOR_RELEASE = "rewardplane"
 OPERATOR_NAMESPACE = "rewardplane-system"
 OPERATOR_IMAGE = "localhost/rewardplane/operator"
+SERVER_IMAGE = "localhost/rewardplane/reward-server"  # scripts/build-images.sh's name for it
 
 
 def default_state_dir(node: str = "agent") -> Path:
@@ -59,6 +61,18 @@ def local_image_tag() -> str:
         ) from None
 
 
+def agent_server_image() -> str:
+    """The reward-server image the agent-mode operator names for a RewardModel without
+    ``spec.engine.image``: the one scripts/build-images.sh built here, or, before any build, the
+    name it would give it. The node agent runs the server as a host process, so the image itself
+    is never pulled; the name only keeps such a model from being Degraded (NoImage)."""
+    try:
+        tag = local_image_tag()
+    except RealNodeError:
+        tag = f"{importlib.metadata.version('rewardplane')}-local"
+    return f"{SERVER_IMAGE}:{tag}"
+
+
 def helm_install_operator(
     kubeconfig: Path,
     *,
@@ -68,13 +82,19 @@ def helm_install_operator(
     timeout_s: int = 300,
     log_path: Path | None = None,
 ) -> None:
-    """``helm upgrade --install`` the chart with the locally built operator image; returns once the
-    operator's Deployment is available (helm --wait). Raises RealNodeError with helm's output."""
+    """``helm upgrade --install`` the chart with the locally built operator image, and the locally
+    built reward-server image as the operator's default for RewardModels without
+    ``spec.engine.image``; returns once the operator's Deployment is available (helm --wait).
+    Raises RealNodeError with helm's output."""
+    tag = local_image_tag()
     sets = {
         "image.repository": OPERATOR_IMAGE,
-        "image.tag": local_image_tag(),
+        "image.tag": tag,
         # the image exists only on this node: never try a registry
         "image.pullPolicy": "Never",
+        # imported into the node's containerd: IfNotPresent (the RewardModel's default) finds it
+        "serverImage.repository": SERVER_IMAGE,
+        "serverImage.tag": tag,
         **(values or {}),
     }
     cmd = [
@@ -230,6 +250,8 @@ def cmd_up(state: Path, *, gpus: int, timeout_s: float) -> int:
                 "--kubeconfig",
                 str(kubeconfig),
                 "--delete-children",
+                "--default-server-image",
+                agent_server_image(),
             ],
             logs / "operator.log",
         )

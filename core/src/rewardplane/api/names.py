@@ -22,6 +22,7 @@ LABEL_REPLICA = f"{GROUP}/replica"
 LABEL_TRAINER_OF = f"{GROUP}/trainer-of"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+SERVER_COMPONENT = "reward-server"  # LABEL_COMPONENT of a RewardModel's replica Pods
 ANNOTATION_SPEC_HASH = f"{GROUP}/spec-hash"
 ANNOTATION_RANK_OFFSET = f"{GROUP}/rank-offset"
 ANNOTATION_GROUP_PORT = f"{GROUP}/group-port"
@@ -43,6 +44,17 @@ def service_name(model_name: str) -> str:
 def pod_name(model_name: str, index: int) -> str:
     """Stable replica names: a replica keeps its name (and its persisted weights) across restarts."""
     return f"{model_name}-{index}"
+
+
+def server_labels(model_name: str) -> dict[str, str]:
+    """The labels that select a RewardModel's replica Pods (its Service's selector)."""
+    return {LABEL_MODEL: model_name, LABEL_COMPONENT: SERVER_COMPONENT}
+
+
+def server_selector(model_name: str) -> str:
+    """:func:`server_labels` as a label selector string: ``status.selector``, which the scale
+    subresource hands to an HorizontalPodAutoscaler to find the Pods it measures."""
+    return ",".join(f"{k}={v}" for k, v in server_labels(model_name).items())
 
 
 def custom_path(namespace: str | None = None, name: str | None = None, plural: str = RM_PLURAL) -> str:

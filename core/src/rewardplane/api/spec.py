@@ -19,7 +19,6 @@ from rewardplane.protocol import (
     ModelTask,
 )
 
-DEFAULT_SERVER_IMAGE = "ghcr.io/rewardplane/reward-server:0.1.0"
 DEFAULT_MEMORY_FRACTION = 0.9
 
 
@@ -57,7 +56,9 @@ class ModelSpec(_Spec):
 
 class EngineSpec(_Spec):
     kind: EngineKind = EngineKind.VLLM
-    image: str = DEFAULT_SERVER_IMAGE
+    # None (or empty): the operator's default reward-server image (the chart's serverImage value,
+    # the operator's ``--default-server-image``).
+    image: str | None = None
     image_pull_policy: str = Field(
         default="IfNotPresent", pattern="^(Always|IfNotPresent|Never)$", alias="imagePullPolicy"
     )
@@ -149,6 +150,8 @@ class RewardModelSpec(_Spec):
 INVALID_SPEC = "InvalidSpec"
 PLACEMENT_REFUSED = "PlacementRefused"
 """The spec is valid but the cluster cannot place it now (retried: capacity may free up)."""
+NO_IMAGE = "NoImage"
+"""spec.engine.image is omitted and the operator has no default reward-server image."""
 
 
 class InvalidSpecError(ValueError):
@@ -158,7 +161,7 @@ class InvalidSpecError(ValueError):
         super().__init__("; ".join(errors))
         self.errors = errors
         self.reason = reason
-        """CamelCase reason for the Degraded condition: InvalidSpec or PlacementRefused."""
+        """CamelCase reason for the Degraded condition: InvalidSpec, PlacementRefused or NoImage."""
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:

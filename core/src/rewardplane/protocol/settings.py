@@ -286,6 +286,18 @@ LOG_LEVEL: Setting[str] = _register(
         flag="--log-level",
     )
 )
+SERVER_IMAGE: Setting[str | None] = _register(
+    Setting(
+        "REWARDPLANE_SERVER_IMAGE",
+        "an image reference",
+        None,
+        "the reward-server image of a RewardModel without spec.engine.image (the chart sets it: "
+        "serverImage); unset: such a model is Degraded with reason NoImage",
+        "operator",
+        _text,
+        flag="--default-server-image",
+    )
+)
 
 # ---- the local cluster and the scripts ------------------------------------------------------------
 CACHE: Setting[str | None] = _register(

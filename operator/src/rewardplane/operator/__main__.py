@@ -14,6 +14,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rewardplane.operator", description=__doc__)
     try:  # the flags' defaults come from the environment (docs/settings.md)
         resync_interval, log_level = settings.RESYNC_INTERVAL.get(), settings.LOG_LEVEL.get()
+        server_image = settings.SERVER_IMAGE.get()
     except settings.SettingError as exc:
         p.error(str(exc))
     p.add_argument(
@@ -34,6 +35,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=resync_interval,
         help="seconds between periodic reconciles of each RewardModel besides its events "
         f"(default {settings.RESYNC_INTERVAL.shown_default}, or ${settings.RESYNC_INTERVAL.name})",
+    )
+    p.add_argument(
+        "--default-server-image",
+        default=server_image,
+        help="the reward-server image of a RewardModel without spec.engine.image (the chart passes "
+        f"its serverImage value); default ${settings.SERVER_IMAGE.name}, else none: such a model is "
+        "Degraded with reason NoImage",
     )
     p.add_argument(
         "--leader-election-namespace",
@@ -102,7 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.metrics_port:
         metrics.serve(args.metrics_port)
-    reconciler = Reconciler(kube, namespace=args.namespace, delete_children=args.delete_children)
+    reconciler = Reconciler(
+        kube,
+        namespace=args.namespace,
+        delete_children=args.delete_children,
+        default_image=args.default_server_image or None,
+    )
     weightsyncs = WeightSyncDriver(
         kube,
         on_done=lambda key: reconciler.request(key, trigger="weightsync"),
@@ -111,10 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     # One line that says the operator is up and what it watches: the first thing to look for in
     # `kubectl logs` when nothing seems to happen.
     logging.getLogger("rewardplane.operator").info(
-        "rewardplane operator starting: watching %s; /metrics %s, /healthz %s",
+        "rewardplane operator starting: watching %s; /metrics %s, /healthz %s; default reward-server "
+        "image %s",
         f"namespace {args.namespace}" if args.namespace else "all namespaces",
         f"on port {args.metrics_port}" if args.metrics_port else "off",
         f"on port {args.liveness_port}" if args.liveness_port else "off",
+        args.default_server_image
+        or "none (a RewardModel without spec.engine.image is Degraded: NoImage; set --default-server-image)",
     )
     leadership = None
     lease_namespace = None if args.no_leader_election else own_namespace(args.leader_election_namespace)

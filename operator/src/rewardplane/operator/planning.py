@@ -16,6 +16,7 @@ from typing import Any
 from rewardplane.api.names import LABEL_MODEL, RESERVATIONS_ANNOTATION, pod_name
 from rewardplane.api.spec import (
     INTERFACE_VARIABLES,
+    NO_IMAGE,
     PLACEMENT_REFUSED,
     TRANSPORT_ENV_PREFIXES,
     EngineKind,
@@ -25,6 +26,7 @@ from rewardplane.api.spec import (
     parse_spec,
 )
 from rewardplane.protocol import ModelTask, RewardModelPorts, derive_ports
+from rewardplane.protocol.settings import SERVER_IMAGE
 
 from .storage import InvalidSourceError, delivery
 
@@ -100,6 +102,8 @@ class Plan:
     spec: RewardModelSpec
     ports: RewardModelPorts
     replicas: tuple[ReplicaPlan, ...]
+    image: str
+    """The reward-server image: spec.engine.image, else the operator's default."""
 
     @property
     def served_name(self) -> str:
@@ -591,14 +595,37 @@ def _place_nodes(spec: RewardModelSpec, cluster: ClusterView) -> tuple[list[str]
     return nodes, errors
 
 
-def plan_reward_model(rm: Mapping[str, Any], cluster: ClusterView) -> Plan:
-    """Plan every replica of a RewardModel object; raises InvalidSpecError listing every problem."""
+def no_image_message() -> str:
+    return (
+        "spec.engine.image is not set and the operator has no default reward-server image: set "
+        "spec.engine.image, or give the operator one (Helm value serverImage.repository, and "
+        f"serverImage.tag; operator flag --default-server-image or ${SERVER_IMAGE.name})"
+    )
+
+
+def resolve_image(spec: RewardModelSpec, default_image: str | None) -> str:
+    """spec.engine.image, else ``default_image``; InvalidSpecError (NoImage) when neither is set."""
+    image = spec.engine.image or default_image
+    if not image:
+        raise InvalidSpecError([no_image_message()], reason=NO_IMAGE)
+    return image
+
+
+def plan_reward_model(
+    rm: Mapping[str, Any], cluster: ClusterView, *, default_image: str | None = None
+) -> Plan:
+    """Plan every replica of a RewardModel object; raises InvalidSpecError listing every problem.
+
+    ``default_image`` is the operator's reward-server image for a spec without
+    ``spec.engine.image``; without either the model cannot run (reason NoImage).
+    """
     meta = rm.get("metadata", {})
     name, namespace = meta.get("name", ""), meta.get("namespace", "default")
     errors = validate_spec(rm.get("spec") or {}, name)
     if errors:
         raise InvalidSpecError(errors)
     spec = parse_spec(dict(rm.get("spec") or {}))
+    image = resolve_image(spec, default_image)
     ports = model_ports(spec)
     tp = spec.tensor_parallel_size
 
@@ -624,4 +651,4 @@ def plan_reward_model(rm: Mapping[str, Any], cluster: ClusterView) -> Plan:
         )
         for i in range(spec.replicas)
     )
-    return Plan(name=name, namespace=namespace, spec=spec, ports=ports, replicas=replicas)
+    return Plan(name=name, namespace=namespace, spec=spec, ports=ports, replicas=replicas, image=image)

@@ -71,8 +71,12 @@ class Reconciler:
         *,
         delete_children: bool = False,
         later: Later = in_background,
+        default_image: str | None = None,
     ) -> None:
         self.kube = kube
+        # The reward-server image of a model without spec.engine.image (--default-server-image);
+        # None: such a model is Degraded (NoImage) and gets no Pods.
+        self.default_image = default_image
         # Where follow-up work runs (an admission retry, following a peer restore); unit tests
         # pass a recorder and run it themselves.
         self.later = later
@@ -216,11 +220,11 @@ class Reconciler:
         # replaced under the same name since); a create needs none: a Pod that exists is a 409.
         pods = cluster.pods_of(ns, name)
         try:
-            plan = plan_reward_model(rm, self._cluster_view(rm, pods))
+            plan = plan_reward_model(rm, self._cluster_view(rm, pods), default_image=self.default_image)
             desired, service = render_children(rm, plan)
             if self.cluster is not None and pod_actions(desired, pods, datetime.now(UTC)).delete:
                 pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
-                plan = plan_reward_model(rm, self._cluster_view(rm, pods))
+                plan = plan_reward_model(rm, self._cluster_view(rm, pods), default_image=self.default_image)
                 desired, service = render_children(rm, plan)
         except InvalidSpecError as exc:
             # Leave running children alone (a typo must not take a model down) and say what to fix.

@@ -252,7 +252,7 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
     model = delivery(plan.spec.model.source)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
-        "image": plan.spec.engine.image,
+        "image": plan.image,
         "imagePullPolicy": plan.spec.engine.image_pull_policy,
         "command": list(SERVER_COMMAND),
         "args": server_args(plan, replica, rm["metadata"].get("uid", "")),

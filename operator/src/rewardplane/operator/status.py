@@ -18,8 +18,9 @@ from rewardplane.api.names import (
     ANNOTATION_SPEC_HASH,
     LABEL_REPLICA,
     pod_name,
+    server_selector,
 )
-from rewardplane.api.spec import PLACEMENT_REFUSED, GpuMode
+from rewardplane.api.spec import NO_IMAGE, PLACEMENT_REFUSED, GpuMode
 from rewardplane.api.status import (
     CONDITION_TYPES,
     DEGRADED,
@@ -169,8 +170,9 @@ def replica_cause(
             return Cause(
                 IMAGE_PULL,
                 f"{name}: the image {cs.get('image') or '?'} cannot be pulled ({why}: {detail or 'no detail'}); "
-                "set spec.engine.image to an image the node can pull (or load it onto the node), with "
-                "spec.engine.imagePullPolicy and the pull secret it needs",
+                "set spec.engine.image (omitted: the operator's default, the chart's serverImage) to an "
+                "image the node can pull (or load it onto the node), with spec.engine.imagePullPolicy "
+                "and the pull secret it needs",
             )
         if why in _CONFIG_WAITING:
             return Cause(
@@ -507,11 +509,10 @@ def compute_status(
     restoring = [n for n in behind if n not in lost_pods]  # the lost ones wait for a push
     if errors:
         message = "; ".join(errors)
-        retry = (
-            "the cluster is checked again periodically; free the capacity or change the spec"
-            if error_reason == PLACEMENT_REFUSED
-            else "fix the spec"
-        )
+        retry = {
+            PLACEMENT_REFUSED: "the cluster is checked again periodically; free the capacity or change the spec",
+            NO_IMAGE: "set spec.engine.image, or the operator's default reward-server image",
+        }.get(error_reason, "fix the spec")
         conditions = conds(
             available,
             (
@@ -522,7 +523,9 @@ def compute_status(
             in_sync,
             (True, error_reason, message),
         )
-        phase = PHASE_FAILED
+        # A spec the cluster refuses has Failed; one that is fine but names no image (and the
+        # operator has none to give) is Degraded: the operator's configuration is what is missing.
+        phase = PHASE_DEGRADED if error_reason == NO_IMAGE else PHASE_FAILED
     else:
         pending_work = [
             *(f"creating {n}" for n in missing),
@@ -577,7 +580,9 @@ def compute_status(
             "ready": f"{ready}/{desired}",
             "observedGeneration": generation,
             "readyReplicas": ready,
+            # the scale subresource's statusReplicasPath and labelSelectorPath (kubectl scale, HPA)
             "replicas": len(live),
+            "selector": server_selector(str(meta.get("name") or "")),
             "weightsVersion": target_version,
             "message": message,
             "conditions": conditions,
