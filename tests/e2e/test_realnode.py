@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 
@@ -25,6 +25,7 @@ from rewardplane.localcluster.binaries import find_binary
 from rewardplane.localcluster.dev import helm_install_operator, local_image_tag
 from rewardplane.localcluster.diagnose import describe_namespace
 from rewardplane.tinymodel import build_tiny_reward_model
+from tests.e2e.chaos import Freezer, SdkScoring, TrainerHold
 from tests.e2e.conftest import OPERATOR_NAMESPACE, OPERATOR_RELEASE, RealCluster, wait_for
 from tests.e2e.service_watch import ServiceWatch
 from tests.fixtures.models import TEXTS
@@ -534,17 +535,75 @@ def lease_holder(c: RealCluster) -> str | None:
     return lease.spec.holder_identity if lease.spec else None
 
 
-def test_a_deleted_operator_hands_over_only_after_it_stopped(real_cluster: RealCluster) -> None:
-    """The operator Pod deleted while a push is in flight: its replacement starts at once (the
-    Deployment does not wait) but acts only once it holds the leadership Lease, which the old one
-    gives up when it has stopped; so no two operators ever act at once. The push completes, or
-    fails with OperatorRestarted and the trainer pushes again; every replica ends on the pushed
-    weights."""
+def weightsync_status(c: RealCluster, version: int) -> dict[str, Any] | None:
+    """The WeightSync's status once it is about ``version`` (the object is reused from push to
+    push: until the operator takes a push up, its status shows the last one)."""
+    try:
+        ws = c.custom.get_namespaced_custom_object(GROUP, VERSION, NS, "weightsyncs", RM)
+    except Exception:
+        return None
+    st, spec = ws.get("status") or {}, ws.get("spec") or {}
+    if spec.get("version") != version or st.get("version") != version:
+        return None
+    return dict(st)
+
+
+def hand_over(c: RealCluster, old_name: str, old_pid: int, timeout_s: float = 120) -> float:
+    """Seconds until an operator other than ``old_name`` holds the Lease; fails the test when it
+    did while the old operator's process still ran (polled every 50 ms)."""
+    started = time.monotonic()
+    overlaps: list[str] = []
+    while time.monotonic() < started + timeout_s:
+        holder = lease_holder(c)
+        alive = process_alive(old_pid)
+        if holder and not holder.startswith(old_name):
+            if not alive:
+                assert not overlaps, f"a new operator held the Lease while the old one (pid {old_pid}) ran"
+                return time.monotonic() - started
+            overlaps.append(holder)
+        time.sleep(0.05)
+    pytest.fail(f"no new operator took the Lease within {timeout_s:.0f} s (holder {lease_holder(c)})")
+
+
+# How the operator Pod is deleted in each phase of a push, and what the push does then:
+#   Pending: deleted as usual (SIGTERM): the old operator finishes the push it runs, then stops.
+#   Rendezvous: deleted with a 1 s grace period (killed): the replicas were asked to join but never
+#     announced the update; the new operator fails the push (OperatorRestarted), the trainer pushes again.
+#   Transferring: deleted with a 1 s grace period (killed): the trainer broadcasts to the replicas
+#     directly; the new operator follows the transfer to Completed.
+DELETED_MID_PUSH = {
+    "Pending": (None, "completed"),
+    "Rendezvous": (1, "OperatorRestarted"),
+    "Transferring": (1, "completed"),
+}
+HOLD_AT: dict[str, Literal["request", "join", "send"]] = {
+    "Pending": "request",
+    "Rendezvous": "join",
+    "Transferring": "send",
+}
+
+
+@pytest.mark.parametrize("phase", list(DELETED_MID_PUSH))
+def test_an_operator_deleted_mid_push_hands_over_cleanly(
+    real_cluster: RealCluster, phase: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The operator Pod deleted while a push's WeightSync is in ``phase``. The replacement starts
+    at once (the Deployment does not wait) but acts only once it holds the leadership Lease, which
+    the old one gives up when it has stopped (or which lapses when it was killed): no two operators
+    act at once. The push completes, or fails with the truthful reason and the trainer's second push
+    completes; clients of the Service get the old or the new version, never another, and every
+    replica ends on the pushed weights.
+
+    To land in the phase, the trainer (this process) is held: before it creates the WeightSync a
+    replica's server is frozen (SIGSTOP), so the operator's check of the replicas waits in Pending;
+    before it joins the group (Rendezvous); before it sends (Transferring)."""
     import torch
 
     from rewardplane.sdk import RewardModelTrainingMode
+    from rewardplane.sdk._exceptions import WeightSyncFailed
 
     c = real_cluster
+    grace, expected = DELETED_MID_PUSH[phase]
     old = operator_pod(c)
     assert old is not None
     holder = wait_for("the operator to hold the Lease", lambda: lease_holder(c), 60, 0.5)
@@ -555,63 +614,282 @@ def test_a_deleted_operator_hands_over_only_after_it_stopped(real_cluster: RealC
     model, tok = trainer_pod_model()
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.005)
-    version = S.version + 1
+            p.add_(0.005 * (1 + list(DELETED_MID_PUSH).index(phase)))
+    before, version = S.version, S.version + 1
+    frozen_pod = sorted(model_pods(c), key=lambda p: p.metadata.name)[-1]
+    frozen_pid = server_pid_in_pod(frozen_pod.metadata.uid)
+    assert frozen_pid is not None
+    step = HOLD_AT[phase]
     outcome: dict[str, Any] = {}
 
-    def push() -> None:
-        with handle(c) as rm:
-            try:  # small buckets: a transfer long enough to delete the operator in
-                rm.push_weights(
-                    model.state_dict(),
-                    version,
-                    RewardModelTrainingMode.FULL,
-                    timeout_s=120,
-                    bucket_bytes=1 << 10,
-                )
-                outcome["pushes"] = 1
-            except Exception as exc:  # the operator that drove it is gone: push again, as a trainer does
-                outcome["first"] = repr(exc)
-                rm.push_weights(model.state_dict(), version, RewardModelTrainingMode.FULL, timeout_s=120)
-                outcome["pushes"] = 2
+    with (
+        Freezer(frozen_pid) as freezer,
+        service_watch(c, {before, version}) as watch,
+    ):
+        hold = TrainerHold(monkeypatch, step, at_request=freezer.freeze)
 
-    pusher = threading.Thread(target=push, daemon=True)
-    pusher.start()
+        def push() -> None:
+            with handle(c) as rm:
+                try:
+                    rm.push_weights(model.state_dict(), version, RewardModelTrainingMode.FULL, timeout_s=120)
+                    outcome["pushes"] = 1
+                except WeightSyncFailed as exc:  # the operator that drove it is gone: push again
+                    outcome["first"] = (exc.reason, str(exc))
+                    outcome["status"] = weightsync_status(c, version)
+                    outcome["served"] = rm.get_weights_version()
+                    rm.push_weights(model.state_dict(), version, RewardModelTrainingMode.FULL, timeout_s=120)
+                    outcome["pushes"] = 2
+                except Exception as exc:
+                    outcome["error"] = repr(exc)
 
-    def in_flight() -> str | None:
-        """The push's phase once the WeightSync's status is about this version (the object is
-        reused from push to push: until the operator takes it up, it shows the last one's)."""
-        try:
-            ws = c.custom.get_namespaced_custom_object(GROUP, VERSION, NS, "weightsyncs", RM)
-        except Exception:
-            return None
-        st, spec = ws.get("status") or {}, ws.get("spec") or {}
-        if spec.get("version") != version or st.get("version") != version:
-            return None
-        return str(st.get("phase") or "Pending")
-
-    phase = wait_for("the push to start", in_flight, 60, 0.01)
-    c.core.delete_namespaced_pod(old.metadata.name, OPERATOR_NAMESPACE)
-    overlaps = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        now_holder = lease_holder(c)
-        alive = process_alive(old_pid)
-        if now_holder and not now_holder.startswith(old.metadata.name) and alive:
-            overlaps.append(now_holder)
-        if now_holder and not now_holder.startswith(old.metadata.name) and not alive:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"no new operator took the Lease within 120 s (holder {lease_holder(c)})")
-    assert not overlaps, f"a new operator held the Lease while the old one (pid {old_pid}) still ran"
-    pusher.join(240)
-    assert not pusher.is_alive() and outcome.get("pushes"), outcome
-    wait_for(f"both replicas on version {version}", lambda: ready_at(c, 2, version), READY_TIMEOUT_S, 1)
+        pusher = threading.Thread(target=push, daemon=True)
+        pusher.start()
+        wait_for(f"the trainer to reach its {step} step", hold.reached.is_set, 120, 0.05)
+        st = wait_for(
+            f"the push in phase {phase}",
+            lambda: (s := weightsync_status(c, version)) and s.get("phase") == phase and s,
+            60,
+            0.02,
+        )
+        assert st["phase"] == phase
+        deleted = time.monotonic()
+        c.core.delete_namespaced_pod(old.metadata.name, OPERATOR_NAMESPACE, grace_period_seconds=grace)
+        if grace is None:
+            freezer.thaw()  # the old operator, asked to stop, goes on with the push it runs
+        else:
+            wait_for("the old operator killed", lambda: not process_alive(old_pid), 60, 0.05)
+            freezer.thaw()
+            hold.release()
+        handed_s = hand_over(c, old.metadata.name, old_pid)
+        hold.release()
+        pusher.join(240)
+        assert not pusher.is_alive() and "error" not in outcome, outcome
+        if expected == "completed":
+            assert outcome["pushes"] == 1, outcome
+        else:
+            assert outcome["pushes"] == 2 and outcome["first"][0] == expected, outcome
+            # truthful: the status said why, and the model stayed on the weights it served
+            assert outcome["status"]["phase"] == "Failed" and outcome["status"]["reason"] == expected
+            assert "push again" in outcome["status"]["message"], outcome["status"]
+            assert outcome["served"] == before, outcome
+        wait_for(f"both replicas on version {version}", lambda: ready_at(c, 2, version), READY_TIMEOUT_S, 0.5)
+    watch.check(min_answers=5)
+    final = weightsync_status(c, version)
+    assert final is not None and final["phase"] == "Completed", final
+    new = operator_pod(c)
+    assert new is not None and new.metadata.name != old.metadata.name
     S.expected, S.version = scores_of(model, tok, TEXTS), version
     with handle(c) as rm:
         assert_scores(rm.client().score_batch(TEXTS, normalize=False), S.expected)
-    print(f"\noperator deleted with the push {phase}; pushes needed: {outcome}")
+    print(
+        f"\noperator deleted in {phase} (grace {grace}): new leader after {handed_s:.1f} s, "
+        f"push done {time.monotonic() - deleted:.1f} s after the deletion; {outcome.get('pushes')} push(es)"
+        f"{'; first: ' + outcome['first'][0] if 'first' in outcome else ''}; "
+        f"{len(watch.answers)} answers through the Service, {watch.versions()}"
+    )
+
+
+def operator_log(c: RealCluster, pod: str) -> str:
+    return kubectl(c, "logs", "-n", OPERATOR_NAMESPACE, pod, "--tail=200")
+
+
+def operator_may(c: RealCluster, verb: str, resource: str) -> bool:
+    """What the API server's authorizer answers for the operator's ServiceAccount now."""
+    from kubernetes import client
+
+    review = client.AuthorizationV1Api(c.api).create_subject_access_review(
+        {
+            "spec": {
+                "user": f"system:serviceaccount:{OPERATOR_NAMESPACE}:{OPERATOR_RELEASE}",
+                "resourceAttributes": {"verb": verb, "resource": resource, "namespace": NS},
+            }
+        }
+    )
+    return bool(review.status and review.status.allowed)
+
+
+def service_spec(c: RealCluster) -> tuple[list[tuple[Any, ...]], dict[str, str]]:
+    """The model Service's ports and selector (what the operator owns of it)."""
+    spec = c.core.read_namespaced_service(RM, NS).spec
+    ports = sorted((p.name, p.port, str(p.target_port), p.protocol) for p in spec.ports or [])
+    return ports, dict(spec.selector or {})
+
+
+def edit_service_by_hand(c: RealCluster) -> None:
+    """A selector key added and the http port moved, as a hand edit (kubectl edit) would."""
+    svc = c.core.read_namespaced_service(RM, NS)
+    ports = [
+        {"name": p.name, "port": p.port + 1000 if p.name == "http" else p.port, "protocol": p.protocol}
+        for p in svc.spec.ports
+    ]
+    patch = json.dumps({"spec": {"selector": {"edited": "by-hand"}, "ports": ports}})
+    kubectl(c, "patch", "service", RM, "-n", NS, "--type=merge", "-p", patch)
+
+
+def test_hand_edits_are_repaired_and_revoked_rbac_changes_nothing(real_cluster: RealCluster) -> None:
+    """A reward Pod's label and the model's Service edited by hand (either takes replicas out of the
+    Service): the operator puts both back at their events (the Pod is replaced at a rollout's pace,
+    its weights restored). Then the operator's ClusterRoleBinding deleted and the Service edited
+    again: the operator can write nothing, says so in its log (naming the RBAC) and touches no Pod;
+    restored, it repairs the Service at its next resync, without a restart. A trainer scoring
+    through the SDK the whole time sees no error and the exact scores."""
+    from kubernetes import client
+
+    from rewardplane.api.names import LABEL_COMPONENT
+
+    c = real_cluster
+    rbac = client.RbacAuthorizationV1Api(c.api)
+    op = operator_pod(c)
+    assert op is not None
+    op_restarts = op.status.container_statuses[0].restart_count
+    owned = service_spec(c)
+    edited_pod, other = sorted(model_pods(c), key=lambda p: p.metadata.name)
+    with handle(c) as rm, SdkScoring(rm, TEXTS, S.expected) as sdk, service_watch(c, {S.version}) as watch:
+        sdk.wait_requests(3)
+        # 1. drift: a Pod's component label removed, the Service's selector and port changed
+        t0 = time.monotonic()
+        c.core.patch_namespaced_pod(
+            edited_pod.metadata.name, NS, {"metadata": {"labels": {LABEL_COMPONENT: None}}}
+        )
+        edit_service_by_hand(c)
+        wait_for("the Service put back", lambda: service_spec(c) == owned, 60, 0.2)
+        service_s = time.monotonic() - t0
+        wait_for(
+            "the edited Pod replaced and both replicas serving the model's version",
+            lambda: (
+                pod_uid(c, edited_pod.metadata.name) not in (None, edited_pod.metadata.uid)
+                and ready_at(c, 2, S.version)
+            ),
+            READY_TIMEOUT_S,
+            0.5,
+        )
+        pod_s = time.monotonic() - t0
+        assert pod_uid(c, other.metadata.name) == other.metadata.uid  # one Pod edited, one replaced
+        wait_for("both replicas in the Service's Endpoints", lambda: len(watch.addresses()) == 2, 60, 0.2)
+
+        # 2. RBAC revoked: the operator can write nothing and says why; nothing is touched
+        binding = rbac.read_cluster_role_binding(OPERATOR_RELEASE)
+        pods_before = {p.metadata.name: p.metadata.uid for p in model_pods(c)}
+        rbac.delete_cluster_role_binding(OPERATOR_RELEASE)
+        try:
+            wait_for(
+                "the operator to lose its permissions",
+                lambda: not operator_may(c, "patch", "services"),
+                30,
+                0.5,
+            )
+            edit_service_by_hand(c)
+            said = wait_for(
+                "the operator's log to say it is forbidden",
+                lambda: next(
+                    (
+                        ln
+                        for ln in operator_log(c, op.metadata.name).splitlines()
+                        if "forbidden" in ln.lower()
+                    ),
+                    None,
+                ),
+                60,
+                1,
+            )
+            assert "HTTP 403" in said, said
+            assert service_spec(c) != owned  # it could not put it back
+            assert {p.metadata.name: p.metadata.uid for p in model_pods(c)} == pods_before
+            assert ready_at(c, 2, S.version), "the status changed while the operator could not write it"
+        finally:
+            rbac.create_cluster_role_binding(
+                {
+                    "metadata": {"name": OPERATOR_RELEASE, "labels": binding.metadata.labels},
+                    "roleRef": binding.role_ref.to_dict(),
+                    "subjects": [s.to_dict() for s in binding.subjects or []],
+                }
+            )
+        t1 = time.monotonic()
+        # the binding back: the next resync (30 s) puts the Service back, no restart needed
+        wait_for("the Service put back after the RBAC came back", lambda: service_spec(c) == owned, 60, 0.5)
+        recovered_s = time.monotonic() - t1
+        wait_for("both replicas in the Service's Endpoints", lambda: len(watch.addresses()) == 2, 60, 0.2)
+        sdk.wait_requests(3)
+    sdk.check(min_requests=20)
+    watch.check(min_answers=5)
+    now = operator_pod(c)
+    assert now is not None and now.metadata.uid == op.metadata.uid
+    assert now.status.container_statuses[0].restart_count == op_restarts
+    assert {p.metadata.name: p.metadata.uid for p in model_pods(c)} == pods_before
+    print(
+        f"\ndrift: Service put back after {service_s:.1f} s, edited Pod replaced and serving after "
+        f"{pod_s:.1f} s; RBAC restored: Service put back after {recovered_s:.1f} s; SDK: {sdk.requests} "
+        f"requests, {len(sdk.errors)} errors; Service: {len(watch.answers)} answers"
+    )
+
+
+def pods_running(c: RealCluster) -> dict[str, tuple[str, int]]:
+    """Each model Pod's container id and restart count (unchanged: nothing restarted)."""
+    return {
+        p.metadata.name: (
+            p.status.container_statuses[0].container_id,
+            p.status.container_statuses[0].restart_count,
+        )
+        for p in model_pods(c)
+    }
+
+
+def readiness_rechecked_since(c: RealCluster, since: float) -> bool:
+    """Every model Pod Ready, its Ready condition last changed at or after ``since`` (wall clock;
+    the API's timestamps are to the second): the kubelet reset it and its probe passed again."""
+    pods = model_pods(c)
+    for pod in pods:
+        cond = next((x for x in pod.status.conditions or [] if x.type == "Ready"), None)
+        if cond is None or cond.status != "True" or cond.last_transition_time.timestamp() < int(since):
+            return False
+    return bool(pods)
+
+
+def test_containerd_and_kubelet_restarts_lose_no_request(real_cluster: RealCluster) -> None:
+    """containerd, then the kubelet, stopped and started again on the node while a trainer scores
+    through the SDK and a client through the Service. Containers keep running (their shims outlive
+    containerd); the restarted kubelet resets every Pod's readiness until its probes pass again,
+    and the SDK's client rides that out (``RewardModelHandle.client()`` keeps its client while no
+    replica is ready). 0 client errors, exact scores, no wrong version; the status reports the
+    model's weights version throughout and is Ready with both replicas afterwards."""
+    c = real_cluster
+    running = pods_running(c)
+    with handle(c) as rm, SdkScoring(rm, TEXTS, S.expected) as sdk, service_watch(c, {S.version}) as watch:
+        sdk.wait_requests(5)
+        t0 = time.monotonic()
+        containerd_s = c.node.restart("containerd")
+        sdk.wait_requests(5)
+        requests_before_kubelet = sdk.requests
+        restarted_at = time.time()
+        kubelet_s = c.node.restart("kubelet")
+        wait_for(
+            "the restarted kubelet to probe every Pod Ready again",
+            lambda: readiness_rechecked_since(c, restarted_at) and ready_at(c, 2, S.version),
+            120,
+            0.2,
+        )
+        kubelet_window_s, kubelet_requests = (
+            time.time() - restarted_at,
+            sdk.requests - requests_before_kubelet,
+        )
+        sdk.wait_requests(5)
+        window_s = time.monotonic() - t0
+    sdk.check(min_requests=30)
+    watch.check(min_answers=5)
+    assert pods_running(c) == running, "a container was restarted"
+    versions = {v for *_, v in sdk.statuses}
+    assert versions == {S.version}, f"the status reported weights versions {versions}"
+    final = get_rm(c)["status"]
+    assert final["phase"] == "Ready" and final["readyReplicas"] == 2, final
+    phases = [p for _, p, _, _ in sdk.statuses]
+    seen = [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p]
+    print(
+        f"\ncontainerd back in {containerd_s:.1f} s, kubelet in {kubelet_s:.1f} s; over {window_s:.1f} s "
+        f"the SDK made {sdk.requests} requests ({kubelet_requests} in the {kubelet_window_s:.1f} s from the "
+        f"kubelet's stop until both Pods were Ready again), {len(sdk.errors)} errors; status phases {seen}, "
+        "fewer than 2 ready for "
+        f"{sdk.unready_s(2):.1f} s; Service: {len(watch.answers)} answers, {watch.refused} refused"
+    )
 
 
 def trainer_pod_model() -> tuple[Any, Any]:

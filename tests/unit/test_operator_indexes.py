@@ -148,6 +148,29 @@ def test_a_child_deleted_by_hand_comes_back_on_the_next_resync() -> None:
     assert kube.get(core_path("services", NS, "rm")) is not None
 
 
+def test_a_service_edited_by_hand_is_put_back_at_its_event() -> None:
+    """The Service's event triggers the reconcile (not the next resync): its first sight at the
+    operator's start does not, an edit of its ports or selector does, and so does its deletion;
+    the reconcile puts the selector and ports back."""
+    kube, reconciler = setup()
+    reconciler.reconcile((NS, "rm"))
+    svc = kube.get(core_path("services", NS, "rm")) or {}
+    key = (NS, "rm")
+
+    def state(obj: Mapping[str, Any]) -> tuple[str, str]:
+        return repr(obj["spec"].get("ports")), repr(obj["spec"].get("selector"))
+
+    assert not reconciler.service_state_changed(key, state(svc))  # seen at start
+    assert not reconciler.service_state_changed(key, state(svc))  # a heartbeat, nothing edited
+    kube.merge_patch(core_path("services", NS, "rm"), {"spec": {"selector": {"app": "other"}}})
+    edited = kube.get(core_path("services", NS, "rm")) or {}
+    assert reconciler.service_state_changed(key, state(edited))
+    reconciler.cluster = snapshot(kube)
+    reconciler.reconcile(key)
+    assert (kube.get(core_path("services", NS, "rm")) or {})["spec"]["selector"] == svc["spec"]["selector"]
+    assert reconciler.service_state_changed(key, None)  # deleted
+
+
 def test_a_deletion_is_decided_on_a_fresh_list() -> None:
     kube, reconciler = setup()
     reconciler.reconcile((NS, "rm"))

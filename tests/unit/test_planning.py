@@ -28,6 +28,7 @@ from rewardplane.operator.planning import (
 )
 from rewardplane.operator.render import (
     ANNOTATION_SPEC_HASH,
+    LABEL_COMPONENT,
     LABEL_MODEL,
     LABEL_REPLICA,
     TOKEN_FILE,
@@ -564,6 +565,24 @@ def test_spec_hash_changes_with_the_spec_but_not_with_replicas_or_chosen_node() 
     unlabeled = copy.deepcopy(base)
     del unlabeled["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
     assert needs_replacement(unlabeled, base)
+
+
+def test_a_pod_whose_labels_were_edited_by_hand_is_replaced() -> None:
+    """The Service selects replicas by their labels: a label edited by hand (the spec hash cannot
+    show it) takes the Pod out of the Service until it is replaced; a label of someone else's is
+    left alone."""
+    body = cpu_rm()
+    plan = plan_reward_model(body, ClusterView(nodes=CPU_NODES))
+    pod = render_pod(body, plan, plan.replicas[0])
+    edited = copy.deepcopy(pod)
+    del edited["metadata"]["labels"][LABEL_COMPONENT]
+    assert needs_replacement(edited, pod)
+    edited = copy.deepcopy(pod)
+    edited["metadata"]["labels"][LABEL_MODEL] = "other"
+    assert needs_replacement(edited, pod)
+    extra = copy.deepcopy(pod)
+    extra["metadata"]["labels"]["team"] = "rl"
+    assert not needs_replacement(extra, pod)
 
 
 def test_service_is_headless_and_selects_the_model() -> None:

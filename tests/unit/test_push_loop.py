@@ -566,3 +566,52 @@ def test_a_status_field_that_is_no_longer_true_is_removed() -> None:
     )
     reconciler._write_status(kube.get(custom_path(NS, "rm")) or {}, {"phase": "Ready"})
     assert (kube.get(custom_path(NS, "rm")) or {})["status"] == {"phase": "Ready"}
+
+
+class EndingAnUpdate(FakeReplicas):
+    """Replica ``a`` still ends the update of an earlier push (its operator died): it refuses to
+    join, as a real server does, and reports a background task for ``polls`` more polls."""
+
+    def __init__(self, replicas: dict[str, FakeReplica], polls: int) -> None:
+        super().__init__(replicas)
+        self.polls = polls
+
+    def background_tasks(self, url: str, token: str) -> dict[str, Any]:
+        self._get("background_tasks", url, token)
+        busy = url == "http://a:8001" and self.polls > 0
+        self.polls -= busy
+        return {"num_background_tasks": int(busy), "last_error": None}
+
+    def init_communicator(self, url: str, token: str, req: Any) -> None:
+        if url == "http://a:8001" and self.polls > 0:
+            self.calls.append(("init_communicator", url))
+            raise ReplicaError(
+                f"{url}/init_communicator answered 409: a weight update is in progress; wait for it "
+                "(GET /get_num_background_tasks) and retry"
+            )
+        super().init_communicator(url, token, req)
+
+
+def test_driver_waits_for_a_replica_ending_an_earlier_update_then_pushes() -> None:
+    """The trainer pushes again right after a push failed with OperatorRestarted: a replica still
+    ends that push's update for a moment. The new push waits for it (the status says so) instead
+    of failing with ReplicaRefused, then completes."""
+    kube, _ = cluster({"a": FakeReplica(), "b": FakeReplica()})
+    fake = EndingAnUpdate({"http://a:8001": FakeReplica(), "http://b:8001": FakeReplica()}, polls=3)
+    status = run_push(kube, fake)
+    assert status["phase"] == "Completed", status
+    assert [c for c in fake.calls if c[0] == "init_communicator"].count(
+        ("init_communicator", "http://a:8001")
+    ) == 4
+    messages = [p["status"].get("message") for _, p in kube.patches if "message" in p["status"]]
+    assert any(m and "waiting for rm-0 to end an earlier update" in m for m in messages), messages
+
+
+def test_driver_fails_at_once_when_an_idle_replica_refuses_to_join() -> None:
+    """A refusal with no update running (a pending join of a group that never formed, say) is no
+    reason to wait: ReplicaRefused at once, its answer in the message."""
+    kube, fake = cluster({"a": FakeReplica(refuse={"init_communicator": "a join is pending"})})
+    status = run_push(kube, fake)
+    assert (status["phase"], status["reason"]) == ("Failed", wsapi.REPLICA_REFUSED)
+    assert "a join is pending" in status["message"]
+    assert fake.calls.count(("init_communicator", "http://a:8001")) == 1

@@ -199,3 +199,40 @@ def test_client_rides_out_a_readiness_blip_and_waits_when_nothing_is_ready() -> 
     put(False)  # the blip
     assert handle.client() is client
     client.close()
+
+
+def test_a_failed_push_holds_nothing_of_its_group_while_its_exception_lives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trainer that pushes again inside its ``except`` block keeps the failed push's exception,
+    and with it the push's frames, alive: they must not hold the rendezvous store and process group
+    (replicas that accepted the update would wait for a trainer that looks alive)."""
+    import gc
+    import weakref
+
+    from rewardplane.sdk import RewardModelTrainingMode
+    from rewardplane.sdk._exceptions import WeightSyncFailed
+    from rewardplane.sdk._operator_push import OperatorPush
+    from rewardplane.sdk.cluster import RewardModelHandle
+
+    class Group:  # stands for the store and the process group a push opens
+        pass
+
+    opened: list[weakref.ref[Group]] = []
+
+    def failing_push(self: OperatorPush, *args: object, **kwargs: object) -> None:
+        group = Group()
+        opened.append(weakref.ref(group))
+        raise WeightSyncFailed("the operator restarted", "OperatorRestarted")
+
+    monkeypatch.setattr(OperatorPush, "push", failing_push)
+    monkeypatch.setattr(RewardModelHandle, "prepare", lambda self, *a, **k: ([], {}))
+    handle = RewardModelHandle("m", kube=object())  # type: ignore[arg-type]
+    gc.disable()  # the frames must be freed by reference counting, at once
+    try:
+        with pytest.raises(WeightSyncFailed) as failed:
+            handle.push_weights({}, 1, RewardModelTrainingMode.FULL)
+        assert failed.value.reason == "OperatorRestarted"
+        assert opened and opened[0]() is None
+    finally:
+        gc.enable()

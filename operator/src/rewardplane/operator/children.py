@@ -72,7 +72,9 @@ class Children:
         # Ports follow the spec; the API server defaults other fields, so compare only what we own.
         wanted = {k: service["spec"][k] for k in ("ports", "selector")}
         if any(existing["spec"].get(k) != v for k, v in wanted.items()):
-            self.kube.merge_patch(path, {"spec": wanted})
+            # a merge patch merges maps: a selector key added by hand must be removed by name
+            extra = {k: None for k in existing["spec"].get("selector") or {} if k not in wanted["selector"]}
+            self.kube.merge_patch(path, {"spec": {**wanted, "selector": {**extra, **wanted["selector"]}}})
 
     def ensure_network_policy(self, rm: Mapping[str, Any], plan: Plan) -> None:
         ns, name = rm["metadata"]["namespace"], rm["metadata"]["name"]

@@ -175,12 +175,25 @@ def pod_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **kwargs: An
             server_started(body),  # up and waiting for its admission (ready only after it)
             (body.get("status") or {}).get("podIP"),
             bool(meta.get("deletionTimestamp")),
+            tuple(sorted((meta.get("labels") or {}).items())),  # edited by hand: a drift to repair
         )
     )
     if not memo.reconciler.pod_state_changed((meta["namespace"], meta["name"]), state):
         return  # status heartbeats of an unchanged Pod: nothing to do
     _attach(memo, kwargs)
     memo.reconciler.request((meta["namespace"], meta["labels"][LABEL_MODEL]), trigger="pod")
+
+
+@kopf.on.event("v1", SERVICES, labels={LABEL_MODEL: kopf.PRESENT})
+def service_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **kwargs: Any) -> None:
+    """A model's Service edited (its ports or selector) or deleted by hand: put back at once
+    instead of at the next tick."""
+    meta, spec = body["metadata"], body.get("spec") or {}
+    state = None if type == "DELETED" else (repr(spec.get("ports")), repr(spec.get("selector")))
+    if not memo.reconciler.service_state_changed((meta["namespace"], meta["name"]), state):
+        return
+    _attach(memo, kwargs)
+    memo.reconciler.request((meta["namespace"], meta["labels"][LABEL_MODEL]), trigger="service")
 
 
 # ------------------------------------------------------------------------------ WeightSync

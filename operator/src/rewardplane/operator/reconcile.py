@@ -100,6 +100,7 @@ class Reconciler:
         self._guard = threading.Lock()
         self._coalesce: Coalescer[Key] = Coalescer()
         self._pod_states: dict[Key, object] = {}
+        self._service_states: dict[Key, object] = {}
         self._stale: dict[Key, set[str]] = {}
         self._serving: dict[Key, dict[str, Identity]] = {}  # pod → identity last seen on the model's version
         self._retry_pending: set[Key] = set()  # models with an admission retry timer running
@@ -119,7 +120,16 @@ class Reconciler:
             # Transient API trouble: log it; the periodic timer retries, so no retry storm here.
             result = "error"
             metrics.ERRORS.labels(stage="api").inc()
-            log.warning("reconcile of %s/%s failed, retrying on the next timer tick: %s", *key, exc)
+            if isinstance(exc, KubeError) and exc.status == 403:
+                log.error(
+                    "reconcile of %s/%s forbidden: the operator's ServiceAccount lacks a permission "
+                    "(the chart's ClusterRole and ClusterRoleBinding grant what it needs); retrying on "
+                    "the next timer tick: %s",
+                    *key,
+                    exc,
+                )
+            else:
+                log.warning("reconcile of %s/%s failed, retrying on the next timer tick: %s", *key, exc)
         finally:
             metrics.DURATION.observe(time.perf_counter() - started)
             metrics.RECONCILES.labels(trigger=trigger, result=result).inc()
@@ -133,6 +143,17 @@ class Reconciler:
             else:
                 self._pod_states[pod] = state
             return before != state
+
+    def service_state_changed(self, service: Key, state: object | None) -> bool:
+        """Remember a Service's ports and selector (None: deleted); True when they changed since
+        they were last seen. The first sight is no change: every model is reconciled at start."""
+        with self._guard:
+            before = self._service_states.get(service, ...)
+            if state is None:
+                self._service_states.pop(service, None)
+            else:
+                self._service_states[service] = state
+            return before is not ... and before != state
 
     def stale_pods(self, key: Key) -> set[str]:
         """Pods of the model that restarted onto older weights and wait for (or undergo) a restore."""

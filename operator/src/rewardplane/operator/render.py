@@ -347,9 +347,16 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
 
 
 def needs_replacement(existing: Mapping[str, Any], desired: Mapping[str, Any]) -> bool:
-    """Whether a running Pod was rendered from a different spec than ``desired``."""
-    have = ((existing.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_SPEC_HASH)
-    return have != desired["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+    """Whether a running Pod was rendered from a different spec than ``desired``, or a label the
+    operator sets was edited by hand (the Service selects replicas by them: a Pod without its
+    component label would serve no client of the Service, and a Pod's labels cannot be checked
+    against its spec hash, which records what was rendered)."""
+    meta = existing.get("metadata") or {}
+    have = (meta.get("annotations") or {}).get(ANNOTATION_SPEC_HASH)
+    if have != desired["metadata"]["annotations"][ANNOTATION_SPEC_HASH]:
+        return True
+    labels = meta.get("labels") or {}
+    return any(labels.get(k) != v for k, v in desired["metadata"]["labels"].items())
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any
 from rewardplane.api import weightsync as wsapi
 from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
 from rewardplane.api.names import TOKEN_KEY, token_secret_name
-from rewardplane.protocol import InitCommunicatorRequest, ParamMeta, UpdateParamBatchRequest
+from rewardplane.protocol import InitCommunicatorRequest, ParamMeta, UpdateParamBatchRequest, settings
 
 from . import weightsync as wsm
 from .render import HTTP_PORT_NAME, selector
@@ -30,6 +30,8 @@ log = logging.getLogger("rewardplane.operator.weightsync")
 
 Key = tuple[str, str]
 POLL_S = 0.02
+BUSY_POLL_S = 0.2  # a replica still ending an earlier update: how often to ask again
+MAX_JOIN_S = settings.MAX_JOIN_TIMEOUT_S.default
 
 
 def http_port(pod: Mapping[str, Any]) -> int | None:
@@ -286,22 +288,9 @@ class WeightSyncDriver:
                 "message": note,
             },
         )
-        remaining = max(1.0, deadline - self._clock())
         try:
             for t in plan.targets:
-                self.replicas.init_communicator(
-                    t.url,
-                    token,
-                    InitCommunicatorRequest(
-                        host=req.address,
-                        port=req.port,
-                        world_size=plan.world_size,
-                        rank_offset=t.rank_offset,
-                        timeout_s=remaining,
-                        group_id=req.group_id,
-                        senders=req.senders,
-                    ),
-                )
+                self._join(ws, t, token, req, plan.world_size, deadline, note)
             # The first announce waits (server side) until the trainer has joined the group.
             for t in plan.targets:
                 left = max(1.0, deadline - self._clock())
@@ -330,6 +319,60 @@ class WeightSyncDriver:
         # Recorded before the transfer, so an operator that restarts meanwhile can follow it.
         self._patch_status(ws, {"bytes": transfer.nbytes})
         self._follow(ws, transfer, token, started)
+
+    def _join(
+        self,
+        ws: Mapping[str, Any],
+        t: wsm.Target,
+        token: str,
+        req: wsm.PushRequest,
+        world_size: int,
+        deadline: float,
+        message: str | None,
+    ) -> None:
+        """Ask replica ``t`` to join the trainer's group. A replica still ending an earlier update
+        (it refuses, and reports a background task: the transfer of a push whose operator died,
+        which fails by itself once that trainer's group is gone) is waited for, as its answer
+        asks, until the push's deadline; any other refusal fails the push at once."""
+        waiting = False
+        while True:
+            try:
+                self.replicas.init_communicator(
+                    t.url,
+                    token,
+                    InitCommunicatorRequest(
+                        host=req.address,
+                        port=req.port,
+                        world_size=world_size,
+                        rank_offset=t.rank_offset,
+                        # a server refuses more than its maximum join (600 s unless set lower)
+                        timeout_s=min(MAX_JOIN_S, max(1.0, deadline - self._clock())),
+                        group_id=req.group_id,
+                        senders=req.senders,
+                    ),
+                )
+                if waiting:  # the status's message as it was before the wait
+                    self._patch_status(ws, {"message": message})
+                return
+            except ReplicaError as exc:
+                if self._clock() + BUSY_POLL_S > deadline or not self._busy(t.url, token):
+                    raise
+                if not waiting:
+                    waiting = True
+                    note = f"waiting for {t.pod} to end an earlier update before it joins ({exc})"
+                    log.info(
+                        "WeightSync %s/%s: %s", ws["metadata"]["namespace"], ws["metadata"]["name"], note
+                    )
+                    self._patch_status(ws, {"message": note})
+            self._sleep(BUSY_POLL_S)
+
+    def _busy(self, url: str, token: str) -> bool:
+        """Whether the replica reports a weight update still running (its background task)."""
+        try:
+            tasks = self.replicas.background_tasks(url, token)
+            return int(tasks.get("num_background_tasks") or 0) > 0
+        except (ReplicaError, TypeError, ValueError):
+            return False
 
     def _follow(self, ws: Mapping[str, Any], transfer: wsm.Transfer, token: str, started: float) -> None:
         """Poll the replicas until ``step`` says how the transfer ended, then close the push."""

@@ -16,6 +16,7 @@ import base64
 import os
 import threading
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -315,20 +316,29 @@ class RewardModelHandle:
         metadata, tensors = self.prepare(
             params, mode, keep_lora=keep_lora, head_name_patterns=head_name_patterns, adapter=adapter
         )
-        return OperatorPush(self).push(
-            metadata,
-            tensors,
-            version,
-            mode,
-            started=started,
-            timeout_s=timeout_s,
-            trainer_host=trainer_host,
-            bucket_bytes=bucket_bytes,
-            device=device,
-            backend=backend,
-            progress=progress,
-            adapter=adapter,
-        )
+        try:
+            return OperatorPush(self).push(
+                metadata,
+                tensors,
+                version,
+                mode,
+                started=started,
+                timeout_s=timeout_s,
+                trainer_host=trainer_host,
+                bucket_bytes=bucket_bytes,
+                device=device,
+                backend=backend,
+                progress=progress,
+                adapter=adapter,
+            )
+        except BaseException as exc:
+            # The failed push's frames hold its rendezvous store and process group for as long as
+            # the exception lives (a trainer that pushes again in its ``except`` block). A gloo
+            # group cannot be aborted: replicas that accepted the update would wait out its
+            # timeout before they take the next push. Released here, so they see the trainer gone.
+            if exc.__traceback__ is not None:
+                traceback.clear_frames(exc.__traceback__.tb_next)
+            raise
 
     def close(self) -> None:
         if self._client is not None:

@@ -44,6 +44,11 @@ CONTROLLERS = ("kube-controller-manager", "kube-scheduler")
 # Stopped after the pods are deleted and before containerd's leftovers are killed.
 NODE_DAEMONS = ("kube-proxy", "kubelet")
 PODS_GONE_S = 30.0  # how long ``down`` waits for the kubelet to stop the deleted pods
+# The node agents ``restart`` can stop and start again, and how each one's command line is made.
+RESTARTABLE: dict[str, Callable[[commands.Binaries, Layout], list[str]]] = {
+    "containerd": commands.containerd,
+    "kubelet": commands.kubelet,
+}
 
 
 class RealNode:
@@ -140,6 +145,28 @@ class RealNode:
         if left and not quiet:
             log.warning("down left behind: %s", left)
         return left
+
+    def restart(self, name: str, *, timeout_s: float = 60) -> float:
+        """Stop a node agent (SIGTERM, as ``systemctl restart`` does) and start it again with the
+        same command line; returns the seconds until it serves again (containerd answers ``ctr
+        version``, the kubelet its healthz). Running containers are left alone: their shims outlive
+        containerd, and the kubelet finds its pods again."""
+        if name not in RESTARTABLE:
+            raise ValueError(f"restart takes one of {sorted(RESTARTABLE)}, not {name!r}")
+        cmd = RESTARTABLE[name](node_binaries(), self.layout)
+        started = time.monotonic()
+        self.components.stop(name)
+        self.components.start(name, cmd)
+        serving = self._containerd_serving if name == "containerd" else self._kubelet_healthy
+        self.components.wait(name, started + timeout_s, serving)
+        return time.monotonic() - started
+
+    def _containerd_serving(self) -> bool:
+        return self.ctr(["version"], check=False, timeout=10).returncode == 0
+
+    def _kubelet_healthy(self) -> bool:
+        port = json.loads(self.layout.kubelet_config.read_text())["healthzPort"]
+        return _http_ok(f"http://127.0.0.1:{port}/healthz")
 
     # -- up -------------------------------------------------------------------------------------
     def _start_components(self, bins: commands.Binaries, deadline: float, *, import_images: bool) -> None:
