@@ -820,3 +820,21 @@ def test_rollout_leaves_up_to_date_pods_alone() -> None:
     desired = _desired(2)
     actions = pod_actions(desired, [_live(p) for p in desired])
     assert actions.delete == [] and actions.create == []
+
+
+def test_a_pod_refused_by_the_kubelet_is_reacted_to_at_once_and_heartbeats_are_not() -> None:
+    """A Pod the kubelet refuses (OutOfcpu) turns Failed with nothing else changed: the watch must
+    see it (the status names the cause before the Pod is replaced), while a status heartbeat of an
+    unchanged Pod must not trigger a reconcile."""
+    from rewardplane.operator.status import watched_state
+
+    body = cpu_rm()
+    plan = plan_reward_model(body, ClusterView(nodes=CPU_NODES))
+    pending = render_pod(body, plan, plan.replicas[0])
+    pending["status"] = {"phase": "Pending"}
+    refused = copy.deepcopy(pending)
+    refused["status"] = {"phase": "Failed", "reason": "OutOfcpu", "message": "Node didn't have enough cpu"}
+    assert watched_state(refused) != watched_state(pending)
+    heartbeat = copy.deepcopy(refused)
+    heartbeat["status"]["conditions"] = [{"type": "PodScheduled", "status": "True", "lastProbeTime": "now"}]
+    assert watched_state(heartbeat) == watched_state(refused)

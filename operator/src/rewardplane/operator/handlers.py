@@ -22,7 +22,7 @@ from rewardplane.protocol import settings
 
 from .cluster import NETWORK_POLICIES, SECRETS, SERVICES, IndexedCluster, plain, summary
 from .planning import NodeInfo, node_info
-from .status import pod_ready, server_started
+from .status import watched_state
 
 RESOURCE = (GROUP, VERSION, PLURAL)
 # How often every RewardModel is re-checked besides its events (spec changes, Pod changes, pushes
@@ -167,17 +167,7 @@ def cleanup(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 def pod_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **kwargs: Any) -> None:
     """React at once when a replica goes, comes or changes readiness, instead of at the next tick."""
     meta = body["metadata"]
-    state = (
-        None
-        if type == "DELETED"
-        else (
-            pod_ready(body),
-            server_started(body),  # up and waiting for its admission (ready only after it)
-            (body.get("status") or {}).get("podIP"),
-            bool(meta.get("deletionTimestamp")),
-            tuple(sorted((meta.get("labels") or {}).items())),  # edited by hand: a drift to repair
-        )
-    )
+    state = None if type == "DELETED" else watched_state(body)
     if not memo.reconciler.pod_state_changed((meta["namespace"], meta["name"]), state):
         return  # status heartbeats of an unchanged Pod: nothing to do
     _attach(memo, kwargs)

@@ -76,6 +76,23 @@ def server_started(pod: Mapping[str, Any]) -> bool:
     )
 
 
+def watched_state(pod: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What of a Pod the operator reacts to at once (its events carry kubelet heartbeats too):
+    readiness, a started server, its IP, deletion, its labels (edited by hand: a drift to repair),
+    and its phase and reason (a Pod the kubelet refused, e.g. OutOfcpu, ends Failed with nothing
+    else changed: its cause is named in the status then, not at the next resync)."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    return (
+        pod_ready(pod),
+        server_started(pod),  # up and waiting for its admission (ready only after it)
+        status.get("podIP"),
+        bool(meta.get("deletionTimestamp")),
+        tuple(sorted((meta.get("labels") or {}).items())),
+        status.get("phase"),
+        status.get("reason"),
+    )
+
+
 def pod_restarts(pod: Mapping[str, Any]) -> int:
     return sum(
         int(c.get("restartCount", 0)) for c in (pod.get("status") or {}).get("containerStatuses") or []
