@@ -257,7 +257,7 @@ def test_a_sliced_push_gives_each_receiver_only_what_it_keeps() -> None:
         )
 
     def sender(i: int) -> Callable[[Communicator], Any]:
-        return lambda c: send_slices(c, metas, states[i][0], schedule, c.first_sender, sender=i)
+        return lambda c: send_slices(c, metas, states[i][0], schedule, sender=i)
 
     got = _run_world([receiver(0), receiver(1), sender(0), sender(1)], senders=2)
     for r in (0, 1):

@@ -72,11 +72,10 @@ def send_slices(
     metadata: Sequence[ParamMeta],
     tensors: dict[str, torch.Tensor],
     schedule: Sequence[Sequence[Transfer]],
-    src: int,
     sender: int = 0,
 ) -> int:
     """Send this rank's transfers of ``schedule`` (``tensors[name]``: its part of each tensor it
-    sends); ``src`` is the first sending rank's group rank. Returns the bytes sent."""
+    sends; each transfer names its receiver's group rank). Returns the bytes sent."""
     device = comm.device
     total = 0
 

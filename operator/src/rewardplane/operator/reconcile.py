@@ -134,26 +134,25 @@ class Reconciler:
             metrics.DURATION.observe(time.perf_counter() - started)
             metrics.RECONCILES.labels(trigger=trigger, result=result).inc()
 
+    def _remember(self, seen: dict[Key, object], key: Key, state: object | None) -> object:
+        """Keep ``state`` for ``key`` (None: gone); returns what was kept before (``...``: never seen)."""
+        with self._guard:
+            before = seen.get(key, ...)
+            if state is None:
+                seen.pop(key, None)
+            else:
+                seen[key] = state
+            return before
+
     def pod_state_changed(self, pod: Key, state: object | None) -> bool:
         """Remember what matters of a Pod (None: deleted); True when it differs from last time."""
-        with self._guard:
-            before = self._pod_states.get(pod, ...)
-            if state is None:
-                self._pod_states.pop(pod, None)
-            else:
-                self._pod_states[pod] = state
-            return before != state
+        return self._remember(self._pod_states, pod, state) != state
 
     def service_state_changed(self, service: Key, state: object | None) -> bool:
         """Remember a Service's ports and selector (None: deleted); True when they changed since
         they were last seen. The first sight is no change: every model is reconciled at start."""
-        with self._guard:
-            before = self._service_states.get(service, ...)
-            if state is None:
-                self._service_states.pop(service, None)
-            else:
-                self._service_states[service] = state
-            return before is not ... and before != state
+        before = self._remember(self._service_states, service, state)
+        return before is not ... and before != state
 
     def stale_pods(self, key: Key) -> set[str]:
         """Pods of the model that restarted onto older weights and wait for (or undergo) a restore."""

@@ -113,9 +113,7 @@ class RankSends:
                 sender=self.sender,
             )
         else:
-            sent = send_slices(
-                comm, self.metadata, self.mine, schedule, comm.first_sender, sender=self.sender
-            )
+            sent = send_slices(comm, self.metadata, self.mine, schedule, sender=self.sender)
         comm.max_flag(0)  # the leader reads its outcome
         return sent
 

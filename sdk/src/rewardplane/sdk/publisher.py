@@ -553,7 +553,7 @@ class RewardModelPublisher:
             )
         else:
             assert isinstance(self.comm, Communicator)  # a data plane has one group
-            total = send_slices(self.comm, metadata, tensors, schedule, self.src_rank) if agreed() else 0
+            total = send_slices(self.comm, metadata, tensors, schedule) if agreed() else 0
         if ready is None:  # some replica refused: nothing moved, the group is intact
             verdicts = dp.verdicts(seq, 10.0)
             if any(v.code == "unknown_layout" for v in verdicts.values()):
