@@ -1,24 +1,34 @@
-"""Scoring throughput on one GPU, measured in one run, as two ratios:
+"""Scoring throughput on one GPU, measured in one run, as three ratios:
 
-    server over HTTP (many concurrent clients)  ÷  vLLM offline (``LLM.classify``)   goal >= 0.9
+    server over HTTP (many concurrent clients)  ÷  vLLM offline (``LLM.classify``)   goal >= 0.95 (0.97 at 7b)
+    server over HTTP                            ÷  ``vllm serve`` over HTTP, same load  goal >= 1.0
     server over HTTP                            ÷  transformers, padded batches of 64  goal >= 2
 
 on the same token-id prompts (lengths uniform in [64, 1024], 2048 of them), for random-weight
-``LlamaForSequenceClassification`` models of ~0.4B and ~1.4B parameters.
+``LlamaForSequenceClassification`` models of ~0.4B, ~1.4B and ~7B (Llama-7B's shape) parameters.
 
 Every measurement runs in its own fresh process, one after the other on the same GPU (vLLM
-offline, then the reward server ``python -m rewardplane.server --engine vllm``, then
-transformers), so each has the GPU to itself. vLLM engines get identical settings (bf16, fp32
-head, LAST pooling, same memory fraction, same max length). Prefix caching stays on (the
-default) but no engine sees a prompt twice: the warm-up uses other prompts.
+offline, the reward server ``python -m rewardplane.server --engine vllm``, ``vllm serve
+--runner pooling``, then transformers), so each has the GPU to itself. vLLM engines get identical
+settings (bf16, fp32 head, LAST pooling, same memory fraction, same max length, no chunked
+prefill, and ``vllm serve`` the batch limits the offline engine picked, as the reward server
+does): the server ÷ ``vllm serve`` ratio compares the two HTTP front ends over one engine. Both
+servers get the same requests (token ids, ``/pooling`` for the reward server, ``/classify`` for
+``vllm serve``, raw scores) from the same client at the same concurrency. Prefix caching stays
+on (the default) but no engine sees a prompt twice: the warm-up uses other prompts, and each of
+the ``--rounds`` repeats of the headline measurement (default 3; the figures are medians) its
+own fresh prompt set, the same sets for every engine.
 
-Usage (GPU machine, vLLM importable, ``VLLM_USE_FLASHINFER_SAMPLER=0`` is set for you):
+Usage (GPU machine, vLLM importable, ``VLLM_USE_FLASHINFER_SAMPLER=0`` is set for you;
+``vllm serve`` also needs watchfiles, model-hosting-container-standards, jmespath, supervisor
+and prometheus-fastapi-instrumentator, which ``vllm.LLM`` does not):
 
-    python benchmarks/scoring_gpu.py                     # 0.4b and 1.4b (about 8-10 minutes)
+    python benchmarks/scoring_gpu.py                     # 0.4b, 1.4b and 7b (about 15-20 minutes)
     python benchmarks/scoring_gpu.py --sizes 1.4b        # one size per call fits a 10-minute limit
     python benchmarks/scoring_gpu.py --quick             # 0.4b, 512 prompts, --enforce-eager
 
-Prints a final table; writes ``scoring_gpu.json`` to ``$OUT`` (or ``--out``) when set.
+Prints a final table and each goal met or missed; writes ``scoring_gpu.json`` to ``$OUT`` (or
+``--out``) when set, with the card, vLLM's version, ``$RP_COMMIT`` and the date.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any, TypedDict
 
 SIZES: dict[str, dict[str, int]] = {
@@ -42,19 +53,29 @@ SIZES: dict[str, dict[str, int]] = {
     "0.4b": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864},
     # ~1.35B
     "1.4b": {"hidden": 2048, "layers": 24, "heads": 16, "kv_heads": 8, "intermediate": 6656},
+    # ~6.6B: Llama-7B's shape (multi-head attention, no grouped KV)
+    "7b": {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 32, "intermediate": 11008},
 }
 VOCAB = 32000
-GOAL_VS_OFFLINE = 0.9
+# Goals (issue #28): server ÷ offline per size (default for sizes not listed), server ÷ vllm serve,
+# server ÷ transformers.
+GOAL_VS_OFFLINE = {"0.4b": 0.95, "1.4b": 0.95, "7b": 0.97}
+GOAL_VS_OFFLINE_DEFAULT = 0.95
+GOAL_VS_SERVE = 1.0
 GOAL_VS_HF = 2.0
+SERVED_NAME = "reward-model"
 
 
 class Prompts(TypedDict):
-    """Token-id prompts (``prompts.json``): the measured set, the warm-up set, and one fresh set per
-    further ``--items-per-request`` value."""
+    """Token-id prompts (``prompts.json``): the measured set, the warm-up set, one fresh set per
+    further ``--items-per-request`` value, and one fresh set per further round (``--rounds``: the
+    headline measurement repeated on new prompts, since a repeated prompt would hit the prefix
+    cache)."""
 
     main: list[list[int]]
     warmup: list[list[int]]
     extra: list[list[list[int]]]
+    rounds: list[list[list[int]]]
 
 
 # ---- phases (each runs in a fresh process) ---------------------------------------------------
@@ -92,7 +113,7 @@ def phase_build(model_dir: Path, size: str, max_len: int) -> dict[str, Any]:
     params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    return {"params": params}
+    return {"params": params, "card": torch.cuda.get_device_name(0)}
 
 
 def vllm_kwargs(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -124,6 +145,11 @@ def phase_offline(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -
     t0 = time.perf_counter()
     llm = LLM(**vllm_kwargs(model_dir, args))
     startup = time.perf_counter() - t0
+    # the batch limits vLLM picked for offline use on this card: vllm serve gets the same ones
+    limits: dict[str, int] = {}
+    with contextlib.suppress(AttributeError):  # then vllm serve keeps its own defaults (recorded)
+        sched = llm.llm_engine.vllm_config.scheduler_config
+        limits = {"max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs}
 
     def run(batch: list[list[int]]) -> list[list[float]]:
         outs = llm.classify(
@@ -137,7 +163,21 @@ def phase_offline(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -
     t0 = time.perf_counter()
     scores = run(prompts["main"])
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "startup_s": startup, "scores": scores}
+    round_seconds = [seconds]
+    for more in prompts.get("rounds", []):
+        t0 = time.perf_counter()
+        run(more)
+        round_seconds.append(time.perf_counter() - t0)
+    import vllm
+
+    return {
+        "seconds": seconds,
+        "round_seconds": round_seconds,
+        "startup_s": startup,
+        "scores": scores,
+        "batch_limits": limits,
+        "vllm_version": vllm.__version__,
+    }
 
 
 def phase_hf(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> dict[str, Any]:
@@ -203,8 +243,19 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: 
     )
 
 
+class Target(TypedDict):
+    """What one HTTP server under test is sent: ``POST url+path`` with ``{"input": [ids...], **body}``;
+    each item's scores are ``data[i][field]``."""
+
+    name: str
+    url: str
+    path: str
+    body: dict[str, Any]
+    field: str
+
+
 async def drive(
-    url: str, prompts: list[list[int]], per_request: int, concurrency: int
+    target: Target, prompts: list[list[int]], per_request: int, concurrency: int
 ) -> tuple[float, list[list[float]]]:
     """Send every prompt in requests of ``per_request`` with at most ``concurrency`` in flight."""
     import httpx
@@ -214,16 +265,17 @@ async def drive(
     chunks = [prompts[i : i + per_request] for i in range(0, len(prompts), per_request)]
     results: list[list[list[float]]] = [[] for _ in chunks]
     sem = asyncio.Semaphore(concurrency)
+    endpoint, field = target["url"] + target["path"], target["field"]
     # The SDK's client: one httpx pool of 256 connections costs ~2x the client CPU per request
     # (benchmarks/http_client.py), which capped this benchmark rather than the server.
     async with ShardedAsyncClient(max_connections=concurrency, timeout=httpx.Timeout(600.0)) as client:
 
         async def one(i: int) -> None:
             async with sem:
-                r = await client.post(url + "/pooling", json={"input": chunks[i]})
+                r = await client.post(endpoint, json={"input": chunks[i], **target["body"]})
                 if r.status_code != 200:
-                    raise RuntimeError(f"/pooling answered {r.status_code}: {r.text[:500]}")
-                results[i] = [d["data"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+                    raise RuntimeError(f"{target['path']} answered {r.status_code}: {r.text[:500]}")
+                results[i] = [d[field] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(len(chunks))))
@@ -251,9 +303,8 @@ def process_cpu_s(root: int) -> dict[str, float]:
     return out
 
 
-def measure_server(model_dir: Path, prompts: Prompts, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+def server_cmd(model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
+    """The reward server on the vLLM engine."""
     cmd = [
         sys.executable,
         "-m",
@@ -273,23 +324,90 @@ def measure_server(model_dir: Path, prompts: Prompts, args: argparse.Namespace, 
     ]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
-    log = work / f"server-{port}.log"
+    return cmd
+
+
+def vllm_serve_cmd(model_dir: Path, port: int, args: argparse.Namespace, limits: dict[str, int]) -> list[str]:
+    """``vllm serve MODEL --runner pooling`` (vLLM's own CLI entry point) with the engine settings of
+    the reward server and the offline run: bf16, fp32 head, LAST pooling, the same memory fraction,
+    max length and batch limits, no chunked prefill."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        str(model_dir),
+        "--runner",
+        "pooling",
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(args.max_len),
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--hf-overrides",
+        json.dumps({"head_dtype": "float32"}),
+        "--pooler-config",
+        json.dumps({"pooling_type": "LAST"}),
+        "--served-model-name",
+        SERVED_NAME,
+        "--no-enable-chunked-prefill",
+        "--disable-log-stats",
+        "--disable-uvicorn-access-log",
+        "--uvicorn-log-level",
+        "warning",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    for key, value in limits.items():  # max_num_batched_tokens, max_num_seqs
+        cmd += ["--" + key.replace("_", "-"), str(value)]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    return cmd
+
+
+def measure_http(
+    kind: str,
+    model_dir: Path,
+    prompts: Prompts,
+    args: argparse.Namespace,
+    work: Path,
+    limits: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """Start one HTTP server (``kind``: "server", the reward server, or "vllm-serve"), warm it up, and
+    score the prompts at each request size (``vllm serve``: the headline size only)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    target: Target
+    if kind == "server":
+        cmd = server_cmd(model_dir, port, args)
+        target = {"name": kind, "url": url, "path": "/pooling", "body": {}, "field": "data"}
+        sizes = args.items_per_request_list
+    else:
+        cmd = vllm_serve_cmd(model_dir, port, args, limits or {})
+        # raw scores (use_activation off), as the reward server and the offline run return them
+        body = {"model": SERVED_NAME, "use_activation": False}
+        target = {"name": kind, "url": url, "path": "/classify", "body": body, "field": "probs"}
+        sizes = args.items_per_request_list[:1]
+    log = work / f"{kind}-{port}.log"
     t0 = time.perf_counter()
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
     def bounded(prompts_: list[list[int]], per_request: int) -> tuple[float, list[list[float]]]:
         return asyncio.run(
-            asyncio.wait_for(drive(url, prompts_, per_request, args.concurrency), args.phase_timeout)
+            asyncio.wait_for(drive(target, prompts_, per_request, args.concurrency), args.phase_timeout)
         )
 
     try:
         wait_healthy(url, proc, log, args.phase_timeout)
         startup = time.perf_counter() - t0
-        bounded(prompts["warmup"], args.items_per_request_list[0])
-        out: dict[str, Any] = {"startup_s": startup, "runs": {}}
+        bounded(prompts["warmup"], sizes[0])
+        out: dict[str, Any] = {"startup_s": startup, "runs": {}, "command": cmd[1:]}
         # Each request size gets its own prompts' worth of fresh work: reuse would hit the prefix cache.
-        for k, per_request in enumerate(args.items_per_request_list):
+        for k, per_request in enumerate(sizes):
             main = prompts["main"] if k == 0 else prompts["extra"][k - 1]
             before, client_before = process_cpu_s(proc.pid), time.process_time()
             seconds, scores = bounded(main, per_request)
@@ -299,8 +417,12 @@ def measure_server(model_dir: Path, prompts: Prompts, args: argparse.Namespace, 
                 name: round((after[name] - before[name]) / seconds, 3) for name in after if name in before
             }
             busy["client (this process)"] = round((client_after - client_before) / seconds, 3)
+            round_seconds = [seconds]
+            if k == 0:  # the headline request size: the further rounds too
+                round_seconds += [bounded(more, per_request)[0] for more in prompts.get("rounds", [])]
             out["runs"][per_request] = {
                 "seconds": seconds,
+                "round_seconds": round_seconds,
                 "scores": scores if k == 0 else None,
                 "tokens": sum(map(len, main)),
                 "prompts": len(main),
@@ -308,15 +430,16 @@ def measure_server(model_dir: Path, prompts: Prompts, args: argparse.Namespace, 
             }
         return out
     except Exception as exc:
-        # The server and its engine core print every thread's stack on SIGUSR1: see where it waits.
-        if proc.poll() is None:
+        # The reward server and its engine core print every thread's stack on SIGUSR1: see where it
+        # waits (vllm serve installs no such handler).
+        if proc.poll() is None and kind == "server":
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGUSR1)
             time.sleep(3)
-        else:
-            print(f"the server exited with {proc.returncode}", flush=True)
+        elif proc.poll() is not None:
+            print(f"the {kind} process exited with {proc.returncode}", flush=True)
         raise RuntimeError(
-            f"the server phase failed ({type(exc).__name__}: {exc!r}); server log {log}:\n"
+            f"the {kind} phase failed ({type(exc).__name__}: {exc!r}); server log {log}:\n"
             f"{log.read_text(errors='replace')[-12000:]}"
         ) from exc
     finally:
@@ -396,18 +519,53 @@ def max_abs(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
 
-def bench_size(size: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+def wait_gpu_free(timeout_s: float = 60.0, below_mib: int = 2048) -> None:
+    """Until the GPUs of this run use less than ``below_mib`` (a killed server's memory can linger a
+    moment, and a vLLM engine starting then refuses: less free memory than its fraction)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+    if visible and all(x.strip().isdigit() for x in visible.split(",")):
+        query += ["-i", visible]
+    deadline = time.monotonic() + timeout_s
+    used: list[int] = []
+    while time.monotonic() < deadline:
+        try:
+            out = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout
+            used = [int(x) for x in out.split()]
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return  # no nvidia-smi: nothing to wait on
+        if all(u < below_mib for u in used):
+            return
+        time.sleep(1.0)
+    print(f"warning: GPU memory still in use after {timeout_s:.0f}s: {used} MiB", flush=True)
+
+
+def goal_vs_offline(size: str) -> float:
+    return GOAL_VS_OFFLINE.get(size, GOAL_VS_OFFLINE_DEFAULT)
+
+
+def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, Any]) -> dict[str, Any]:
     work = root / size
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / "model"
-    print(f"[{size}] building a random-weight model in {model_dir}", flush=True)
-    built = run_phase("build", model_dir, work, args, ["--size", size])
+    built_file = work / "build.json"
+    if args.reuse_models and built_file.exists() and (model_dir / "config.json").exists():
+        built = json.loads(built_file.read_text())  # a model this script built earlier on this machine
+        print(f"[{size}] reusing the model in {model_dir}", flush=True)
+    else:
+        print(f"[{size}] building a random-weight model in {model_dir}", flush=True)
+        built = run_phase("build", model_dir, work, args, ["--size", size])  # writes build.json
+    meta.setdefault("card", built.get("card"))
     n_extra = len(args.items_per_request_list) - 1
     prompts: Prompts = {
         "main": make_prompts(args.prompts, args.min_len, args.max_len, seed=1),
         "warmup": make_prompts(64, args.min_len, args.max_len, seed=2),
         "extra": [
             make_prompts(args.prompts, args.min_len, args.max_len, seed=10 + i) for i in range(n_extra)
+        ],
+        "rounds": [
+            make_prompts(args.prompts, args.min_len, args.max_len, seed=100 + i)
+            for i in range(args.rounds - 1)
         ],
     }
     (work / "prompts.json").write_text(json.dumps(prompts))
@@ -416,34 +574,68 @@ def bench_size(size: str, args: argparse.Namespace, root: Path) -> dict[str, Any
         f"[{size}] {built['params'] / 1e9:.2f}B params; {args.prompts} prompts, {tokens} tokens", flush=True
     )
 
+    wait_gpu_free()
     offline = run_phase("offline", model_dir, work, args)
+    meta.setdefault("vllm", offline.get("vllm_version"))
     print(
-        f"[{size}] vLLM offline: {tokens / offline['seconds']:,.0f} tok/s (startup {offline['startup_s']:.0f}s)",
+        f"[{size}] vLLM offline: {tokens / offline['seconds']:,.0f} tok/s (startup {offline['startup_s']:.0f}s; "
+        f"batch limits {offline['batch_limits']})",
         flush=True,
     )
-    server = measure_server(model_dir, prompts, args, work)
+    wait_gpu_free()
+    server = measure_http("server", model_dir, prompts, args, work)
     primary = server["runs"][args.items_per_request_list[0]]
     print(
         f"[{size}] server HTTP: {tokens / primary['seconds']:,.0f} tok/s (startup {server['startup_s']:.0f}s); "
         f"CPU busy: {primary['cpu_busy']}",
         flush=True,
     )
-    hf = None if args.skip_hf else run_phase("hf", model_dir, work, args)
-    if hf is not None:
+    serve_run: dict[str, Any] | None = None
+    serve: dict[str, Any] | None = None
+    serve_error = None
+    if not args.skip_vllm_serve:
+        wait_gpu_free()
+        try:
+            serve = measure_http("vllm-serve", model_dir, prompts, args, work, limits=offline["batch_limits"])
+        except Exception as exc:  # keep the offline and server figures of this size
+            serve_error = str(exc)[-2000:]
+            print(f"[{size}] vllm serve FAILED: {serve_error}", flush=True)
+        else:
+            serve_run = serve["runs"][args.items_per_request_list[0]]
+            print(
+                f"[{size}] vllm serve HTTP: {tokens / serve_run['seconds']:,.0f} tok/s "
+                f"(startup {serve['startup_s']:.0f}s); CPU busy: {serve_run['cpu_busy']}",
+                flush=True,
+            )
+    hf = None
+    if not args.skip_hf and size in args.hf_sizes.split(","):
+        wait_gpu_free()
+        hf = run_phase("hf", model_dir, work, args)
         print(f"[{size}] transformers padded: {tokens / hf['seconds']:,.0f} tok/s", flush=True)
 
+    # per round (fresh prompts each): tokens/s of each engine and the ratios; the medians are the figures
+    round_tokens = [tokens] + [sum(map(len, r)) for r in prompts["rounds"]]
+    off_s, srv_s = offline["round_seconds"], primary["round_seconds"]
     row: dict[str, Any] = {
         "size": size,
+        "rounds": len(round_tokens),
+        "round_tokens": round_tokens,
+        "offline_round_s": off_s,
+        "server_round_s": srv_s,
+        "server_vs_offline_rounds": [o / v for o, v in zip(off_s, srv_s, strict=True)],
         "params": built["params"],
+        "shape": SIZES[size],
         "prompts": args.prompts,
         "tokens": tokens,
-        "offline_tok_s": tokens / offline["seconds"],
+        "offline_tok_s": median(t / x for t, x in zip(round_tokens, off_s, strict=True)),
         "offline_s": offline["seconds"],
-        "server_tok_s": tokens / primary["seconds"],
+        "offline_batch_limits": offline["batch_limits"],
+        "server_tok_s": median(t / x for t, x in zip(round_tokens, srv_s, strict=True)),
         "server_s": primary["seconds"],
         "items_per_request": args.items_per_request_list[0],
         "concurrency": args.concurrency,
-        "server_vs_offline": offline["seconds"] / primary["seconds"],
+        "server_vs_offline": median(o / v for o, v in zip(off_s, srv_s, strict=True)),
+        "goal_server_vs_offline": goal_vs_offline(size),
         "server_vs_offline_max_abs_diff": max_abs(primary["scores"], offline["scores"]),
         "server_cpu_busy": primary["cpu_busy"],
         "other_request_sizes": {
@@ -455,16 +647,57 @@ def bench_size(size: str, args: argparse.Namespace, root: Path) -> dict[str, Any
         },
         "startup_s": {"offline": offline["startup_s"], "server": server["startup_s"]},
     }
+    if serve_error is not None:
+        row["vllm_serve_error"] = serve_error
+    if serve is not None and serve_run is not None:
+        row["startup_s"]["vllm_serve"] = serve["startup_s"]
+        vs_s = serve_run["round_seconds"]
+        row.update(
+            {
+                "vllm_serve_round_s": vs_s,
+                "server_vs_vllm_serve_rounds": [v / x for v, x in zip(vs_s, srv_s, strict=True)],
+                "vllm_serve_tok_s": median(t / x for t, x in zip(round_tokens, vs_s, strict=True)),
+                "vllm_serve_s": serve_run["seconds"],
+                "vllm_serve_vs_offline": median(o / v for o, v in zip(off_s, vs_s, strict=True)),
+                "server_vs_vllm_serve": median(v / x for v, x in zip(vs_s, srv_s, strict=True)),
+                "goal_server_vs_vllm_serve": GOAL_VS_SERVE,
+                "vllm_serve_vs_offline_max_abs_diff": max_abs(serve_run["scores"], offline["scores"]),
+                "vllm_serve_cpu_busy": serve_run["cpu_busy"],
+                "vllm_serve_command": serve["command"],
+            }
+        )
     if hf is not None:
         row.update(
             {
                 "hf_tok_s": tokens / hf["seconds"],
                 "hf_s": hf["seconds"],
                 "server_vs_hf": hf["seconds"] / primary["seconds"],
+                "goal_server_vs_hf": GOAL_VS_HF,
                 "hf_vs_offline_max_abs_diff": max_abs(hf["scores"], offline["scores"]),
             }
         )
     return row
+
+
+def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each goal of each size: the figure, the bound and whether it was met (a goal whose
+    measurement did not run is left out)."""
+    out: list[dict[str, Any]] = []
+    for r in rows:
+        for what, key, bound in (
+            ("server / vLLM offline", "server_vs_offline", r["goal_server_vs_offline"]),
+            ("server / vllm serve", "server_vs_vllm_serve", GOAL_VS_SERVE),
+            ("server / transformers", "server_vs_hf", GOAL_VS_HF),
+        ):
+            if key in r:
+                out.append(
+                    {"size": r["size"], "goal": what, "value": r[key], "bound": bound, "met": r[key] >= bound}
+                )
+    return out
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
@@ -473,30 +706,46 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         f"prompts {args.prompts}, lengths U[{args.min_len}, {args.max_len}], HTTP: {args.concurrency} in flight, "
         f"{args.items_per_request_list[0]} prompts/request; transformers: batches of {args.hf_batch}, padded"
         + (", enforce_eager" if args.enforce_eager else "")
+        + f"; medians of {args.rounds} round(s) on fresh prompts (transformers: round 1)"
     )
-    head = f"{'model':>6} {'params':>7} {'offline':>10} {'server':>10} {'hf':>10} {'srv/off':>8} {'goal':>5} {'srv/hf':>7} {'goal':>5} {'|srv-off|':>9}"
-    print(head)
+    print(
+        f"{'model':>6} {'params':>7} {'offline':>10} {'server':>10} {'vllm serve':>10} {'hf':>10} "
+        f"{'srv/off':>8} {'srv/serve':>9} {'serve/off':>9} {'srv/hf':>7} {'|srv-off|':>9} {'|serve-off|':>11}"
+    )
     for r in rows:
-        hf = r.get("hf_tok_s")
-        vs_hf = r.get("server_vs_hf")
         print(
             f"{r['size']:>6} {r['params'] / 1e9:>6.2f}B {r['offline_tok_s']:>10,.0f} {r['server_tok_s']:>10,.0f} "
-            f"{(f'{hf:,.0f}' if hf else '-'):>10} {r['server_vs_offline']:>8.3f} "
-            f"{('ok' if r['server_vs_offline'] >= GOAL_VS_OFFLINE else 'MISS'):>5} "
-            f"{(f'{vs_hf:.2f}' if vs_hf else '-'):>7} "
-            f"{(('ok' if vs_hf >= GOAL_VS_HF else 'MISS') if vs_hf else '-'):>5} "
-            f"{r['server_vs_offline_max_abs_diff']:>9.4f}"
+            f"{fmt(r.get('vllm_serve_tok_s'), ',.0f'):>10} {fmt(r.get('hf_tok_s'), ',.0f'):>10} "
+            f"{r['server_vs_offline']:>8.3f} {fmt(r.get('server_vs_vllm_serve'), '.3f'):>9} "
+            f"{fmt(r.get('vllm_serve_vs_offline'), '.3f'):>9} {fmt(r.get('server_vs_hf'), '.2f'):>7} "
+            f"{r['server_vs_offline_max_abs_diff']:>9.4f} {fmt(r.get('vllm_serve_vs_offline_max_abs_diff'), '.4f'):>11}"
         )
+        rounds = " ".join(f"{x:.3f}" for x in r["server_vs_offline_rounds"])
+        print(f"{'':>6} rounds: server/offline {rounds}", end="")
+        if "server_vs_vllm_serve_rounds" in r:
+            print(
+                "; server/vllm serve " + " ".join(f"{x:.3f}" for x in r["server_vs_vllm_serve_rounds"]),
+                end="",
+            )
+        print()
         for k, v in r["other_request_sizes"].items():
             print(
                 f"{'':>6} {'':>7} server with {k} prompt(s)/request: {v['tok_s']:,.0f} tok/s = {v['vs_offline']:.3f} x offline"
             )
-    print(f"goals: server/offline >= {GOAL_VS_OFFLINE}, server/hf >= {GOAL_VS_HF}")
+        print(
+            f"{'':>6} CPU busy (CPU s / wall s): server {r['server_cpu_busy']}"
+            + (f"; vllm serve {r['vllm_serve_cpu_busy']}" if "vllm_serve_cpu_busy" in r else "")
+        )
+    print("goals:")
+    for g in goals(rows):
+        print(
+            f"  {g['size']:>5} {g['goal']:<22} {g['value']:.3f} (goal >= {g['bound']}): {'met' if g['met'] else 'MISSED'}"
+        )
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="0.4b,1.4b", help=f"comma list of {sorted(SIZES)}")
+    p.add_argument("--sizes", default="0.4b,1.4b,7b", help=f"comma list of {sorted(SIZES)}")
     p.add_argument("--quick", action="store_true", help="0.4b only, 512 prompts, --enforce-eager")
     p.add_argument("--prompts", type=int, default=2048)
     p.add_argument("--min-len", type=int, default=64)
@@ -507,14 +756,28 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--items-per-request",
         default="8",
-        help="prompts per HTTP request; a comma list measures each (the first is the headline)",
+        help="prompts per HTTP request; a comma list measures each with the reward server (the first is "
+        "the headline, and the only one sent to vllm serve)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="the headline measurement on this many fresh prompt sets per engine (figures: medians)",
     )
     p.add_argument("--hf-batch", type=int, default=64)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument(
         "--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (faster start)"
     )
-    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-hf", action="store_true", help="no transformers phase")
+    p.add_argument(
+        "--hf-sizes", default="0.4b,1.4b", help="sizes that get the transformers phase (default: 0.4b,1.4b)"
+    )
+    p.add_argument("--skip-vllm-serve", action="store_true", help="no vllm serve phase")
+    p.add_argument(
+        "--reuse-models", action="store_true", help="use a model built earlier in --workdir (same size)"
+    )
     p.add_argument("--phase-timeout", type=float, default=900.0, help="bound on each phase (s)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/rp-scoring-bench"))
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
@@ -530,6 +793,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
     return args
+
+
+def write_result(rows: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.out is None:
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "scoring_gpu.json").write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "rows": rows,
+                "goals": goals(rows),
+                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            },
+            indent=2,
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -549,22 +829,21 @@ def main(argv: list[str] | None = None) -> int:
         (work / f"{args.phase}.json").write_text(json.dumps(out))
         return 0
     args.workdir.mkdir(parents=True, exist_ok=True)
-    rows = []
+    meta: dict[str, Any] = {
+        "commit": os.environ.get("RP_COMMIT"),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0"),
+    }
+    rows: list[dict[str, Any]] = []
     for size in args.sizes.split(","):
-        rows.append(bench_size(size, args, args.workdir))
+        try:
+            rows.append(bench_size(size, args, args.workdir, meta))
+        except Exception as exc:  # keep the sizes measured so far
+            print(f"[{size}] FAILED: {exc}", flush=True)
+            meta.setdefault("failed", {})[size] = str(exc)[-2000:]
         print_table(rows, args)  # after each size, in case a later one runs out of time
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "scoring_gpu.json").write_text(
-            json.dumps(
-                {
-                    "rows": rows,
-                    "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                },
-                indent=2,
-            )
-        )
-    return 0
+        write_result(rows, meta, args)
+    return 1 if meta.get("failed") else 0
 
 
 if __name__ == "__main__":
