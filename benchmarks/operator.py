@@ -187,7 +187,7 @@ def timer_reconciles(metrics_port: int) -> float:
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
     return sum(
         v
-        for labels, v in _samples(text, "rewardplane_operator_reconciles_total")
+        for labels, v in _samples(text, "rewardplane:operator_reconciles_total")
         if labels["trigger"] == "timer"
     )
 
@@ -235,8 +235,8 @@ def reconcile_stats(metrics_port: int) -> dict[str, float]:
     values: dict[str, float] = {}
     for line in text.splitlines():
         for key in (
-            "rewardplane_operator_reconcile_duration_seconds_sum",
-            "rewardplane_operator_reconcile_duration_seconds_count",
+            "rewardplane:operator_reconcile_duration_seconds_sum",
+            "rewardplane:operator_reconcile_duration_seconds_count",
         ):
             if line.startswith(key + " "):
                 values[key.rsplit("_", 1)[1]] = float(line.split()[1])

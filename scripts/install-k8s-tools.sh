@@ -221,13 +221,15 @@ fi
 # 4. The real node's runtime, all from Debian: containerd 1.6 + runc, the CNI plugins (bridge,
 #    host-local, portmap, loopback), iptables/iproute2/conntrack for kube-proxy, and what
 #    scripts/build-images.sh needs (docker.io to build, debootstrap for the base image, a C
-#    compiler for the static pause binary). Debian enables services on install; nothing here
-#    relies on them (the node runs its own containerd, the image build its own dockerd).
+#    compiler for the static pause binary), and prometheus, which the e2e suite scrapes the node's
+#    reward servers and operator with (tests/e2e/prometheus.py). Debian enables services on
+#    install; nothing here relies on them (the node runs its own containerd, the image build its
+#    own dockerd, the e2e suite its own prometheus).
 # ---------------------------------------------------------------------------------------------
 if [[ "${REWARDPLANE_NODE:-1}" != "0" ]]; then
   apt_install containerd runc containernetworking-plugins iptables iproute2 conntrack \
-    docker.io debootstrap gcc libc6-dev
-  for svc in containerd docker; do $SUDO systemctl disable --now "$svc" >/dev/null 2>&1 || true; done
+    docker.io debootstrap gcc libc6-dev prometheus
+  for svc in containerd docker prometheus; do $SUDO systemctl disable --now "$svc" >/dev/null 2>&1 || true; done
   log "node runtime: containerd $(containerd --version 2>/dev/null | awk '{print $3}'), runc, CNI plugins, docker.io"
 fi
 

@@ -16,5 +16,6 @@ fi
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports
 .venv/bin/mypy
+.venv/bin/python scripts/dashboard.py --check  # the chart's Grafana dashboard, generated
 export PATH="${REWARDPLANE_CACHE:-$HOME/.cache/rewardplane}/bin:$PATH"
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -489,6 +489,90 @@ def test_two_trainer_pods_push_their_halves(real_cluster: RealCluster) -> None:
         c.core.delete_namespaced_pod(f"e2e-sharded-{r}", NS, grace_period_seconds=0)
 
 
+def _container_port(pod: Any, name: str) -> int:
+    return next(p.container_port for p in pod.spec.containers[0].ports if p.name == name)
+
+
+def test_prometheus_sees_a_push_and_every_dashboard_panel_has_data(
+    real_cluster: RealCluster, tmp_path: Path
+) -> None:
+    # Debian's prometheus on the host scrapes both replicas and the operator (tests/e2e/prometheus.py).
+    # After a push, PromQL shows every replica moving to the pushed version, and every query of
+    # the chart's Grafana dashboard returns data. `rewardplane push --timeline`'s picture is
+    # drawn from the same push.
+    import torch
+    from PIL import Image
+
+    from rewardplane.sdk import RewardModelTrainingMode
+    from rewardplane.sdk.cli import write_timeline
+    from tests.e2e.prometheus import Prometheus, Target
+    from tests.fixtures.dashboard import as_prometheus_runs_it, panel_queries
+
+    c = real_cluster
+    wait_for("2 ready replicas", lambda: ready_at(c, 2), READY_TIMEOUT_S, 2)
+    pods = sorted(model_pods(c), key=lambda p: p.metadata.name)
+    servers = [
+        Target(
+            f"{p.status.pod_ip}:{_container_port(p, 'http')}",
+            # as the chart's PodMonitor labels them (the dashboard's queries group by these)
+            {
+                "rewardmodel": RM,
+                "replica": p.metadata.labels["rewardplane.io/replica"],
+                "pod": p.metadata.name,
+            },
+        )
+        for p in pods
+    ]
+    op = operator_pod(c)
+    assert op is not None
+    jobs = {
+        "reward-servers": servers,
+        "operator": [Target(f"{op.status.pod_ip}:{_container_port(op, 'metrics')}", {})],
+    }
+    with Prometheus(tmp_path / "prometheus", jobs) as prom:
+        wait_for(
+            "every target scraped",
+            lambda: (up := prom.targets_up()) and len(up) == 3 and all(up.values()),
+            60,
+        )
+        model, tok = load_model(S.model_dir)
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(5)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+        version = S.version + 1
+        with handle(c) as rm:
+            rm.client().score_batch(TEXTS, normalize=False)
+            result = rm.push_weights(model.state_dict(), version, RewardModelTrainingMode.FULL, timeout_s=120)
+            S.version, S.expected = version, scores_of(model, tok, TEXTS)
+            assert_scores(rm.client().score_batch(TEXTS, normalize=False), S.expected)
+            write_timeline(rm, result, tmp_path / "push.png")
+
+        selector = f'{{rewardmodel="{RM}"}}'
+
+        def pushed() -> list[dict[str, Any]] | None:
+            moved = prom.query(f"changes(rewardplane:weights_version{selector}[10m]) > 0")
+            now = prom.query(f"rewardplane:weights_version{selector} == {version}")
+            return now if len(moved) == 2 and len(now) == 2 else None
+
+        now = wait_for(f"PromQL to show both replicas moving to version {version}", pushed, 60, 1)
+        assert {r["metric"]["pod"] for r in now} == {p.metadata.name for p in pods}
+        phases = prom.query(f"sum by (phase) (rewardplane:weight_push_phase_seconds_count{selector})")
+        assert {r["metric"]["phase"] for r in phases} == {"queue", "wait_lock", "receive", "commit"}
+
+        missing = panel_queries()
+        deadline = time.monotonic() + 90  # rates need two scrapes of a series inside their window
+        while missing and time.monotonic() < deadline:
+            missing = [(title, q) for title, q in missing if not prom.query(as_prometheus_runs_it(q))]
+            if missing:
+                time.sleep(2)
+        assert not missing, f"dashboard queries that return no data: {missing}\n{prom.log()[-2000:]}"
+
+    with Image.open(tmp_path / "push.png") as img:
+        assert img.format == "PNG"
+        assert img.info["Description"] == "replicas: " + ", ".join(p.metadata.name for p in pods)
+
+
 def test_killed_container_is_restarted_and_restored(real_cluster: RealCluster) -> None:
     c = real_cluster
     pod = sorted(model_pods(c), key=lambda p: p.metadata.name)[0]

@@ -264,8 +264,11 @@ def test_a_model_without_an_image_waits_degraded_when_the_operator_has_no_defaul
 
 
 def test_operator_metrics(operator: OperatorProcess) -> None:
-    text = httpx.get(f"http://127.0.0.1:{operator.metrics_port}/metrics", timeout=5).text
-    assert "rewardplane_operator_reconcile_duration_seconds" in text
+    # asked as Prometheus asks (OpenMetrics first): the names keep their ':' all the same
+    accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
+    r = httpx.get(f"http://127.0.0.1:{operator.metrics_port}/metrics", headers={"Accept": accept}, timeout=5)
+    for name in ("rewardplane:operator_reconcile_duration_seconds_count", "rewardplane:operator_queue_depth"):
+        assert f"\n{name} " in r.text, name
 
 
 @pytest.mark.slow

@@ -116,7 +116,7 @@ def test_concurrent_clients_get_their_own_scores(one_label, tiny_model_dir):
     counts = {
         line.split("le=")[1].split("}")[0].strip('"'): float(line.rsplit(" ", 1)[1])
         for line in metrics.splitlines()
-        if line.startswith("rewardplane_batch_items_bucket")
+        if line.startswith("rewardplane:batch_items_bucket")
     }
     assert counts["1.0"] < counts["+Inf"], "every micro-batch held a single item: no dynamic batching"
 
@@ -157,12 +157,16 @@ def test_metrics_exposed(one_label):
     httpx.post(f"{one_label.url}/score", json={"input": ["a"]})
     text = httpx.get(f"{one_label.url}/metrics").text
     for name in (
-        "rewardplane_requests_total",
-        "rewardplane_request_seconds",
-        "rewardplane_batch_items",
-        "rewardplane_prompt_tokens_total",
-        "rewardplane_errors_total",
-        "rewardplane_weights_version",
+        "rewardplane:requests_total",
+        "rewardplane:e2e_request_latency_seconds",
+        "rewardplane:batch_items",
+        "rewardplane:prompt_tokens_total",
+        "rewardplane:request_errors_total",
+        "rewardplane:weights_version",
+        'rewardplane:engine_sleep_state{sleep_state="awake"} 1.0',
+        "rewardplane:num_requests_running 0.0",
+        "rewardplane:num_requests_waiting 0.0",
+        "rewardplane:request_queue_time_seconds_count",
     ):
         assert name in text, name
 

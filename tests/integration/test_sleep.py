@@ -180,7 +180,7 @@ def test_sleep_waits_for_scoring_in_flight(server_factory, tiny_model_dir):
     deadline = time.monotonic() + 60
     while (
         time.monotonic() < deadline
-        and "rewardplane_batch_items_count 0.0" in httpx.get(f"{server.url}/metrics", timeout=10).text
+        and "rewardplane:batch_items_count 0.0" in httpx.get(f"{server.url}/metrics", timeout=10).text
     ):
         time.sleep(0.02)
     asleep = post(server, "/sleep", {"level": 1})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -441,6 +442,17 @@ def test_the_crd_names_no_image_and_the_chart_gives_the_operator_its_own(helm: s
     assert "--default-server-image=localhost/rewardplane/reward-server:0.1.0-local" in _operator_args(local)
     none = _operator_args(_template(helm, "serverImage.repository="))
     assert not [a for a in none if a.startswith("--default-server-image")]
+
+
+def test_the_grafana_dashboard_is_off_by_default_and_ships_in_a_configmap(helm: str) -> None:
+    assert "ConfigMap" not in {d["kind"] for d in _template(helm)}
+    docs = _template(helm, "dashboards.enabled=true", "dashboards.namespace=monitoring")
+    [cm] = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert (
+        cm["metadata"]["namespace"] == "monitoring" and cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    )
+    board = (CHART / "dashboards" / "rewardplane.json").read_text()
+    assert json.loads(cm["data"]["rewardplane.json"]) == json.loads(board)
 
 
 def test_prometheus_monitors_are_off_by_default_and_scrape_the_metrics_ports(helm: str) -> None:

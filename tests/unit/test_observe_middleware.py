@@ -44,10 +44,10 @@ def test_counts_latency_and_turns_errors_into_500() -> None:
     assert first.status_code == 201 and again.status_code == 201  # still serving after the error
     assert failed.status_code == 500
     assert "internal server error" in failed.json()["error"]
-    assert _sample(metrics, "rewardplane_requests_total", endpoint="/ok", status="201") == 2
-    assert _sample(metrics, "rewardplane_requests_total", endpoint="/boom", status="500") == 1
-    assert _sample(metrics, "rewardplane_errors_total", endpoint="/boom", kind="internal") == 1
-    assert _sample(metrics, "rewardplane_request_seconds_count", endpoint="/ok") == 2
+    assert _sample(metrics, "rewardplane:requests_total", endpoint="/ok", status="201") == 2
+    assert _sample(metrics, "rewardplane:requests_total", endpoint="/boom", status="500") == 1
+    assert _sample(metrics, "rewardplane:request_errors_total", endpoint="/boom", kind="internal") == 1
+    assert _sample(metrics, "rewardplane:e2e_request_latency_seconds_count", endpoint="/ok") == 2
 
 
 def test_unknown_paths_share_one_label() -> None:
@@ -60,5 +60,5 @@ def test_unknown_paths_share_one_label() -> None:
                 assert (await client.get(f"/scan/{i}")).status_code == 404
 
     asyncio.run(run())
-    assert _sample(metrics, "rewardplane_requests_total", endpoint="<unmatched>", status="404") == 50
-    assert _sample(metrics, "rewardplane_requests_total", endpoint="/scan/0", status="404") == 0
+    assert _sample(metrics, "rewardplane:requests_total", endpoint="<unmatched>", status="404") == 50
+    assert _sample(metrics, "rewardplane:requests_total", endpoint="/scan/0", status="404") == 0

@@ -20,6 +20,7 @@ from rewardplane.api.names import FINALIZER, GROUP, LABEL_MODEL, VERSION, WS_PLU
 from rewardplane.api.names import RM_PLURAL as PLURAL
 from rewardplane.protocol import settings
 
+from . import metrics
 from .cluster import NETWORK_POLICIES, SECRETS, SERVICES, IndexedCluster, plain, summary
 from .planning import NodeInfo, node_info
 from .status import watched_state
@@ -155,7 +156,13 @@ async def resync(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     # On threads of their own: at 1000 models the resyncs filled kopf's executor and a new model's
     # first reconcile queued behind hundreds of them (apply → Pods over 30 s, benchmarks/README.md).
     # When they cannot keep up, each model's next tick simply comes later.
-    await asyncio.wrap_future(_RESYNC_POOL.submit(memo.reconciler.request, _key(body), "timer"))
+    metrics.QUEUE_DEPTH.inc()  # until a resync thread takes it
+    await asyncio.wrap_future(_RESYNC_POOL.submit(_resync_now, memo.reconciler, _key(body)))
+
+
+def _resync_now(reconciler: Any, key: tuple[str, str]) -> None:
+    metrics.QUEUE_DEPTH.dec()
+    reconciler.request(key, "timer")
 
 
 @kopf.on.delete(*RESOURCE, id="cleanup")

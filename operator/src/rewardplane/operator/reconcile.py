@@ -98,7 +98,7 @@ class Reconciler:
             later=later,
         )
         self._guard = threading.Lock()
-        self._coalesce: Coalescer[Key] = Coalescer()
+        self._coalesce: Coalescer[Key] = Coalescer(on_waiting=metrics.QUEUE_DEPTH.inc)
         self._pod_states: dict[Key, object] = {}
         self._service_states: dict[Key, object] = {}
         self._stale: dict[Key, set[str]] = {}

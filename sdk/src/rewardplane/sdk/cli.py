@@ -3,6 +3,7 @@
     rewardplane status NAME [-n NS]
     rewardplane score NAME TEXT... [-n NS] [--raw | --normalize]
     rewardplane push NAME --from CHECKPOINT --version N [--mode {head_only,lora,full}] [-n NS]
+                     [--timeline PUSH.png]
 
 Credentials: ``--kubeconfig``, else in-cluster, else ``$KUBECONFIG`` / ``~/.kube/config``. Pushing
 reads the control-plane token from ``REWARDPLANE_TOKEN`` or the model's Secret.
@@ -76,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole push (default 600)")
     push.add_argument("--trainer-host", default=None, help="this machine's address as the replicas reach it")
     push.add_argument("--bucket-bytes", type=int, default=None)
+    push.add_argument(
+        "--timeline",
+        type=Path,
+        default=None,
+        metavar="PNG",
+        help="write the push's per-replica timeline (its phases on each replica) as a PNG; needs "
+        "matplotlib (pip install 'rewardplane[plot]')",
+    )
     return p
 
 
@@ -185,11 +194,32 @@ def cmd_push(args: argparse.Namespace) -> int:
         mode = push_mode(handle.get().get("spec") or {}, args.mode)
         params = load_checkpoint(args.checkpoint, mode)
         result = handle.push_weights(params, args.version, mode, **kwargs)
-    print(
-        f"pushed version {result.version} ({result.training_mode}, {result.bytes} bytes) to {result.replicas} "
-        f"replica(s) in {result.duration_s:.2f}s (transfer {result.transfer_s:.2f}s)"
-    )
+        print(
+            f"pushed version {result.version} ({result.training_mode}, {result.bytes} bytes) to "
+            f"{result.replicas} replica(s) in {result.duration_s:.2f}s (transfer {result.transfer_s:.2f}s)"
+        )
+        if args.timeline is not None:
+            write_timeline(handle, result, args.timeline)
     return 0
+
+
+def write_timeline(handle: Any, result: Any, path: Path) -> None:
+    """``result``'s per-replica timeline, read from each replica the push reached, as a PNG."""
+    import httpx
+
+    from .timeline import replica_timelines, write_png
+
+    headers = {"Authorization": f"Bearer {handle.token()}"}
+
+    def get(url: str) -> dict[str, Any]:
+        r = httpx.get(url, headers=headers, timeout=10)
+        r.raise_for_status()
+        return dict(r.json())
+
+    replicas = (result.weightsync.get("status") or {}).get("replicas") or []
+    timelines = replica_timelines(replicas, result.version, get)
+    write_png(path, timelines, f"{handle.name}: push of version {result.version} ({result.training_mode})")
+    print(f"wrote the push's timeline ({len(timelines)} replica(s)) to {path}")
 
 
 class UsageError(ValueError):

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ from rewardplane.server.engines.engine import Completion, EngineInfo, SamplingOp
 from rewardplane.server.engines.generation import wrong_task
 from rewardplane.server.errors import BadRequest
 from rewardplane.server.locking import WeightsGuard
-from rewardplane.server.metrics import ServerMetrics
+from rewardplane.server.metrics import RequestTimer, ServerMetrics
 from rewardplane.server.threads import run_in_daemon_thread
 from rewardplane.server.weight_sync.worker_extension import HFWeightSyncWorker
 
@@ -70,7 +69,7 @@ class _Pending:
     prompts: list[list[int]]
     pooling: PoolingType
     future: asyncio.Future[tuple[list[list[float]], int]]
-    enqueued: float = field(default_factory=time.perf_counter)
+    timer: RequestTimer
 
 
 class HFEngineBase:
@@ -220,8 +219,9 @@ class HFEngine(HFEngineBase):
         if not prompts:
             return [], self.guard.version
         fut: asyncio.Future[tuple[list[list[float]], int]] = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Pending(prompts, pooling, fut))
-        return await fut
+        with RequestTimer(self.metrics) as timer:  # finished however it ends: answered, failed, cancelled
+            await self._queue.put(_Pending(prompts, pooling, fut, timer))
+            return await fut
 
     async def _run(self) -> None:
         while True:
@@ -236,6 +236,8 @@ class HFEngine(HFEngineBase):
                 continue
             try:
                 async with self.guard.scoring() as version:
+                    for p in round_:
+                        p.timer.start()
                     results = await self._score_round(round_)
             except Exception as exc:  # every waiting request learns why, none hangs
                 for p in round_:

@@ -16,7 +16,7 @@ from rewardplane.server.config import ServerConfig
 from rewardplane.server.engines.engine import Completion, EngineInfo, SamplingOptions
 from rewardplane.server.engines.generation import cut_at_stop, wrong_task
 from rewardplane.server.engines.hf_engine import HFEngineBase
-from rewardplane.server.metrics import ServerMetrics
+from rewardplane.server.metrics import RequestTimer, ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,10 @@ class HFGenerativeEngine(HFEngineBase):
 
     async def generate(self, prompt: list[int], options: SamplingOptions) -> tuple[list[Completion], int]:
         loop = asyncio.get_running_loop()
-        async with self.guard.scoring() as version:
-            out = await loop.run_in_executor(self._pool, self.generate_sync, prompt, options)
+        with RequestTimer(self.metrics) as timer:
+            async with self.guard.scoring() as version:
+                timer.start()
+                out = await loop.run_in_executor(self._pool, self.generate_sync, prompt, options)
         return out, version
 
     @torch.inference_mode()

@@ -106,7 +106,7 @@ class SleepService:
                     "awake: retry"
                 ) from exc
             seconds = time.monotonic() - start
-        self.metrics.sleep_level.set(level)
+        self.metrics.set_sleep_level(level)
         log.info("asleep at level %d after %.3fs (device bytes freed: %s)", level, seconds, freed)
         return self.answer(changed=True, seconds=seconds, freed=freed)
 
@@ -132,7 +132,7 @@ class SleepService:
                 else:
                     guard.mark_broken(problem, needs_full_push=True)
             seconds = time.monotonic() - start
-        self.metrics.sleep_level.set(0)
+        self.metrics.set_sleep_level(0)
         if problem is not None:
             log.error(problem)
         else:

@@ -73,7 +73,7 @@ from rewardplane.server.engines.prefix_cache import CacheEpoch
 from rewardplane.server.engines.vllm_lora import IN_MEMORY_PATH
 from rewardplane.server.errors import BadRequest, ServerError, Unavailable
 from rewardplane.server.locking import WeightsGuard
-from rewardplane.server.metrics import ServerMetrics
+from rewardplane.server.metrics import RequestTimer, ServerMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -448,22 +448,24 @@ class VLLMEngine:
         vLLM's errors turned into answers."""
         llm = self._require_llm()
         timeout = settings.VLLM_SCORE_TIMEOUT_S.get()
-        async with self.guard.scoring() as version:
-            try:
-                result = await asyncio.wait_for(work(llm), timeout)
-            except TimeoutError as exc:  # wait_for cancelled the requests; vLLM aborts them
-                raise Unavailable(
-                    f"{what} took longer than {timeout:.0f}s (--vllm-score-timeout-s, "
-                    f"{settings.VLLM_SCORE_TIMEOUT_S.name}); the replica is overloaded — retry or send less"
-                ) from exc
-            except EngineDeadError as exc:
-                raise Unavailable(f"the vLLM engine died ({exc}); restart this replica") from exc
-            except ValueError as exc:  # vLLM's request validation (length, token ids, ...)
-                raise BadRequest(f"vLLM rejected the input: {exc}") from exc
-            except ServerError:
-                raise
-            except Exception as exc:
-                raise ServerError(f"vLLM failed {what}: {type(exc).__name__}: {exc}") from exc
+        with RequestTimer(self.metrics) as timer:
+            async with self.guard.scoring() as version:
+                timer.start()
+                try:
+                    result = await asyncio.wait_for(work(llm), timeout)
+                except TimeoutError as exc:  # wait_for cancelled the requests; vLLM aborts them
+                    raise Unavailable(
+                        f"{what} took longer than {timeout:.0f}s (--vllm-score-timeout-s, "
+                        f"{settings.VLLM_SCORE_TIMEOUT_S.name}); the replica is overloaded — retry or send less"
+                    ) from exc
+                except EngineDeadError as exc:
+                    raise Unavailable(f"the vLLM engine died ({exc}); restart this replica") from exc
+                except ValueError as exc:  # vLLM's request validation (length, token ids, ...)
+                    raise BadRequest(f"vLLM rejected the input: {exc}") from exc
+                except ServerError:
+                    raise
+                except Exception as exc:
+                    raise ServerError(f"vLLM failed {what}: {type(exc).__name__}: {exc}") from exc
         return result, version
 
     async def _generate(

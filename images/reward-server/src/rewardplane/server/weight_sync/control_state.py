@@ -183,9 +183,13 @@ class ControlPlaneState:
                 k: round(1000 * (t - arrived), 3) for k, t in stamps.items() if t is not None
             },
         }
-        self.metrics.weight_update_bytes.inc(result.get("bytes", 0))
-        self.metrics.weight_update_seconds.observe(time.monotonic() - start)
-        self.metrics.weight_updates.labels(mode, "ok" if result["ok"] else "failed").inc()
+        self.metrics.record_push(
+            mode,
+            bool(result["ok"]),
+            result.get("bytes", 0),
+            time.monotonic() - start,
+            self.last_update["after_announce_ms"],
+        )
         self.metrics.weights_version.set(guard.version)
         if result["ok"]:
             self.last_error = None
