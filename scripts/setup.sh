@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything rewardplane needs on a fresh Debian machine (run as root or with sudo):
-# a virtual environment (.venv) with the project and its dev extras, and the real Kubernetes
+# a virtual environment (.venv) with the project and its dev extras, moto's own virtualenv (the
+# tests' S3 server), and the real Kubernetes
 # parts (etcd, kube-apiserver, kubectl, helm) through scripts/install-k8s-tools.sh.
 # Idempotent and cached: a second run takes seconds.
 set -euo pipefail
@@ -30,6 +31,17 @@ if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" ]]; then
   for p in "${PACKAGES[@]}"; do editable+=(-e "./$p"); done
   .venv/bin/python -m pip install -q -c constraints/cpu.txt "${editable[@]}" -e '.[dev]'
   echo "$want" > "$stamp"
+fi
+
+# The tests' S3-compatible server (moto) in a virtualenv of its own: its botocore needs
+# python-dateutil<3, the kubernetes client in .venv needs >=3.
+MOTO_VENV="${REWARDPLANE_CACHE:-$HOME/.cache/rewardplane}/moto-venv"
+want="$(sha256sum constraints/moto.txt | cut -d' ' -f1)"
+if [[ "$(cat "$MOTO_VENV/.rewardplane-deps" 2>/dev/null)" != "$want" ]]; then
+  log "installing moto's server for the tests (constraints/moto.txt) in $MOTO_VENV"
+  "$PY" -m venv "$MOTO_VENV"
+  "$MOTO_VENV/bin/python" -m pip install -q -r constraints/moto.txt
+  echo "$want" > "$MOTO_VENV/.rewardplane-deps"
 fi
 
 PYTHON=.venv/bin/python bash scripts/install-k8s-tools.sh

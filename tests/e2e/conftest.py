@@ -69,6 +69,7 @@ class RealCluster:
     kubeconfig: Path
     api: Any  # kubernetes.client.ApiClient
     volumes: Path  # host directories the suite serves as volumes (model, persisted weights)
+    model_cache: Path  # the node's cache of downloaded models (the chart's modelCache.hostPath)
 
     @property
     def core(self) -> Any:
@@ -103,11 +104,18 @@ def real_cluster() -> Iterator[RealCluster]:
     kubeconfig = node.up(timeout_s=300)
     api = api_client_for(kubeconfig)
     try:
-        helm_install_operator(kubeconfig, log_path=node.layout.logs / "helm.log")
+        # the node's model cache in the suite's own state: every run starts it empty
+        model_cache = state / "model-cache"
+        shutil.rmtree(model_cache, ignore_errors=True)
+        helm_install_operator(
+            kubeconfig,
+            values={"modelCache.hostPath": str(model_cache)},
+            log_path=node.layout.logs / "helm.log",
+        )
         volumes = state / "volumes"
         shutil.rmtree(volumes, ignore_errors=True)  # model and weights left from another run must not leak in
         volumes.mkdir()
-        yield RealCluster(node=node, kubeconfig=kubeconfig, api=api, volumes=volumes)
+        yield RealCluster(node=node, kubeconfig=kubeconfig, api=api, volumes=volumes, model_cache=model_cache)
     finally:
         api.close()
         # The suite's last test normally brought it down (and checked it); REWARDPLANE_E2E_KEEP=1

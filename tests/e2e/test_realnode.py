@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,16 @@ from rewardplane.localcluster.diagnose import describe_namespace
 from rewardplane.tinymodel import build_tiny_reward_model
 from tests.e2e.chaos import Freezer, SdkScoring, TrainerHold
 from tests.e2e.conftest import OPERATOR_NAMESPACE, OPERATOR_RELEASE, RealCluster, wait_for
+from tests.e2e.model_stores import (
+    BUCKET,
+    HTTP_AUTHORIZATION,
+    HUB_REPO,
+    HUB_TOKEN,
+    Stores,
+    fetch_progress,
+    secret_body,
+    start_stores,
+)
 from tests.e2e.service_watch import ServiceWatch
 from tests.fixtures.models import TEXTS
 
@@ -1288,25 +1299,179 @@ def test_a_lone_replica_keeps_its_pushed_weights_across_a_restart(real_cluster: 
         wait_for(f"{name}'s pods gone", lambda: not model_pods(c, name), 120, 1)
 
 
-def test_hub_model_fails_fast_and_says_why(real_cluster: RealCluster) -> None:
+@pytest.fixture(scope="module")
+def stores(real_cluster: RealCluster) -> Iterator[Stores]:
     c = real_cluster
-    name = "e2e-hub"
-    c.custom.create_namespaced_custom_object(
-        GROUP, VERSION, NS, "rewardmodels", rm_body(1, "hf://rewardplane/not-reachable-here", None, name)
+    started = start_stores(S.model_dir, c.volumes / "stores")
+    secrets = {
+        "e2e-s3": started.s3.env(),
+        "e2e-files": {"AUTHORIZATION": HTTP_AUTHORIZATION},
+        "e2e-hub": {"HF_TOKEN": HUB_TOKEN},
+        "e2e-hub-wrong": {"HF_TOKEN": "hf_not_the_token"},
+    }
+    for name, data in secrets.items():
+        c.core.create_namespaced_secret(NS, secret_body(name, data))
+    try:
+        yield started
+    finally:
+        started.close()
+        if c.node.running():  # the suite's last test brings the node down before this runs
+            for name in secrets:
+                c.core.delete_namespaced_secret(name, NS)
+
+
+def downloaded_rm(name: str, replicas: int, model: dict[str, str]) -> dict[str, Any]:
+    body = rm_body(replicas, model["source"], None, name)
+    body["spec"]["model"] |= model
+    return body
+
+
+def ready_replicas(c: RealCluster, name: str, n: int) -> bool:
+    st = get_rm(c, name).get("status") or {}
+    return st.get("readyReplicas") == n and len(model_pods(c, name)) == n
+
+
+def seconds_to_scale(c: RealCluster, name: str, n: int) -> float:
+    """Scale a model to ``n`` replicas; the seconds until all ``n`` are ready."""
+    t0 = time.monotonic()
+    c.custom.patch_namespaced_custom_object(
+        GROUP, VERSION, NS, "rewardmodels", name, {"spec": {"replicas": n}}
     )
+    wait_for(f"{name} at {n} replicas", lambda: ready_replicas(c, name, n), READY_TIMEOUT_S, 0.5)
+    return time.monotonic() - t0
 
-    def terminated_message() -> str | None:
-        for pod in model_pods(c, name):
-            for st in pod.status.container_statuses or []:
-                term = (st.last_state and st.last_state.terminated) or (st.state and st.state.terminated)
-                if term and term.message:
-                    return str(term.message)
-        return None
 
-    message = wait_for("the hub model's server to stop", terminated_message, 180, 2)
-    assert "hub id" in message and "pvc://" in message, message
-    assert get_rm(c, name).get("status", {}).get("readyReplicas", 0) == 0
-    c.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", name)
+def test_models_download_from_s3_https_and_the_hub_once_per_node(
+    real_cluster: RealCluster, stores: Stores
+) -> None:
+    """Each downloaded source serves the model's exact scores; the status shows the download's
+    bytes and percent; a second replica on the node uses the node's copy without asking the store,
+    and a replica whose cache entry was removed downloads it again."""
+    c = real_cluster
+    models = {
+        "e2e-s3": {
+            "source": f"s3://{BUCKET}/tiny-rm",
+            "sourceSecret": "e2e-s3",
+            "sourceEndpoint": stores.s3.url,
+        },
+        "e2e-https": {"source": f"{stores.files.url}/tiny-rm.tar.gz", "sourceSecret": "e2e-files"},
+        "e2e-hf": {
+            "source": f"hf://{HUB_REPO}@main",
+            "sourceSecret": "e2e-hub",
+            "sourceEndpoint": stores.hub.url,
+        },
+    }
+    from rewardplane.sdk.cluster import RewardModelHandle
+
+    base = scores_of(*load_model(S.model_dir), TEXTS)
+    seen_progress: list[str] = []
+
+    def all_ready() -> bool:
+        # the slow https download: its progress, in bytes and percent, is in the status meanwhile
+        message = next(
+            (
+                d.get("message", "")
+                for d in (get_rm(c, "e2e-https").get("status") or {}).get("conditions") or []
+                if d["type"] == "Progressing"
+            ),
+            "",
+        )
+        if "downloading the model:" in message:
+            seen_progress.append(message)
+        return all(ready_replicas(c, name, 1) for name in models)
+
+    started = time.monotonic()
+    for name, model in models.items():
+        c.custom.create_namespaced_custom_object(
+            GROUP, VERSION, NS, "rewardmodels", downloaded_rm(name, 1, model)
+        )
+    try:
+        wait_for("the downloaded models ready", all_ready, READY_TIMEOUT_S, 0.5)
+        first_s = time.monotonic() - started
+        assert any("%" in m and "MB" in m for m in seen_progress), seen_progress
+        for name in models:
+            with RewardModelHandle(name, NS, kubeconfig=c.kubeconfig) as rm:
+                assert_scores(rm.client().score_batch(TEXTS, normalize=False), base)
+            progress = fetch_progress(c.core, NS, f"{name}-0")
+            assert progress is not None and progress.phase == "done", (name, progress)
+        entries = sorted(p.name for p in c.model_cache.iterdir() if (p / "manifest.json").is_file())
+        assert len(entries) == 3, entries
+
+        # A second replica on the node: the node's copy, verified, and not one request to the store.
+        asked = stores.s3.counts.total("GET")
+        cached_s = seconds_to_scale(c, "e2e-s3", 2)
+        progress = fetch_progress(c.core, NS, "e2e-s3-1")
+        assert progress is not None and progress.phase == "cached", progress
+        assert stores.s3.counts.total("GET") == asked, stores.s3.counts.by_path()
+
+        # Without the node's copy (its entry removed, as an eviction does) the next replica
+        # downloads the model again.
+        [entry] = [
+            p
+            for p in c.model_cache.iterdir()
+            if (p / "manifest.json").is_file()
+            and json.loads((p / "manifest.json").read_text()).get("source", "").startswith("s3://")
+        ]
+        shutil.rmtree(entry)
+        uncached_s = seconds_to_scale(c, "e2e-s3", 3)
+        progress = fetch_progress(c.core, NS, "e2e-s3-2")
+        assert progress is not None and progress.phase == "done", progress
+        assert stores.s3.counts.total("GET") > asked
+        print(
+            f"\nmodel sources: three downloaded models ready in {first_s:.1f} s; a second replica "
+            f"from the node cache in {cached_s:.1f} s, one without it in {uncached_s:.1f} s"
+        )
+    finally:
+        for name in models:
+            c.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", name)
+        wait_for(
+            "the downloaded models' pods gone", lambda: not any(model_pods(c, n) for n in models), 180, 2
+        )
+
+
+def test_model_download_failures_are_named_at_once(real_cluster: RealCluster, stores: Stores) -> None:
+    """A missing prefix, a refused token, a missing file and an unreachable hub each stop the
+    download at once, and the status (REASON column, Degraded condition) says which and what to do."""
+    c = real_cluster
+    cases = {
+        "e2e-dl-prefix": (
+            {
+                "source": f"s3://{BUCKET}/no-such-model",
+                "sourceSecret": "e2e-s3",
+                "sourceEndpoint": stores.s3.url,
+            },
+            "no-such-model",
+        ),
+        "e2e-dl-token": (
+            {"source": f"hf://{HUB_REPO}", "sourceSecret": "e2e-hub-wrong", "sourceEndpoint": stores.hub.url},
+            "HF_TOKEN",
+        ),
+        "e2e-dl-missing": (
+            {"source": f"{stores.files.url}/no-such-model.tar.gz", "sourceSecret": "e2e-files"},
+            "404",
+        ),
+        # this machine has no route to the hub
+        "e2e-dl-offline": ({"source": "hf://rewardplane/not-reachable-here"}, "huggingface.co"),
+    }
+    for name, (model, _) in cases.items():
+        c.custom.create_namespaced_custom_object(
+            GROUP, VERSION, NS, "rewardmodels", downloaded_rm(name, 1, model)
+        )
+
+    def named(name: str, needle: str) -> dict[str, Any] | None:
+        st = get_rm(c, name).get("status") or {}
+        degraded = next((d for d in st.get("conditions") or [] if d["type"] == "Degraded"), {})
+        ok = st.get("reason") == degraded.get("reason") == "ModelDownloadFailed"
+        return st if ok and needle in degraded.get("message", "") else None
+
+    try:
+        for name, (_, needle) in cases.items():
+            st = wait_for(f"{name}'s download failure named", lambda n=name, x=needle: named(n, x), 120, 1)
+            assert st["phase"] == "Degraded" and st.get("readyReplicas", 0) == 0, st
+    finally:
+        for name in cases:
+            c.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", name)
+        wait_for("the failing models' pods gone", lambda: not any(model_pods(c, n) for n in cases), 180, 2)
 
 
 def test_every_cause_a_replica_does_not_start_is_named(real_cluster: RealCluster) -> None:

@@ -49,7 +49,9 @@ def test_the_sdk_importing_the_operator_breaks_the_contract(tmp_path: Path) -> N
     assert "rewardplane.sdk.client -> rewardplane.operator.planning" in result.stdout
 
 
-@pytest.mark.parametrize("module", ["rewardplane.server", "rewardplane.operator", "rewardplane"])
+@pytest.mark.parametrize(
+    "module", ["rewardplane.server", "rewardplane.operator", "rewardplane.modelfetch", "rewardplane"]
+)
 def test_python_dash_m_entry_points_still_start(module: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120

@@ -334,6 +334,7 @@ OPERATOR_USES = {
     ("rewardplane.io", "weightsyncs"): {"get", "list", "watch", "patch", "delete"},  # pushes; cleanup
     ("rewardplane.io", "weightsyncs/status"): {"patch"},  # push progress
     ("", "pods"): {"list", "watch", "create", "delete"},  # replicas; kopf watches readiness
+    ("", "pods/log"): {"get"},  # a model download's progress (the fetch-model init container's log)
     ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},  # headless; kopf index
     ("", "secrets"): {"get", "list", "watch", "create", "delete"},  # the control-plane token; index
     ("", "configmaps"): {"get", "list", "delete"},  # WeightSync manifests (written by trainers)

@@ -250,6 +250,27 @@ CAUSES = [
         "ValueError: boom",
     ),
     (
+        "ModelDownloadFailed",
+        {
+            "initContainerStatuses": [
+                {
+                    "name": "fetch-model",
+                    "restartCount": 1,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {
+                        "terminated": {
+                            "exitCode": 2,
+                            "message": "s3://models/rm-7b: no objects under this prefix; check the prefix",
+                        }
+                    },
+                }
+            ],
+            "containerStatuses": [_waiting("PodInitializing")],
+        },
+        {},
+        "no objects under this prefix",
+    ),
+    (
         "FailedMount",
         {"containerStatuses": [_waiting("ContainerCreating")]},
         {

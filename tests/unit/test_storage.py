@@ -1,47 +1,151 @@
-"""Model delivery (spec.model.source → volume, mount, --model) and what a reward Pod runs with."""
+"""Model delivery (spec.model → volumes, mounts, --model, the download step) and what a reward Pod runs with."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from rewardplane.api.spec import ModelSpec
 from rewardplane.operator.planning import ClusterView, NodeInfo, plan_reward_model, validate_spec
 from rewardplane.operator.render import NON_ROOT_UID, TOKEN_FILE, render_pod
-from rewardplane.operator.storage import HF_CACHE_DIR, MODEL_MOUNT_DIR, InvalidSourceError, delivery
+from rewardplane.operator.storage import (
+    CACHE_MOUNT_DIR,
+    MODEL_MOUNT_DIR,
+    InvalidSourceError,
+    ModelCache,
+    delivery,
+)
+from rewardplane.protocol.model_sources import cache_key, parse_source
+
+
+def model(source: str, **more: Any) -> ModelSpec:
+    return ModelSpec.model_validate({"source": source, **more})
 
 
 def test_pvc_source_mounts_the_claim_read_only() -> None:
-    d = delivery("pvc://models/llama/rm-7b")
+    d = delivery(model("pvc://models/llama/rm-7b"))
     assert d.volume == {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
     assert d.mount["mountPath"] == MODEL_MOUNT_DIR and d.mount["readOnly"]
-    assert d.model_arg == f"{MODEL_MOUNT_DIR}/llama/rm-7b"
-    assert delivery("pvc://models").model_arg == MODEL_MOUNT_DIR
+    assert d.model_arg == f"{MODEL_MOUNT_DIR}/llama/rm-7b" and d.fetch is None
+    assert delivery(model("pvc://models")).model_arg == MODEL_MOUNT_DIR
 
 
 @pytest.mark.parametrize("source", ["file:///data/rm", "/data/rm", "/data/rm/"])
 def test_node_directory_is_a_host_path(source: str) -> None:
-    d = delivery(source)
+    d = delivery(model(source))
     assert d.volume["hostPath"] == {"path": "/data/rm", "type": "Directory"}
-    assert d.model_arg == MODEL_MOUNT_DIR and not d.is_hub
-
-
-@pytest.mark.parametrize("source", ["hf://org/name", "org/name"])
-def test_hub_id_downloads_into_a_cache_volume(source: str) -> None:
-    d = delivery(source)
-    assert d.is_hub and d.model_arg == "org/name"
-    assert d.volume == {"name": "hf-cache", "emptyDir": {}} and ("HF_HOME", HF_CACHE_DIR) in d.env
+    assert d.model_arg == MODEL_MOUNT_DIR and d.fetch is None
 
 
 @pytest.mark.parametrize(
-    "source", ["s3://bucket/rm", "pvc://", "pvc://c/../../etc", "file://relative", "a/b/c"]
+    ("source", "revision"),
+    [
+        ("hf://org/name", None),
+        ("org/name", None),
+        ("hf://org/name@v2", "v2"),
+        ("s3://models/llama/rm-7b", None),
+        ("https://models.example.com/rm-7b.tar.gz", None),
+    ],
 )
-def test_bad_sources_are_refused_with_the_forms_that_work(source: str) -> None:
+def test_downloaded_sources_are_fetched_into_the_node_cache_before_the_server(
+    source: str, revision: str | None
+) -> None:
+    cache = ModelCache("/var/lib/rp-cache", 10**9)
+    d = delivery(model(source), "localhost/rs:test", cache)
+    key = cache_key(parse_source(source))
+    # the server reads the fetched model from the cache, read-only
+    assert d.model_arg == f"{CACHE_MOUNT_DIR}/{key}/model"
+    assert d.volume["hostPath"] == {"path": "/var/lib/rp-cache", "type": "DirectoryOrCreate"}
+    assert d.mount == {"name": "model-cache", "mountPath": CACHE_MOUNT_DIR, "readOnly": True}
+    fetch = d.fetch
+    assert fetch is not None and fetch["image"] == "localhost/rs:test"
+    assert fetch["command"] == ["python", "-m", "rewardplane.modelfetch"]
+    args = fetch["args"]
+    assert args[args.index("--source") + 1] == source and args[args.index("--key") + 1] == key
+    assert args[args.index("--max-cache-bytes") + 1] == str(10**9)
+    assert ("--revision" in args) == (revision is not None)
+    assert fetch["volumeMounts"] == [{"name": "model-cache", "mountPath": CACHE_MOUNT_DIR}]
+    assert "envFrom" not in fetch
+
+
+def test_without_a_cache_directory_each_pod_downloads_into_its_own_volume() -> None:
+    d = delivery(model("s3://models/rm"), "img", ModelCache(""))
+    assert d.volume == {"name": "model-cache", "emptyDir": {}}
+    assert d.fetch is not None and "--max-cache-bytes" not in d.fetch["args"]
+
+
+def test_credentials_reach_only_the_download_and_the_endpoint_is_passed() -> None:
+    spec = {
+        "model": {
+            "source": "s3://models/rm",
+            "sourceSecret": "s3-creds",
+            "sourceEndpoint": "http://minio.storage:9000",
+        },
+        "engine": {"kind": "hf"},
+        "gpu": {"mode": "none"},
+    }
+    rm = {"apiVersion": "rewardplane.io/v1alpha1", "kind": "RewardModel"}
+    rm["metadata"] = {"name": "rm", "namespace": "ns", "uid": "u1"}
+    rm["spec"] = spec
+    plan = plan_reward_model(
+        rm,
+        ClusterView(nodes=(NodeInfo(name="n1", gpus=0),)),
+        default_image="localhost/rs:test",
+        model_cache=ModelCache("/var/cache/rp", 0),
+    )
+    pod = render_pod(rm, plan, plan.replicas[0])
+    [fetch], [server] = pod["spec"]["initContainers"], pod["spec"]["containers"]
+    assert fetch["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+    assert "envFrom" not in server
+    assert fetch["args"][fetch["args"].index("--endpoint") + 1] == "http://minio.storage:9000"
+    # the fetcher writes the node cache (a root-owned hostPath) with one capability; the server
+    # stays non-root and reads it read-only
+    assert fetch["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE"]}
+    assert fetch["securityContext"]["readOnlyRootFilesystem"] is True
+    assert server["securityContext"]["runAsUser"] == NON_ROOT_UID
+    key = cache_key(parse_source("s3://models/rm"), "http://minio.storage:9000")
+    assert server["args"][server["args"].index("--model") + 1] == f"{CACHE_MOUNT_DIR}/{key}/model"
+    # requests may still name the model by its source
+    assert "s3://models/rm" in server["args"][server["args"].index("--model-alias") + 1 :]
+
+
+def test_cache_keys_differ_by_revision_and_endpoint_and_read_like_the_model() -> None:
+    a = cache_key(parse_source("hf://org/rm-7b"))
+    assert a.startswith("rm-7b-") and a == cache_key(parse_source("org/rm-7b"))
+    assert a != cache_key(parse_source("hf://org/rm-7b@v2"))
+    assert a != cache_key(parse_source("hf://org/rm-7b"), "https://hf-mirror.example")
+
+
+@pytest.mark.parametrize(
+    ("source", "more"),
+    [
+        ("pvc://", {}),
+        ("pvc://c/../../etc", {}),
+        ("file://relative", {}),
+        ("a/b/c", {}),
+        ("gs://bucket/rm", {}),
+        ("s3://Bad_Bucket/rm", {}),
+        ("https://models.example.com", {}),
+        ("https://user:pw@models.example.com/rm.tar", {}),
+        ("ftp://models/rm", {}),
+        ("hf://org/name@", {}),
+        ("hf://org/name@v1", {"revision": "v2"}),
+        ("pvc://models/rm", {"sourceSecret": "creds"}),
+        ("https://models.example.com/rm.tar", {"sourceEndpoint": "http://x"}),
+        ("s3://models/rm", {"sourceEndpoint": "minio:9000"}),
+    ],
+)
+def test_bad_sources_are_refused_with_the_forms_that_work(source: str, more: dict[str, str]) -> None:
     with pytest.raises(InvalidSourceError):
-        delivery(source)
-    errors = validate_spec({"model": {"source": source}, "engine": {"kind": "hf"}, "gpu": {"mode": "none"}})
-    assert len(errors) == 1 and errors[0].startswith("spec.model.source")
+        delivery(model(source, **more))
+    errors = validate_spec(
+        {"model": {"source": source, **more}, "engine": {"kind": "hf"}, "gpu": {"mode": "none"}}
+    )
+    assert len(errors) == 1 and errors[0].startswith("spec.model.source"), errors
 
 
-def _pod(source: str) -> dict:
+def _pod(source: str) -> dict[str, Any]:
     rm = {
         "apiVersion": "rewardplane.io/v1alpha1",
         "kind": "RewardModel",

@@ -23,8 +23,7 @@ class BinaryNotFoundError(FileNotFoundError):
 
 def cache_dir() -> Path:
     """Root of rewardplane's cache (``$REWARDPLANE_CACHE`` or ``~/.cache/rewardplane``)."""
-    env = settings.CACHE.get()
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "rewardplane"
+    return settings.cache_root()
 
 
 def bin_dir() -> Path:

@@ -333,7 +333,12 @@ def cmd_up_real(state: Path, *, timeout_s: float) -> int:
     node = RealNode(state)
     try:
         kubeconfig = node.up(timeout_s=timeout_s)
-        helm_install_operator(kubeconfig, log_path=node.layout.logs / "helm.log")
+        # downloaded models stay with the dev cluster's state, not in the machine's /var/lib
+        helm_install_operator(
+            kubeconfig,
+            values={"modelCache.hostPath": str(state / "model-cache")},
+            log_path=node.layout.logs / "helm.log",
+        )
     except (BinaryNotFoundError, ControlPlaneError) as exc:
         print(f"rewardplane dev up --node real: {exc}", file=sys.stderr)
         return 1

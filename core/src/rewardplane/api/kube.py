@@ -129,6 +129,14 @@ class Kube:
             raise KubeError(resp.status_code, method, path, message)
         return resp.json() if resp.content else {}
 
+    def text(self, path: str, params: Mapping[str, str] | None = None) -> str:
+        """A plain-text answer (a Pod's log: ``core_path("pods", ns, name) + "/log"``)."""
+        headers = self._headers() | {"Accept": "text/plain, */*"}
+        resp = self._http.request("GET", path, params=params, headers=headers)
+        if resp.status_code >= 400:
+            raise KubeError(resp.status_code, "GET", path, resp.text[:500])
+        return resp.text
+
     def get(self, path: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
         try:

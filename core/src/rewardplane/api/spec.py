@@ -42,6 +42,10 @@ class EngineKind(str, Enum):
 class ModelSpec(_Spec):
     source: str = Field(min_length=1)
     revision: str | None = None
+    # A Secret whose keys become the download's environment (AWS_ACCESS_KEY_ID, HF_TOKEN, ...).
+    source_secret: str | None = Field(default=None, min_length=1, alias="sourceSecret")
+    # An S3-compatible store's URL, or a hub mirror's.
+    source_endpoint: str | None = Field(default=None, min_length=1, alias="sourceEndpoint")
     served_name: str | None = Field(default=None, alias="servedName")
     # More names requests may carry as `model` (the served name and the source are always accepted).
     aliases: tuple[str, ...] = ()

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -110,6 +112,27 @@ def _whole(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+_BYTE_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+}
+
+
+def _bytes(raw: str) -> int:
+    """A size as Kubernetes writes quantities: 500Gi, 2T, 1073741824."""
+    match = re.fullmatch(r"(\d+)([kMGT]i?)?", raw.strip())
+    if match is None:
+        raise ValueError(raw)
+    return int(match[1]) * _BYTE_UNITS[match[2] or ""]
 
 
 def _choice(*choices: str, upper: bool = False) -> Callable[[str], str]:
@@ -298,6 +321,33 @@ SERVER_IMAGE: Setting[str | None] = _register(
         flag="--default-server-image",
     )
 )
+MODEL_CACHE_DIR: Setting[str] = _register(
+    Setting(
+        "REWARDPLANE_MODEL_CACHE_DIR",
+        "an absolute path on the nodes",
+        "/var/lib/rewardplane/model-cache",
+        "the node directory (hostPath) where replicas keep models downloaded from s3://, https:// and "
+        "hf:// sources, shared by every replica and restart on the node (the chart sets it: "
+        "modelCache.hostPath); --model-cache-dir '' (the chart: an empty hostPath): each Pod downloads "
+        "into its own emptyDir",
+        "operator",
+        _text,
+        flag="--model-cache-dir",
+    )
+)
+MODEL_CACHE_SIZE: Setting[int] = _register(
+    Setting(
+        "REWARDPLANE_MODEL_CACHE_SIZE",
+        "bytes, as a Kubernetes quantity (200Gi)",
+        200 * 2**30,
+        "the size the node cache is kept under: after a download, the least recently used other "
+        "models are removed (the chart sets it: modelCache.size); 0 keeps everything",
+        "operator",
+        _bytes,
+        flag="--model-cache-size",
+        default_text="200Gi",
+    )
+)
 
 # ---- the local cluster and the scripts ------------------------------------------------------------
 CACHE: Setting[str | None] = _register(
@@ -311,6 +361,14 @@ CACHE: Setting[str | None] = _register(
         default_text="~/.cache/rewardplane",
     )
 )
+
+
+def cache_root() -> Path:
+    """Root of rewardplane's cache: ``$REWARDPLANE_CACHE`` or ``~/.cache/rewardplane``."""
+    env = CACHE.get()
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "rewardplane"
+
+
 EXISTING_CLUSTER: Setting[bool] = _register(
     Setting(
         "REWARDPLANE_EXISTING_CLUSTER",

@@ -15,6 +15,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:  # the flags' defaults come from the environment (docs/settings.md)
         resync_interval, log_level = settings.RESYNC_INTERVAL.get(), settings.LOG_LEVEL.get()
         server_image = settings.SERVER_IMAGE.get()
+        cache_dir, cache_size = settings.MODEL_CACHE_DIR.get(), settings.MODEL_CACHE_SIZE.get()
     except settings.SettingError as exc:
         p.error(str(exc))
     p.add_argument(
@@ -42,6 +43,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the reward-server image of a RewardModel without spec.engine.image (the chart passes "
         f"its serverImage value); default ${settings.SERVER_IMAGE.name}, else none: such a model is "
         "Degraded with reason NoImage",
+    )
+    p.add_argument(
+        "--model-cache-dir",
+        default=cache_dir,
+        help="node directory where replicas keep models downloaded from s3://, https:// and hf://, "
+        "shared by every replica and restart on the node (the chart passes modelCache.hostPath); empty: "
+        f"each Pod downloads into its own emptyDir (default {settings.MODEL_CACHE_DIR.shown_default}, or "
+        f"${settings.MODEL_CACHE_DIR.name})",
+    )
+    p.add_argument(
+        "--model-cache-size",
+        type=_bytes_flag,
+        default=cache_size,
+        help="keep the node cache under this many bytes (a quantity: 200Gi), evicting the least recently "
+        f"used models after a download; 0: no limit (default {settings.MODEL_CACHE_SIZE.shown_default}, "
+        f"or ${settings.MODEL_CACHE_SIZE.name})",
     )
     p.add_argument(
         "--leader-election-namespace",
@@ -75,6 +92,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _bytes_flag(raw: str) -> int:
+    try:
+        return settings.MODEL_CACHE_SIZE.parse(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{raw!r} is not a size: write bytes or a quantity like 200Gi"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
@@ -98,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import handlers, metrics  # noqa: F401  (importing registers the handlers)
     from .leadership import Leadership, own_namespace
     from .reconcile import Reconciler
+    from .storage import ModelCache
     from .weightsync_driver import WeightSyncDriver
 
     try:
@@ -115,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         namespace=args.namespace,
         delete_children=args.delete_children,
         default_image=args.default_server_image or None,
+        model_cache=ModelCache(args.model_cache_dir, args.model_cache_size),
     )
     weightsyncs = WeightSyncDriver(
         kube,

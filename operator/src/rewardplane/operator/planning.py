@@ -28,7 +28,7 @@ from rewardplane.api.spec import (
 from rewardplane.protocol import ModelTask, RewardModelPorts, derive_ports
 from rewardplane.protocol.settings import SERVER_IMAGE
 
-from .storage import InvalidSourceError, delivery
+from .storage import InvalidSourceError, ModelCache, parse_model_source
 
 GPU_RESOURCE = "nvidia.com/gpu"
 """Node annotation declaring GPU memory held by servers the operator does not manage (e.g. the
@@ -104,6 +104,8 @@ class Plan:
     replicas: tuple[ReplicaPlan, ...]
     image: str
     """The reward-server image: spec.engine.image, else the operator's default."""
+    model_cache: ModelCache = ModelCache()
+    """Where downloaded models are kept on the nodes (the operator's setting)."""
 
     @property
     def served_name(self) -> str:
@@ -352,7 +354,7 @@ def _check_task(spec: RewardModelSpec) -> list[str]:
 
 def _check_source(spec: RewardModelSpec) -> list[str]:
     try:
-        delivery(spec.model.source)
+        parse_model_source(spec.model)
     except InvalidSourceError as exc:
         return [str(exc)]
     return []
@@ -612,12 +614,17 @@ def resolve_image(spec: RewardModelSpec, default_image: str | None) -> str:
 
 
 def plan_reward_model(
-    rm: Mapping[str, Any], cluster: ClusterView, *, default_image: str | None = None
+    rm: Mapping[str, Any],
+    cluster: ClusterView,
+    *,
+    default_image: str | None = None,
+    model_cache: ModelCache | None = None,
 ) -> Plan:
     """Plan every replica of a RewardModel object; raises InvalidSpecError listing every problem.
 
     ``default_image`` is the operator's reward-server image for a spec without
-    ``spec.engine.image``; without either the model cannot run (reason NoImage).
+    ``spec.engine.image``; without either the model cannot run (reason NoImage). ``model_cache``
+    is the operator's node cache for downloaded models.
     """
     meta = rm.get("metadata", {})
     name, namespace = meta.get("name", ""), meta.get("namespace", "default")
@@ -651,4 +658,12 @@ def plan_reward_model(
         )
         for i in range(spec.replicas)
     )
-    return Plan(name=name, namespace=namespace, spec=spec, ports=ports, replicas=replicas, image=image)
+    return Plan(
+        name=name,
+        namespace=namespace,
+        spec=spec,
+        ports=ports,
+        replicas=replicas,
+        image=image,
+        model_cache=model_cache or ModelCache(),
+    )

@@ -21,6 +21,7 @@ import httpx
 from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
 from rewardplane.api.spec import GpuMode, InvalidSpecError
 from rewardplane.protocol import AdmissionRequest
+from rewardplane.protocol.model_sources import FETCH_CONTAINER, FetchProgress
 
 from . import metrics
 from .children import Children
@@ -37,11 +38,13 @@ from .status import (
     Event,
     ProbeResult,
     compute_status,
+    downloading,
     pod_ready,
     replica_index,
     server_started,
     waits_for_mount,
 )
+from .storage import ModelCache
 from .weightsync import completed_version
 
 log = logging.getLogger("rewardplane.operator")
@@ -50,6 +53,7 @@ log = logging.getLogger("rewardplane.operator")
 # sends no further event until it is Ready, which needs the admission).
 ADMISSION_RETRY_S = 1.0
 MOUNT_RECHECK_S = 5.0  # a Pod stuck in ContainerCreating: its FailedMount Events are read again
+DOWNLOAD_RECHECK_S = 3.0  # a model download in progress: its log is read again for the status
 
 Key = tuple[str, str]  # (namespace, name)
 Later = Callable[[float, Callable[[], None]], None]
@@ -72,8 +76,11 @@ class Reconciler:
         delete_children: bool = False,
         later: Later = in_background,
         default_image: str | None = None,
+        model_cache: ModelCache | None = None,
     ) -> None:
         self.kube = kube
+        # Where replicas keep downloaded models on the nodes (--model-cache-dir, --model-cache-size).
+        self.model_cache = model_cache or ModelCache()
         # The reward-server image of a model without spec.engine.image (--default-server-image);
         # None: such a model is Degraded (NoImage) and gets no Pods.
         self.default_image = default_image
@@ -240,11 +247,11 @@ class Reconciler:
         # replaced under the same name since); a create needs none: a Pod that exists is a 409.
         pods = cluster.pods_of(ns, name)
         try:
-            plan = plan_reward_model(rm, self._cluster_view(rm, pods), default_image=self.default_image)
+            plan = self._plan(rm, pods)
             desired, service = render_children(rm, plan)
             if self.cluster is not None and pod_actions(desired, pods, datetime.now(UTC)).delete:
                 pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
-                plan = plan_reward_model(rm, self._cluster_view(rm, pods), default_image=self.default_image)
+                plan = self._plan(rm, pods)
                 desired, service = render_children(rm, plan)
         except InvalidSpecError as exc:
             # Leave running children alone (a typo must not take a model down) and say what to fix.
@@ -302,11 +309,17 @@ class Reconciler:
             stale_pods=stale,
             mount_problems=self._mount_problems(key, live),
             lost_pods=lost,
+            downloads=self._download_progress(key, live),
         )
         self._write_status(rm, status)
         if restored:
             self._coalesce.mark_dirty(key)  # re-read the restored replicas (or try a peer) right away
         return "ok"
+
+    def _plan(self, rm: dict[str, Any], pods: list[dict[str, Any]]) -> Plan:
+        return plan_reward_model(
+            rm, self._cluster_view(rm, pods), default_image=self.default_image, model_cache=self.model_cache
+        )
 
     def _admit(self, view: ReplicaView) -> None:
         """Admit the replicas that serve the target version and take the admission back from stale
@@ -362,6 +375,29 @@ class Reconciler:
                 newest = max(mine, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
                 out[name] = " ".join(str(newest.get("message") or "").split())
         self._retry_later(key, MOUNT_RECHECK_S)
+        return out
+
+    def _download_progress(self, key: Key, pods: list[dict[str, Any]]) -> dict[str, str]:
+        """Pod → its model download's progress in words, from the last progress line of its
+        ``fetch-model`` init container's log; such a model is looked at again shortly, so the
+        status follows the download."""
+        fetching = [p for p in pods if downloading(p)]
+        out: dict[str, str] = {}
+        for pod in fetching:
+            name = pod["metadata"]["name"]
+            try:
+                log_tail = self.kube.text(
+                    core_path("pods", key[0], name) + "/log",
+                    {"container": FETCH_CONTAINER, "tailLines": "20"},
+                )
+            except (KubeError, httpx.HTTPError) as exc:  # the status then only says it waits
+                log.info("%s/%s: cannot read the download log of %s: %s", *key, name, exc)
+                continue
+            progress = FetchProgress.last_in(log_tail)
+            if progress is not None:
+                out[name] = progress.describe()
+        if fetching:
+            self._retry_later(key, DOWNLOAD_RECHECK_S)
         return out
 
     def _retry_later(self, key: Key, delay_s: float = ADMISSION_RETRY_S) -> None:

@@ -33,7 +33,7 @@ from rewardplane.api.spec import INTERFACE_VARIABLES, EngineKind, GpuMode
 from rewardplane.protocol import TOKEN_FILE_ENV, Endpoints, ModelTask
 
 from .planning import GPU_RESOURCE, Plan, ReplicaPlan
-from .storage import delivery
+from .storage import ModelDelivery, delivery
 
 CONTAINER_NAME = "reward-server"
 SERVER_COMMAND = ("python", "-m", "rewardplane.server")
@@ -100,6 +100,10 @@ def _metadata(rm: Mapping[str, Any], name: str, labels: dict[str, str]) -> dict[
 # --------------------------------------------------------------------------------------------
 
 
+def model_delivery(plan: Plan) -> ModelDelivery:
+    return delivery(plan.spec.model, plan.image, plan.model_cache)
+
+
 def weights_dir(persist_dir: str, owner_uid: str, plan: Plan, replica: ReplicaPlan) -> str:
     """Where one replica saves pushed weights: bound to the RewardModel's UID and its base model.
 
@@ -123,7 +127,7 @@ def server_args(plan: Plan, replica: ReplicaPlan, owner_uid: str = "") -> list[s
     on_gpu = spec.gpu.mode is not GpuMode.NONE
     args = [
         "--model",
-        delivery(spec.model.source).model_arg,
+        model_delivery(plan).model_arg,
         "--engine",
         spec.engine.kind.value,
         "--host",
@@ -146,10 +150,10 @@ def server_args(plan: Plan, replica: ReplicaPlan, owner_uid: str = "") -> list[s
     ]
     if spec.model.task is ModelTask.SCORE:  # the score head's options; a generative model has none
         args += ["--pooling", spec.model.pooling, "--num-labels", str(spec.model.num_labels)]
-    # Requests may name the model by its source; the server sees a mounted path instead of a
-    # pvc:// or file:// source, so the source itself becomes an alias.
+    # Requests may name the model by its source; the server loads a mounted or downloaded
+    # directory instead, so the source itself becomes an alias.
     aliases = list(spec.model.aliases)
-    if delivery(spec.model.source).model_arg != spec.model.source and spec.model.source not in aliases:
+    if spec.model.source not in aliases:
         aliases.append(spec.model.source)
     if aliases:
         args += ["--model-alias", *aliases]
@@ -175,7 +179,6 @@ def _env(plan: Plan, replica: ReplicaPlan) -> list[dict[str, Any]]:
         {"name": "TMPDIR", "value": SCRATCH_DIR},
         {"name": "HOME", "value": SCRATCH_DIR},
     ]
-    env += [{"name": k, "value": v} for k, v in delivery(plan.spec.model.source).env]
     if replica.device_ids:
         # Shared mode pins devices itself: no nvidia.com/gpu request (the device plugin would hand
         # out whole devices), so the visible-devices variables do the pinning.
@@ -249,7 +252,7 @@ def _health_probe(plan: Plan, path: str = Endpoints.HEALTH, **timing: int) -> di
 def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[str, Any]:
     """The Pod of one replica, placed by the operator itself (``spec.nodeName``: no scheduler needed)."""
     labels = {**model_labels(plan.name), LABEL_REPLICA: str(replica.index), LABEL_COMPONENT: "reward-server"}
-    model = delivery(plan.spec.model.source)
+    model = model_delivery(plan)
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": plan.image,
@@ -339,6 +342,12 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
             "volumes": volumes,
         },
     }
+    if model.fetch is not None:
+        fetch = dict(model.fetch, imagePullPolicy=plan.spec.engine.image_pull_policy)
+        # the root filesystem is read-only: the hub client's and Python's temporary files go here
+        fetch["volumeMounts"] = [*fetch["volumeMounts"], {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR}]
+        fetch["env"] = [{"name": "TMPDIR", "value": SCRATCH_DIR}, {"name": "HOME", "value": SCRATCH_DIR}]
+        pod["spec"]["initContainers"] = [fetch]
     if plan.spec.transport.host_network:
         # the host's NICs and addresses for NCCL; the cluster's DNS stays reachable
         pod["spec"] |= {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}

@@ -36,6 +36,7 @@ from rewardplane.api.status import (
     WEIGHTS_LOST,
 )
 from rewardplane.protocol.errors import MODEL_FILES_UNREADABLE
+from rewardplane.protocol.model_sources import EXIT_PERMANENT, FETCH_CONTAINER
 
 from .planning import Plan
 
@@ -79,8 +80,9 @@ def server_started(pod: Mapping[str, Any]) -> bool:
 def watched_state(pod: Mapping[str, Any]) -> tuple[Any, ...]:
     """What of a Pod the operator reacts to at once (its events carry kubelet heartbeats too):
     readiness, a started server, its IP, deletion, its labels (edited by hand: a drift to repair),
-    and its phase and reason (a Pod the kubelet refused, e.g. OutOfcpu, ends Failed with nothing
-    else changed: its cause is named in the status then, not at the next resync)."""
+    its phase and reason (a Pod the kubelet refused, e.g. OutOfcpu, ends Failed with nothing
+    else changed: its cause is named in the status then, not at the next resync), and its model
+    download starting, ending or failing."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     return (
         pod_ready(pod),
@@ -90,6 +92,8 @@ def watched_state(pod: Mapping[str, Any]) -> tuple[Any, ...]:
         tuple(sorted((meta.get("labels") or {}).items())),
         status.get("phase"),
         status.get("reason"),
+        tuple(_fetch_status(pod).get("state") or {}),
+        _fetch_status(pod).get("restartCount"),
     )
 
 
@@ -123,6 +127,7 @@ UNSCHEDULABLE = "Unschedulable"
 OOM_KILLED = "OOMKilled"
 CRASH_LOOP = "CrashLoopBackOff"
 MODEL_UNREADABLE = "ModelUnreadable"
+MODEL_DOWNLOAD_FAILED = "ModelDownloadFailed"
 BROKEN_WEIGHTS = "BrokenWeights"
 REPLICAS_UNHEALTHY = "ReplicasUnhealthy"  # several causes at once, or an exit without a known one
 _IMAGE_WAITING = {
@@ -180,7 +185,10 @@ def replica_cause(
             f"{name} was refused by node {(pod.get('spec') or {}).get('nodeName', '?')}: {status['reason']}"
             f" ({status.get('message') or 'no message'}); free capacity on the node or lower spec.resources",
         )
-    for cs in status.get("containerStatuses") or []:
+    download = download_failure(pod)
+    if download is not None:
+        return download
+    for cs in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
         waiting = (cs.get("state") or {}).get("waiting") or {}
         why, detail = waiting.get("reason"), waiting.get("message") or ""
         if why in _IMAGE_WAITING:
@@ -220,6 +228,52 @@ def replica_cause(
         looping = ((statuses[0].get("state") or {}).get("waiting") or {}).get("reason") == CRASH_LOOP
         return Cause(CRASH_LOOP if looping else REPLICAS_UNHEALTHY, replica_problem(pod, probe))
     return None
+
+
+def _fetch_status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
+        if cs.get("name") == FETCH_CONTAINER:
+            return cs
+    return {}
+
+
+def download_failure(pod: Mapping[str, Any]) -> Cause | None:
+    """The model download of this Pod failed (its ``fetch-model`` init container exited non-zero),
+    with the fetcher's reason (its termination message)."""
+    cs = _fetch_status(pod)
+    state = cs.get("state") or {}
+    if (state.get("terminated") or {}).get("exitCode") == 0 or "running" in state:
+        return None  # downloaded, or trying again right now
+    last = state.get("terminated") or (cs.get("lastState") or {}).get("terminated") or {}
+    code = last.get("exitCode")
+    if code in (None, 0):
+        return None
+    name = (pod.get("metadata") or {}).get("name", "")
+    source = _fetch_arg(pod, "--source")
+    what = _last_lines(str(last.get("message") or ""), limit=600) or f"exit code {code}"
+    then = (
+        "fix spec.model.source, sourceSecret or sourceEndpoint (the download is retried with backoff)"
+        if code == EXIT_PERMANENT
+        else "the download is retried with backoff; check that the store is reachable from the node"
+    )
+    return Cause(
+        MODEL_DOWNLOAD_FAILED,
+        f"{name}: the model cannot be downloaded from {source}: {what}; {then} "
+        f"({int(cs.get('restartCount', 0)) + 1} attempt(s) failed)",
+    )
+
+
+def _fetch_arg(pod: Mapping[str, Any], flag: str) -> str:
+    for c in (pod.get("spec") or {}).get("initContainers") or []:
+        args = list(c.get("args") or [])
+        if c.get("name") == FETCH_CONTAINER and flag in args[:-1]:
+            return str(args[args.index(flag) + 1])
+    return "?"
+
+
+def downloading(pod: Mapping[str, Any]) -> bool:
+    """The Pod's model download runs now (its progress is in the fetcher's log)."""
+    return "running" in (_fetch_status(pod).get("state") or {})
 
 
 def waits_for_mount(pod: Mapping[str, Any]) -> bool:
@@ -409,6 +463,7 @@ def compute_status(
     stale_pods: Collection[str] = (),
     mount_problems: Mapping[str, str] | None = None,
     lost_pods: Collection[str] = (),
+    downloads: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The full status of a RewardModel.
 
@@ -418,7 +473,8 @@ def compute_status(
     is the weights version replicas must serve; by default the newest one a healthy replica reports,
     and never below ``known_version`` (the newest version a WeightSync completed): a replica that
     restarted onto base weights must not pull the model's version down. ``stale_pods`` restarted onto
-    older weights and wait for a restore: state ``stale``, never ready.
+    older weights and wait for a restore: state ``stale``, never ready. ``downloads`` maps a Pod
+    whose model is being downloaded to the download's progress, in words.
     """
     meta = rm.get("metadata") or {}
     previous = rm.get("status") or {}
@@ -548,7 +604,12 @@ def compute_status(
             *(f"creating {n}" for n in missing),
             *(f"replacing {n}" for n in outdated),
             *(f"removing {n}" for n in extra),
-            *(f"waiting for {n} to become ready" for n in not_ready if n not in broken),
+            *(
+                f"waiting for {n} to become ready"
+                + (f" ({download})" if (download := (downloads or {}).get(n)) else "")
+                for n in not_ready
+                if n not in broken
+            ),
         ]
         if pending_work:
             progressing = (True, "RollingOut", "; ".join(pending_work))

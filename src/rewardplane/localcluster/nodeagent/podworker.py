@@ -91,6 +91,16 @@ class PodWorker(threading.Thread):
                 self.container.get("name"),
                 len(containers) - 1,
             )
+        if spec.get("initContainers"):
+            # e.g. a RewardModel's model download (s3://, https://, hf:// sources): those need a
+            # real node; the server then finds no model and says so.
+            log.warning(
+                "pod %s/%s: the node agent does not run init containers (%s); use a real node for "
+                "models downloaded from s3://, https:// or hf:// sources",
+                self.ns,
+                self.pod_name,
+                ", ".join(str(c.get("name")) for c in spec["initContainers"]),
+            )
         self.rt = ContainerRuntime(
             name=self.container.get("name", "main"), image=self.container.get("image", "")
         )
