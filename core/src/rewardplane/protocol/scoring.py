@@ -105,6 +105,9 @@ class RuntimeVersionResponse(BaseModel):
     state: Literal["serving", "updating", "broken", "sleeping"] = "serving"
     detail: str | None = None
     sleep_level: int | None = None
+    # The version a delta push may build on here: the last one a push committed, None when anything
+    # else wrote the weights since (a start, a restore, a failed update). See protocol.weights.delta_refusal.
+    delta_base: int | None = None
 
 
 class WorldSizeResponse(BaseModel):

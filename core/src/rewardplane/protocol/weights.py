@@ -299,6 +299,40 @@ def check_adapter_metadata(
     return problems
 
 
+# ---- delta pushes (docs/weight-sync.md "Delta pushes") ---------------------------------------------
+# A delta push carries only the tensors that changed since ``base_version``; the rest stays as the
+# replica holds it. That is right only where the replica holds exactly what ``base_version`` was
+# pushed as, so every replica checks it before any byte moves and refuses with this code otherwise.
+STALE_BASE = "stale_base"
+
+
+def check_delta_base(base_version: int | None, version: int | None, mode: RewardModelTrainingMode) -> None:
+    """The request-level rules of ``base_version`` (raises ``ValueError``): full pushes only, and
+    older than the version it makes."""
+    if base_version is None:
+        return
+    if mode is not RewardModelTrainingMode.FULL:
+        raise ValueError(f"base_version (a delta push) goes with training_mode full only, not {mode.value}")
+    if version is not None and base_version >= version:
+        raise ValueError(f"base_version {base_version} must be older than the pushed version {version}")
+
+
+def delta_refusal(base_version: int, *, served: int, state: str, delta_base: int | None) -> str | None:
+    """Why a replica cannot take a delta push on ``base_version``, or None. ``delta_base``: the version
+    this replica's weights were last committed as by a push, None when anything else wrote them
+    since (a start, a restore, a failed update)."""
+    if state != "serving":
+        return f"this replica is {state}, not serving version {base_version}: a delta push needs every parameter intact"
+    if served != base_version:
+        return f"this replica serves version {served}, not {base_version} that the delta push builds on"
+    if delta_base != base_version:
+        return (
+            f"this replica's weights of version {served} were not committed by a push in this process (it "
+            "restarted or was restored since): a delta push builds only on pushed weights"
+        )
+    return None
+
+
 class InitCommunicatorRequest(BaseModel):
     """Join the trainer's process group. The trainer hosts the TCPStore at host:port; its
     ``senders`` ranks take the last ranks (sender i is rank ``world_size - senders + i``); this
@@ -383,9 +417,16 @@ class UpdateParamBatchRequest(BaseModel):
         default=None,
         description="training_mode adapter only: the LoRA configuration the pushed A/B tensors belong to",
     )
+    base_version: StrictInt | None = Field(
+        default=None,
+        ge=0,
+        description="A delta push: only the tensors that changed since this version, which the replica must "
+        "serve as it was pushed (else 409 before any byte moves); training_mode full only",
+    )
 
     @model_validator(mode="after")
     def _non_empty_unique(self) -> UpdateParamBatchRequest:
+        check_delta_base(self.base_version, self.version, self.training_mode)
         if (self.training_mode == RewardModelTrainingMode.ADAPTER) != (self.adapter is not None):
             raise ValueError(
                 "training_mode adapter needs adapter {rank, alpha}, and only it takes one: send both or neither"
@@ -483,9 +524,11 @@ class PushHeader(BaseModel):
     timeout_s: StrictFloat = Field(default=600.0, gt=0)
     # each receiving rank gets only what it published that it keeps (``protocol.slices``)
     sliced: StrictBool = False
+    base_version: StrictInt | None = Field(default=None, ge=0)  # a delta push (UpdateParamBatchRequest's)
 
     @model_validator(mode="after")
     def _sliced_is_streamed(self) -> PushHeader:
+        check_delta_base(self.base_version, self.version, self.training_mode)
         if self.sliced and self.atomic:
             raise ValueError("a sliced push writes into the parameters as it arrives: it cannot be atomic")
         return self
@@ -520,7 +563,7 @@ class PushVerdict(BaseModel):
 
     committed: StrictBool
     error: str | None = None
-    code: Literal["ok", "refused", "unknown_layout", "failed"] = "ok"
+    code: Literal["ok", "refused", "unknown_layout", "stale_base", "failed"] = "ok"
 
 
 STOP_LISTENING = "stop"  # a header slot holding this value ends a control plane's wait

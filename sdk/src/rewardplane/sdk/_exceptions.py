@@ -114,6 +114,11 @@ class WeightSyncError(RewardplaneError, RuntimeError):
     """A weight push failed; the message says where and what to do."""
 
 
+class DeltaRefused(WeightSyncError):
+    """A replica does not hold the version a delta push builds on (another version, restarted,
+    restored or broken); nothing moved. ``WeightPusher`` then pushes everything instead."""
+
+
 class WeightSyncFailed(WeightSyncError):
     """The operator reported the push Failed; ``reason`` is its CamelCase reason
     (``Timeout``, ``RendezvousFailed``, ...) and ``status`` the WeightSync status it read."""

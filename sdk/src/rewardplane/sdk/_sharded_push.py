@@ -75,8 +75,9 @@ class _LeaderPublisher(RewardModelPublisher):
         mode: RewardModelTrainingMode,
         keep_lora: bool,
         adapter: AdapterConfig | None = None,
+        partial: bool = False,
     ) -> tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket], str]:
-        assert self.plan is not None
+        assert self.plan is not None and not partial  # a multi-rank push sends everything (no deltas)
         return self.sharded_layout.of(self.plan, mode, keep_lora, adapter, self.control.manifest())
 
     def _phase(self, step: str, *, sliced: bool = False) -> None:

@@ -61,6 +61,7 @@ class DataPlaneStarter:
         atomic: bool,
         timeout_s: float,
         sliced: bool = False,
+        base_version: int | None = None,
     ) -> int:
         """Write the next header; returns its sequence number."""
         seq = self.seq
@@ -73,6 +74,7 @@ class DataPlaneStarter:
             atomic=atomic,
             timeout_s=timeout_s,
             sliced=sliced,
+            base_version=base_version,
         )
         put(self.store, PushKeys.header(seq), header)
         self.seq += 1

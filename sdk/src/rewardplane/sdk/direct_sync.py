@@ -8,6 +8,7 @@ names of the same class and method.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -22,11 +23,14 @@ from rewardplane.protocol import (
 from rewardplane.protocol.naming import WeightValidationError
 from rewardplane.transport.comm import Backend, Communicator, default_device
 
-from ._exceptions import WeightSyncError
+from ._exceptions import DeltaRefused, WeightSyncError
 from ._sharded_push import ShardedPusher
 from .data_plane import DataPlaneStarter
+from .delta import Acknowledged, delta_names, fingerprints
 from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards, open_trainer_group
 from .retry import RewardServerError
+
+log = logging.getLogger(__name__)
 
 
 class FanOutCommunicator:
@@ -92,6 +96,8 @@ class WeightPusher:
             state dict (FSDP2 ``DTensor``s, ``TensorPiece`` slices, or tensors every rank holds
             alike). Each rank sends its own part from its own device; nothing is gathered. Rank 0
             talks to the servers and hosts the group on ``group_port``; ``device`` is each rank's.
+        delta: the default of :meth:`push`'s ``delta`` (send only the tensors that changed since
+            the last push every server committed; docs/weight-sync.md "Delta pushes").
 
     The group is formed on the first push (or :meth:`open`) and kept for the next ones; a failed
     transfer drops it and the next push forms it again.
@@ -116,8 +122,13 @@ class WeightPusher:
         head_name_patterns: Sequence[str] | None = None,
         data_plane: bool = True,
         trainer_group: dist.ProcessGroup | None = None,
+        delta: bool = False,
     ) -> None:
         self.urls = list(urls)
+        self.delta = delta
+        # What every server committed in the last push, where it was a delta-enabled full push:
+        # fingerprints only. None: the next delta-enabled push sends everything.
+        self._acked: Acknowledged | None = None
         self.data_plane = data_plane
         self.group_port = group_port
         self.group_ports = (
@@ -262,6 +273,7 @@ class WeightPusher:
         training_mode: RewardModelTrainingMode | str = RewardModelTrainingMode.FULL,
         keep_lora: bool = False,
         adapter: AdapterConfig | None = None,
+        delta: bool | None = None,
     ) -> int:
         """Push ``params`` as ``version`` (default :meth:`next_version`) into every server and wait
         until all serve it; returns the version. Raises WeightValidationError before any byte
@@ -269,7 +281,12 @@ class WeightPusher:
 
         ``training_mode="adapter"`` pushes only LoRA A/B tensors (plus e.g. the head), with their
         ``adapter`` configuration; the servers serve them as a LoRA adapter over untouched base
-        weights (``rewardplane.sdk.LoraSync`` picks the mode and falls back to merged pushes)."""
+        weights (``rewardplane.sdk.LoraSync`` picks the mode and falls back to merged pushes).
+
+        ``delta`` (default: the pusher's ``delta``): a full push sends only the tensors whose bytes
+        changed since the last push every server committed (one fingerprint pass over ``params``);
+        where a server no longer holds that version as pushed, everything is sent instead, as the
+        same version. Other training modes, and a multi-rank ``trainer_group``, send everything."""
         mode = RewardModelTrainingMode(training_mode)
         if self.sharded is not None:
             return self.sharded.push(
@@ -277,7 +294,12 @@ class WeightPusher:
             )
         publisher = self.open()
         v = self.next_version() if version is None else version
+        # cleared while the push runs: after any failure the next delta-enabled push sends everything
+        acked, self._acked = self._acked, None
         try:
+            if (self.delta if delta is None else delta) and mode is RewardModelTrainingMode.FULL:
+                self._acked = self._push_delta(publisher, params, v, keep_lora, acked)
+                return v
             return publisher.publish(params, v, training_mode=mode, keep_lora=keep_lora, adapter=adapter)
         except (WeightValidationError, RewardServerError) as exc:
             if isinstance(exc, RewardServerError) and exc.retryable:
@@ -288,7 +310,40 @@ class WeightPusher:
             self.reset()
             raise
 
+    @staticmethod
+    def _push_delta(
+        publisher: RewardModelPublisher,
+        params: Mapping[str, torch.Tensor],
+        version: int,
+        keep_lora: bool,
+        acked: Acknowledged | None,
+    ) -> Acknowledged:
+        """Push what changed since ``acked`` (everything without it, or where a server refuses the
+        delta); returns what the servers hold now."""
+        full = RewardModelTrainingMode.FULL
+        prints = fingerprints(params)
+        if acked is not None:
+            sizes = {k: t.numel() * t.element_size() for k, t in params.items()}
+            names = delta_names(prints, acked.prints, sizes)
+            try:
+                subset = {k: params[k] for k in names}
+                publisher.publish(
+                    subset, version, training_mode=full, keep_lora=keep_lora, base_version=acked.version
+                )
+                return Acknowledged(version, prints)
+            except DeltaRefused as exc:  # nothing moved: the same version, in full
+                log.warning(
+                    "delta push of version %d on version %d refused (%s); pushing all %d tensors instead",
+                    version,
+                    acked.version,
+                    exc,
+                    len(params),
+                )
+        publisher.publish(params, version, training_mode=full, keep_lora=keep_lora)
+        return Acknowledged(version, prints)
+
     def reset(self) -> None:
+        self._acked = None  # a new group may mean restarted servers
         if self._publisher is not None:
             try:
                 self._publisher.comm.close()

@@ -22,6 +22,7 @@ import torch
 
 from rewardplane.protocol import (
     DEFAULT_BUCKET_BYTES,
+    STALE_BASE,
     AdapterConfig,
     Bucket,
     CloseCommunicatorResponse,
@@ -42,7 +43,7 @@ from rewardplane.transport.comm import Backend, Communicator, TensorCommunicator
 from rewardplane.transport.sliced import send_slices
 from rewardplane.transport.transfer import send_buckets
 
-from ._exceptions import WeightSyncError
+from ._exceptions import DeltaRefused, WeightSyncError
 from .data_plane import DataPlaneStarter, describe
 from .push_checks import check_fits, names_for_mode
 from .retry import RetryPolicy, RewardServerError, call_with_retry, check_response
@@ -72,7 +73,10 @@ class ControlPlane(Protocol):
         bucket_bytes: int,
         atomic: bool,
         adapter: AdapterConfig | None = None,
+        base_version: int | None = None,
     ) -> None: ...
+
+    def delta_bases(self) -> list[int | None]: ...
 
     def finalize_update(self, version: int) -> None: ...
 
@@ -156,6 +160,16 @@ class HTTPControlPlane:
         """The weights version each server serves now."""
         return [int(self._get(u, Endpoints.RUNTIME_VERSION)["version"]) for u in self.urls]
 
+    def delta_bases(self) -> list[int | None]:
+        """The version each server would take a delta push on (``RuntimeVersionResponse.delta_base``:
+        None where it restarted, was restored or broke since its last push, or is older)."""
+
+        def base(url: str) -> int | None:
+            answer = self._get(url, Endpoints.RUNTIME_VERSION)
+            return None if answer.get("state") != "serving" else answer.get("delta_base")
+
+        return self._each(base)
+
     def rank_offsets(self) -> list[int]:
         """Replica i's workers start at Σ world sizes of the replicas before it."""
         offsets, total = [], 0
@@ -206,6 +220,7 @@ class HTTPControlPlane:
         bucket_bytes: int,
         atomic: bool,
         adapter: AdapterConfig | None = None,
+        base_version: int | None = None,
     ) -> None:
         cached = self._metadata_json
         if cached is None or cached[0] is not metadata or cached[1] != bucket_bytes:
@@ -226,6 +241,7 @@ class HTTPControlPlane:
             timeout_s=self.timeout_s,
             layout_id=lid,
             adapter=adapter,
+            base_version=base_version,
         ).model_dump(mode="json", exclude={"metadata"})
         known = lid in self._announced
         if not known:
@@ -233,8 +249,13 @@ class HTTPControlPlane:
         self._early = None
         try:
             self._each(lambda url: self._post(url, Endpoints.UPDATE_PARAM_BATCH, body))
-        except Exception:
+        except RewardServerError as exc:
             self._announced.discard(lid)  # e.g. a server forgot it (409): the next push sends it again
+            if _is_stale_base(exc.detail):
+                raise DeltaRefused(exc.message) from exc
+            raise
+        except Exception:
+            self._announced.discard(lid)
             raise
         self._announced.add(lid)
         query = f"{Endpoints.RUNTIME_VERSION}?wait_for_version={version}&timeout_s={EARLY_WAIT_S:.0f}"
@@ -397,13 +418,15 @@ class RewardModelPublisher:
         mode: RewardModelTrainingMode,
         keep_lora: bool,
         adapter: AdapterConfig | None = None,
+        partial: bool = False,
     ) -> tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket], str]:
         """(server name, caller's key) in broadcast order, the metadata to announce, its buckets,
-        its layout id.
+        its layout id. ``partial``: a delta push's subset, whose mode rules (e.g. a full push carries
+        the backbone) held for the whole push it is a delta of; names and shapes are checked all the same.
 
         Cached by the names, shapes and dtypes: a trainer pushes the same layout every step, and
         this work would otherwise sit on the critical path of every push."""
-        key = (mode, keep_lora, adapter, tuple((k, v.shape, v.dtype) for k, v in state_dict.items()))
+        key = (mode, keep_lora, adapter, partial, tuple((k, v.shape, v.dtype) for k, v in state_dict.items()))
         if self._layout_cache is not None and self._layout_cache[0] == key:
             return self._layout_cache[1:]
         manifest = self.control.manifest()
@@ -414,6 +437,7 @@ class RewardModelPublisher:
             keep_lora=keep_lora,
             head_patterns=self.head_name_patterns,
             adapter=adapter,
+            check_mode=not partial,
         )
         order = [(server, renamed[server]) for server in sorted(renamed)]  # deterministic on both sides
         metadata = [meta_of(server, state_dict[k]) for server, k in order]
@@ -432,16 +456,24 @@ class RewardModelPublisher:
         training_mode: RewardModelTrainingMode = RewardModelTrainingMode.FULL,
         keep_lora: bool = False,
         adapter: AdapterConfig | None = None,
+        base_version: int | None = None,
     ) -> int:
+        """Push ``state_dict`` as ``version``. ``base_version``: a delta push — ``state_dict`` holds
+        only what changed since that version, which every replica must hold as it was pushed; where
+        one does not, :class:`DeltaRefused` is raised before any byte moves."""
         start = time.perf_counter()
         started_at = time.monotonic()  # the servers' timelines use this clock too (same host)
         mode = RewardModelTrainingMode(training_mode)
-        order, metadata, plan, lid = self._layout(state_dict, mode, keep_lora, adapter)
+        order, metadata, plan, lid = self._layout(
+            state_dict, mode, keep_lora, adapter, partial=base_version is not None
+        )
         prepared = time.perf_counter()
         # An adapter push is announced over HTTP: its adapter settings are not in the push header.
         dp = self.data_plane if adapter is None else None
         if dp is not None and dp.usable(lid):
-            stats = self._publish_from_data_plane(dp, state_dict, order, metadata, plan, lid, version, mode)
+            stats = self._publish_from_data_plane(
+                dp, state_dict, order, metadata, plan, lid, version, mode, base_version
+            )
             if stats is not None:
                 self.last_stats = {
                     "bytes": stats["bytes"],
@@ -457,6 +489,8 @@ class RewardModelPublisher:
                 }
                 return version
             # the servers lost the layout: announce it over HTTP, below
+        if base_version is not None:
+            self._check_delta_bases(base_version)
         # The announce on this thread, once the first bucket's packing is enqueued (the GPU packs
         # while the servers accept); a refusal raises before a byte is sent. While the servers set
         # up their receive this thread enqueues the first buckets. (Announcing from a helper
@@ -473,6 +507,7 @@ class RewardModelPublisher:
                 bucket_bytes=self.bucket_bytes,
                 atomic=self.atomic,
                 adapter=adapter,
+                base_version=base_version,
             )
             announced = time.perf_counter()
             self._phase("send")
@@ -505,6 +540,18 @@ class RewardModelPublisher:
         }
         return version
 
+    def _check_delta_bases(self, base_version: int) -> None:
+        """Before a delta push is announced over HTTP: every server says it holds ``base_version``
+        as pushed, else DeltaRefused. Each server checks again when the announce arrives; asking
+        first keeps one replica's refusal from leaving the others, which accepted, waiting for bytes
+        (a push from the data plane agrees on refusals in its ready reduction instead)."""
+        bases = self.control.delta_bases()
+        if any(b != base_version for b in bases):
+            raise DeltaRefused(
+                f"a delta push builds on version {base_version}, but the replicas hold "
+                f"{bases} as pushed (None: restarted, restored, broken or never pushed to)"
+            )
+
     def _phase(self, step: str, *, sliced: bool = False) -> None:
         """Called as a push enters a phase other sending ranks take part in (``ready``: a
         data-plane push's ready reduction is next, ``sliced`` or broadcast; ``send``: the servers
@@ -520,6 +567,7 @@ class RewardModelPublisher:
         lid: str,
         version: int,
         mode: RewardModelTrainingMode,
+        base_version: int | None = None,
     ) -> dict[str, float] | None:
         """Header → ready reduction → buckets → commit reduction. None: a server no longer knows the
         layout (nothing moved; announce it over HTTP). Raises the servers' reasons otherwise."""
@@ -533,6 +581,7 @@ class RewardModelPublisher:
             atomic=self.atomic,
             timeout_s=self.timeout_s,
             sliced=schedule is not None,
+            base_version=base_version,
         )
         header = time.perf_counter()
         self._phase("ready", sliced=schedule is not None)
@@ -559,6 +608,8 @@ class RewardModelPublisher:
             if any(v.code == "unknown_layout" for v in verdicts.values()):
                 dp.forget(lid)
                 return None
+            if any(v.code == STALE_BASE for v in verdicts.values()):
+                raise DeltaRefused(describe(verdicts, dp.replicas))
             raise RewardServerError(
                 409, describe(verdicts, dp.replicas), url="the group's store (data-plane push)"
             )
@@ -574,6 +625,11 @@ class RewardModelPublisher:
             "synchronized": synchronized,
             "committed": committed,
         }
+
+
+def _is_stale_base(detail: Any) -> bool:
+    """A server's 409 refusing a delta push (``detail.code`` is ``STALE_BASE``)."""
+    return isinstance(detail, dict) and detail.get("code") == STALE_BASE
 
 
 def _detached(

@@ -26,8 +26,10 @@ def names_for_mode(
     keep_lora: bool,
     head_patterns: Sequence[str],
     adapter: AdapterConfig | None,
+    check_mode: bool = True,
 ) -> dict[str, T]:
-    """Server names → values, validated for ``mode`` (an adapter push keeps its LoRA tensors)."""
+    """Server names → values, validated for ``mode`` (an adapter push keeps its LoRA tensors;
+    ``check_mode=False``: a delta push's subset, whose whole push the mode's rules were checked on)."""
     is_adapter = mode is RewardModelTrainingMode.ADAPTER
     if is_adapter and adapter is None:
         raise WeightValidationError(
@@ -37,7 +39,7 @@ def names_for_mode(
     if adapter is not None and not is_adapter:
         raise WeightValidationError(f"adapter= goes with training_mode adapter only, not {mode.value}")
     renamed = normalize_params(params, served=served, keep_lora=keep_lora or is_adapter)
-    if not is_adapter:
+    if not is_adapter and check_mode:
         validate_for_mode(renamed, mode, tuple(head_patterns))
     return renamed
 

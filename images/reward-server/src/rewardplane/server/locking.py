@@ -30,6 +30,10 @@ class WeightsGuard:
         # After a level-2 wake that could not reload the weights: only a push of every parameter (or
         # a restore) repairs them — a partial push would serve garbage next to the pushed part.
         self.needs_full_push = False
+        # The version the weights were last committed as by a push, while nothing else wrote them:
+        # what a delta push may build on (protocol.weights.delta_refusal). A fresh process and a
+        # restore have none (the trainer's record of what was sent may not match what was loaded).
+        self.delta_base: int | None = None
         self._awake_state: State = "serving"  # the state to return to on wake
         self._state_before_write: State = "serving"
         self._readers = 0
@@ -106,9 +110,11 @@ class WeightsGuard:
                 self._cond.notify_all()
             self.signal_change()
 
-    def commit(self, version: int) -> None:
-        """Called inside ``updating()`` once the whole update succeeded."""
+    def commit(self, version: int, *, pushed: bool = True) -> None:
+        """Called inside ``updating()`` once the whole update succeeded (``pushed``: by a push, not a
+        restore)."""
         self.version = version
+        self.delta_base = version if pushed else None
         self.state = "serving"
         self.broken_reason = None
         self.needs_full_push = False
@@ -142,6 +148,7 @@ class WeightsGuard:
         wake, could not be reloaded: ``needs_full_push``)."""
         self.state = "broken"
         self.broken_reason = reason
+        self.delta_base = None
         self.sleep_level = None
         self.needs_full_push = self.needs_full_push or needs_full_push
         self.signal_change()

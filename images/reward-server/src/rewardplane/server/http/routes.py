@@ -195,7 +195,11 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
                 # woken by the commit or the update's end; the cap only bounds a missed wake-up
                 await g.wait_change(min(0.05, max(0.0, deadline - time.monotonic())))
         return RuntimeVersionResponse(
-            version=g.version, state=g.state, detail=g.broken_reason, sleep_level=g.sleep_level
+            version=g.version,
+            state=g.state,
+            detail=g.broken_reason,
+            sleep_level=g.sleep_level,
+            delta_base=g.delta_base,
         )
 
     @router.get(Endpoints.WORLD_SIZE, response_model=WorldSizeResponse)

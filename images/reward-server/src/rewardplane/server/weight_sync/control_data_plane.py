@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from rewardplane.protocol import (
+    STALE_BASE,
     InitCommunicatorRequest,
     PushHeader,
     PushLoaded,
@@ -73,6 +74,8 @@ class DataPlanePushes(ControlPlaneState):
             )
         elif header.version <= guard.version and guard.state != "broken":
             push.error = f"version {header.version} is not newer than the served version {guard.version}; versions must increase"
+        elif (refusal := self._delta_refusal(header.base_version)) is not None:
+            push.error, push.code = refusal, STALE_BASE
         elif self.busy():
             push.error = "another weight update is in progress; wait for it to finish"
         elif (refusal := guard.write_refusal()) is not None:  # as the HTTP path's lock would answer (409)
@@ -80,7 +83,7 @@ class DataPlanePushes(ControlPlaneState):
         elif not self._has_comm:
             push.error = "no communicator: the group failed; form it again (/init_communicator)"
         if push.error is not None or layout is None:  # an unknown layout was refused above
-            push.code = "unknown_layout" if push.code == "unknown_layout" else "refused"
+            push.code = push.code if push.code in ("unknown_layout", STALE_BASE) else "refused"
             return push
         push.layout = layout
         self._layouts.move_to_end(layout.id)

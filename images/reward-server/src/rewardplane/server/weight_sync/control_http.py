@@ -13,6 +13,7 @@ from typing import Any
 from rewardplane.protocol import (
     JOIN_GRACE_S,
     MAX_LAYOUTS,
+    STALE_BASE,
     CancelledJoin,
     InitCommunicatorRequest,
     RewardModelTrainingMode,
@@ -224,6 +225,8 @@ class AnnouncedPushes(DataPlanePushes):
             raise Conflict(
                 f"version {version} is not newer than the served version {guard.version}; versions must increase"
             )
+        if (refusal := self._delta_refusal(req.base_version)) is not None:
+            raise Conflict(refusal, detail={"code": STALE_BASE})
         await self._let_committed_update_finish(req.timeout_s)
         if self.busy():
             raise Conflict("another weight update is in progress; wait for it to finish")
@@ -275,7 +278,8 @@ class AnnouncedPushes(DataPlanePushes):
                             await self.port.call_workers("rp_apply_staged", metadata)
                             await self._drop_adapter_under(req.training_mode)
                         await self.port.reset_cache()
-                        guard.commit(version)
+                        # a delta push never builds on an adapter: a full push drops it
+                        guard.commit(version, pushed=not adapter)
                         self._update_committed = True
                         stamps["committed"] = time.monotonic()
                         if adapter:

@@ -33,7 +33,7 @@ class Restores(ControlPlaneState):
                     if not isinstance(exc, Conflict):
                         guard.mark_broken(f"restoring version {version} failed part-way: {exc}")
                     raise
-                guard.commit(version)
+                guard.commit(version, pushed=False)  # a delta push never builds on a restore
         except TimeoutError as exc:
             raise Unavailable(
                 f"scoring in flight did not finish within timeout_s={timeout_s:g}s; nothing was restored: retry"

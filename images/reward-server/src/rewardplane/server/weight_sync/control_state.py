@@ -18,6 +18,7 @@ from rewardplane.protocol import (
     ParamMeta,
     PushHeader,
     RewardModelTrainingMode,
+    delta_refusal,
 )
 from rewardplane.server.engines.engine import ServedAdapter, WeightSyncPort
 from rewardplane.server.locking import WeightsGuard
@@ -152,6 +153,14 @@ class ControlPlaneState:
     def failed_idle(self) -> bool:
         """The last update failed and none is running: waiting for a newer version is pointless."""
         return not self.busy() and self.last_error is not None
+
+    def _delta_refusal(self, base_version: int | None) -> str | None:
+        """Why a delta push on ``base_version`` cannot land here (None: it can, or it is no delta).
+        Both push paths ask before any byte moves."""
+        if base_version is None:
+            return None
+        g = self.guard
+        return delta_refusal(base_version, served=g.version, state=g.state, delta_base=g.delta_base)
 
     def _joining(self) -> PendingJoin | None:
         return self._pending_join if self._init_task is not None and not self._init_task.done() else None
