@@ -154,6 +154,19 @@ def kubectl(c: RealCluster, *args: str, timeout: float = 120) -> str:
     return done.stdout
 
 
+def kubectl_apply(c: RealCluster, obj: dict[str, Any]) -> str:
+    """``kubectl apply -f -`` of one object, as a user would."""
+    done = subprocess.run(
+        [str(find_binary("kubectl")), "--kubeconfig", str(c.kubeconfig), "apply", "-f", "-"],
+        input=json.dumps(obj),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, f"kubectl apply: {done.stderr}"
+    return done.stdout
+
+
 def helm(c: RealCluster, *args: str, timeout: float = 360) -> str:
     done = subprocess.run(
         [str(find_binary("helm")), "--kubeconfig", str(c.kubeconfig), *args],
@@ -1159,6 +1172,28 @@ def test_scale_1_3_1_and_sigterm_ends_replicas_fast(real_cluster: RealCluster) -
     scale(1)
     wait_for("1 replica again", lambda: ready_at(c, 1, S.version), READY_TIMEOUT_S, 1)
     wait_for("kubectl get rm and /scale at 1/1 again", lambda: scaled_to(1), 30, 1)
+
+    # An HorizontalPodAutoscaler drives the RewardModel through the same subresource (the
+    # controller-manager's HPA controller; below minReplicas it scales up without any metric).
+    hpa = {
+        "apiVersion": "autoscaling/v1",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": f"{RM}-hpa", "namespace": NS},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": f"{GROUP}/{VERSION}", "kind": "RewardModel", "name": RM},
+            "minReplicas": 2,
+            "maxReplicas": 2,
+            "targetCPUUtilizationPercentage": 80,
+        },
+    }
+    kubectl_apply(c, hpa)
+    try:
+        wait_for("the HPA to scale the model to 2", lambda: ready_at(c, 2, S.version), READY_TIMEOUT_S, 1)
+        wait_for("kubectl get rm and /scale at 2/2", lambda: scaled_to(2), 30, 1)
+    finally:
+        kubectl(c, "delete", "hpa", f"{RM}-hpa", "-n", NS)
+    scale(1)
+    wait_for("1 replica after the HPA", lambda: ready_at(c, 1, S.version), READY_TIMEOUT_S, 1)
 
 
 def ready_since_start_s(pod: Any) -> float | None:
