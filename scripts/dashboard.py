@@ -10,12 +10,13 @@ runs every query against a Prometheus scraping the cluster.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from generated_file import write_or_check
 
 OUT = Path(__file__).resolve().parents[1] / "charts" / "rewardplane" / "dashboards" / "rewardplane.json"
 UID = "rewardplane"
@@ -206,19 +207,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--check", action="store_true", help=f"exit 1 if {OUT.name} is not current")
-    args = p.parse_args(argv)
-    text = render()
-    if args.check:
-        if not OUT.is_file() or OUT.read_text() != text:
-            print(f"{OUT} is stale: run python scripts/dashboard.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
-    print(f"wrote {OUT}")
-    return 0
+    return write_or_check(OUT, render(), "scripts/dashboard.py", __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+
+from generated_file import write_or_check
 
 from rewardplane.protocol.settings import markdown
 
@@ -16,18 +17,7 @@ PAGE = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--check", action="store_true", help="exit 1 if docs/settings.md is not current")
-    args = p.parse_args(argv)
-    text = markdown()
-    if args.check:
-        if not PAGE.is_file() or PAGE.read_text() != text:
-            print(f"{PAGE} is stale: run python scripts/settings_doc.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(text)
-    print(f"wrote {PAGE}")
-    return 0
+    return write_or_check(PAGE, markdown(), "scripts/settings_doc.py", __doc__, argv)
 
 
 if __name__ == "__main__":
