@@ -83,7 +83,7 @@ def watched_state(pod: Mapping[str, Any]) -> tuple[Any, ...]:
     its phase and reason (a Pod the kubelet refused, e.g. OutOfcpu, ends Failed with nothing
     else changed: its cause is named in the status then, not at the next resync), and its model
     download starting, ending or failing."""
-    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    meta, status, fetch = pod.get("metadata") or {}, pod.get("status") or {}, _fetch_status(pod)
     return (
         pod_ready(pod),
         server_started(pod),  # up and waiting for its admission (ready only after it)
@@ -92,8 +92,8 @@ def watched_state(pod: Mapping[str, Any]) -> tuple[Any, ...]:
         tuple(sorted((meta.get("labels") or {}).items())),
         status.get("phase"),
         status.get("reason"),
-        tuple(_fetch_status(pod).get("state") or {}),
-        _fetch_status(pod).get("restartCount"),
+        tuple(fetch.get("state") or {}),
+        fetch.get("restartCount"),
     )
 
 
