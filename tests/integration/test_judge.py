@@ -156,6 +156,18 @@ def test_bad_chat_requests_are_refused_with_what_to_change(judge_server):
     assert resp.status_code == 422
 
 
+def test_fixed_length_answers_with_ignore_eos_and_min_tokens(judge_server):
+    """vLLM's extra sampling fields: ignore_eos answers max_tokens tokens every time (benchmarks and
+    length controls send it), min_tokens above max_tokens is refused with what to change."""
+    body = chat(judge_server.url, max_tokens=MAX_TOKENS, temperature=1.0, n=4, seed=3, ignore_eos=True).json()
+    assert body["usage"]["completion_tokens"] == 4 * MAX_TOKENS
+    assert {c["finish_reason"] for c in body["choices"]} == {"length"}
+    body = chat(judge_server.url, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=0).json()
+    assert body["usage"]["completion_tokens"] == MAX_TOKENS
+    bad = chat(judge_server.url, max_tokens=4, min_tokens=5)
+    assert bad.status_code == 422 and "lower min_tokens" in bad.text
+
+
 def test_a_judge_sleeps_and_wakes_to_the_same_answers(judge_server):
     """The generative engine sleeps as the scoring one does (it once lacked sleep and wake: /sleep
     answered 500), and a level-2 wake reloads its base checkpoint."""

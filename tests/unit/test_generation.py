@@ -40,6 +40,20 @@ def test_max_tokens_defaults_to_what_fits_and_too_much_is_refused() -> None:
         sampling_options(ChatCompletionRequest(messages=CHAT), prompt_tokens=100, max_model_len=100)
 
 
+def test_min_tokens_and_ignore_eos_reach_the_engine_and_must_fit() -> None:
+    req = ChatCompletionRequest(messages=CHAT, max_tokens=10, min_tokens=4, ignore_eos=True)
+    opts = sampling_options(req, prompt_tokens=30, max_model_len=100)
+    assert (opts.max_tokens, opts.min_tokens, opts.ignore_eos) == (10, 4, True)
+    opts = sampling_options(ChatCompletionRequest(messages=CHAT), prompt_tokens=30, max_model_len=100)
+    assert (opts.min_tokens, opts.ignore_eos) == (0, False)
+    with pytest.raises(ValueError, match="lower min_tokens"):
+        ChatCompletionRequest(messages=CHAT, max_tokens=3, min_tokens=4)
+    with pytest.raises(BadRequest, match="at most 70 can be generated; lower min_tokens"):
+        sampling_options(
+            ChatCompletionRequest(messages=CHAT, min_tokens=71), prompt_tokens=30, max_model_len=100
+        )
+
+
 def test_bad_chat_requests_are_refused_by_the_schema() -> None:
     for bad in ({"stream": True}, {"stop": [""]}, {"n": 0}, {"temperature": 3}, {"top_p": 0}):
         with pytest.raises(ValueError):

@@ -275,7 +275,8 @@ class ChatCompletionRequest(BaseModel):
     """``POST /v1/chat/completions`` (OpenAI / vLLM), non-streaming. The chat is rendered through the
     model's chat template with the assistant's opening (``add_generation_prompt``). ``max_tokens``
     (or OpenAI's newer ``max_completion_tokens``) defaults to what fits in the model's length.
-    Unknown fields are accepted, as on the other OpenAI shapes."""
+    vLLM's ``min_tokens`` and ``ignore_eos`` (answers of a fixed length, as benchmarks and length
+    controls ask for) are honoured. Unknown fields are accepted, as on the other OpenAI shapes."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -294,9 +295,16 @@ class ChatCompletionRequest(BaseModel):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     user: str | None = None
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    ignore_eos: StrictBool = False
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
+        limit = self.token_limit()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(
+                f"min_tokens {self.min_tokens} is more than max_tokens {limit}: lower min_tokens"
+            )
         if self.stream:
             raise ValueError("stream is not supported by this server: send stream false (or leave it out)")
         if self.add_generation_prompt and self.continue_final_message:

@@ -53,6 +53,8 @@ class SamplingOptions:
     n: int = 1
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    min_tokens: int = 0  # no end of sequence before this many tokens
+    ignore_eos: bool = False  # go on to max_tokens past an end of sequence
 
     @property
     def greedy(self) -> bool:

@@ -18,6 +18,11 @@ def sampling_options(req: ChatCompletionRequest, prompt_tokens: int, max_model_l
             "(prompt and answer together): send a shorter chat"
         )
     asked = req.token_limit()
+    if req.min_tokens > room:
+        raise BadRequest(
+            f"min_tokens {req.min_tokens} does not fit: the chat is {prompt_tokens} tokens and the model "
+            f"takes {max_model_len} in all, so at most {room} can be generated; lower min_tokens"
+        )
     if asked is not None and asked > room:
         raise BadRequest(
             f"max_tokens {asked} does not fit: the chat is {prompt_tokens} tokens and the model takes "
@@ -30,6 +35,8 @@ def sampling_options(req: ChatCompletionRequest, prompt_tokens: int, max_model_l
         n=req.n,
         seed=req.seed,
         stop=tuple(req.stop_list()),
+        min_tokens=min(req.min_tokens, asked if asked is not None else room),
+        ignore_eos=req.ignore_eos,
     )
 
 

@@ -70,7 +70,9 @@ class HFGenerativeEngine(HFEngineBase):
         kwargs: dict[str, Any] = {
             "attention_mask": torch.ones_like(ids),
             "max_new_tokens": options.max_tokens,
-            "min_new_tokens": 0,
+            # transformers cannot go on past an end of sequence: ignore_eos forbids it instead (the
+            # same length, and an end-of-sequence token never appears in the answer)
+            "min_new_tokens": options.max_tokens if options.ignore_eos else options.min_tokens,
             "pad_token_id": self.pad_id,
             "eos_token_id": self.eos_ids,
         }

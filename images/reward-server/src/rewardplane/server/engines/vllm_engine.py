@@ -478,6 +478,8 @@ class VLLMEngine:
             seed=options.seed,
             stop=list(options.stop) or None,
             max_tokens=options.max_tokens,
+            min_tokens=options.min_tokens,
+            ignore_eos=options.ignore_eos,
             output_kind=RequestOutputKind.FINAL_ONLY,  # one output at the end, every choice in it
         )
         final = None
