@@ -27,6 +27,19 @@ and prometheus-fastapi-instrumentator, which ``vllm.LLM`` does not):
     python benchmarks/scoring_gpu.py --sizes 1.4b        # one size per call fits a 10-minute limit
     python benchmarks/scoring_gpu.py --quick             # 0.4b, 512 prompts, --enforce-eager
 
+LLM judge (``--judge-sizes``, off by default): a random-weight ``LlamaForCausalLM`` of each size
+named (32000-word vocabulary, a chat template), served by the reward server in generate mode
+(``--task generate``) and by ``vllm serve --runner generate`` with the same engine settings (bf16,
+memory fraction, max length, the reward server's batch limits), each sent the same
+``/v1/chat/completions`` requests at the same concurrency: ``--judge-prompts`` chats of one user
+message of U[``--min-len``, ``--max-len``] random words (one token each), greedy, exactly
+``--judge-output-tokens`` answer tokens each (``max_tokens``; the special tokens' rows of the LM
+head are zero, so greedy decoding never picks end-of-sequence; ``ignore_eos`` is sent too). Goal:
+server ÷ ``vllm serve`` (output tokens/s, medians of ``--rounds``) >= 1.0. Every answer's
+``usage.completion_tokens`` is checked, and the share of identical greedy answers reported.
+
+    python benchmarks/scoring_gpu.py --sizes '' --judge-sizes 1.4b    # the judge only
+
 Prints a final table and each goal met or missed; writes ``scoring_gpu.json`` to ``$OUT`` (or
 ``--out``) when set, with the card, vLLM's version, ``$RP_COMMIT`` and the date.
 """
@@ -36,6 +49,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -44,9 +58,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from statistics import median
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict, TypeVar
 
 SIZES: dict[str, dict[str, int]] = {
     # ~0.39B: the model of the device README's measurement
@@ -64,6 +79,16 @@ GOAL_VS_OFFLINE_DEFAULT = 0.95
 GOAL_VS_SERVE = 1.0
 GOAL_VS_HF = 2.0
 SERVED_NAME = "reward-model"
+# The judge's tokenizer: these special tokens, then one word per further id ("w4" ... "w31999"), so a
+# prompt of n random words is n tokens and every generated id decodes to text.
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+WORD = "w{}"
+# One message's text between <s> and </s>, then <s> opening the answer: 3 tokens around a message.
+JUDGE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}{% if add_generation_prompt %}<s>{% endif %}"
+)
+CHAT_ROOM = 16  # judge engines' max_model_len: longest prompt + answer + this (the template's tokens)
+T = TypeVar("T")
 
 
 class Prompts(TypedDict):
@@ -81,16 +106,12 @@ class Prompts(TypedDict):
 # ---- phases (each runs in a fresh process) ---------------------------------------------------
 
 
-def phase_build(model_dir: Path, size: str, max_len: int) -> dict[str, Any]:
-    import torch
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    from rewardplane.tinymodel import train_tokenizer
+def llama_config(size: str, max_len: int, tokenizer: Any, **extra: Any) -> Any:
+    """``size``'s ``LlamaConfig``: VOCAB ids, an untied head, ``tokenizer``'s special ids."""
+    from transformers import LlamaConfig
 
     s = SIZES[size]
-    tokenizer = train_tokenizer()
-    # num_labels is a documented PretrainedConfig argument that transformers 5's typed __init__ omits
-    config = LlamaConfig(  # type: ignore[call-arg]
+    return LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=s["hidden"],
         intermediate_size=s["intermediate"],
@@ -98,22 +119,88 @@ def phase_build(model_dir: Path, size: str, max_len: int) -> dict[str, Any]:
         num_attention_heads=s["heads"],
         num_key_value_heads=s["kv_heads"],
         max_position_embeddings=max(max_len, 2048),
-        num_labels=1,
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **extra,
     )
+
+
+def save_model(
+    model: Any, tokenizer: Any, model_dir: Path, max_shard_size: str | None = None
+) -> dict[str, Any]:
+    import torch
+
+    params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(model_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    tokenizer.save_pretrained(model_dir)
+    return {"params": params, "card": torch.cuda.get_device_name(0)}
+
+
+def phase_build(
+    model_dir: Path, size: str, max_len: int, max_shard_size: str | None = None
+) -> dict[str, Any]:
+    import torch
+    from transformers import LlamaForSequenceClassification
+
+    from rewardplane.tinymodel import train_tokenizer
+
+    tokenizer = train_tokenizer()
+    # num_labels: a documented PretrainedConfig argument that transformers 5's typed __init__ omits
+    config = llama_config(size, max_len, tokenizer, num_labels=1)
     torch.manual_seed(0)
     with torch.device("cuda"):  # random init on the GPU: seconds instead of minutes for 1.4B
         # transformers wraps .to with functools.wraps, whose stub is not a method: self is not bound
         model = LlamaForSequenceClassification(config).to(torch.bfloat16)  # type: ignore[arg-type]
         with torch.no_grad():
-            model.score.weight.normal_(0.0, s["hidden"] ** -0.5)  # unit-scale scores
-    params = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    return {"params": params, "card": torch.cuda.get_device_name(0)}
+            model.score.weight.normal_(0.0, SIZES[size]["hidden"] ** -0.5)  # unit-scale scores
+    return save_model(model, tokenizer, model_dir, max_shard_size)
+
+
+def word_tokenizer() -> Any:  # -> transformers.PreTrainedTokenizerFast
+    """VOCAB tokens: SPECIAL_TOKENS, then one word per id, split on whitespace, with the judge's chat
+    template; decoding joins words with spaces."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    vocab.update({WORD.format(i): i for i in range(len(SPECIAL_TOKENS), VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = JUDGE_CHAT_TEMPLATE
+    return tokenizer
+
+
+def phase_build_judge(model_dir: Path, size: str, model_len: int) -> dict[str, Any]:
+    """A random-weight ``LlamaForCausalLM`` whose greedy answers never end early (the special tokens'
+    LM-head rows are zero: a logit of 0 never beats the largest of 31,996 random ones), and the batch
+    limits the reward server picks for it on this card (``vllm serve`` gets the same)."""
+    import torch
+    import vllm
+    from transformers import LlamaForCausalLM
+
+    from rewardplane.protocol import ModelTask
+    from rewardplane.server.config import ServerConfig
+    from rewardplane.server.engines.vllm_engine import build_engine_args
+
+    tokenizer = word_tokenizer()
+    config = llama_config(size, model_len, tokenizer)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
+        with torch.no_grad():
+            model.lm_head.weight[: len(SPECIAL_TOKENS)] = 0.0
+    out = save_model(model, tokenizer, model_dir)
+    served = build_engine_args(
+        ServerConfig(model=str(model_dir), engine="vllm", task=ModelTask.GENERATE), model_len
+    )
+    limits = {"max_num_batched_tokens": served.max_num_batched_tokens, "max_num_seqs": served.max_num_seqs}
+    out.update(batch_limits=limits, vllm_version=vllm.__version__)
+    return out
 
 
 def vllm_kwargs(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -254,33 +341,81 @@ class Target(TypedDict):
     field: str
 
 
-async def drive(
-    target: Target, prompts: list[list[int]], per_request: int, concurrency: int
-) -> tuple[float, list[list[float]]]:
-    """Send every prompt in requests of ``per_request`` with at most ``concurrency`` in flight."""
+def bounded(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    """``coro`` run to its end in a fresh event loop, within ``timeout_s``."""
+    return asyncio.run(asyncio.wait_for(coro, timeout_s))
+
+
+async def send_all(
+    endpoint: str, bodies: list[dict[str, Any]], concurrency: int, parse: Callable[[Any], T]
+) -> tuple[float, list[T]]:
+    """POST every body to ``endpoint`` with at most ``concurrency`` in flight: the seconds it took
+    and ``parse`` of each answer's JSON, in the bodies' order."""
     import httpx
 
     from rewardplane.sdk.http_pool import ShardedAsyncClient
 
-    chunks = [prompts[i : i + per_request] for i in range(0, len(prompts), per_request)]
-    results: list[list[list[float]]] = [[] for _ in chunks]
+    results: list[Any] = [None] * len(bodies)
     sem = asyncio.Semaphore(concurrency)
-    endpoint, field = target["url"] + target["path"], target["field"]
     # The SDK's client: one httpx pool of 256 connections costs ~2x the client CPU per request
     # (benchmarks/http_client.py), which capped this benchmark rather than the server.
     async with ShardedAsyncClient(max_connections=concurrency, timeout=httpx.Timeout(600.0)) as client:
 
         async def one(i: int) -> None:
             async with sem:
-                r = await client.post(endpoint, json={"input": chunks[i], **target["body"]})
+                r = await client.post(endpoint, json=bodies[i])
                 if r.status_code != 200:
-                    raise RuntimeError(f"{target['path']} answered {r.status_code}: {r.text[:500]}")
-                results[i] = [d[field] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+                    raise RuntimeError(f"{endpoint} answered {r.status_code}: {r.text[:500]}")
+                results[i] = parse(r.json())
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(len(chunks))))
+        await asyncio.gather(*(one(i) for i in range(len(bodies))))
         seconds = time.perf_counter() - t0
+    return seconds, results
+
+
+async def drive(
+    target: Target, prompts: list[list[int]], per_request: int, concurrency: int
+) -> tuple[float, list[list[float]]]:
+    """Send every prompt in requests of ``per_request`` with at most ``concurrency`` in flight."""
+    chunks = [prompts[i : i + per_request] for i in range(0, len(prompts), per_request)]
+    field = target["field"]
+
+    def scores(answer: Any) -> list[list[float]]:
+        return [d[field] for d in sorted(answer["data"], key=lambda d: d["index"])]
+
+    bodies = [{"input": chunk, **target["body"]} for chunk in chunks]
+    seconds, results = await send_all(target["url"] + target["path"], bodies, concurrency, scores)
     return seconds, [row for chunk in results for row in chunk]
+
+
+class Answer(NamedTuple):
+    """One chat completion: its text and OpenAI's token counts."""
+
+    text: str
+    completion_tokens: int
+    prompt_tokens: int
+
+
+def judge_answer(body: Any) -> Answer:
+    (choice,) = body["choices"]
+    usage = body["usage"]
+    return Answer(choice["message"]["content"], int(usage["completion_tokens"]), int(usage["prompt_tokens"]))
+
+
+def judge_bodies(chats: list[str], output_tokens: int) -> list[dict[str, Any]]:
+    """One ``/v1/chat/completions`` request per chat text: greedy, ``output_tokens`` answer tokens
+    (``ignore_eos``: vLLM's; the reward server ignores unknown fields, and the model never ends early)."""
+    return [
+        {
+            "model": SERVED_NAME,
+            "messages": [{"role": "user", "content": chat}],
+            "max_tokens": output_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        for chat in chats
+    ]
 
 
 def process_cpu_s(root: int) -> dict[str, float]:
@@ -303,8 +438,26 @@ def process_cpu_s(root: int) -> dict[str, float]:
     return out
 
 
-def server_cmd(model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
-    """The reward server on the vLLM engine."""
+def timed_with_cpu(
+    proc: subprocess.Popen[bytes], run: Callable[[], tuple[float, T]]
+) -> tuple[float, T, dict[str, float]]:
+    """``run()``'s seconds and result, and the busy fraction (CPU s / wall s) over it of each process
+    of the server ``proc`` and of this client: ~1.0 means that process set the pace."""
+    before, client_before = process_cpu_s(proc.pid), time.process_time()
+    seconds, result = run()
+    after, client_after = process_cpu_s(proc.pid), time.process_time()
+    busy = {name: round((after[name] - before[name]) / seconds, 3) for name in after if name in before}
+    busy["client (this process)"] = round((client_after - client_before) / seconds, 3)
+    return seconds, result, busy
+
+
+def judge_model_len(args: argparse.Namespace) -> int:
+    """The judge engines' max_model_len: the longest chat, its template's tokens and the answer."""
+    return args.max_len + CHAT_ROOM + args.judge_output_tokens
+
+
+def server_cmd(model_dir: Path, port: int, args: argparse.Namespace, judge: bool = False) -> list[str]:
+    """The reward server on the vLLM engine (``judge``: in generate mode, an LLM judge)."""
     cmd = [
         sys.executable,
         "-m",
@@ -318,19 +471,24 @@ def server_cmd(model_dir: Path, port: int, args: argparse.Namespace) -> list[str
         "--gpu-memory-utilization",
         str(args.gpu_memory_utilization),
         "--max-model-len",
-        str(args.max_len),
+        str(judge_model_len(args) if judge else args.max_len),
         "--log-level",
         "warning",
     ]
+    if judge:
+        cmd += ["--task", "generate"]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     return cmd
 
 
-def vllm_serve_cmd(model_dir: Path, port: int, args: argparse.Namespace, limits: dict[str, int]) -> list[str]:
-    """``vllm serve MODEL --runner pooling`` (vLLM's own CLI entry point) with the engine settings of
-    the reward server and the offline run: bf16, fp32 head, LAST pooling, the same memory fraction,
-    max length and batch limits, no chunked prefill."""
+def vllm_serve_cmd(
+    model_dir: Path, port: int, args: argparse.Namespace, limits: dict[str, int], judge: bool = False
+) -> list[str]:
+    """``vllm serve MODEL`` (vLLM's own CLI entry point) with the engine settings of the reward server
+    and the offline run: bf16, the same memory fraction, max length and batch limits; scoring
+    (``--runner pooling``) with an fp32 head, LAST pooling and no chunked prefill, a judge
+    (``--runner generate``) with vLLM's defaults otherwise, as the reward server in generate mode."""
     cmd = [
         sys.executable,
         "-m",
@@ -338,20 +496,25 @@ def vllm_serve_cmd(model_dir: Path, port: int, args: argparse.Namespace, limits:
         "serve",
         str(model_dir),
         "--runner",
-        "pooling",
+        "generate" if judge else "pooling",
         "--dtype",
         "bfloat16",
         "--max-model-len",
-        str(args.max_len),
+        str(judge_model_len(args) if judge else args.max_len),
         "--gpu-memory-utilization",
         str(args.gpu_memory_utilization),
-        "--hf-overrides",
-        json.dumps({"head_dtype": "float32"}),
-        "--pooler-config",
-        json.dumps({"pooling_type": "LAST"}),
+    ]
+    if not judge:
+        cmd += [
+            "--hf-overrides",
+            json.dumps({"head_dtype": "float32"}),
+            "--pooler-config",
+            json.dumps({"pooling_type": "LAST"}),
+            "--no-enable-chunked-prefill",
+        ]
+    cmd += [
         "--served-model-name",
         SERVED_NAME,
-        "--no-enable-chunked-prefill",
         "--disable-log-stats",
         "--disable-uvicorn-access-log",
         "--uvicorn-log-level",
@@ -368,67 +531,21 @@ def vllm_serve_cmd(model_dir: Path, port: int, args: argparse.Namespace, limits:
     return cmd
 
 
-def measure_http(
-    kind: str,
-    model_dir: Path,
-    prompts: Prompts,
-    args: argparse.Namespace,
-    work: Path,
-    limits: dict[str, int] | None = None,
-) -> dict[str, Any]:
-    """Start one HTTP server (``kind``: "server", the reward server, or "vllm-serve"), warm it up, and
-    score the prompts at each request size (``vllm serve``: the headline size only)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    target: Target
-    if kind == "server":
-        cmd = server_cmd(model_dir, port, args)
-        target = {"name": kind, "url": url, "path": "/pooling", "body": {}, "field": "data"}
-        sizes = args.items_per_request_list
-    else:
-        cmd = vllm_serve_cmd(model_dir, port, args, limits or {})
-        # raw scores (use_activation off), as the reward server and the offline run return them
-        body = {"model": SERVED_NAME, "use_activation": False}
-        target = {"name": kind, "url": url, "path": "/classify", "body": body, "field": "probs"}
-        sizes = args.items_per_request_list[:1]
+@contextlib.contextmanager
+def serving(
+    kind: str, cmd: list[str], port: int, work: Path, args: argparse.Namespace
+) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
+    """Start ``cmd``, one HTTP server on ``port`` (``kind``: "server", the reward server, or
+    "vllm-serve"), and yield the process and its startup seconds once it is healthy. A failure to
+    start, or of the body, raises with the tail of the server's log; the server's whole process group
+    is killed on the way out."""
     log = work / f"{kind}-{port}.log"
     t0 = time.perf_counter()
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def bounded(prompts_: list[list[int]], per_request: int) -> tuple[float, list[list[float]]]:
-        return asyncio.run(
-            asyncio.wait_for(drive(target, prompts_, per_request, args.concurrency), args.phase_timeout)
-        )
-
     try:
-        wait_healthy(url, proc, log, args.phase_timeout)
-        startup = time.perf_counter() - t0
-        bounded(prompts["warmup"], sizes[0])
-        out: dict[str, Any] = {"startup_s": startup, "runs": {}, "command": cmd[1:]}
-        # Each request size gets its own prompts' worth of fresh work: reuse would hit the prefix cache.
-        for k, per_request in enumerate(sizes):
-            main = prompts["main"] if k == 0 else prompts["extra"][k - 1]
-            before, client_before = process_cpu_s(proc.pid), time.process_time()
-            seconds, scores = bounded(main, per_request)
-            after, client_after = process_cpu_s(proc.pid), time.process_time()
-            # busy fraction of each process over the run: ~1.0 means that process set the pace
-            busy = {
-                name: round((after[name] - before[name]) / seconds, 3) for name in after if name in before
-            }
-            busy["client (this process)"] = round((client_after - client_before) / seconds, 3)
-            round_seconds = [seconds]
-            if k == 0:  # the headline request size: the further rounds too
-                round_seconds += [bounded(more, per_request)[0] for more in prompts.get("rounds", [])]
-            out["runs"][per_request] = {
-                "seconds": seconds,
-                "round_seconds": round_seconds,
-                "scores": scores if k == 0 else None,
-                "tokens": sum(map(len, main)),
-                "prompts": len(main),
-                "cpu_busy": busy,
-            }
-        return out
+        wait_healthy(f"http://127.0.0.1:{port}", proc, log, args.phase_timeout)
+        yield proc, time.perf_counter() - t0
     except Exception as exc:
         # The reward server and its engine core print every thread's stack on SIGUSR1: see where it
         # waits (vllm serve installs no such handler).
@@ -456,6 +573,103 @@ def measure_http(
             pass
 
 
+def measure_http(
+    kind: str,
+    model_dir: Path,
+    prompts: Prompts,
+    args: argparse.Namespace,
+    work: Path,
+    limits: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """Start one HTTP server (``kind``: "server", the reward server, or "vllm-serve"), warm it up, and
+    score the prompts at each request size (``vllm serve``: the headline size only)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    target: Target
+    if kind == "server":
+        cmd = server_cmd(model_dir, port, args)
+        target = {"name": kind, "url": url, "path": "/pooling", "body": {}, "field": "data"}
+        sizes = args.items_per_request_list
+    else:
+        cmd = vllm_serve_cmd(model_dir, port, args, limits or {})
+        # raw scores (use_activation off), as the reward server and the offline run return them
+        body = {"model": SERVED_NAME, "use_activation": False}
+        target = {"name": kind, "url": url, "path": "/classify", "body": body, "field": "probs"}
+        sizes = args.items_per_request_list[:1]
+
+    def scored(prompts_: list[list[int]], per_request: int) -> tuple[float, list[list[float]]]:
+        return bounded(drive(target, prompts_, per_request, args.concurrency), args.phase_timeout)
+
+    with serving(kind, cmd, port, work, args) as (proc, startup):
+        scored(prompts["warmup"], sizes[0])
+        out: dict[str, Any] = {"startup_s": startup, "runs": {}, "command": cmd[1:]}
+        # Each request size gets its own prompts' worth of fresh work: reuse would hit the prefix cache.
+        for k, per_request in enumerate(sizes):
+            main = prompts["main"] if k == 0 else prompts["extra"][k - 1]
+            seconds, scores, busy = timed_with_cpu(proc, functools.partial(scored, main, per_request))
+            round_seconds = [seconds]
+            if k == 0:  # the headline request size: the further rounds too
+                round_seconds += [scored(more, per_request)[0] for more in prompts.get("rounds", [])]
+            out["runs"][per_request] = {
+                "seconds": seconds,
+                "round_seconds": round_seconds,
+                "scores": scores if k == 0 else None,
+                "tokens": sum(map(len, main)),
+                "prompts": len(main),
+                "cpu_busy": busy,
+            }
+        return out
+
+
+class JudgeChats(TypedDict):
+    """The judge's chat texts: a warm-up set, then one fresh set per round (the first: the headline)."""
+
+    warmup: list[str]
+    rounds: list[list[str]]
+
+
+def measure_judge(
+    kind: str,
+    model_dir: Path,
+    chats: JudgeChats,
+    args: argparse.Namespace,
+    work: Path,
+    limits: dict[str, int],
+) -> dict[str, Any]:
+    """Start one judge server (``kind``: "server", the reward server in generate mode, or
+    "vllm-serve" with ``--runner generate``), warm it up, and send each round's chats."""
+    port = free_port()
+    if kind == "server":
+        cmd = server_cmd(model_dir, port, args, judge=True)
+    else:
+        cmd = vllm_serve_cmd(model_dir, port, args, limits, judge=True)
+    endpoint = f"http://127.0.0.1:{port}/v1/chat/completions"
+    k = args.judge_output_tokens
+
+    def answered(chats_: list[str]) -> tuple[float, list[Answer]]:
+        bodies = judge_bodies(chats_, k)
+        return bounded(send_all(endpoint, bodies, args.concurrency, judge_answer), args.phase_timeout)
+
+    with serving(kind, cmd, port, work, args) as (proc, startup):
+        answered(chats["warmup"])
+        out: dict[str, Any] = {"startup_s": startup, "command": cmd[1:], "rounds": []}
+        for i, round_chats in enumerate(chats["rounds"]):
+            seconds, answers, busy = timed_with_cpu(proc, functools.partial(answered, round_chats))
+            out["rounds"].append(
+                {
+                    "seconds": seconds,
+                    "requests": len(answers),
+                    "output_tokens": sum(a.completion_tokens for a in answers),
+                    "prompt_tokens": sum(a.prompt_tokens for a in answers),
+                    # answers whose usage.completion_tokens is not the K asked for
+                    "wrong_length": sum(a.completion_tokens != k for a in answers),
+                }
+            )
+            if i == 0:
+                out.update(texts=[a.text for a in answers], cpu_busy=busy)
+        return out
+
+
 # ---- orchestration -----------------------------------------------------------------------------
 
 
@@ -463,6 +677,11 @@ def make_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     # ids >= 4 skip the tokenizer's special tokens; the model's vocabulary is VOCAB
     return [[rng.randrange(4, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def judge_chats(n: int, lo: int, hi: int, seed: int) -> list[str]:
+    """``n`` chat texts of U[lo, hi] random words of the judge's vocabulary (one token each)."""
+    return [" ".join(WORD.format(i) for i in ids) for ids in make_prompts(n, lo, hi, seed)]
 
 
 def run_phase(
@@ -544,17 +763,24 @@ def goal_vs_offline(size: str) -> float:
     return GOAL_VS_OFFLINE.get(size, GOAL_VS_OFFLINE_DEFAULT)
 
 
-def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    work = root / size
+def built_model(
+    phase: str, size: str, label: str, work: Path, args: argparse.Namespace, extra: list[str] | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """The model folder of ``work`` and what the ``phase`` that built it reported: built now, or
+    earlier on this machine (``--reuse-models``)."""
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / "model"
-    built_file = work / "build.json"
+    built_file = work / f"{phase}.json"
     if args.reuse_models and built_file.exists() and (model_dir / "config.json").exists():
-        built = json.loads(built_file.read_text())  # a model this script built earlier on this machine
-        print(f"[{size}] reusing the model in {model_dir}", flush=True)
-    else:
-        print(f"[{size}] building a random-weight model in {model_dir}", flush=True)
-        built = run_phase("build", model_dir, work, args, ["--size", size])  # writes build.json
+        print(f"{label} reusing the model in {model_dir}", flush=True)
+        return model_dir, json.loads(built_file.read_text())
+    print(f"{label} building a random-weight model in {model_dir}", flush=True)
+    return model_dir, run_phase(phase, model_dir, work, args, ["--size", size, *(extra or [])])
+
+
+def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    work = root / size
+    model_dir, built = built_model("build", size, f"[{size}]", work, args)
     meta.setdefault("card", built.get("card"))
     n_extra = len(args.items_per_request_list) - 1
     prompts: Prompts = {
@@ -617,6 +843,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
     round_tokens = [tokens] + [sum(map(len, r)) for r in prompts["rounds"]]
     off_s, srv_s = offline["round_seconds"], primary["round_seconds"]
     row: dict[str, Any] = {
+        "kind": "score",
         "size": size,
         "rounds": len(round_tokens),
         "round_tokens": round_tokens,
@@ -679,16 +906,142 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
     return row
 
 
+def bench_judge(size: str, args: argparse.Namespace, root: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """The LLM judge at ``size``: the reward server in generate mode, then ``vllm serve``."""
+    label, work, k = f"[judge {size}]", root / f"judge-{size}", args.judge_output_tokens
+    model_dir, built = built_model("build-judge", size, label, work, args, ["--judge-output-tokens", str(k)])
+    meta.setdefault("card", built.get("card"))
+    meta.setdefault("vllm", built.get("vllm_version"))
+    lo, hi = args.min_len, args.max_len
+    chats: JudgeChats = {
+        "warmup": judge_chats(args.concurrency, lo, hi, seed=2),  # a full batch: every batch size runs
+        "rounds": [judge_chats(args.judge_prompts, lo, hi, seed=1)]
+        + [judge_chats(args.judge_prompts, lo, hi, seed=100 + i) for i in range(args.rounds - 1)],
+    }
+    (work / "chats.json").write_text(json.dumps(chats))
+    print(
+        f"{label} {built['params'] / 1e9:.2f}B params; {args.judge_prompts} chats of U[{lo}, {hi}] words, "
+        f"{k} answer tokens each; batch limits {built['batch_limits']}",
+        flush=True,
+    )
+    wait_gpu_free()
+    server = measure_judge("server", model_dir, chats, args, work, built["batch_limits"])
+    print_judge_run(label, "server HTTP", server)
+    serve: dict[str, Any] | None = None
+    serve_error = None
+    if not args.skip_vllm_serve:
+        wait_gpu_free()
+        try:
+            serve = measure_judge("vllm-serve", model_dir, chats, args, work, built["batch_limits"])
+        except Exception as exc:  # keep the server's figures
+            serve_error = str(exc)[-2000:]
+            print(f"{label} vllm serve FAILED: {serve_error}", flush=True)
+        else:
+            print_judge_run(label, "vllm serve HTTP", serve)
+    return judge_row(size, built, server, serve, serve_error, args)
+
+
+def out_tok_s(run: dict[str, Any]) -> list[float]:
+    """Output tokens/s of each round of a judge run."""
+    return [r["output_tokens"] / r["seconds"] for r in run["rounds"]]
+
+
+def req_s(run: dict[str, Any]) -> list[float]:
+    return [r["requests"] / r["seconds"] for r in run["rounds"]]
+
+
+def print_judge_run(label: str, what: str, run: dict[str, Any]) -> None:
+    wrong = sum(r["wrong_length"] for r in run["rounds"])
+    print(
+        f"{label} {what}: {median(out_tok_s(run)):,.0f} output tok/s, {median(req_s(run)):,.1f} req/s "
+        f"(startup {run['startup_s']:.0f}s); answers not of the length asked: {wrong}; "
+        f"CPU busy: {run['cpu_busy']}",
+        flush=True,
+    )
+
+
+def greedy_agreement(a: list[str], b: list[str]) -> tuple[float, float]:
+    """The share of identical answers, and the mean share of each answer's words before the first
+    difference (batching changes bf16 rounding, so long greedy answers drift apart)."""
+
+    def common(x: list[str], y: list[str]) -> float:
+        if x == y:
+            return 1.0
+        n = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
+        return n / max(len(x), len(y), 1)
+
+    same = sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+    prefix = sum(common(x.split(), y.split()) for x, y in zip(a, b, strict=True)) / len(a)
+    return same, prefix
+
+
+def judge_row(
+    size: str,
+    built: dict[str, Any],
+    server: dict[str, Any],
+    serve: dict[str, Any] | None,
+    serve_error: str | None,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The judge's result row: per round and medians, the ratio and its goal, the sanity checks."""
+    srv = out_tok_s(server)
+    row: dict[str, Any] = {
+        "kind": "judge",
+        "size": size,
+        "params": built["params"],
+        "shape": SIZES[size],
+        "prompts": args.judge_prompts,
+        "output_tokens": args.judge_output_tokens,
+        "concurrency": args.concurrency,
+        "max_model_len": judge_model_len(args),
+        "batch_limits": built["batch_limits"],
+        "rounds": len(srv),
+        "server_rounds": server["rounds"],
+        "server_out_tok_s": median(srv),
+        "server_req_s": median(req_s(server)),
+        "server_wrong_length": sum(r["wrong_length"] for r in server["rounds"]),
+        "server_cpu_busy": server["cpu_busy"],
+        "server_command": server["command"],
+        "startup_s": {"server": server["startup_s"]},
+    }
+    if serve_error is not None:
+        row["vllm_serve_error"] = serve_error
+    if serve is not None:
+        ratios = [x / v for x, v in zip(srv, out_tok_s(serve), strict=True)]
+        same, prefix = greedy_agreement(server["texts"], serve["texts"])
+        row["startup_s"]["vllm_serve"] = serve["startup_s"]
+        row.update(
+            {
+                "vllm_serve_rounds": serve["rounds"],
+                "vllm_serve_out_tok_s": median(out_tok_s(serve)),
+                "vllm_serve_req_s": median(req_s(serve)),
+                "vllm_serve_wrong_length": sum(r["wrong_length"] for r in serve["rounds"]),
+                "server_vs_vllm_serve_rounds": ratios,
+                "server_vs_vllm_serve": median(ratios),
+                "goal_server_vs_vllm_serve": GOAL_VS_SERVE,
+                "greedy_identical": same,
+                "greedy_common_prefix": prefix,
+                "vllm_serve_cpu_busy": serve["cpu_busy"],
+                "vllm_serve_command": serve["command"],
+            }
+        )
+    return row
+
+
 def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each goal of each size: the figure, the bound and whether it was met (a goal whose
     measurement did not run is left out)."""
     out: list[dict[str, Any]] = []
     for r in rows:
-        for what, key, bound in (
-            ("server / vLLM offline", "server_vs_offline", r["goal_server_vs_offline"]),
-            ("server / vllm serve", "server_vs_vllm_serve", GOAL_VS_SERVE),
-            ("server / transformers", "server_vs_hf", GOAL_VS_HF),
-        ):
+        if r.get("kind") == "judge":
+            checks = [("judge: server / vllm serve", "server_vs_vllm_serve", GOAL_VS_SERVE)]
+        else:
+            checks = [
+                ("server / vLLM offline", "server_vs_offline", r["goal_server_vs_offline"]),
+                ("server / vllm serve", "server_vs_vllm_serve", GOAL_VS_SERVE),
+                ("server / transformers", "server_vs_hf", GOAL_VS_HF),
+            ]
+        for what, key, bound in checks:
             if key in r:
                 out.append(
                     {"size": r["size"], "goal": what, "value": r[key], "bound": bound, "met": r[key] >= bound}
@@ -701,6 +1054,20 @@ def fmt(x: float | None, spec: str) -> str:
 
 
 def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    scoring = [r for r in rows if r.get("kind") != "judge"]
+    judging = [r for r in rows if r.get("kind") == "judge"]
+    if scoring:
+        print_scoring_table(scoring, args)
+    if judging:
+        print_judge_table(judging, args)
+    print("goals:")
+    for g in goals(rows):
+        print(
+            f"  {g['size']:>5} {g['goal']:<26} {g['value']:.3f} (goal >= {g['bound']}): {'met' if g['met'] else 'MISSED'}"
+        )
+
+
+def print_scoring_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print("\n==== scoring throughput (tokens/s), one GPU, same prompts ====")
     print(
         f"prompts {args.prompts}, lengths U[{args.min_len}, {args.max_len}], HTTP: {args.concurrency} in flight, "
@@ -736,21 +1103,76 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             f"{'':>6} CPU busy (CPU s / wall s): server {r['server_cpu_busy']}"
             + (f"; vllm serve {r['vllm_serve_cpu_busy']}" if "vllm_serve_cpu_busy" in r else "")
         )
-    print("goals:")
-    for g in goals(rows):
+
+
+def print_judge_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print("\n==== LLM judge throughput (output tokens/s), one GPU, same chats: /v1/chat/completions ====")
+    print(
+        f"{args.judge_prompts} chats per round, one user message of U[{args.min_len}, {args.max_len}] tokens "
+        f"(+3 of the template), {args.judge_output_tokens} answer tokens each (max_tokens, greedy, "
+        f"ignore_eos); HTTP: {args.concurrency} in flight, one chat per request"
+        + (", enforce_eager" if args.enforce_eager else "")
+        + f"; medians of {args.rounds} round(s) on fresh chats"
+    )
+    print(
+        f"{'model':>6} {'params':>7} {'server':>10} {'srv req/s':>9} {'vllm serve':>10} {'serve req/s':>11} "
+        f"{'srv/serve':>9} {'wrong len':>9} {'same answer':>11} {'same prefix':>11}"
+    )
+    for r in rows:
+        wrong = f"{r['server_wrong_length']}/{r.get('vllm_serve_wrong_length', '-')}"
         print(
-            f"  {g['size']:>5} {g['goal']:<22} {g['value']:.3f} (goal >= {g['bound']}): {'met' if g['met'] else 'MISSED'}"
+            f"{r['size']:>6} {r['params'] / 1e9:>6.2f}B {r['server_out_tok_s']:>10,.0f} {r['server_req_s']:>9,.1f} "
+            f"{fmt(r.get('vllm_serve_out_tok_s'), ',.0f'):>10} {fmt(r.get('vllm_serve_req_s'), ',.1f'):>11} "
+            f"{fmt(r.get('server_vs_vllm_serve'), '.3f'):>9} {wrong:>9} "
+            f"{fmt(r.get('greedy_identical'), '.3f'):>11} {fmt(r.get('greedy_common_prefix'), '.3f'):>11}"
         )
+        if "server_vs_vllm_serve_rounds" in r:
+            print(
+                f"{'':>6} rounds: server/vllm serve "
+                + " ".join(f"{x:.3f}" for x in r["server_vs_vllm_serve_rounds"])
+            )
+        if "vllm_serve_error" in r:
+            print(
+                f"{'':>6} vllm serve FAILED (its log's tail is in the JSON result): {r['vllm_serve_error'][:300]}"
+            )
+        if r["server_wrong_length"] or r.get("vllm_serve_wrong_length"):
+            print(
+                f"{'':>6} WARNING: answers not of {r['output_tokens']} tokens (server/vllm serve): {wrong}; "
+                "the tokens/s compare unequal work"
+            )
+        print(
+            f"{'':>6} CPU busy (CPU s / wall s): server {r['server_cpu_busy']}"
+            + (f"; vllm serve {r['vllm_serve_cpu_busy']}" if "vllm_serve_cpu_busy" in r else "")
+        )
+    print(
+        "(wrong len: answers whose usage.completion_tokens differs from the tokens asked, server/vllm serve; "
+        "same answer / same prefix: identical greedy texts, and the mean share of words before they differ)"
+    )
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="0.4b,1.4b,7b", help=f"comma list of {sorted(SIZES)}")
+    p.add_argument(
+        "--sizes",
+        default="0.4b,1.4b,7b",
+        help=f"comma list of {sorted(SIZES)} for scoring; '' for none (only the judge)",
+    )
+    p.add_argument(
+        "--judge-sizes",
+        default="",
+        help="comma list of sizes for the LLM judge (/v1/chat/completions: server vs vllm serve); "
+        "default: none",
+    )
+    p.add_argument("--judge-prompts", type=int, default=512, help="chats per judge round")
+    p.add_argument("--judge-output-tokens", type=int, default=128, help="answer tokens per chat (judge)")
     p.add_argument("--quick", action="store_true", help="0.4b only, 512 prompts, --enforce-eager")
     p.add_argument("--prompts", type=int, default=2048)
     p.add_argument("--min-len", type=int, default=64)
     p.add_argument(
-        "--max-len", type=int, default=1024, help="longest prompt; also the engines' max_model_len"
+        "--max-len",
+        type=int,
+        default=1024,
+        help="longest prompt; also the engines' max_model_len (judge: plus the answer and 16)",
     )
     p.add_argument("--concurrency", type=int, default=256, help="HTTP requests in flight")
     p.add_argument(
@@ -782,16 +1204,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/rp-scoring-bench"))
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     # internal: one phase in this process
-    p.add_argument("--phase", choices=["build", "offline", "hf"], help=argparse.SUPPRESS)
+    p.add_argument("--phase", choices=["build", "build-judge", "offline", "hf"], help=argparse.SUPPRESS)
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--size", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.prompts, args.enforce_eager = "0.4b", min(args.prompts, 512), True
     args.items_per_request_list = [int(x) for x in str(args.items_per_request).split(",") if x.strip()]
-    unknown = [s for s in args.sizes.split(",") if s not in SIZES]
+    args.size_list = [x.strip() for x in args.sizes.split(",") if x.strip()]
+    args.judge_size_list = [x.strip() for x in args.judge_sizes.split(",") if x.strip()]
+    unknown = [x for x in args.size_list + args.judge_size_list if x not in SIZES]
     if unknown:
         p.error(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
+    if not args.phase and not args.size_list and not args.judge_size_list:
+        p.error("nothing to measure: --sizes and --judge-sizes are both empty")
+    if min(args.judge_prompts, args.judge_output_tokens, args.rounds, args.concurrency) < 1:
+        p.error("--judge-prompts, --judge-output-tokens, --rounds and --concurrency must be >= 1")
     return args
 
 
@@ -819,6 +1247,8 @@ def main(argv: list[str] | None = None) -> int:
         work = args.workdir
         if args.phase == "build":
             out = phase_build(args.model_dir, args.size, args.max_len)
+        elif args.phase == "build-judge":
+            out = phase_build_judge(args.model_dir, args.size, judge_model_len(args))
         else:
             prompts = json.loads((work / "prompts.json").read_text())
             out = (
@@ -835,12 +1265,14 @@ def main(argv: list[str] | None = None) -> int:
         "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0"),
     }
     rows: list[dict[str, Any]] = []
-    for size in args.sizes.split(","):
+    runs = [(size, size, bench_size) for size in args.size_list]
+    runs += [(f"judge {size}", size, bench_judge) for size in args.judge_size_list]
+    for name, size, bench in runs:
         try:
-            rows.append(bench_size(size, args, args.workdir, meta))
+            rows.append(bench(size, args, args.workdir, meta))
         except Exception as exc:  # keep the sizes measured so far
-            print(f"[{size}] FAILED: {exc}", flush=True)
-            meta.setdefault("failed", {})[size] = str(exc)[-2000:]
+            print(f"[{name}] FAILED: {exc}", flush=True)
+            meta.setdefault("failed", {})[name] = str(exc)[-2000:]
         print_table(rows, args)  # after each size, in case a later one runs out of time
         write_result(rows, meta, args)
     return 1 if meta.get("failed") else 0

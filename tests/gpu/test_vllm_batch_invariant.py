@@ -1,0 +1,305 @@
+"""Batch-invariant scoring on a real GPU: with ``VLLM_BATCH_INVARIANT=1`` in the reward server's
+environment, one text's score is bit for bit the same alone, at any position of batches of any
+size, and while other clients' requests share the engine's steps (issue #28).
+
+Layout: a random-weight ``LlamaForSequenceClassification`` large enough that batches change the
+GEMMs' tiling (hidden 1024, 8 layers, 16 heads, 8 KV heads, intermediate 4096; bf16, fp32 head),
+served by ``python -m rewardplane.server --engine vllm`` with the variable on (GPU 0). A second
+server without it (``VLLM_BATCH_INVARIANT=0``) gets the same requests: on GPU 1 where there are two
+GPUs (both start at once), else on GPU 0 after the first is ready. Its largest difference is
+printed and written to ``$OUT/batch_invariant_test.json``, not asserted (set
+``RP_BI_ASSERT_DEFAULT_DIFFERS=1`` to assert that it differs somewhere; ``RP_BI_DEFAULT_SERVER=0``
+leaves that server out).
+
+Two probes, because the server keeps vLLM's prefix caching on (LAST pooling): full KV blocks
+(16 tokens) of a prompt seen before are reused, and only the rest is computed again.
+
+- a short probe (7 tokens, less than one block): never cached, every scoring computes it whole;
+  its first score must equal all the others;
+- a long probe (~260 tokens): its first scoring computes it whole, every later one reuses its
+  cached blocks; the later ones must all be equal (the first is printed beside them, not asserted).
+
+Each probe is scored alone, at the first, middle and last index of batches of 2, 7, 33 and 128
+texts (other texts of 1-160 words, fresh ones for every batch), and in 3 rounds of 24 concurrent
+background requests with 6 probe requests sent while those are in flight. Scores are compared with
+``==`` on the floats the server returns (fp32 head outputs, serialized exactly).
+
+Env knobs: ``RP_VLLM_SERVER_ARGS`` (extra server flags), ``RP_VLLM_STARTUP_S`` (start timeout).
+About 2-3 minutes on one H100 (two vLLM starts of ~1 minute each, seconds of scoring).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rewardplane.testing.servers import ServerHandle
+from tests.gpu.conftest import LlamaSize, build_llama_seqcls
+from tests.gpu.vllm_support import device_count, start_vllm_server, stop, wait_ready
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+SIZE = LlamaSize(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=4096)
+KV_BLOCK_TOKENS = 16  # vLLM's default KV-cache block size on CUDA: shorter prompts are never cached
+SHORT_PROBE = "The answer is 42."
+LONG_PROBE = (
+    "The reward model reads the whole conversation, weighs how helpful, honest and harmless the "
+    "final answer is, and returns one number that the policy tries to push up during training. "
+    "A careful grader checks every step of the reasoning, notices when a claim has no support, "
+    "prefers a short correct answer to a long wrong one, and gives the same number to the same "
+    "text whether it arrives alone, first in a large batch, last in a small one, or in the middle "
+    "of many other requests that the server happens to be scoring at the same moment."
+)
+PROBES = {"short": SHORT_PROBE, "long": LONG_PROBE}
+BATCH_SIZES = (2, 7, 33, 128)
+POSITIONS = ("first", "middle", "last")
+CONCURRENT_ROUNDS = 3
+BACKGROUND_REQUESTS = 24
+PROBE_REQUESTS = 6
+# fmt: off
+WORDS = [
+    "the", "a", "reward", "model", "policy", "answer", "question", "helpful", "honest", "careful",
+    "step", "sea", "night", "poem", "kernel", "batch", "score", "token", "layer", "train", "value",
+    "gradient", "cluster", "server", "replica", "push", "weight", "cache", "prefix", "attention",
+    "matrix", "tile", "sum", "order", "bit", "exact", "float", "number", "text", "short", "long",
+    "varied",
+]
+# fmt: on
+RESULT_FILE = "batch_invariant_test.json"
+
+
+def other_texts(n: int, seed: int) -> list[str]:
+    """``n`` texts of 1-160 words (1-~510 tokens with the test tokenizer), the same for a seed."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 160))) for _ in range(n)]
+
+
+def index_of(position: str, n: int) -> int:
+    return {"first": 0, "middle": n // 2, "last": n - 1}[position]
+
+
+def one_value(score: Any) -> float:
+    """The single label's raw score (a float; a one-element list is accepted too)."""
+    if isinstance(score, list):
+        assert len(score) == 1, f"expected one label, got {score}"
+        score = score[0]
+    return float(score)
+
+
+def parse_scores(r: httpx.Response, n: int) -> tuple[list[float], list[int]]:
+    assert r.status_code == 200, f"/score answered {r.status_code}: {r.text[:2000]}"
+    data = sorted(r.json()["data"], key=lambda d: d["index"])
+    assert len(data) == n, f"/score returned {len(data)} results for {n} inputs"
+    return [one_value(d["score"]) for d in data], [int(d["num_tokens"]) for d in data]
+
+
+def score(client: httpx.Client, url: str, texts: list[str]) -> tuple[list[float], list[int]]:
+    return parse_scores(client.post(f"{url}/score", json={"input": texts, "normalize": False}), len(texts))
+
+
+async def ascore(client: httpx.AsyncClient, url: str, texts: list[str]) -> tuple[list[float], list[int]]:
+    r = await client.post(f"{url}/score", json={"input": texts, "normalize": False})
+    return parse_scores(r, len(texts))
+
+
+def with_probe(probe: str, n: int, index: int, seed: int) -> list[str]:
+    """A batch of ``n`` texts: ``n - 1`` others with the probe at ``index``."""
+    texts = other_texts(n - 1, seed)
+    return texts[:index] + [probe] + texts[index:]
+
+
+@dataclass
+class ProbeRun:
+    tokens: int
+    cold: float  # the first scoring: nothing of the probe cached yet
+    ref: float  # the second, alone: what every later case is compared with
+    cases: dict[str, float] = field(default_factory=dict)
+
+    def mismatches(self) -> dict[str, float]:
+        return {k: v for k, v in self.cases.items() if v != self.ref}
+
+    def max_diff(self) -> float:
+        return max((abs(v - self.ref) for v in self.cases.values()), default=0.0)
+
+
+async def concurrent_cases(url: str, probe: str, seed: int) -> dict[str, float]:
+    """Rounds of background requests (1-16 other texts each) with probe requests sent while they are
+    in flight, so the engine's steps mix requests of several clients."""
+    out: dict[str, float] = {}
+    limits = httpx.Limits(max_connections=BACKGROUND_REQUESTS + PROBE_REQUESTS)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(180.0), limits=limits) as client:
+        for rnd in range(CONCURRENT_ROUNDS):
+            rng = random.Random(seed * 1000 + rnd)
+            background = [
+                asyncio.create_task(
+                    ascore(client, url, other_texts(rng.randint(1, 16), rng.randrange(1 << 30)))
+                )
+                for _ in range(BACKGROUND_REQUESTS)
+            ]
+            probes: list[tuple[str, int, asyncio.Task[tuple[list[float], list[int]]]]] = []
+            for k in range(PROBE_REQUESTS):
+                await asyncio.sleep(0.003 * k)  # spread over the background's steps
+                n = rng.choice((1, 3, 9))
+                index = rng.randrange(n)
+                texts = with_probe(probe, n, index, rng.randrange(1 << 30))
+                name = f"concurrent round {rnd}, request {k}: {n} text(s), index {index}"
+                probes.append((name, index, asyncio.create_task(ascore(client, url, texts))))
+            await asyncio.wait_for(asyncio.gather(*background, *(t for _, _, t in probes)), 300)
+            for name, index, task in probes:
+                out[name] = task.result()[0][index]
+    return out
+
+
+def run_cases(url: str, probe_id: int, probe: str) -> tuple[ProbeRun, int]:
+    """Every case for one probe; also how many distinct scores a 128-text batch had (the model's
+    scores differ between texts, so equality is no accident of a constant output)."""
+    distinct = 0
+    with httpx.Client(timeout=httpx.Timeout(180.0)) as client:
+        (cold,), (tokens,) = score(client, url, [probe])
+        (ref,), _ = score(client, url, [probe])
+        run = ProbeRun(tokens=tokens, cold=cold, ref=ref)
+        run.cases["alone, third time"] = score(client, url, [probe])[0][0]
+        for b, n in enumerate(BATCH_SIZES):
+            for p, position in enumerate(POSITIONS):
+                index = index_of(position, n)
+                texts = with_probe(probe, n, index, seed=10_000 * probe_id + 100 * b + p)
+                scores, _ = score(client, url, texts)
+                run.cases[f"batch of {n}, {position} (index {index})"] = scores[index]
+                if n == max(BATCH_SIZES):
+                    distinct = max(distinct, len(set(scores)))
+    run.cases.update(asyncio.run(concurrent_cases(url, probe, seed=probe_id + 1)))
+    return run, distinct
+
+
+def summary(runs: dict[str, ProbeRun]) -> dict[str, Any]:
+    return {
+        name: {
+            "tokens": r.tokens,
+            "cold": r.cold,
+            "reference": r.ref,
+            "cold_equals_reference": r.cold == r.ref,
+            "cases": len(r.cases),
+            "cases_differing": len(r.mismatches()),
+            "max_abs_diff": r.max_diff(),
+            "mismatches": {k: v for k, v in r.mismatches().items()},
+        }
+        for name, r in runs.items()
+    }
+
+
+def report(
+    what: str, runs: dict[str, ProbeRun], server: ServerHandle, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Print past pytest's capture and merge into ``$OUT/batch_invariant_test.json`` (where set)."""
+    s: dict[str, Any] = summary(runs)
+    # vLLM logs "Disabling cascade attention when VLLM_BATCH_INVARIANT is enabled." when the mode is on
+    s["log_mentions_batch_invariant"] = "VLLM_BATCH_INVARIANT" in server.log()
+    s["server_log"] = str(server.log_path)
+    with capsys.disabled():
+        print(
+            f"\n[batch-invariant test] {what} (server log {server.log_path}; mentions the mode: "
+            f"{s['log_mentions_batch_invariant']}):"
+        )
+        for name, r in summary(runs).items():
+            print(
+                f"  {name} probe ({r['tokens']} tokens): {r['cases_differing']} of {r['cases']} cases differ "
+                f"from the reference {r['reference']!r}, max |diff| {r['max_abs_diff']:.3g}; first (uncached) "
+                f"scoring {r['cold']!r} ({'equal' if r['cold_equals_reference'] else 'DIFFERENT'})"
+            )
+    out = os.environ.get("OUT")
+    if out:
+        path = Path(out) / RESULT_FILE
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[what] = s
+        path.write_text(json.dumps(data, indent=2))
+
+
+# ---- fixtures --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bi_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_llama_seqcls(tmp_path_factory.mktemp("vllm-bi"), SIZE, num_labels=1, seed=3)
+
+
+@pytest.fixture(scope="module")
+def servers(bi_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerHandle]]:
+    log_dir = tmp_path_factory.mktemp("vllm-bi-logs")
+    with_default = os.environ.get("RP_BI_DEFAULT_SERVER", "1") != "0"
+    two = device_count() >= 2
+    handles: dict[str, ServerHandle] = {}
+    try:
+        handles["invariant"] = start_vllm_server(bi_model, log_dir, gpu=0, env={"VLLM_BATCH_INVARIANT": "1"})
+        if with_default and two:  # both start at once, one per GPU
+            handles["default"] = start_vllm_server(
+                bi_model, log_dir, gpu=1, env={"VLLM_BATCH_INVARIANT": "0"}
+            )
+        wait_ready(handles["invariant"])
+        if with_default and not two:  # one GPU: after the first is up (two starts at once disturb
+            # vLLM's memory profiling)
+            handles["default"] = start_vllm_server(
+                bi_model, log_dir, gpu=0, env={"VLLM_BATCH_INVARIANT": "0"}
+            )
+        if "default" in handles:
+            wait_ready(handles["default"])
+        yield handles
+    finally:
+        for h in handles.values():
+            stop(h)
+
+
+# ---- tests -----------------------------------------------------------------------------------
+
+
+def test_scores_bit_identical_in_batch_invariant_mode(
+    servers: dict[str, ServerHandle], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = servers["invariant"].url
+    runs: dict[str, ProbeRun] = {}
+    distinct = 0
+    for probe_id, (name, probe) in enumerate(PROBES.items()):
+        runs[name], d = run_cases(url, probe_id, probe)
+        distinct = max(distinct, d)
+    report("VLLM_BATCH_INVARIANT=1", runs, servers["invariant"], capsys)
+
+    # the comparisons mean something: different texts get different scores
+    assert runs["short"].ref != runs["long"].ref
+    assert distinct >= max(BATCH_SIZES) // 2, (
+        f"only {distinct} distinct scores in a batch of {max(BATCH_SIZES)}"
+    )
+    for name, run in runs.items():
+        bad = run.mismatches()
+        assert not bad, (
+            f"{name} probe: {len(bad)} of {len(run.cases)} cases differ from its score alone {run.ref!r}: "
+            + "; ".join(f"{k}: {v!r}" for k, v in list(bad.items())[:10])
+        )
+    short = runs["short"]
+    assert short.tokens < KV_BLOCK_TOKENS, (
+        f"the short probe has {short.tokens} tokens: it must fit one KV block"
+    )
+    assert short.cold == short.ref, f"short probe: first scoring {short.cold!r}, later ones {short.ref!r}"
+
+
+def test_default_mode_differences_recorded(
+    servers: dict[str, ServerHandle], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same requests without the variable: how far the probe's scores move (printed; asserted
+    only with RP_BI_ASSERT_DEFAULT_DIFFERS=1)."""
+    if "default" not in servers:
+        pytest.skip("RP_BI_DEFAULT_SERVER=0: no default-mode server")
+    url = servers["default"].url
+    runs = {name: run_cases(url, probe_id, probe)[0] for probe_id, (name, probe) in enumerate(PROBES.items())}
+    report("VLLM_BATCH_INVARIANT=0 (default mode)", runs, servers["default"], capsys)
+    if os.environ.get("RP_BI_ASSERT_DEFAULT_DIFFERS") == "1":
+        assert any(r.mismatches() or r.cold != r.ref for r in runs.values()), (
+            "default mode gave bit-identical scores in every case: the test could not tell the modes apart"
+        )
