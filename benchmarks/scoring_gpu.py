@@ -734,6 +734,12 @@ def run_phase(
     return out
 
 
+def error_summary(exc: BaseException, head: int = 1500, tail: int = 1500) -> str:
+    """What failed (the message's start) and the end of the log it carries."""
+    text = str(exc)
+    return text if len(text) <= head + tail else f"{text[:head]}\n[…]\n{text[-tail:]}"
+
+
 def max_abs(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
@@ -824,7 +830,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
         try:
             serve = measure_http("vllm-serve", model_dir, prompts, args, work, limits=offline["batch_limits"])
         except Exception as exc:  # keep the offline and server figures of this size
-            serve_error = str(exc)[-2000:]
+            serve_error = error_summary(exc)
             print(f"[{size}] vllm serve FAILED: {serve_error}", flush=True)
         else:
             serve_run = serve["runs"][args.items_per_request_list[0]]
@@ -934,7 +940,7 @@ def bench_judge(size: str, args: argparse.Namespace, root: Path, meta: dict[str,
         try:
             serve = measure_judge("vllm-serve", model_dir, chats, args, work, built["batch_limits"])
         except Exception as exc:  # keep the server's figures
-            serve_error = str(exc)[-2000:]
+            serve_error = error_summary(exc)
             print(f"{label} vllm serve FAILED: {serve_error}", flush=True)
         else:
             print_judge_run(label, "vllm serve HTTP", serve)

@@ -3,6 +3,8 @@ and stop strings."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from rewardplane.protocol import ChatCompletionRequest, ModelTask
@@ -21,6 +23,21 @@ def test_task_flag_and_head_flags_that_mean_nothing_for_a_judge(capsys: pytest.C
             parse_args(["--model", "m", "--task", "generate", *flags])
         assert exit_.value.code == 2
         assert f"{flags[0]} appl" in capsys.readouterr().err
+
+
+def test_deterministic_scores_switch_on_vllms_batch_invariance(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    parse_args(["--model", "m", "--engine", "vllm"]).export_settings()
+    assert "VLLM_BATCH_INVARIANT" not in os.environ
+    cfg = parse_args(["--model", "m", "--engine", "vllm", "--deterministic"])
+    assert cfg.deterministic
+    cfg.export_settings()  # vLLM's engine core and workers inherit it
+    assert os.environ["VLLM_BATCH_INVARIANT"] == "1"
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--deterministic"])  # the transformers engine
+    assert "--deterministic needs --engine vllm" in capsys.readouterr().err
 
 
 def test_max_tokens_defaults_to_what_fits_and_too_much_is_refused() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,6 +50,10 @@ class ServerConfig(BaseModel):
     weights_dir: Path | None = None
     load_format: Literal["auto", "dummy"] = "auto"
     enable_sleep_mode: bool = False
+    # Batch-invariant scores: one text scores bit-identically whatever it is batched with (vLLM's
+    # VLLM_BATCH_INVARIANT kernels; prefix caching off, since a cached prefix is computed by other
+    # kernels than a whole prompt and shifts the score). Costs throughput: benchmarks/README.md.
+    deterministic: bool = False
     require_admission: bool = False
     log_level: str = "info"
     extra_engine_args: list[str] = Field(default_factory=list)
@@ -72,6 +77,8 @@ class ServerConfig(BaseModel):
             value = getattr(self, field)
             if value is not None:
                 setting.export(value)
+        if self.deterministic:  # read by vLLM's engine core and workers, which inherit it
+            os.environ[VLLM_BATCH_INVARIANT] = "1"
 
     @property
     def name(self) -> str:
@@ -80,6 +87,10 @@ class ServerConfig(BaseModel):
     def model_len(self, hf_config: Any) -> int:
         """``--max-model-len``, else the checkpoint's context (4096 where its config names none)."""
         return self.max_model_len or int(getattr(hf_config, "max_position_embeddings", 0) or 4096)
+
+
+VLLM_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"
+"""vLLM's switch for its batch-invariant kernels (``--deterministic``)."""
 
 
 def _from_env(setting: settings.Setting[Any]) -> str:
@@ -195,6 +206,13 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         "320 or 512 and sizes its LoRA buffers by it)",
     )
     p.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=None,
+        help="batch-invariant scores: a text scores bit-identically in any batch, at any position "
+        "(vLLM's VLLM_BATCH_INVARIANT=1, prefix caching off; --engine vllm only; costs throughput)",
+    )
+    p.add_argument(
         "--enable-sleep-mode",
         action="store_true",
         default=None,
@@ -261,6 +279,11 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                 setting.get()
             except settings.SettingError as exc:
                 p.error(str(exc))
+    if args.deterministic and args.engine != "vllm":
+        p.error(
+            "--deterministic needs --engine vllm (its batch-invariant kernels); the transformers engine "
+            "pads batches and its scores move with the batch"
+        )
     if extra and args.engine != "vllm":
         p.error(f"unknown arguments {extra} (extra engine arguments are passed only to --engine vllm)")
     if args.task == ModelTask.GENERATE.value:

@@ -173,6 +173,9 @@ def build_engine_args(cfg: ServerConfig, max_model_len: int) -> AsyncEngineArgs:
     if not generate:
         base["pooler_config"] = PoolerConfig(pooling_type=cfg.pooling.value.upper())  # type: ignore[arg-type, unused-ignore]
     owned = dict(_OWNED_ARGS)
+    if getattr(cfg, "deterministic", False):
+        base["enable_prefix_caching"] = False
+        owned["enable_prefix_caching"] = "--deterministic (it turns prefix caching off)"
     load_format = getattr(cfg, "load_format", None)  # the server may own --load-format (e.g. dummy)
     if load_format not in (None, "", "auto"):
         base["load_format"] = load_format
