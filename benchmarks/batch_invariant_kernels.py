@@ -56,7 +56,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.scoring_gpu import SIZES, make_prompts, phase_build, vllm_kwargs, wait_gpu_free  # noqa: E402
+from benchmarks.scoring_gpu import (  # noqa: E402
+    SIZES,
+    make_prompts,
+    offline_batch_limits,
+    offline_scorer,
+    phase_build,
+    vllm_kwargs,
+    wait_gpu_free,
+)
 
 MODES = {"off": "0", "on": "1"}  # mode -> VLLM_BATCH_INVARIANT in the child's environment
 
@@ -275,9 +283,8 @@ def find_trace(trace_dir: Path, timeout_s: float = 120.0) -> Path:
 
 def phase_measure(model_dir: Path, work: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     import vllm
-    from vllm import LLM, PoolingParams
+    from vllm import LLM
     from vllm.config import ProfilerConfig
-    from vllm.inputs import TokensPrompt
 
     want = MODES[mode]
     if os.environ.get("VLLM_BATCH_INVARIANT", "0") != want:
@@ -299,18 +306,8 @@ def phase_measure(model_dir: Path, work: Path, mode: str, args: argparse.Namespa
     t0 = time.perf_counter()
     llm = LLM(**vllm_kwargs(model_dir, args), profiler_config=profiler)
     startup = time.perf_counter() - t0
-    limits: dict[str, int] = {}
-    with contextlib.suppress(AttributeError):  # only recorded
-        sched = llm.llm_engine.vllm_config.scheduler_config
-        limits = {"max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs}
-
-    def run(batch: list[list[int]]) -> list[list[float]]:
-        outs = llm.classify(
-            [TokensPrompt(prompt_token_ids=ids) for ids in batch],
-            pooling_params=PoolingParams(use_activation=False),
-            use_tqdm=False,
-        )
-        return [list(map(float, o.outputs.probs)) for o in outs]
+    limits = offline_batch_limits(llm)
+    run = offline_scorer(llm)
 
     run(prompts["warmup"])
     round_seconds, round_tokens = [], []

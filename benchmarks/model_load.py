@@ -47,7 +47,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from scoring_gpu import SIZES, free_port, phase_build
+from scoring_gpu import SIZES, free_port, offline_scorer, phase_build
 
 from rewardplane.protocol.model_sources import FetchProgress, cache_key, parse_source
 
@@ -150,9 +150,8 @@ def cached_model_dir(url: str, cache: Path) -> Path:
 
 def phase_load(model: str, load_format: str, max_len: int, enforce_eager: bool) -> dict[str, Any]:
     """In a fresh process: vLLM's engine with the reward server's settings, built from ``model``."""
-    from vllm import LLM, PoolingParams
+    from vllm import LLM
     from vllm.config import PoolerConfig
-    from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -170,10 +169,7 @@ def phase_load(model: str, load_format: str, max_len: int, enforce_eager: bool) 
     )
     built = time.perf_counter() - t0
     # one score, compared across the cases: every load path must give the same weights
-    out = llm.classify(
-        [TokensPrompt(prompt_token_ids=[5, 6, 7, 8, 9])], pooling_params=PoolingParams(use_activation=False)
-    )
-    score = list(map(float, out[0].outputs.probs))
+    score = offline_scorer(llm)([[5, 6, 7, 8, 9]])[0]
     return {"engine_s": built, "score": score}
 
 

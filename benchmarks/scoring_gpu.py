@@ -225,18 +225,19 @@ def vllm_kwargs(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def phase_offline(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> dict[str, Any]:
-    from vllm import LLM, PoolingParams
-    from vllm.inputs import TokensPrompt
-
-    t0 = time.perf_counter()
-    llm = LLM(**vllm_kwargs(model_dir, args))
-    startup = time.perf_counter() - t0
-    # the batch limits vLLM picked for offline use on this card: vllm serve gets the same ones
-    limits: dict[str, int] = {}
-    with contextlib.suppress(AttributeError):  # then vllm serve keeps its own defaults (recorded)
+def offline_batch_limits(llm: Any) -> dict[str, int]:
+    """The batch limits vLLM picked for offline use on this card (``vllm serve`` gets the same
+    ones); empty where this vLLM does not expose them (then vllm serve keeps its own, recorded)."""
+    with contextlib.suppress(AttributeError):
         sched = llm.llm_engine.vllm_config.scheduler_config
-        limits = {"max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs}
+        return {"max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs}
+    return {}
+
+
+def offline_scorer(llm: Any) -> Callable[[list[list[int]]], list[list[float]]]:
+    """Raw scores of token-id prompts from an offline ``LLM`` (no activation, as the server's)."""
+    from vllm import PoolingParams
+    from vllm.inputs import TokensPrompt
 
     def run(batch: list[list[int]]) -> list[list[float]]:
         outs = llm.classify(
@@ -245,6 +246,19 @@ def phase_offline(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -
             use_tqdm=False,
         )
         return [list(map(float, o.outputs.probs)) for o in outs]
+
+    return run
+
+
+def phase_offline(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> dict[str, Any]:
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(**vllm_kwargs(model_dir, args))
+    startup = time.perf_counter() - t0
+    # the batch limits vLLM picked for offline use on this card: vllm serve gets the same ones
+    limits = offline_batch_limits(llm)
+    run = offline_scorer(llm)
 
     run(prompts["warmup"])
     t0 = time.perf_counter()

@@ -7,22 +7,25 @@
 #   bash scripts/gpu-bg.sh start NAME GPUS MODE [ARGS]   # e.g. start tests 0,1,2 tests
 #   AFTER=sync bash scripts/gpu-bg.sh start tests 0,1,2 tests   # queued behind job "sync"
 #   AFTER="a b" bash scripts/gpu-bg.sh start op 0,1,2,3 tests ...  # queued behind jobs "a" and "b"
-#   bash scripts/gpu-bg.sh wait SECONDS [NAME ...]        # wait (bounded) for jobs; copy logs to $OUT
-#   bash scripts/gpu-bg.sh status                         # tails of every job's log, copied to $OUT
+#   bash scripts/gpu-bg.sh wait SECONDS [NAME ...]        # wait (bounded) for jobs; logs to $OUT
+#   bash scripts/gpu-bg.sh status                         # tails of every job's log; the archive in $OUT
 #
-# Logs and results live in /tmp/rp-bg/NAME/ (log, rc, and whatever the run wrote to its OUT).
+# Logs and results live in /tmp/rp-bg/NAME/ (log, rc, and whatever the run wrote to its OUT); wait
+# and status put every job's log, rc and result JSON/TXT in one archive, $OUT/rp-bg.tar.gz.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BG=/tmp/rp-bg
 OUT=${OUT:-/tmp/rewardplane-out}; mkdir -p "$OUT" "$BG"
 
 collect() {
+  # One archive of every job's log and result files: the device brings back a limited number of
+  # files, and a few jobs' logs and JSONs already exceed it.
+  (cd "$BG" && find . -mindepth 2 -maxdepth 3 -type f \( -path './*/log' -o -path './*/rc' \
+      -o -path './*/out/*.json' -o -path './*/out/*.txt' \) -print0 \
+    | tar --null -czf "$OUT/rp-bg.tar.gz" -T -) 2>/dev/null || true
   for d in "$BG"/*/; do
     [ -d "$d" ] || continue
     n=$(basename "$d")
-    mkdir -p "$OUT/$n"
-    cp "$d/log" "$OUT/$n/log" 2>/dev/null || true
-    find "$d/out" -maxdepth 1 -type f -name '*.json' -exec cp {} "$OUT/$n/" \; 2>/dev/null || true
     echo "== $n: $( [ -f "$d/rc" ] && echo "exit $(cat "$d/rc")" || echo running )"
     tail -n "${TAIL:-15}" "$d/log" 2>/dev/null || true
   done
