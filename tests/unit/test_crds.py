@@ -445,6 +445,15 @@ def test_the_crd_names_no_image_and_the_chart_gives_the_operator_its_own(helm: s
     assert not [a for a in none if a.startswith("--default-server-image")]
 
 
+def test_the_chart_passes_the_model_cache_values_to_the_operator(helm: str) -> None:
+    args = _operator_args(_template(helm))
+    assert "--model-cache-dir=/var/lib/rewardplane/model-cache" in args
+    assert "--model-cache-size=200Gi" in args
+    assert "--model-cache-verify=sha256" in args
+    args = _operator_args(_template(helm, "modelCache.verify=size", "modelCache.size=50Gi"))
+    assert "--model-cache-verify=size" in args and "--model-cache-size=50Gi" in args
+
+
 def test_the_grafana_dashboard_is_off_by_default_and_ships_in_a_configmap(helm: str) -> None:
     assert "ConfigMap" not in {d["kind"] for d in _template(helm)}
     docs = _template(helm, "dashboards.enabled=true", "dashboards.namespace=monitoring")

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from rewardplane.api.spec import ModelSpec
+from rewardplane.operator.__main__ import parse_args
 from rewardplane.operator.planning import ClusterView, NodeInfo, plan_reward_model, validate_spec
 from rewardplane.operator.render import NON_ROOT_UID, TOKEN_FILE, render_pod
 from rewardplane.operator.storage import (
@@ -16,6 +17,7 @@ from rewardplane.operator.storage import (
     ModelCache,
     delivery,
 )
+from rewardplane.protocol import settings
 from rewardplane.protocol.model_sources import cache_key, parse_source
 
 
@@ -73,6 +75,56 @@ def test_without_a_cache_directory_each_pod_downloads_into_its_own_volume() -> N
     d = delivery(model("s3://models/rm"), "img", ModelCache(""))
     assert d.volume == {"name": "model-cache", "emptyDir": {}}
     assert d.fetch is not None and "--max-cache-bytes" not in d.fetch["args"]
+
+
+def _verify_arg(cache: ModelCache | None) -> str:
+    """The check the fetcher is told to make: sha256 where the args leave it to its default (Pods
+    rendered before the setting existed keep their spec hash, so an upgrade restarts nothing)."""
+    d = delivery(model("hf://org/rm-7b"), "img", cache)
+    assert d.fetch is not None
+    args = d.fetch["args"]
+    assert args.count("--verify") <= 1
+    return str(args[args.index("--verify") + 1]) if "--verify" in args else "sha256"
+
+
+def _cache_from_operator_flags(*argv: str) -> ModelCache:
+    args = parse_args(list(argv))
+    return ModelCache(args.model_cache_dir, args.model_cache_size, args.model_cache_verify)
+
+
+def test_the_cached_model_is_checked_by_sha256_unless_the_admin_chooses_sizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(settings.MODEL_CACHE_VERIFY.name, raising=False)
+    assert _verify_arg(None) == "sha256"
+    default = delivery(model("hf://org/rm-7b"), "img", _cache_from_operator_flags()).fetch
+    assert default is not None and "--verify" not in default["args"]  # the Pods of before, unchanged
+    assert _verify_arg(_cache_from_operator_flags()) == "sha256"
+    assert _verify_arg(ModelCache("", 0)) == "sha256"  # also into a Pod's own emptyDir
+    assert _verify_arg(_cache_from_operator_flags("--model-cache-verify", "size")) == "size"
+    monkeypatch.setenv(settings.MODEL_CACHE_VERIFY.name, "size")
+    assert _verify_arg(_cache_from_operator_flags()) == "size"
+    # the flag wins over the setting
+    assert _verify_arg(_cache_from_operator_flags("--model-cache-verify", "sha256")) == "sha256"
+
+
+def test_a_bad_cache_verify_is_refused_with_the_allowed_values(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(settings.MODEL_CACHE_VERIFY.name, "md5")
+    with pytest.raises(settings.SettingError, match="give sha256 or size"):
+        settings.MODEL_CACHE_VERIFY.get()
+    with pytest.raises(SystemExit):
+        parse_args([])
+    err = capsys.readouterr().err
+    assert "REWARDPLANE_MODEL_CACHE_VERIFY='md5'" in err and "sha256 or size" in err
+    monkeypatch.delenv(settings.MODEL_CACHE_VERIFY.name)
+    with pytest.raises(SystemExit):
+        parse_args(["--model-cache-verify", "none"])
+    err = capsys.readouterr().err
+    assert "--model-cache-verify" in err and "sha256 or size" in err
+    with pytest.raises(ValueError, match="sha256, size"):
+        ModelCache("/var/cache/rp", 0, "crc32")
 
 
 def test_credentials_reach_only_the_download_and_the_endpoint_is_passed() -> None:

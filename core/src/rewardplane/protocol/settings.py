@@ -348,6 +348,21 @@ MODEL_CACHE_SIZE: Setting[int] = _register(
         default_text="200Gi",
     )
 )
+MODEL_CACHE_VERIFIES = ("sha256", "size")
+MODEL_CACHE_VERIFY: Setting[str] = _register(
+    Setting(
+        "REWARDPLANE_MODEL_CACHE_VERIFY",
+        "sha256 or size",
+        "sha256",
+        "how a replica checks a model it finds in the node cache before its server starts (the chart "
+        "sets it: modelCache.verify): sha256 re-reads every byte at each start and catches a corrupted "
+        "cache entry (~15 s for a 7B model); size compares file sizes only, near-instant, and trusts "
+        "files written once complete",
+        "operator",
+        _choice(*MODEL_CACHE_VERIFIES),
+        flag="--model-cache-verify",
+    )
+)
 
 # ---- the local cluster and the scripts ------------------------------------------------------------
 CACHE: Setting[str | None] = _register(

@@ -16,6 +16,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         resync_interval, log_level = settings.RESYNC_INTERVAL.get(), settings.LOG_LEVEL.get()
         server_image = settings.SERVER_IMAGE.get()
         cache_dir, cache_size = settings.MODEL_CACHE_DIR.get(), settings.MODEL_CACHE_SIZE.get()
+        cache_verify = settings.MODEL_CACHE_VERIFY.get()
     except settings.SettingError as exc:
         p.error(str(exc))
     p.add_argument(
@@ -61,6 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"or ${settings.MODEL_CACHE_SIZE.name})",
     )
     p.add_argument(
+        "--model-cache-verify",
+        type=_verify_flag,
+        default=cache_verify,
+        help="how a replica checks a model it finds in the node cache before its server starts: sha256 "
+        "re-reads every file (catches a corrupted entry), size compares file sizes only (near-instant) "
+        f"(default {settings.MODEL_CACHE_VERIFY.shown_default}, or ${settings.MODEL_CACHE_VERIFY.name})",
+    )
+    p.add_argument(
         "--leader-election-namespace",
         default=None,
         help="namespace of the leadership Lease (one operator acts at a time); default: the Pod's own "
@@ -98,6 +107,15 @@ def _bytes_flag(raw: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{raw!r} is not a size: write bytes or a quantity like 200Gi"
+        ) from None
+
+
+def _verify_flag(raw: str) -> str:
+    try:
+        return settings.MODEL_CACHE_VERIFY.parse(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{raw!r} is not a way to check the cache: give {' or '.join(settings.MODEL_CACHE_VERIFIES)}"
         ) from None
 
 
@@ -142,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         namespace=args.namespace,
         delete_children=args.delete_children,
         default_image=args.default_server_image or None,
-        model_cache=ModelCache(args.model_cache_dir, args.model_cache_size),
+        model_cache=ModelCache(args.model_cache_dir, args.model_cache_size, args.model_cache_verify),
     )
     weightsyncs = WeightSyncDriver(
         kube,

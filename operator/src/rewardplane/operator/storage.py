@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rewardplane.api.spec import ModelSpec
+from rewardplane.protocol import settings
 from rewardplane.protocol.model_sources import (
     FETCH_CONTAINER,
     FETCH_MODULE,
@@ -36,14 +37,26 @@ CACHE_MOUNT_DIR = "/mnt/model-cache"
 __all__ = ["InvalidSourceError", "ModelCache", "ModelDelivery", "delivery", "parse_model_source"]
 
 
+DEFAULT_VERIFY = "sha256"
+
+
 @dataclass(frozen=True)
 class ModelCache:
-    """The operator's node cache for downloaded models (``--model-cache-dir``, ``--model-cache-size``)."""
+    """The operator's node cache for downloaded models (``--model-cache-dir``, ``--model-cache-size``,
+    ``--model-cache-verify``)."""
 
     host_path: str = ""
     """Directory on every node; empty: each Pod downloads into its own emptyDir."""
     max_bytes: int = 0
     """Kept under this after each download (least recently used first); 0: no limit."""
+    verify: str = DEFAULT_VERIFY
+    """How the fetcher checks a model it finds in the cache: every file's sha256, or sizes only."""
+
+    def __post_init__(self) -> None:
+        if self.verify not in settings.MODEL_CACHE_VERIFIES:
+            raise ValueError(
+                f"model cache verify {self.verify!r} is not one of {', '.join(settings.MODEL_CACHE_VERIFIES)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,8 @@ def delivery(model: ModelSpec, image: str = "", cache: ModelCache | None = None)
         else {"name": CACHE_VOLUME, "emptyDir": {}}
     )
     args = ["--source", model.source, "--cache-dir", CACHE_MOUNT_DIR, "--key", key]
+    if cache.verify != DEFAULT_VERIFY:  # the fetcher's default: Pods rendered before stay the same
+        args += ["--verify", cache.verify]
     if source.revision:
         args += ["--revision", source.revision]
     if model.source_endpoint:
