@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -177,7 +178,7 @@ def run_load(
     model: str, load_format: str, args: argparse.Namespace, env: dict[str, str], log: Path
 ) -> dict[str, Any]:
     """A load phase in its own process group (vLLM's engine core is a child): its figures, the
-    process's wall time (imports included) and vLLM's own "Loading weights took" seconds."""
+    process's wall time (imports included) and vLLM's own model-loading seconds."""
     result = log.with_suffix(".json")
     result.unlink(missing_ok=True)
     cmd = [sys.executable, os.path.abspath(__file__), "--phase-load", model, "--load-format", load_format]
@@ -212,15 +213,10 @@ def run_load(
 
 
 def weights_seconds(log: str) -> float | None:
-    """vLLM's "Loading weights took 12.34 seconds" (the first, from the first worker)."""
-    marker = "Loading weights took "
-    at = log.find(marker)
-    if at < 0:
-        return None
-    try:
-        return float(log[at + len(marker) :].split()[0])
-    except (IndexError, ValueError):
-        return None
+    """vLLM's "Model loading took 12.4 GiB memory and 8.812 seconds" (every loader logs it; the
+    first, from the first worker)."""
+    found = re.search(r"Model loading took .*? and ([0-9.]+) seconds", log)
+    return float(found.group(1)) if found else None
 
 
 # ---- the run ----------------------------------------------------------------------------------
