@@ -44,8 +44,6 @@ import glob
 import gzip
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterable
@@ -62,6 +60,7 @@ from benchmarks.scoring_gpu import (  # noqa: E402
     offline_batch_limits,
     offline_scorer,
     phase_build,
+    run_in_own_group,
     vllm_kwargs,
     wait_gpu_free,
 )
@@ -392,18 +391,7 @@ def child(
         *extra,
     ]
     t0 = time.perf_counter()
-    with open(log, "wb") as f:  # a file, not a pipe: vLLM's engine core could hold a pipe open
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    rc: int | None = None
-    try:
-        rc = proc.wait(timeout=args.phase_timeout)
-    except subprocess.TimeoutExpired:
-        rc = None
-    finally:
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # nothing of it left on the GPU
-            os.killpg(proc.pid, signal.SIGKILL)
-        if rc is None:
-            proc.wait(timeout=30)
+    rc = run_in_own_group(cmd, log, args.phase_timeout, env)
     if rc is None and result.exists():  # done, but stuck on its way out (vLLM's shutdown): killed above
         print(
             f"warning: {tag} wrote its result but did not exit within {args.phase_timeout:.0f}s", flush=True

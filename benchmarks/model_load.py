@@ -37,7 +37,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from scoring_gpu import SIZES, free_port, offline_scorer, phase_build
+from scoring_gpu import SIZES, free_port, offline_scorer, phase_build, run_in_own_group
 
 from rewardplane.protocol.model_sources import FetchProgress, cache_key, parse_source
 
@@ -186,21 +185,7 @@ def run_load(
     if args.enforce_eager:
         cmd.append("--enforce-eager")
     t0 = time.perf_counter()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
-        )
-    try:
-        rc: int | None = proc.wait(timeout=args.phase_timeout)
-    except subprocess.TimeoutExpired:
-        rc = None
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if rc is None:
-            proc.wait(30)
+    rc = run_in_own_group(cmd, log, args.phase_timeout, env={**os.environ, **env})
     wall = time.perf_counter() - t0
     text = log.read_text(errors="replace")
     if rc != 0 or not result.exists():

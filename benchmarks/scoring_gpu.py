@@ -724,20 +724,7 @@ def run_phase(
     log = work / f"{name}.log"
     result.unlink(missing_ok=True)
     t0 = time.perf_counter()
-    # A log file, not pipes: vLLM's engine-core child could hold a pipe open after the phase ends.
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        rc = proc.wait(timeout=args.phase_timeout)
-    except subprocess.TimeoutExpired:
-        rc = None
-    finally:
-        try:  # leave nothing of the phase on the GPU
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if rc is None:
-            proc.wait(timeout=30)
+    rc = run_in_own_group(cmd, log, args.phase_timeout)
     if rc != 0 or not result.exists():
         why = "timed out" if rc is None else f"exit {rc}"
         raise RuntimeError(
@@ -752,6 +739,28 @@ def error_summary(exc: BaseException, head: int = 1500, tail: int = 1500) -> str
     """What failed (the message's start) and the end of the log it carries."""
     text = str(exc)
     return text if len(text) <= head + tail else f"{text[:head]}\n[…]\n{text[-tail:]}"
+
+
+def run_in_own_group(
+    cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None
+) -> int | None:
+    """``cmd`` in a process group of its own, its output to ``log``; its exit status, or None when it
+    ran past ``timeout_s``. The whole group is killed on the way out: nothing of the phase (vLLM's
+    engine core is a child) stays on the GPU. A log file, not pipes: the engine core could hold a
+    pipe open after the phase ends."""
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    rc: int | None = None
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if rc is None:
+            proc.wait(timeout=30)
+    return rc
 
 
 def max_abs(a: list[list[float]], b: list[list[float]]) -> float:

@@ -62,7 +62,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -824,18 +824,11 @@ def jsonable(d: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-ANALYSIS_OPTIONS = ("pad_before_s", "pad_after_s", "align_s", "below_frac", "rate_width_s", "hold_margin_s")
+ANALYSIS_OPTIONS = tuple(f.name for f in fields(Options))  # each also a command-line option
 
 
 def options(args: argparse.Namespace) -> Options:
-    return Options(
-        pad_before_s=args.pad_before_s,
-        pad_after_s=args.pad_after_s,
-        align_s=args.align_s,
-        below_frac=args.below_frac,
-        rate_width_s=args.rate_width_s,
-        hold_margin_s=args.hold_margin_s,
-    )
+    return Options(**{name: getattr(args, name) for name in ANALYSIS_OPTIONS})
 
 
 def header(results: dict[str, Any]) -> str:

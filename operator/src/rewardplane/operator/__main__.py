@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from rewardplane.protocol import settings
 
@@ -101,22 +102,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _bytes_flag(raw: str) -> int:
-    try:
-        return settings.MODEL_CACHE_SIZE.parse(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{raw!r} is not a size: write bytes or a quantity like 200Gi"
-        ) from None
+T = TypeVar("T")
 
 
-def _verify_flag(raw: str) -> str:
-    try:
-        return settings.MODEL_CACHE_VERIFY.parse(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{raw!r} is not a way to check the cache: give {' or '.join(settings.MODEL_CACHE_VERIFIES)}"
-        ) from None
+def _setting_flag(parse: Callable[[str], T], problem: str) -> Callable[[str], T]:
+    """An argparse type from a setting's parser: a bad value is "'<value>' is not <problem>"."""
+
+    def flag(raw: str) -> T:
+        try:
+            return parse(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not {problem}") from None
+
+    return flag
+
+
+_bytes_flag = _setting_flag(settings.MODEL_CACHE_SIZE.parse, "a size: write bytes or a quantity like 200Gi")
+_verify_flag = _setting_flag(
+    settings.MODEL_CACHE_VERIFY.parse,
+    f"a way to check the cache: give {' or '.join(settings.MODEL_CACHE_VERIFIES)}",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
