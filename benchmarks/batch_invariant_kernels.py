@@ -1,10 +1,16 @@
-"""What vLLM's batch-invariant mode (``VLLM_BATCH_INVARIANT=1``) costs, kernel family by kernel family.
+"""What batch-invariant mode (``--deterministic``, ``VLLM_BATCH_INVARIANT=1``) costs, kernel family by
+kernel family.
 
 One GPU, vLLM offline (``vllm.LLM(..., runner="pooling")``, the engine settings of
-``benchmarks/scoring_gpu.py``'s offline phase, which are the reward server's), the same random-weight
-``LlamaForSequenceClassification`` (``--size``, sizes as ``scoring_gpu.py``'s ``SIZES``) and the same
-token-id prompts (lengths uniform in [``--min-len``, ``--max-len``]), run twice, each mode in its own
-fresh process (vLLM reads the variable when its engine starts): default mode, then batch-invariant.
+``benchmarks/scoring_gpu.py``'s offline phase, which are the reward server's, its worker extension
+included), the same random-weight ``LlamaForSequenceClassification`` (``--size``, sizes as
+``scoring_gpu.py``'s ``SIZES``) and the same token-id prompts (lengths uniform in [``--min-len``,
+``--max-len``]), run once per mode (``--modes``), each in its own fresh process (vLLM reads the
+variable when its engine starts): ``off`` (default kernels), ``on`` (batch-invariant as the reward
+server runs it: linear layers on cuBLASLt without split-K on compute capability 9.0 and later,
+``server/engines/vllm_deterministic.py``) and ``on-triton`` (as vLLM ships it: linear layers on its
+Triton persistent matmul, ``REWARDPLANE_DETERMINISTIC_GEMM=triton``). Each batch-invariant mode is
+compared with ``off``. In each process:
 In each process:
 
 1. warm-up: ``--profile-prompts`` prompts, not measured;
@@ -27,7 +33,7 @@ overridden too on SM80 only (on Hopper cuBLASLt gets ``CUBLASLT_WORKSPACE_SIZE=1
 kernel (with a residual: vLLM's fused CUDA kernel); FlashAttention runs with ``num_splits=1`` and
 without its ahead-of-time scheduler; cascade attention and custom all-reduce are off.
 
-    bash scripts/gpu-run.sh bench batch_invariant_kernels --size 1.4b     # ~5-6 min on one H100
+    bash scripts/gpu-run.sh bench batch_invariant_kernels --size 1.4b     # ~8 min on one H100 (3 modes)
     python benchmarks/batch_invariant_kernels.py --size 7b --rounds 1     # ~8-10 min
     python benchmarks/batch_invariant_kernels.py --compare-traces OFF.json[.gz] ON.json[.gz]   # CPU
 
@@ -64,8 +70,16 @@ from benchmarks.scoring_gpu import (  # noqa: E402
     vllm_kwargs,
     wait_gpu_free,
 )
+from rewardplane.protocol.settings import DETERMINISTIC_GEMM  # noqa: E402
 
-MODES = {"off": "0", "on": "1"}  # mode -> VLLM_BATCH_INVARIANT in the child's environment
+# mode -> the child's environment: off (default kernels); on: batch-invariant as the reward server
+# runs it (``--deterministic``: linear layers on cuBLASLt without split-K from compute capability
+# 9.0); on-triton: batch-invariant as vLLM ships it (linear layers on its Triton matmul)
+MODES: dict[str, dict[str, str]] = {
+    "off": {"VLLM_BATCH_INVARIANT": "0"},
+    "on": {"VLLM_BATCH_INVARIANT": "1", DETERMINISTIC_GEMM.name: "auto"},
+    "on-triton": {"VLLM_BATCH_INVARIANT": "1", DETERMINISTIC_GEMM.name: "triton"},
+}
 
 # Kernel families, first match wins (case-insensitive substrings of the kernel's name). Order
 # matters: FlashAttention 3's kernels are ``cutlass::device_kernel<flash::...>`` (attention before
@@ -286,8 +300,8 @@ def phase_measure(model_dir: Path, work: Path, mode: str, args: argparse.Namespa
     from vllm.config import ProfilerConfig
 
     want = MODES[mode]
-    if os.environ.get("VLLM_BATCH_INVARIANT", "0") != want:
-        raise RuntimeError(f"mode {mode} needs VLLM_BATCH_INVARIANT={want} in this process's environment")
+    if any(os.environ.get(k) != v for k, v in want.items()):
+        raise RuntimeError(f"mode {mode} needs {want} in this process's environment")
     prompts = json.loads((work / "prompts.json").read_text())
     trace_dir = work / f"traces-{mode}"
     if trace_dir.exists():
@@ -440,7 +454,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     meta_vllm = None
     for mode in args.mode_list:
         wait_gpu_free()
-        menv = {**env, "VLLM_BATCH_INVARIANT": MODES[mode]}
+        menv = {**env, **MODES[mode]}
         r = child("measure", work, model_dir, args, menv, ["--mode", mode])
         results[mode] = r
         meta_vllm = r.get("vllm_version")
@@ -470,43 +484,50 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         },
         "kernels": {m: r.get("kernels", {}) for m, r in results.items()},
     }
-    if "off" in results and "on" in results:
-        off, on = results["off"], results["on"]
-        out["throughput"] = {
+    # each batch-invariant mode against the default one: throughput, scores, kernels
+    out["throughput"], out["comparison"], out["scores_max_abs_diff_vs_off"] = {}, {}, {}
+    off = results.get("off")
+    for mode, on in results.items():
+        if off is None or mode == "off":
+            continue
+        out["throughput"][mode] = {
             "off_tok_s": off["tok_s"],
             "on_tok_s": on["tok_s"],
             "on_vs_off": on["tok_s"] / off["tok_s"],
             "cost": 1.0 - on["tok_s"] / off["tok_s"],
         }
-        out["scores_max_abs_diff_on_vs_off"] = max_abs(off["scores"], on["scores"])
-        cmp = None
+        out["scores_max_abs_diff_vs_off"][mode] = max_abs(off["scores"], on["scores"])
         if "profile_error" not in off and "profile_error" not in on:
-            cmp = compare(off, on, args.top)
-            out["comparison"] = cmp
-            print_comparison(cmp, off, on)
-        print(f"\n==== throughput, same prompts ({args.rounds} round(s) of {args.time_prompts}) ====")
-        for m in ("off", "on"):
-            r = results[m]
-            profiled = f"{r['profiled_call_s']:.2f} s" if "profiled_call_s" in r else "-"
-            print(
-                f"  {m:>3}: {r['tok_s']:>10,.0f} tok/s  rounds {[round(s, 3) for s in r['round_seconds']]} s  "
-                f"profiled call {profiled}  startup {r['startup_s']:.0f} s"
+            out["comparison"][mode] = compare(off, on, args.top)
+            print(f"\n######## mode {mode} against off")
+            print_comparison(out["comparison"][mode], off, on)
+    print(f"\n==== throughput, same prompts ({args.rounds} round(s) of {args.time_prompts}) ====")
+    for m, r in results.items():
+        profiled = f"{r['profiled_call_s']:.2f} s" if "profiled_call_s" in r else "-"
+        line = (
+            f"  {m:>9}: {r['tok_s']:>10,.0f} tok/s  rounds {[round(s, 3) for s in r['round_seconds']]} s  "
+            f"profiled call {profiled}  startup {r['startup_s']:.0f} s"
+        )
+        if m in out["throughput"]:
+            t, cmp = out["throughput"][m], out["comparison"].get(m)
+            kernels = (
+                f"{cmp['total_on_ms'] / cmp['total_off_ms']:.3f}" if cmp and cmp["total_off_ms"] else "-"
             )
-        t = out["throughput"]
-        kernel_ratio = (
-            f"{cmp['total_on_ms'] / cmp['total_off_ms']:.3f}" if cmp and cmp["total_off_ms"] else "-"
-        )
-        print(
-            f"  on / off = {t['on_vs_off']:.3f} (cost {100 * t['cost']:.1f}%); kernel time on / off = {kernel_ratio}; "
-            f"largest |score on - score off| = {out['scores_max_abs_diff_on_vs_off']:.4f}"
-        )
+            line += (
+                f"\n             {m} / off = {t['on_vs_off']:.3f} (cost {100 * t['cost']:.1f}%; goal <= 5%: "
+                f"{'met' if t['cost'] <= 0.05 else 'missed'}); kernel time {m} / off = {kernels}; largest "
+                f"|score {m} - score off| = {out['scores_max_abs_diff_vs_off'][m]:.4f}"
+            )
+        print(line)
     return out
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="1.4b", choices=sorted(SIZES), help="model size (default 1.4b)")
-    p.add_argument("--modes", default="off,on", help="which modes, in this order (default off,on)")
+    p.add_argument(
+        "--modes", default="off,on,on-triton", help="which modes, in this order (default off,on,on-triton)"
+    )
     p.add_argument("--time-prompts", type=int, default=2048, help="prompts per throughput round")
     p.add_argument("--rounds", type=int, default=3, help="throughput rounds (fresh prompts each; median)")
     p.add_argument(
@@ -542,7 +563,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in args.mode_list if m not in MODES]
     if bad or not args.mode_list:
-        p.error(f"--modes: unknown {bad}; use off, on or off,on")
+        p.error(f"--modes: unknown {bad}; choose from {', '.join(MODES)}")
     if args.rounds < 1 or args.time_prompts < 1 or args.profile_prompts < 1:
         p.error("--rounds, --time-prompts and --profile-prompts must be >= 1")
     if not 1 <= args.min_len <= args.max_len:

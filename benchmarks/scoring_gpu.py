@@ -219,6 +219,9 @@ def vllm_kwargs(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         "served_model_name": "reward-model",
         # as the server: whole prompts per step (see vllm_engine.build_engine_args)
         "enable_chunked_prefill": False,
+        # as the server: its worker extension, which also picks the batch-invariant linear layers'
+        # matmul (server/engines/vllm_deterministic.py)
+        "worker_extension_cls": "rewardplane.server.engines.vllm_worker.RewardWeightSyncExtension",
     }
     if args.enforce_eager:
         kw["enforce_eager"] = True

@@ -5,11 +5,13 @@ the engine's steps.
 
 Layout: a random-weight ``LlamaForSequenceClassification`` large enough that batches change the
 GEMMs' tiling (hidden 1024, 8 layers, 16 heads, 8 KV heads, intermediate 4096; bf16, fp32 head),
-served by ``python -m rewardplane.server --engine vllm --deterministic`` (GPU 0). A second server
-in the default mode gets the same requests: on GPU 1 where there are two GPUs (both start at once),
-else on GPU 0 after the first is ready; its scores must move somewhere (the test can tell the modes
-apart). Both runs are written to ``$OUT/batch_invariant_test.json`` (``RP_BI_DEFAULT_SERVER=0``
-leaves the second server out).
+served by ``python -m rewardplane.server --engine vllm --deterministic`` twice on GPU 0: as users get
+it (on compute capability 9.0 and later the linear layers run cuBLASLt without split-K:
+``server/engines/vllm_deterministic.py``), then with ``REWARDPLANE_DETERMINISTIC_GEMM=triton``
+(vLLM's Triton matmul); each must log the matmul it runs. A server in the default mode gets the same
+requests: on GPU 1 where there are two GPUs (started with the first), else on GPU 0 after the others
+are ready; its scores must move somewhere (the test can tell the modes apart). Every run is written
+to ``$OUT/batch_invariant_test.json`` (``RP_BI_DEFAULT_SERVER=0`` leaves the default server out).
 
 Two probes: a short one (7 tokens, less than one 16-token KV block) and a long one (~260 tokens).
 With prefix caching on, a repeated long prompt would reuse its cached blocks, computed by other
@@ -23,7 +25,7 @@ background requests with 6 probe requests sent while those are in flight. Scores
 ``==`` on the floats the server returns (fp32 head outputs, serialized exactly).
 
 Env knobs: ``RP_VLLM_SERVER_ARGS`` (extra server flags), ``RP_VLLM_STARTUP_S`` (start timeout).
-About 2-3 minutes on one H100 (two vLLM starts of ~1 minute each, seconds of scoring).
+About 3-4 minutes on one H100 (three vLLM starts of ~1 minute each, seconds of scoring).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from typing import Any
 import httpx
 import pytest
 
+from rewardplane.protocol.settings import DETERMINISTIC_GEMM
+from rewardplane.server.engines.vllm_deterministic import CUBLAS_MIN_MAJOR
 from rewardplane.testing.servers import ServerHandle
 from tests.gpu.conftest import LlamaSize, build_llama_seqcls
 from tests.gpu.vllm_support import device_count, start_vllm_server, stop, wait_ready
@@ -73,6 +77,15 @@ WORDS = [
 ]
 # fmt: on
 RESULT_FILE = "batch_invariant_test.json"
+TRITON_GEMM_ENV = DETERMINISTIC_GEMM.name
+
+
+def gpu_major() -> int:
+    from vllm.platforms import current_platform  # NVML: no CUDA context in the test process
+
+    cap = current_platform.get_device_capability()
+    assert cap is not None, "no CUDA device capability"
+    return cap.major
 
 
 def other_texts(n: int, seed: int) -> list[str]:
@@ -231,22 +244,26 @@ def bi_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def servers(bi_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerHandle]]:
+    """``invariant``: ``--deterministic`` as users get it (cuBLASLt linear layers on Hopper and
+    later); ``invariant-triton``: the same with vLLM's Triton matmul; ``default``: neither."""
     log_dir = tmp_path_factory.mktemp("vllm-bi-logs")
     with_default = os.environ.get("RP_BI_DEFAULT_SERVER", "1") != "0"
     two = device_count() >= 2
+    triton = {TRITON_GEMM_ENV: "triton"}
+    default = {"VLLM_BATCH_INVARIANT": "0"}
     handles: dict[str, ServerHandle] = {}
     try:
         handles["invariant"] = start_vllm_server(bi_model, log_dir, gpu=0, deterministic=True)
-        if with_default and two:  # both start at once, one per GPU
-            handles["default"] = start_vllm_server(
-                bi_model, log_dir, gpu=1, env={"VLLM_BATCH_INVARIANT": "0"}
-            )
+        if with_default and two:  # one start per GPU at a time: two starts at once on one GPU
+            # disturb vLLM's memory profiling
+            handles["default"] = start_vllm_server(bi_model, log_dir, gpu=1, env=default)
         wait_ready(handles["invariant"])
-        if with_default and not two:  # one GPU: after the first is up (two starts at once disturb
-            # vLLM's memory profiling)
-            handles["default"] = start_vllm_server(
-                bi_model, log_dir, gpu=0, env={"VLLM_BATCH_INVARIANT": "0"}
-            )
+        handles["invariant-triton"] = start_vllm_server(
+            bi_model, log_dir, gpu=0, deterministic=True, env=triton
+        )
+        wait_ready(handles["invariant-triton"])
+        if with_default and not two:
+            handles["default"] = start_vllm_server(bi_model, log_dir, gpu=0, env=default)
         if "default" in handles:
             wait_ready(handles["default"])
         yield handles
@@ -258,16 +275,21 @@ def servers(bi_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 # ---- tests -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("server", ["invariant", "invariant-triton"])
 def test_scores_bit_identical_in_batch_invariant_mode(
-    servers: dict[str, ServerHandle], capsys: pytest.CaptureFixture[str]
+    server: str, servers: dict[str, ServerHandle], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url = servers["invariant"].url
+    handle = servers[server]
     runs: dict[str, ProbeRun] = {}
     distinct = 0
     for probe_id, (name, probe) in enumerate(PROBES.items()):
-        runs[name], d = run_cases(url, probe_id, probe)
+        runs[name], d = run_cases(handle.url, probe_id, probe)
         distinct = max(distinct, d)
-    report("--deterministic", runs, servers["invariant"], capsys)
+    gemm = "triton" if server == "invariant-triton" or gpu_major() < CUBLAS_MIN_MAJOR else "cublas"
+    report(f"--deterministic, linear layers on {gemm}", runs, handle, capsys)
+
+    # the server ran the matmul this case is about (its vLLM worker logs the choice)
+    assert f"linear layers on {gemm}" in handle.log(), f"no 'linear layers on {gemm}' in {handle.log_path}"
 
     # the comparisons mean something: different texts get different scores
     assert runs["short"].ref != runs["long"].ref

@@ -250,6 +250,21 @@ ADAPTER_DIR: Setting[str | None] = _register(
     )
 )
 
+DETERMINISTIC_GEMMS = ("auto", "triton")
+DETERMINISTIC_GEMM: Setting[str] = _register(
+    Setting(
+        "REWARDPLANE_DETERMINISTIC_GEMM",
+        "auto or triton",
+        "auto",
+        "which matmul the linear layers use under --deterministic (vLLM's batch-invariant mode): "
+        "auto: cuBLASLt without split-K on compute capability 9.0 and later (Hopper, Blackwell), "
+        "where it is batch-invariant, and vLLM's Triton persistent matmul on older GPUs; triton: "
+        "vLLM's Triton matmul everywhere (slower, as vLLM ships it)",
+        "reward server (vLLM workers)",
+        _choice(*DETERMINISTIC_GEMMS),
+    )
+)
+
 # ---- the SDK --------------------------------------------------------------------------------------
 URL: Setting[str | None] = _register(
     Setting(

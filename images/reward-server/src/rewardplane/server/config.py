@@ -210,7 +210,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         action="store_true",
         default=None,
         help="batch-invariant scores: a text scores bit-identically in any batch, at any position "
-        "(vLLM's VLLM_BATCH_INVARIANT=1, prefix caching off; --engine vllm only; costs throughput)",
+        "(vLLM's VLLM_BATCH_INVARIANT=1, prefix caching off; --engine vllm only; costs throughput; "
+        "$REWARDPLANE_DETERMINISTIC_GEMM picks the linear layers' matmul)",
     )
     p.add_argument(
         "--enable-sleep-mode",
@@ -284,6 +285,11 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
             "--deterministic needs --engine vllm (its batch-invariant kernels); the transformers engine "
             "pads batches and its scores move with the batch"
         )
+    if args.deterministic:
+        try:  # read by vLLM's workers: a bad value would stop them at start, far from its cause
+            settings.DETERMINISTIC_GEMM.get()
+        except settings.SettingError as exc:
+            p.error(str(exc))
     if extra and args.engine != "vllm":
         p.error(f"unknown arguments {extra} (extra engine arguments are passed only to --engine vllm)")
     if args.task == ModelTask.GENERATE.value:

@@ -78,7 +78,7 @@ from rewardplane.server.metrics import RequestTimer, ServerMetrics
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-WORKER_EXTENSION = "rewardplane.server.weight_sync.worker_extension.RewardWeightSyncExtension"
+WORKER_EXTENSION = "rewardplane.server.engines.vllm_worker.RewardWeightSyncExtension"
 
 # Bounds on waits for the engine (seconds). Scoring, long worker calls and sleep/wake are settings
 # (--vllm-score-timeout-s, --vllm-rpc-timeout-s, --vllm-sleep-timeout-s; docs/settings.md), for

@@ -1,0 +1,72 @@
+"""Which matmul vLLM's linear layers run in batch-invariant mode (``--deterministic``).
+
+With ``VLLM_BATCH_INVARIANT=1``, vLLM 0.24 sends every unquantized linear layer through its Triton
+persistent matmul (``linear_batch_invariant``), on every GPU. That matmul is what makes the mode
+cost 18-22% of scoring throughput on H200 (``benchmarks/batch_invariant_kernels.py``). Yet on
+compute capability 9.0 and later vLLM itself trusts cuBLASLt with every other matmul of the model:
+its batch-invariant mode cuts cuBLASLt's workspace to one byte, so no kernel can split the K
+dimension, and without split-K each output row is reduced in the same order whatever else is in the
+batch. On those GPUs the reward server routes the linear layers back to cuBLASLt (vLLM's ordinary
+``dispatch_unquantized_gemm``), under the same workspace limit. On older GPUs (Ampere), where vLLM
+does not trust cuBLASLt, or with ``REWARDPLANE_DETERMINISTIC_GEMM=triton``, vLLM's path stays.
+``tests/gpu/test_vllm_batch_invariant.py`` checks the result bit for bit on the GPU.
+
+``linear_gemm`` is the decision (pure); ``route_linear_layers`` applies it in a vLLM worker process,
+before the model is built and compiled (vLLM imports the worker extension at worker start).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from rewardplane.protocol import settings
+
+# under vLLM's logger: in its worker processes only vLLM's loggers have a handler
+log = logging.getLogger("vllm.rewardplane.deterministic")
+
+LinearGemm = Literal["default", "cublas", "triton"]
+CUBLAS_MIN_MAJOR = 9  # Hopper: vLLM's batch-invariant mode relies on cuBLASLt from here on
+
+
+def linear_gemm(batch_invariant: bool, choice: str, capability_major: int | None) -> LinearGemm:
+    """The matmul of the linear layers: ``default`` (vLLM's usual, not batch-invariant), ``cublas``
+    (cuBLASLt without split-K) or ``triton`` (vLLM's batch-invariant Triton matmul)."""
+    if not batch_invariant:
+        return "default"
+    if choice == "triton" or capability_major is None or capability_major < CUBLAS_MIN_MAJOR:
+        return "triton"
+    return "cublas"
+
+
+def route_linear_layers() -> LinearGemm:
+    """Apply ``linear_gemm`` in this vLLM worker process; returns what the linear layers run."""
+    import vllm.envs as envs
+    from vllm.platforms import current_platform
+
+    # NVML, not torch.cuda: initialising CUDA here would open a context on the wrong device of a
+    # tensor-parallel worker, before vLLM picks its device
+    cap = current_platform.get_device_capability() if current_platform.is_cuda() else None
+    gemm = linear_gemm(
+        bool(envs.VLLM_BATCH_INVARIANT), settings.DETERMINISTIC_GEMM.get(), cap.major if cap else None
+    )
+    if gemm == "cublas":
+        _linear_layers_on_cublas()
+    if gemm != "default":
+        log.info("batch-invariant mode: linear layers on %s (%s)", gemm, settings.DETERMINISTIC_GEMM.name)
+    return gemm
+
+
+def _linear_layers_on_cublas() -> None:
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers.utils import dispatch_unquantized_gemm
+
+    method = linear.UnquantizedLinearMethod
+    if getattr(method.apply, "_rewardplane_cublas", False):
+        return
+
+    def apply(self: Any, layer: Any, x: Any, bias: Any = None) -> Any:
+        return dispatch_unquantized_gemm()(layer, x, layer.weight, bias)
+
+    apply._rewardplane_cublas = True  # type: ignore[attr-defined]
+    method.apply = apply
