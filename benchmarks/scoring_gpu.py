@@ -469,8 +469,12 @@ def timed_with_cpu(
 
 
 def judge_model_len(args: argparse.Namespace) -> int:
-    """The judge engines' max_model_len: the longest chat, its template's tokens and the answer."""
-    return args.max_len + CHAT_ROOM + args.judge_output_tokens
+    """The judge engines' max_model_len: the longest chat, its template's tokens and the answer, and
+    as much again for the prompt. vllm serve refuses, before tokenizing, a prompt of more characters
+    than the input tokens allowed × the tokenizer's longest token (``_text_len_check``); the word
+    tokenizer's tokens leave out the spaces between them, so a 1024-token chat has more characters
+    than that bound unless the limit has room. Both engines get the same limit."""
+    return 2 * args.max_len + CHAT_ROOM + args.judge_output_tokens
 
 
 def server_cmd(model_dir: Path, port: int, args: argparse.Namespace, judge: bool = False) -> list[str]:
