@@ -50,6 +50,7 @@ from typing import Any
 from scoring_gpu import SIZES, free_port, offline_scorer, phase_build, run_in_own_group
 
 from rewardplane.protocol.model_sources import FetchProgress, cache_key, parse_source
+from rewardplane.testing.processes import stop_process
 
 BUCKET, PREFIX = "models", "reward-model"
 ACCESS_KEY, SECRET_KEY, REGION = "bench", "bench-secret", "us-east-1"
@@ -94,11 +95,7 @@ def rclone_s3(root: Path, rclone: str, log: Path, timeout_s: float = 30.0) -> It
                 time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 def store_env(url: str) -> dict[str, str]:

@@ -52,6 +52,7 @@ import yaml
 from rewardplane.api.kube import Kube, core_path, custom_path
 from rewardplane.api.names import pod_name
 from rewardplane.localcluster.controlplane import LocalControlPlane, free_port
+from rewardplane.testing.processes import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_PATH = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
@@ -469,11 +470,7 @@ def run_push(args: argparse.Namespace) -> dict[str, Any]:
             return bench_push(kube, cp.kubeconfig, tmp, args)
         finally:
             for proc in reversed(procs):
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop_process(proc, grace_s=30)
             for f in logs:
                 f.close()
             kube.close()
@@ -563,11 +560,7 @@ def main() -> int:
                 }
             results["operator"] = reconcile_stats(metrics_port)
         finally:
-            operator.terminate()
-            try:
-                operator.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                operator.kill()
+            stop_process(operator, grace_s=20)
             log.close()
             kube.close()
     print(json.dumps(results, indent=2))

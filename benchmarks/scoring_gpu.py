@@ -63,6 +63,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any, NamedTuple, TypedDict, TypeVar
 
+from rewardplane.testing.processes import stop_process
+
 SIZES: dict[str, dict[str, int]] = {
     # ~0.39B: the model of the device README's measurement
     "0.4b": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864},
@@ -581,13 +583,7 @@ def serving(
             f"{log.read_text(errors='replace')[-12000:]}"
         ) from exc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        stop_process(proc, grace_s=60)
         try:  # vLLM's engine core lives in the server's process group
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

@@ -18,6 +18,8 @@ import httpx
 import pytest
 import yaml
 
+from rewardplane.testing.processes import stop_process
+
 SCRAPE_INTERVAL = "1s"  # the test waits for a few scrapes: keep them quick
 START_TIMEOUT_S = 60
 
@@ -94,12 +96,7 @@ class Prometheus:
 
     def __exit__(self, *exc: object) -> None:
         if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(10)
+            stop_process(self._proc, grace_s=30)
 
     def log(self) -> str:
         return (self.workdir / "prometheus.log").read_text(errors="replace")

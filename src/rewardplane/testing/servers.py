@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from rewardplane.protocol import settings
+from rewardplane.testing.processes import stop_process
 
 # Ports handed out below Linux's ephemeral range (32768-60999 by default) and Kubernetes' NodePort
 # range (30000-32767): a port the kernel picks for bind(0) may be given to any outgoing connection
@@ -71,13 +72,7 @@ class ServerHandle:
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Stop the server and wait until every process it started is gone as well."""
-        if self.process.poll() is None:
-            self.process.send_signal(sig)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=5)
+        stop_process(self.process, sig=sig, grace_s=15, kill_wait_s=5)
         self.end_session()
 
     def end_session(self, grace_s: float = 10.0) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from rewardplane.testing.moto_server import COUNTS_PATH
+from rewardplane.testing.processes import stop_process
 
 CHUNK = 1 << 20
 
@@ -151,12 +152,7 @@ class S3Server:
 
     def stop(self) -> None:
         if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(10)
+            stop_process(self._proc)
             self._proc = None
 
     def __enter__(self) -> S3Server:
