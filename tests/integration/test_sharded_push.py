@@ -167,3 +167,47 @@ def test_a_layout_naming_a_sender_the_group_lacks_is_refused(pair):
     }
     r = httpx.post(f"{pair[0].url}/update_param_batch", json=body, headers=AUTH)
     assert r.status_code == 400 and "sending rank(s); join with senders=2" in r.text, r.text
+
+
+DELTA_KEYS = ("score.weight", "model.layers.0.mlp.up_proj.weight")  # what each later step changes
+
+
+def test_delta_pushes_from_two_ranks_send_only_what_changed(server_factory, tiny_model_dir, tmp_path):
+    """FSDP2 ranks with ``delta=True``: v1 moves everything; v2 only the two changed tensors (every
+    rank's part of them); v3, the same weights, the smallest tensor alone; v4 the two again; v5,
+    after replica b was restored (it no longer holds v4 as pushed), is refused as a delta on both
+    ranks and pushed whole, as v5."""
+    weights = tmp_path / "weights"
+    a = server_factory(tiny_model_dir, token=TOKEN)
+    b = server_factory(tiny_model_dir, token=TOKEN, weights_dir=weights)
+    results = run_sharded_trainers(
+        tmp_path / "out",
+        urls=[a.url, b.url],
+        group_port=free_port(),
+        model_dir=str(tiny_model_dir),
+        layout="fsdp",
+        versions=[1, 2, 3, 4, 5],
+        delta=True,
+        delta_base=1,
+        delta_keys=list(DELTA_KEYS),
+        same_as={"3": 2},
+        restore={"url": b.url, "version": 4, "weights": str(weights), "before": 5},
+    )
+    for r in results:
+        assert r is not None and r.get("error") is None and r["pushed"] == [1, 2, 3, 4, 5], r
+    sizes = {n: t.numel() * t.element_size() for n, t in load_model(tiny_model_dir).state_dict().items()}
+    full = sum(sizes.values())
+    moved = [s["bytes"] for s in results[0]["stats"]]
+    changed = sum(sizes[k] for k in DELTA_KEYS)
+    assert moved[0] >= full
+    assert changed <= moved[1] <= changed + 2 * 256 * len(DELTA_KEYS) < full  # two senders' parts, aligned
+    assert moved[2] == min(sizes.values())  # nothing changed: the smallest tensor (a push carries one)
+    assert moved[3] == moved[1]
+    assert moved[4] >= full  # refused by b: everything, as the same version
+    log = (tmp_path / "out.0.log").read_text()
+    assert "version 5 on version 4 refused" in log and "pushing all" in log, log[-3000:]
+    want = logits(sharded_model(tiny_model_dir, 5, 1, DELTA_KEYS), tiny_model_dir, TEXTS)
+    for h in (a, b):
+        got, v = served(h)
+        assert v == 5 and close(got, want), (h.url, v, got, want)
+        assert last_update(h)["bytes"] >= full

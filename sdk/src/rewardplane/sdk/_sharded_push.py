@@ -9,10 +9,16 @@ where the trainer's ranks are the last ranks. Nothing is gathered.
 The other ranks follow the leader's steps (``_trainer_ranks.StepChannel``): ``ready`` (a data-plane
 push: join the ready reduction, then send and join the commit reduction), ``send`` (a push
 announced over HTTP: send, then join the commit reduction), and exactly one final step.
+
+Delta pushes (``delta=True``, full training mode): each rank fingerprints its own parts; a tensor
+is sent when any rank's part of it changed since the last push every replica committed (the ranks
+agree on the union), else the smallest tensor alone. A replica that does not hold that version
+refuses before any byte moves, and every rank pushes everything instead, as the same version.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,7 +38,7 @@ from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, WeightValidationE
 from rewardplane.transport.comm import Backend, Communicator, create_store
 from rewardplane.transport.signals import StoreClosed
 
-from ._exceptions import WeightSyncError
+from ._exceptions import DeltaRefused, WeightSyncError
 from ._slicing import SliceBook
 from ._trainer_ranks import (
     RankSends,
@@ -44,9 +50,12 @@ from ._trainer_ranks import (
     follow_leader,
 )
 from .data_plane import DataPlaneStarter
+from .delta import Acknowledged, changed_names, fingerprints, smallest_name
 from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards
 from .retry import RewardServerError
 from .sharding import PushPlan, local_parts
+
+log = logging.getLogger(__name__)
 
 
 class GroupInvite(BaseModel):
@@ -77,8 +86,8 @@ class _LeaderPublisher(RewardModelPublisher):
         adapter: AdapterConfig | None = None,
         partial: bool = False,
     ) -> tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket], str]:
-        assert self.plan is not None and not partial  # a multi-rank push sends everything (no deltas)
-        return self.sharded_layout.of(self.plan, mode, keep_lora, adapter, self.control.manifest())
+        assert self.plan is not None
+        return self.sharded_layout.of(self.plan, mode, keep_lora, adapter, self.control.manifest(), partial)
 
     def _phase(self, step: str, *, sliced: bool = False) -> None:
         if self.tell is not None:
@@ -133,6 +142,8 @@ class ShardedPusher:
         self._pushes = 0
         self._slice_book: SliceBook | None = None
         self.last_stats: dict[str, float] = {}
+        # this rank's fingerprints of what every replica committed in the last delta-enabled push
+        self._acked: Acknowledged | None = None
 
     # ---- the group --------------------------------------------------------------------------
     def _share(self, invite: GroupInvite | None) -> GroupInvite:
@@ -227,15 +238,67 @@ class ShardedPusher:
         training_mode: RewardModelTrainingMode,
         keep_lora: bool,
         adapter: AdapterConfig | None,
+        delta: bool = False,
     ) -> int:
         tensors, parts = local_parts(params)
         plan = self.ranks.plan_of(parts)  # the same on every rank; a bad split raises on every rank
+        # cleared while the push runs: after any failure the next delta-enabled push sends everything
+        acked, self._acked = self._acked, None
+        if not delta or training_mode is not RewardModelTrainingMode.FULL:
+            return self._push(tensors, plan, version, training_mode, keep_lora, adapter)
+        prints = fingerprints(tensors)
+        if acked is not None:
+            if version is None:  # a refused delta is pushed again whole as the same version
+                version = int(self.ranks.share(str(self._next_version()) if self.rank == 0 else None))
+            changed = self.ranks.union(changed_names(prints, acked.prints))
+            sizes = {k: m.nbytes for k, m in plan.metas.items()}
+            keys = [k for k in plan.metas if k in changed] or [smallest_name(sizes)]
+            subset = set(keys)
+            try:
+                v = self._push(
+                    {k: tensors[k] for k in keys},
+                    self.ranks.plan_of([p for p in parts if p.key in subset]),
+                    version,
+                    training_mode,
+                    keep_lora,
+                    None,
+                    base_version=acked.version,
+                )
+                self._acked = Acknowledged(v, prints)
+                return v
+            except DeltaRefused as exc:  # nothing moved, on every rank alike
+                if self.rank == 0:
+                    log.warning(
+                        "delta push of version %d on version %d refused (%s); pushing all %d tensors instead",
+                        version,
+                        acked.version,
+                        exc,
+                        len(tensors),
+                    )
+        v = self._push(tensors, plan, version, training_mode, keep_lora, None)
+        self._acked = Acknowledged(v, prints)
+        return v
+
+    def _next_version(self) -> int:
+        assert self.control is not None
+        return max(self.control.versions()) + 1
+
+    def _push(
+        self,
+        tensors: dict[str, torch.Tensor],
+        plan: PushPlan,
+        version: int | None,
+        mode: RewardModelTrainingMode,
+        keep_lora: bool,
+        adapter: AdapterConfig | None,
+        base_version: int | None = None,
+    ) -> int:
         comm = self.open()
         push = self._pushes
         self._pushes += 1
         if self.rank == 0:
-            return self._lead(push, tensors, plan, version, training_mode, keep_lora, adapter)
-        return self._follow(push, comm, tensors, plan, training_mode, keep_lora, adapter)
+            return self._lead(push, tensors, plan, version, mode, keep_lora, adapter, base_version)
+        return self._follow(push, comm, tensors, plan, mode, keep_lora, adapter, base_version is not None)
 
     def _lead(
         self,
@@ -246,6 +309,7 @@ class ShardedPusher:
         mode: RewardModelTrainingMode,
         keep_lora: bool,
         adapter: AdapterConfig | None,
+        base_version: int | None,
     ) -> int:
         publisher = self._publisher
         assert publisher is not None and self.control is not None and self.comm is not None
@@ -253,17 +317,36 @@ class ShardedPusher:
         v = -1
 
         def tell(
-            step: StepName, error: str | None = None, regroup: bool = False, sliced: bool = False
+            step: StepName,
+            error: str | None = None,
+            regroup: bool = False,
+            sliced: bool = False,
+            delta_refused: bool = False,
         ) -> None:
             channel.tell(
-                SenderStep(push=push, step=step, version=v, error=error, regroup=regroup, sliced=sliced)
+                SenderStep(
+                    push=push,
+                    step=step,
+                    version=v,
+                    error=error,
+                    regroup=regroup,
+                    sliced=sliced,
+                    delta_refused=delta_refused,
+                )
             )
 
         publisher.plan = plan
         publisher.tell = tell
         try:
-            v = max(self.control.versions()) + 1 if version is None else version
-            publisher.publish(tensors, v, training_mode=mode, keep_lora=keep_lora, adapter=adapter)
+            v = self._next_version() if version is None else version
+            publisher.publish(
+                tensors,
+                v,
+                training_mode=mode,
+                keep_lora=keep_lora,
+                adapter=adapter,
+                base_version=base_version,
+            )
         except BaseException as exc:
             self._tell_failure(tell, exc)
             if isinstance(exc, WeightSyncError | WeightValidationError | RewardServerError) or not isinstance(
@@ -279,11 +362,14 @@ class ShardedPusher:
 
     def _tell_failure(self, tell: Any, exc: BaseException) -> None:
         # as a one-process trainer does: a push refused before any byte moved keeps the group
-        keep = isinstance(exc, WeightValidationError) or (
-            isinstance(exc, RewardServerError) and not exc.retryable
+        refused = isinstance(exc, DeltaRefused)
+        keep = (
+            refused
+            or isinstance(exc, WeightValidationError)
+            or (isinstance(exc, RewardServerError) and not exc.retryable)
         )
         try:
-            tell("fail", f"{type(exc).__name__}: {exc}", regroup=not keep)
+            tell("fail", f"{type(exc).__name__}: {exc}", regroup=not keep, delta_refused=refused)
         except StoreClosed:
             pass  # the store is this process's: gone only at exit
         if not keep:
@@ -298,9 +384,10 @@ class ShardedPusher:
         mode: RewardModelTrainingMode,
         keep_lora: bool,
         adapter: AdapterConfig | None,
+        partial: bool,
     ) -> int:
         assert self._layout is not None
-        layout = self._layout.of(plan, mode, keep_lora, adapter, None)
+        layout = self._layout.of(plan, mode, keep_lora, adapter, None, partial)
         sending = RankSends(comm, self.rank, layout, tensors, self.bucket_bytes)
 
         def take(step: SenderStep) -> None:
@@ -318,6 +405,8 @@ class ShardedPusher:
         def failed(step: SenderStep) -> BaseException:
             if step.regroup:  # every rank alike: forming the group again is a collective
                 self.reset()
+            if step.delta_refused:
+                return DeltaRefused(str(step.error))
             return WeightSyncError(f"the push of version {step.version} failed: {step.error}")
 
         channel = StepChannel(comm.store, push, self.timeout_s + 60.0)

@@ -52,6 +52,9 @@ class SenderStep(BaseModel):
     sliced: bool = False
     # done: what the leader learned of the push, for every rank's return value
     detail: dict[str, Any] | None = None
+    # fail: a replica does not hold the version a delta push builds on; nothing moved, and every
+    # rank pushes everything instead, as the same version
+    delta_refused: bool = False
 
 
 class StepChannel:
@@ -169,6 +172,12 @@ class TrainerRanks:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return str(box[0])
 
+    def union(self, keys: Sequence[str]) -> set[str]:
+        """Every rank's ``keys``, together (one small collective)."""
+        everyone: list[Any] = [None] * self.size
+        dist.all_gather_object(everyone, list(keys), group=self.group)
+        return {k for ks in everyone for k in ks}
+
     def plan_of(self, parts: list[LocalPart]) -> PushPlan:
         """Every rank's parts → who sends what (the same on every rank; a bad split raises on every
         rank). The digests travel each push (one small collective); the parts only when some
@@ -200,10 +209,12 @@ class ShardedLayout:
         keep_lora: bool,
         adapter: AdapterConfig | None,
         manifest: Mapping[str, ParamMeta] | None,
+        partial: bool = False,
     ) -> tuple[list[tuple[str, str]], list[ParamMeta], list[Bucket], str]:
         """(server name, the rank's key) in push order, the metadata, its buckets, its layout id.
-        With the served ``manifest`` (rank 0), checked against it first."""
-        key = (id(plan), mode, keep_lora, adapter)
+        With the served ``manifest`` (rank 0), checked against it first. ``partial``: a delta
+        push's subset (the mode's rules held for the whole push it is a delta of)."""
+        key = (id(plan), mode, keep_lora, adapter, partial)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1:]
         renamed = names_for_mode(
@@ -213,6 +224,7 @@ class ShardedLayout:
             keep_lora=keep_lora,
             head_patterns=self.head_patterns,
             adapter=adapter,
+            check_mode=not partial,
         )
         order = [(server, renamed[server]) for server in sorted(renamed)]
         metadata = [plan.metas[k].model_copy(update={"name": server}) for server, k in order]

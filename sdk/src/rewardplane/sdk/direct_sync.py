@@ -286,11 +286,17 @@ class WeightPusher:
         ``delta`` (default: the pusher's ``delta``): a full push sends only the tensors whose bytes
         changed since the last push every server committed (one fingerprint pass over ``params``);
         where a server no longer holds that version as pushed, everything is sent instead, as the
-        same version. Other training modes, and a multi-rank ``trainer_group``, send everything."""
+        same version. With a multi-rank ``trainer_group`` each rank fingerprints its own parts and
+        a tensor is sent when any rank's part changed. Other training modes send everything."""
         mode = RewardModelTrainingMode(training_mode)
         if self.sharded is not None:
             return self.sharded.push(
-                params, version, training_mode=mode, keep_lora=keep_lora, adapter=adapter
+                params,
+                version,
+                training_mode=mode,
+                keep_lora=keep_lora,
+                adapter=adapter,
+                delta=self.delta if delta is None else delta,
             )
         publisher = self.open()
         v = self.next_version() if version is None else version
