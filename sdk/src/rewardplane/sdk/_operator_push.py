@@ -164,6 +164,47 @@ class OperatorPush:
                 )
             time.sleep(POLL_S)
 
+    def rendezvous(
+        self,
+        metadata: list[ParamMeta],
+        version: int,
+        mode: RewardModelTrainingMode,
+        *,
+        trainer_host: str | None,
+        bucket_bytes: int,
+        timeout_s: float,
+        deadline: float,
+        adapter: AdapterConfig | None,
+        trainer: Mapping[str, Any] | None = None,
+    ) -> tuple[Any, str, int, dict[str, Any]]:
+        """Store the manifest, host the push group's store, ask the operator for the push and wait
+        for its rendezvous: (the store, its host, the generation to follow, the WeightSync)."""
+        from rewardplane.transport.comm import create_store
+
+        from .publisher import local_address_towards
+
+        manifest = self.store_manifest(metadata)
+        host = trainer_host or local_address_towards(self.handle._push_urls()[0])
+        # world_size None: the operator decides it from the ready replicas (status.worldSize).
+        store = create_store(host, 0, is_master=True, world_size=None, timeout_s=timeout_s)
+        generation = self.request_push(
+            self.push_spec(
+                version,
+                mode,
+                host=host,
+                port=int(store.port),
+                manifest=manifest,
+                bucket_bytes=bucket_bytes,
+                timeout_s=timeout_s,
+                adapter=adapter,
+                trainer=trainer,
+            )
+        )
+        ws = self.wait_phase(
+            generation, {"Rendezvous", "Transferring", "Completed"}, deadline, "the rendezvous"
+        )
+        return store, host, generation, ws
+
     def push(
         self,
         metadata: list[ParamMeta],
@@ -184,34 +225,20 @@ class OperatorPush:
         ``timeout_s`` of ``started``; returns when the operator reports every replica serving it."""
         import torch
 
-        from rewardplane.transport.comm import create_store
         from rewardplane.transport.transfer import send_buckets
-
-        from .publisher import local_address_towards
 
         deadline = started + timeout_s
         first = next(iter(tensors.values()))
         dev = torch.device(device) if device is not None else first.device
-        config_map, key, sha = self.store_manifest(metadata)
-
-        urls = self.handle._push_urls()
-        host = trainer_host or local_address_towards(urls[0])
-        # world_size None: the operator decides it from the ready replicas (status.worldSize).
-        store = create_store(host, 0, is_master=True, world_size=None, timeout_s=timeout_s)
-        generation = self.request_push(
-            self.push_spec(
-                version,
-                mode,
-                host=host,
-                port=int(store.port),
-                manifest=(config_map, key, sha),
-                bucket_bytes=bucket_bytes,
-                timeout_s=timeout_s,
-                adapter=adapter,
-            )
-        )
-        ws = self.wait_phase(
-            generation, {"Rendezvous", "Transferring", "Completed"}, deadline, "the rendezvous"
+        store, _, generation, ws = self.rendezvous(
+            metadata,
+            version,
+            mode,
+            trainer_host=trainer_host,
+            bucket_bytes=bucket_bytes,
+            timeout_s=timeout_s,
+            deadline=deadline,
+            adapter=adapter,
         )
         status = ws["status"]
         world = int(status["worldSize"])

@@ -79,7 +79,6 @@ def push_from_ranks(
     interface: str | None,
 ) -> PushResult:
     """Every rank of ``group`` calls this with its own ``params``; see the module's docstring."""
-    from .publisher import local_address_towards
 
     ranks = TrainerRanks(group)
     deadline = started + timeout_s
@@ -98,29 +97,19 @@ def push_from_ranks(
             layout = ShardedLayout(set(manifest), patterns, bucket_bytes).of(
                 plan, mode, keep_lora, adapter, manifest
             )
-            metadata = layout[1]
-            config_map, key, sha = op.store_manifest(metadata)
-            urls = op.handle._push_urls()
-            host = trainer_host or local_address_towards(urls[0])
-            store = create_store(host, 0, is_master=True, world_size=None, timeout_s=timeout_s)
             trainer: dict[str, Any] = {"ranks": ranks.size}
             if interface:
                 trainer["interface"] = interface
-            generation = op.request_push(
-                op.push_spec(
-                    version,
-                    mode,
-                    host=host,
-                    port=int(store.port),
-                    manifest=(config_map, key, sha),
-                    bucket_bytes=bucket_bytes,
-                    timeout_s=timeout_s,
-                    adapter=adapter,
-                    trainer=trainer,
-                )
-            )
-            ws = op.wait_phase(
-                generation, {"Rendezvous", "Transferring", "Completed"}, deadline, "the rendezvous"
+            store, host, generation, ws = op.rendezvous(
+                layout[1],
+                version,
+                mode,
+                trainer_host=trainer_host,
+                bucket_bytes=bucket_bytes,
+                timeout_s=timeout_s,
+                deadline=deadline,
+                adapter=adapter,
+                trainer=trainer,
             )
             invite = OperatorInvite(
                 host=host,
