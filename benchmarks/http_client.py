@@ -1,6 +1,8 @@
 """What the scoring client itself costs under many concurrent requests, measured in one run:
 
     the SDK's ShardedAsyncClient (pools of 32)  ÷  one httpx.AsyncClient pool of the same size
+    the SDK's request bodies (``http_pool.json_body``: pydantic's Rust JSON encoder)  ÷  httpx's
+        ``json=`` (``json.dumps``), both over the sharded client
 
 against a loopback server (another process) that answers a ``/pooling`` request at once, with
 the GPU scoring benchmark's request shape: 2048 prompts of U[64, 1024] token ids, 8 per request,
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.scoring_gpu import make_prompts  # noqa: E402
-from rewardplane.sdk.http_pool import ShardedAsyncClient  # noqa: E402
+from rewardplane.sdk.http_pool import ShardedAsyncClient, json_body  # noqa: E402
 
 
 def serve(port: int) -> None:
@@ -50,13 +52,16 @@ def serve(port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-async def drive(client: Any, url: str, prompts: list[list[int]], per_request: int, concurrency: int) -> float:
+async def drive(
+    client: Any, url: str, prompts: list[list[int]], per_request: int, concurrency: int, encoded: bool
+) -> float:
     chunks = [prompts[i : i + per_request] for i in range(0, len(prompts), per_request)]
     sem = asyncio.Semaphore(concurrency)
 
     async def one(chunk: list[list[int]]) -> None:
+        body = {"input": chunk}
         async with sem:
-            r = await client.post(url + "/pooling", json={"input": chunk})
+            r = await client.post(url + "/pooling", **(json_body(body) if encoded else {"json": body}))
             r.raise_for_status()
             assert len(r.json()["data"]) == len(chunk)
 
@@ -72,10 +77,12 @@ async def measure(kind: str, url: str, prompts: list[list[int]], args: argparse.
         client: Any = httpx.AsyncClient(timeout=timeout, limits=limits)
     else:
         client = ShardedAsyncClient(max_connections=args.concurrency, timeout=timeout)
+    encoded = kind == "sdk"  # the sharded client as the SDK sends: bodies encoded by json_body
     async with client:
-        await drive(client, url, prompts[:256], args.per_request, args.concurrency)  # connections, warm-up
+        await drive(client, url, prompts[:256], args.per_request, args.concurrency, encoded)  # warm-up
         return [
-            await drive(client, url, prompts, args.per_request, args.concurrency) for _ in range(args.reps)
+            await drive(client, url, prompts, args.per_request, args.concurrency, encoded)
+            for _ in range(args.reps)
         ]
 
 
@@ -108,7 +115,7 @@ def main() -> int:
         prompts = make_prompts(args.prompts, 64, 1024, seed=1)
         times = {
             kind: statistics.median(asyncio.run(measure(kind, url, prompts, args)))
-            for kind in ("one-pool", "sharded")
+            for kind in ("one-pool", "sharded", "sdk")
         }
     finally:
         server.terminate()
@@ -120,6 +127,7 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "prompts_per_s": {k: args.prompts / v for k, v in times.items()},
         "sharded_vs_one_pool": times["one-pool"] / times["sharded"],
+        "sdk_vs_sharded": times["sharded"] / times["sdk"],
     }
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "http_client.json").write_text(json.dumps(result, indent=2))
@@ -128,6 +136,7 @@ def main() -> int:
             f"{kind:>9}: {rate:8.0f} prompts/s  ({args.concurrency} requests in flight, {args.per_request} prompts each)"
         )
     print(f"sharded ÷ one pool: {result['sharded_vs_one_pool']:.2f}x")
+    print(f"sdk (Rust-encoded bodies) ÷ sharded (json=): {result['sdk_vs_sharded']:.2f}x")
     return 0
 
 

@@ -58,7 +58,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
 from statistics import median
 from typing import Any, NamedTuple, TypedDict, TypeVar
@@ -366,13 +366,18 @@ def bounded(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
 
 
 async def send_all(
-    endpoint: str, bodies: list[dict[str, Any]], concurrency: int, parse: Callable[[Any], T]
+    endpoint: str,
+    bodies: list[dict[str, Any]],
+    concurrency: int,
+    parse: Callable[[Any], T],
+    done_at: list[float] | None = None,
 ) -> tuple[float, list[T]]:
     """POST every body to ``endpoint`` with at most ``concurrency`` in flight: the seconds it took
-    and ``parse`` of each answer's JSON, in the bodies' order."""
+    and ``parse`` of each answer's JSON, in the bodies' order. ``done_at``: filled with each
+    answer's arrival, in seconds after the start, in the bodies' order."""
     import httpx
 
-    from rewardplane.sdk.http_pool import ShardedAsyncClient
+    from rewardplane.sdk.http_pool import ShardedAsyncClient, json_body
 
     results: list[Any] = [None] * len(bodies)
     sem = asyncio.Semaphore(concurrency)
@@ -382,21 +387,58 @@ async def send_all(
 
         async def one(i: int) -> None:
             async with sem:
-                r = await client.post(endpoint, json=bodies[i])
+                r = await client.post(endpoint, **json_body(bodies[i]))
                 if r.status_code != 200:
                     raise RuntimeError(f"{endpoint} answered {r.status_code}: {r.text[:500]}")
                 results[i] = parse(r.json())
+                if done_at is not None:
+                    done_at[i] = time.perf_counter() - t0
 
+        if done_at is not None:
+            done_at[:] = [0.0] * len(bodies)
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(len(bodies))))
         seconds = time.perf_counter() - t0
     return seconds, results
 
 
+def answer_profile(done_at: Sequence[float], tokens: Sequence[int], seconds: float) -> dict[str, float]:
+    """When a round's answers arrived, against a steady rate: the first answer; the times by which
+    10%, 50% and 90% of the tokens were answered; the rate between the 10% and 90% marks
+    (``steady_tok_s``); and ``outside_steady_s``, the round's seconds beyond what all its tokens
+    take at that rate (the ramp before the engine is full, and the tail after the last full
+    step). ``done_at[i]`` and ``tokens[i]``: request i's answer time (s after the start) and its
+    prompt tokens."""
+    order = sorted(zip(done_at, tokens, strict=True))
+    total = sum(tokens)
+    marks: dict[float, tuple[float, int]] = {}  # fraction -> (time, tokens answered by then)
+    answered = 0
+    for t, n in order:
+        answered += n
+        for q in (0.1, 0.5, 0.9):
+            if q not in marks and answered >= q * total:
+                marks[q] = (t, answered)
+    (t10, n10), (t50, _), (t90, n90) = marks[0.1], marks[0.5], marks[0.9]
+    steady = (n90 - n10) / (t90 - t10) if t90 > t10 else float("nan")
+    return {
+        "first_answer_s": order[0][0],
+        "t10_s": t10,
+        "t50_s": t50,
+        "t90_s": t90,
+        "steady_tok_s": steady,
+        "outside_steady_s": seconds - total / steady if steady == steady else float("nan"),
+    }
+
+
 async def drive(
-    target: Target, prompts: list[list[int]], per_request: int, concurrency: int
+    target: Target,
+    prompts: list[list[int]],
+    per_request: int,
+    concurrency: int,
+    profile: dict[str, float] | None = None,
 ) -> tuple[float, list[list[float]]]:
-    """Send every prompt in requests of ``per_request`` with at most ``concurrency`` in flight."""
+    """Send every prompt in requests of ``per_request`` with at most ``concurrency`` in flight;
+    ``profile``: filled with ``answer_profile`` of the round."""
     chunks = [prompts[i : i + per_request] for i in range(0, len(prompts), per_request)]
     field = target["field"]
 
@@ -404,7 +446,10 @@ async def drive(
         return [d[field] for d in sorted(answer["data"], key=lambda d: d["index"])]
 
     bodies = [{"input": chunk, **target["body"]} for chunk in chunks]
-    seconds, results = await send_all(target["url"] + target["path"], bodies, concurrency, scores)
+    done_at: list[float] = []
+    seconds, results = await send_all(target["url"] + target["path"], bodies, concurrency, scores, done_at)
+    if profile is not None:
+        profile.update(answer_profile(done_at, [sum(map(len, c)) for c in chunks], seconds))
     return seconds, [row for chunk in results for row in chunk]
 
 
@@ -614,8 +659,10 @@ def measure_http(
         target = {"name": kind, "url": url, "path": "/classify", "body": body, "field": "probs"}
         sizes = args.items_per_request_list[:1]
 
-    def scored(prompts_: list[list[int]], per_request: int) -> tuple[float, list[list[float]]]:
-        return bounded(drive(target, prompts_, per_request, args.concurrency), args.phase_timeout)
+    def scored(
+        prompts_: list[list[int]], per_request: int, profile: dict[str, float] | None = None
+    ) -> tuple[float, list[list[float]]]:
+        return bounded(drive(target, prompts_, per_request, args.concurrency, profile), args.phase_timeout)
 
     with serving(kind, cmd, port, work, args) as (proc, startup):
         scored(prompts["warmup"], sizes[0])
@@ -623,7 +670,10 @@ def measure_http(
         # Each request size gets its own prompts' worth of fresh work: reuse would hit the prefix cache.
         for k, per_request in enumerate(sizes):
             main = prompts["main"] if k == 0 else prompts["extra"][k - 1]
-            seconds, scores, busy = timed_with_cpu(proc, functools.partial(scored, main, per_request))
+            profile: dict[str, float] = {}
+            seconds, scores, busy = timed_with_cpu(
+                proc, functools.partial(scored, main, per_request, profile)
+            )
             round_seconds = [seconds]
             if k == 0:  # the headline request size: the further rounds too
                 round_seconds += [scored(more, per_request)[0] for more in prompts.get("rounds", [])]
@@ -634,6 +684,7 @@ def measure_http(
                 "tokens": sum(map(len, main)),
                 "prompts": len(main),
                 "cpu_busy": busy,
+                "answers": profile,
             }
         return out
 
@@ -810,6 +861,16 @@ def built_model(
     return model_dir, run_phase(phase, model_dir, work, args, ["--size", size, *(extra or [])])
 
 
+def describe_answers(p: dict[str, float], offline_tok_s: float) -> str:
+    """One line of ``answer_profile``: how much of the round ran at the steady rate."""
+    return (
+        f"first after {p['first_answer_s'] * 1e3:.0f} ms; 10/50/90% of the tokens by "
+        f"{p['t10_s']:.2f}/{p['t50_s']:.2f}/{p['t90_s']:.2f} s; steady {p['steady_tok_s']:,.0f} tok/s "
+        f"(÷ offline {p['steady_tok_s'] / offline_tok_s:.3f}); {p['outside_steady_s'] * 1e3:.0f} ms of the "
+        "round beyond the steady rate (ramp and tail)"
+    )
+
+
 def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, Any]) -> dict[str, Any]:
     work = root / size
     model_dir, built = built_model("build", size, f"[{size}]", work, args)
@@ -848,6 +909,8 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
         f"CPU busy: {primary['cpu_busy']}",
         flush=True,
     )
+    offline_tok_s = tokens / offline["seconds"]
+    print(f"[{size}] server answers: {describe_answers(primary['answers'], offline_tok_s)}", flush=True)
     serve_run: dict[str, Any] | None = None
     serve: dict[str, Any] | None = None
     serve_error = None
@@ -863,6 +926,10 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
             print(
                 f"[{size}] vllm serve HTTP: {tokens / serve_run['seconds']:,.0f} tok/s "
                 f"(startup {serve['startup_s']:.0f}s); CPU busy: {serve_run['cpu_busy']}",
+                flush=True,
+            )
+            print(
+                f"[{size}] vllm serve answers: {describe_answers(serve_run['answers'], offline_tok_s)}",
                 flush=True,
             )
     hf = None
@@ -897,6 +964,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
         "goal_server_vs_offline": goal_vs_offline(size),
         "server_vs_offline_max_abs_diff": max_abs(primary["scores"], offline["scores"]),
         "server_cpu_busy": primary["cpu_busy"],
+        "server_answers": primary["answers"],
         "other_request_sizes": {
             str(k): {
                 "tok_s": v["tokens"] / v["seconds"],
@@ -922,6 +990,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
                 "goal_server_vs_vllm_serve": GOAL_VS_SERVE,
                 "vllm_serve_vs_offline_max_abs_diff": max_abs(serve_run["scores"], offline["scores"]),
                 "vllm_serve_cpu_busy": serve_run["cpu_busy"],
+                "vllm_serve_answers": serve_run["answers"],
                 "vllm_serve_command": serve["command"],
             }
         )

@@ -29,7 +29,7 @@ from rewardplane.protocol import (
 from ._aio import gather_or_cancel
 from ._client_base import ITEM_LIMIT_PROBE_TIMEOUT_S, BaseRewardClient, _Call
 from ._replies import ScoreInfo
-from .http_pool import ShardedAsyncClient
+from .http_pool import ShardedAsyncClient, json_body
 from .retry import check_response
 
 __all__ = ["AsyncRewardClient"]
@@ -72,7 +72,9 @@ class AsyncRewardClient(BaseRewardClient):
         with attempts.giving_up():
             async for attempt in self.retry.async_retrying():
                 with attempt, attempts.next_url() as url:
-                    resp = check_response(await client.request(call.method, url + call.path, json=call.json))
+                    resp = check_response(
+                        await client.request(call.method, url + call.path, **json_body(call.json))
+                    )
                     return call.parse(resp, url, len(attempts.tried))
         raise AssertionError("unreachable: tenacity returns, raises or gives RetryError")
 

@@ -29,6 +29,7 @@ from rewardplane.protocol import (
 
 from ._client_base import ITEM_LIMIT_PROBE_TIMEOUT_S, BaseRewardClient, _Call
 from ._replies import ScoreInfo
+from .http_pool import json_body
 from .retry import check_response
 
 __all__ = ["RewardClient"]
@@ -85,7 +86,9 @@ class RewardClient(BaseRewardClient):
         with attempts.giving_up():
             for attempt in self.retry.retrying():
                 with attempt, attempts.next_url() as url:
-                    resp = check_response(client.request(call.method, url + call.path, json=call.json))
+                    resp = check_response(
+                        client.request(call.method, url + call.path, **json_body(call.json))
+                    )
                     return call.parse(resp, url, len(attempts.tried))
         raise AssertionError("unreachable: tenacity returns, raises or gives RetryError")
 
