@@ -50,7 +50,7 @@ from ._trainer_ranks import (
     follow_leader,
 )
 from .data_plane import DataPlaneStarter
-from .delta import Acknowledged, changed_names, fingerprints, smallest_name
+from .delta import Acknowledged, changed_names, fingerprints, sent_names, warn_refused
 from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards
 from .retry import RewardServerError
 from .sharding import PushPlan, local_parts
@@ -251,13 +251,11 @@ class ShardedPusher:
             if version is None:  # a refused delta is pushed again whole as the same version
                 version = int(self.ranks.share(str(self._next_version()) if self.rank == 0 else None))
             changed = self.ranks.union(changed_names(prints, acked.prints))
-            sizes = {k: m.nbytes for k, m in plan.metas.items()}
-            keys = [k for k in plan.metas if k in changed] or [smallest_name(sizes)]
-            subset = set(keys)
+            keys = sent_names(changed, {k: m.nbytes for k, m in plan.metas.items()})
             try:
                 v = self._push(
                     {k: tensors[k] for k in keys},
-                    self.ranks.plan_of([p for p in parts if p.key in subset]),
+                    plan.only(keys),  # the same senders: no collective, the same on every rank
                     version,
                     training_mode,
                     keep_lora,
@@ -268,13 +266,7 @@ class ShardedPusher:
                 return v
             except DeltaRefused as exc:  # nothing moved, on every rank alike
                 if self.rank == 0:
-                    log.warning(
-                        "delta push of version %d on version %d refused (%s); pushing all %d tensors instead",
-                        version,
-                        acked.version,
-                        exc,
-                        len(tensors),
-                    )
+                    warn_refused(log, version, acked.version, exc, len(tensors))
         v = self._push(tensors, plan, version, training_mode, keep_lora, None)
         self._acked = Acknowledged(v, prints)
         return v

@@ -8,7 +8,8 @@ is pure; only :func:`fingerprints` reads tensors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,23 @@ def smallest_name(sizes: Mapping[str, int]) -> str:
     return min(sorted(sizes), key=lambda k: sizes[k])
 
 
+def sent_names(changed: Collection[str], sizes: Mapping[str, int]) -> list[str]:
+    """What a delta push sends: the ``changed`` keys in ``sizes``' order (``sizes``: every key of
+    the push), else the smallest tensor alone."""
+    return [k for k in sizes if k in changed] or [smallest_name(sizes)]
+
+
 def delta_names(prints: Mapping[str, str], acked: Mapping[str, str], sizes: Mapping[str, int]) -> list[str]:
     """What a delta push sends: the changed keys, else the smallest tensor alone."""
-    return changed_names(prints, acked) or [smallest_name(sizes)]
+    return sent_names(set(changed_names(prints, acked)), sizes)
+
+
+def warn_refused(log: logging.Logger, version: int, base: int, reason: Exception, tensors: int) -> None:
+    """The warning of a refused delta push, before everything is pushed as the same version."""
+    log.warning(
+        "delta push of version %d on version %d refused (%s); pushing all %d tensors instead",
+        version,
+        base,
+        reason,
+        tensors,
+    )

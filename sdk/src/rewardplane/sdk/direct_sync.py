@@ -26,7 +26,7 @@ from rewardplane.transport.comm import Backend, Communicator, default_device
 from ._exceptions import DeltaRefused, WeightSyncError
 from ._sharded_push import ShardedPusher
 from .data_plane import DataPlaneStarter
-from .delta import Acknowledged, delta_names, fingerprints
+from .delta import Acknowledged, delta_names, fingerprints, warn_refused
 from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards, open_trainer_group
 from .retry import RewardServerError
 
@@ -338,13 +338,7 @@ class WeightPusher:
                 )
                 return Acknowledged(version, prints)
             except DeltaRefused as exc:  # nothing moved: the same version, in full
-                log.warning(
-                    "delta push of version %d on version %d refused (%s); pushing all %d tensors instead",
-                    version,
-                    acked.version,
-                    exc,
-                    len(params),
-                )
+                warn_refused(log, version, acked.version, exc, len(params))
         publisher.publish(params, version, training_mode=full, keep_lora=keep_lora)
         return Acknowledged(version, prints)
 

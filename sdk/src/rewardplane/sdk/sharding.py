@@ -159,6 +159,10 @@ class PushPlan:
 
     metas: dict[str, ParamMeta]
 
+    def only(self, keys: Sequence[str]) -> PushPlan:
+        """The plan of ``keys`` alone (a delta push's subset), in that order, with the same senders."""
+        return PushPlan({k: self.metas[k] for k in keys})
+
     def sent_by(self, sender: int) -> int:
         """Bytes rank ``sender`` sends per push (a balance check)."""
         return sum(n for m in self.metas.values() for s, _, n in m.wire_parts() if s == sender)
