@@ -209,6 +209,8 @@ def vllm_kwargs(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     """The engine settings the reward server uses (vllm_engine.build_engine_args), for offline."""
     from vllm.config import PoolerConfig
 
+    from rewardplane.server.engines.vllm_engine import WORKER_EXTENSION
+
     kw: dict[str, Any] = {
         "model": str(model_dir),
         "runner": "pooling",
@@ -223,7 +225,7 @@ def vllm_kwargs(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
         "enable_chunked_prefill": False,
         # as the server: its worker extension, which also picks the batch-invariant linear layers'
         # matmul (server/engines/vllm_deterministic.py)
-        "worker_extension_cls": "rewardplane.server.engines.vllm_worker.RewardWeightSyncExtension",
+        "worker_extension_cls": WORKER_EXTENSION,
     }
     if args.enforce_eager:
         kw["enforce_eager"] = True

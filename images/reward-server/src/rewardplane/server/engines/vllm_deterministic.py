@@ -44,16 +44,15 @@ def route_linear_layers() -> LinearGemm:
     import vllm.envs as envs
     from vllm.platforms import current_platform
 
+    if not envs.VLLM_BATCH_INVARIANT:  # the setting is read (and checked) in this mode only
+        return "default"
     # NVML, not torch.cuda: initialising CUDA here would open a context on the wrong device of a
     # tensor-parallel worker, before vLLM picks its device
     cap = current_platform.get_device_capability() if current_platform.is_cuda() else None
-    gemm = linear_gemm(
-        bool(envs.VLLM_BATCH_INVARIANT), settings.DETERMINISTIC_GEMM.get(), cap.major if cap else None
-    )
+    gemm = linear_gemm(True, settings.DETERMINISTIC_GEMM.get(), cap.major if cap else None)
     if gemm == "cublas":
         _linear_layers_on_cublas()
-    if gemm != "default":
-        log.info("batch-invariant mode: linear layers on %s (%s)", gemm, settings.DETERMINISTIC_GEMM.name)
+    log.info("batch-invariant mode: linear layers on %s (%s)", gemm, settings.DETERMINISTIC_GEMM.name)
     return gemm
 
 
