@@ -141,3 +141,170 @@ def receive_slices(
 
     _run(comm, len(schedule), post)
     return out
+
+
+def _messages(
+    transfers: Sequence[Transfer], mine: Callable[[Transfer], bool], peer: Callable[[Transfer], int]
+) -> dict[int, list[Transfer]]:
+    """This rank's transfers of one bucket, grouped by peer in schedule order (both sides derive
+    the same order: a message's boxes are packed back to back in it)."""
+    out: dict[int, list[Transfer]] = {}
+    for t in transfers:
+        if mine(t):
+            out.setdefault(peer(t), []).append(t)
+    return out
+
+
+def _nbytes(metadata: Sequence[ParamMeta], t: Transfer) -> int:
+    return box_numel(t.box) * torch_dtype(metadata[t.index].dtype).itemsize
+
+
+class _Staging:
+    """Two flat byte buffers, one per bucket in flight, grown when a bucket needs more."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.bufs: list[torch.Tensor | None] = [None, None]
+
+    def get(self, k: int, nbytes: int) -> torch.Tensor:
+        buf = self.bufs[k % 2]
+        if buf is None or buf.numel() < nbytes:
+            buf = self.bufs[k % 2] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf[:nbytes]
+
+
+def send_packed(
+    comm: PeerCommunicator,
+    metadata: Sequence[ParamMeta],
+    tensors: dict[str, torch.Tensor],
+    schedule: Sequence[Sequence[Transfer]],
+    sender: int = 0,
+) -> int:
+    """``send_slices`` with one message per receiver and bucket: this rank's boxes for a receiver
+    are packed back to back (a copy on the copy stream, overlapping the previous bucket's send).
+    Returns the bytes sent."""
+    device = comm.device
+    staging = _Staging(device)
+    total = 0
+
+    def pack(k: int) -> list[tuple[torch.Tensor, int]]:
+        nonlocal total
+        messages = _messages(schedule[k], lambda t: t.sender == sender, lambda t: t.receiver)
+        sizes = {r: sum(_nbytes(metadata, t) for t in ts) for r, ts in messages.items()}
+        flat = staging.get(k, sum(sizes.values()))
+        sends: list[tuple[torch.Tensor, int]] = []
+        at = 0
+        for receiver, transfers in messages.items():
+            start = at
+            for t in transfers:
+                meta = metadata[t.index]
+                held = part_box(meta, sender)
+                assert held is not None
+                local = tensors[meta.name]
+                if local.device != device:
+                    local = local.to(device, non_blocking=True)
+                src = box_view(local, relative(t.box, held))
+                n = _nbytes(metadata, t)
+                flat[at : at + n].view(src.dtype).view(src.shape).copy_(src)
+                at += n
+            sends.append((flat[start:at], receiver))
+        total += at
+        return sends
+
+    if device.type != "cuda":
+        for k in range(len(schedule)):
+            comm.exchange(pack(k), [])
+        return total
+    caller = torch.cuda.current_stream(device)
+    main, copy = _streams(device)
+    main.wait_stream(caller)
+    copy.wait_stream(caller)  # the parameters were produced on the caller's stream
+    sent: list[torch.cuda.Event] = []
+    for k in range(len(schedule)):
+        if k >= 2:
+            comm.wait_event(sent[k - 2])  # two buckets in flight; bucket k-2's staging is free
+        with torch.cuda.stream(copy):
+            sends = pack(k)
+            packed = torch.cuda.Event()
+            packed.record(copy)
+        with torch.cuda.stream(main):
+            main.wait_event(packed)
+            comm.exchange(sends, [])
+            done = torch.cuda.Event()
+            done.record(main)
+            sent.append(done)
+    with torch.cuda.stream(main):
+        comm.synchronize()
+    caller.wait_stream(main)
+    return total
+
+
+def receive_packed(
+    comm: PeerCommunicator,
+    metadata: Sequence[ParamMeta],
+    schedule: Sequence[Sequence[Transfer]],
+    rank: int,
+    src: int,
+    needs: Needs,
+    targets: Sequence[torch.Tensor],
+    out: Received | None = None,
+) -> Received:
+    """``receive_slices`` with one message per sender and bucket (``send_packed``): received into a
+    staging buffer, then copied into ``targets`` on the copy stream while the next bucket arrives."""
+    out = out if out is not None else Received()
+    device = comm.device
+    staging = _Staging(device)
+
+    def post(k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Post bucket k's receives; returns (received bytes, their place) to copy once it arrived."""
+        messages = _messages(schedule[k], lambda t: t.receiver == rank, lambda t: t.sender)
+        flat = staging.get(k, sum(_nbytes(metadata, t) for ts in messages.values() for t in ts))
+        recvs: list[tuple[torch.Tensor, int]] = []
+        places: list[tuple[torch.Tensor, torch.Tensor]] = []
+        at = 0
+        for sender, transfers in messages.items():
+            start = at
+            for t in transfers:
+                meta = metadata[t.index]
+                dst = box_view(targets[t.index], relative(t.box, need_box(meta, needs[t.index])))
+                n = _nbytes(metadata, t)
+                places.append((flat[at : at + n].view(torch_dtype(meta.dtype)).view(dst.shape), dst))
+                at += n
+            recvs.append((flat[start:at], src + sender))
+        out.bytes += at
+        if recvs:
+            out.applied_any = True
+        comm.exchange([], recvs)
+        return places
+
+    def unpack(places: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for received, dst in places:
+            dst.copy_(received)
+
+    if device.type != "cuda":
+        for k in range(len(schedule)):
+            unpack(post(k))
+        return out
+    caller = torch.cuda.current_stream(device)
+    main, copy = _streams(device)
+    main.wait_stream(caller)
+    copy.wait_stream(caller)
+    unpacked: list[torch.cuda.Event] = []
+    for k in range(len(schedule)):
+        if k >= 2:
+            comm.wait_event(unpacked[k - 2])  # bucket k-2's staging is copied out: free again
+        with torch.cuda.stream(main):
+            places = post(k)
+            arrived = torch.cuda.Event()
+            arrived.record(main)
+        with torch.cuda.stream(copy):
+            copy.wait_event(arrived)
+            unpack(places)
+            done = torch.cuda.Event()
+            done.record(copy)
+            unpacked.append(done)
+    with torch.cuda.stream(main):
+        main.wait_stream(copy)
+        comm.synchronize()
+    caller.wait_stream(main)
+    return out
