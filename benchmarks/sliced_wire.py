@@ -13,10 +13,9 @@ Patterns, each into the same receivers:
 - ``broadcast-1``: rank 2 broadcasts every tensor whole (``send_buckets``/``receive_buckets``, every
   tensor received in place): what the push does before the workers published their slices; the
   baseline of the sharded push's goal (two senders ≤ 0.6 of it);
-- ``per-box-1`` / ``per-box-2``: the sliced wire with one point-to-point message per box (each
-  sender's part of a tensor meeting what a worker keeps), sent from and received into the tensors;
-- ``packed-1`` / ``packed-2``: the sliced wire with one message per sender-receiver pair and bucket,
-  the boxes packed back to back and copied out on a side stream while the next bucket travels.
+- ``sliced-1`` / ``sliced-2``: the sliced wire (``transport.sliced``) from one and from two
+  senders: one message per sender-receiver pair and bucket, the boxes packed back to back and
+  copied out on the copy stream while the next bucket travels; ``--in-flight`` buckets at once.
 
 Every pattern's received tensors are compared with the trainer's, element for element. Medians of
 ``--reps`` after one warm-up; a push's time is rank 0's wall time between two barriers.
@@ -48,10 +47,10 @@ import torch.multiprocessing as mp
 from rewardplane.protocol import ParamMeta, Piece, plan_buckets
 from rewardplane.protocol.slices import Region, Transfer, slice_schedule
 from rewardplane.transport.comm import Backend, Communicator, create_store
-from rewardplane.transport.sliced import receive_packed, receive_slices, send_packed, send_slices
+from rewardplane.transport.sliced import IN_FLIGHT, receive_slices, send_slices
 from rewardplane.transport.transfer import receive_buckets, send_buckets
 
-PATTERNS = ("broadcast-1", "per-box-1", "packed-1", "per-box-2", "packed-2")
+PATTERNS = ("broadcast-1", "sliced-1", "sliced-2")
 SOCKETS_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 RECEIVERS = (0, 1)
 
@@ -165,39 +164,24 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
             for i, t in enumerate(whole_targets)
         ]
 
-    def run(pattern: str) -> Callable[[], None] | None:
+    def run(pattern: str) -> Callable[[], object] | None:
+        """This rank's part of one push of ``pattern``; None where it takes no part."""
         n = int(pattern[-1])
         if rank == 3 and n == 1:
             return None
-        comm = comms[n]
+        comm, metas, depth = comms[n], layouts[n][0], args.in_flight
         if pattern == "broadcast-1":
             if rank == 2:
-                return lambda: None if send_buckets(comm, metas1, full, bucket, src=2, plan=plan[1]) else None
+                return lambda: send_buckets(comm, metas1, full, bucket, src=2, plan=plan[1])
             by_name = {m.name: whole_targets[i] for i, m in enumerate(metas1)}
-            return lambda: (
-                None
-                if receive_buckets(
-                    comm,
-                    metas1,
-                    bucket,
-                    2,
-                    load=lambda _: None,
-                    plan=plan[1],
-                    place=lambda m: by_name[m.name],
-                )
-                else None
+            return lambda: receive_buckets(
+                comm, metas1, bucket, 2, load=lambda _: None, plan=plan[1], place=lambda m: by_name[m.name]
             )
-        packed = pattern.startswith("packed")
-        metas = layouts[n][0]
         if rank >= 2:
-            send = send_packed if packed else send_slices
             tensors = full if n == 1 else parts
-            return lambda: None if send(comm, metas, tensors, schedule[n], sender=sender) else None
-        receive = receive_packed if packed else receive_slices
-        return lambda: (
-            None
-            if receive(comm, metas, schedule[n], rank, comm.first_sender, needs[rank], kept_targets)
-            else None
+            return lambda: send_slices(comm, metas, tensors, schedule[n], sender, depth)
+        return lambda: receive_slices(
+            comm, metas, schedule[n], rank, comm.first_sender, needs[rank], kept_targets, in_flight=depth
         )
 
     def verify(pattern: str) -> int:
@@ -253,7 +237,7 @@ def report(results: dict[str, Any], total: int, args: argparse.Namespace) -> dic
             f"{p:<12} {med * 1e3:>9.2f} {r['gb_s']:>8.1f} {ratio:>14.3f} {boxes:>6} {r['wrong_elements']:>6}"
         )
     if not args.cpu and base:
-        for p in ("per-box-2", "packed-2"):
+        for p in ("sliced-2",):
             if p in results:
                 ratio = results[p]["vs_broadcast_1"]
                 print(f"goal {p} ÷ broadcast-1 <= 0.6: {ratio:.3f} {'met' if ratio <= 0.6 else 'missed'}")
@@ -268,6 +252,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--bucket-mib", type=int, default=1024, help="bucket size (the SDK's default: 1 GiB)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--in-flight", type=int, default=IN_FLIGHT, help="buckets in flight on the sliced wire")
     p.add_argument("--patterns", default=",".join(PATTERNS))
     p.add_argument("--sockets", action="store_true", help="NCCL's socket transport (P2P, SHM, IB off)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU (a smoke test)")
