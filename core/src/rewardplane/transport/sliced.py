@@ -3,14 +3,14 @@ one point-to-point message from each sender to each receiving rank, holding ever
 part of a tensor meeting what that rank keeps of it) the pair has in the bucket, back to back in
 schedule order.
 
-One message per pair rather than one per box: the 7B shape's 710 boxes as separate messages took
-0.77 of one sender's broadcast for two senders on 4x H200, packed 0.58 (``benchmarks/sliced_wire.py``).
-A sender packs its boxes into a staging buffer, a receiver copies them out of one into its
+One message per pair rather than one per box: on 4x H200 the 7B shape's 710 boxes as separate
+messages took two senders 0.76 of one sender's broadcast, packed 0.59 (``benchmarks/sliced_wire.py``).
+A sender packs its boxes into a staging buffer and a receiver copies them out of one into its
 parameters (a slice of columns, a cast), both on the copy stream while the neighbouring bucket is on
-the link; a message of one box that is contiguous on its side skips the copy. On CUDA both run on
-the transfer stream with ``IN_FLIGHT`` buckets in flight, bounded by the group's timeout like the
+the link; a message of one box that is contiguous on its side skips the copy. The transfers run on
+the transfer stream, ``IN_FLIGHT`` buckets at once, bounded by the group's timeout like the
 broadcast wire (``transfer``). Staging costs each side ``IN_FLIGHT`` buffers of the bytes it moves
-per bucket, at most that many buckets.
+per bucket.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from rewardplane.protocol.slices import Box, Needs, Transfer, box_numel, need_bo
 from .buckets import as_bytes, torch_dtype
 from .transfer import Received, _streams
 
-# Buckets on the link or being packed/unpacked at once: a bucket is staged while the one before it
-# travels and the one before that is copied out.
-IN_FLIGHT = 3
+# Buckets staged at once on each side: one is packed (or copied out) while the other travels. A
+# third measured 2% faster (within run-to-run noise) for another bucket of staging memory.
+IN_FLIGHT = 2
 
 Staged = TypeVar("Staged")
 Moved = TypeVar("Moved")
@@ -90,18 +90,22 @@ def _pipeline(
     comm: PeerCommunicator,
     buckets: int,
     in_flight: int,
-    before: Callable[[int], Staged],
-    on_link: Callable[[int, Staged], Moved],
-    after: Callable[[int, Moved], None],
+    before: Callable[[int], Staged] | None,
+    on_link: Callable[[int, Staged | None], Moved],
+    after: Callable[[int, Moved], None] | None,
 ) -> None:
     """Per bucket k: ``before(k)`` on the copy stream, then ``on_link(k, ...)`` on the transfer
     stream once it is done, then ``after(k, ...)`` on the copy stream once that arrived. The CPU
     runs at most ``in_flight`` buckets ahead (bounded waits: a dead peer is noticed within the
-    timeout; bucket k-in_flight's staging is free again); the caller's stream is ordered around."""
+    timeout; bucket k-in_flight's staging is free again); the caller's stream is ordered around.
+    A side without ``before`` or ``after`` never makes one stream wait for the other: bucket k's
+    transfer must not queue behind bucket k-1's copies."""
     device = comm.device
     if device.type != "cuda":
         for k in range(buckets):
-            after(k, on_link(k, before(k)))
+            moved = on_link(k, before(k) if before is not None else None)
+            if after is not None:
+                after(k, moved)
         return
     caller = torch.cuda.current_stream(device)
     main, copy = _streams(device)
@@ -111,20 +115,23 @@ def _pipeline(
     for k in range(buckets):
         if k >= in_flight:
             comm.wait_event(finished[k - in_flight])
-        with torch.cuda.stream(copy):
-            staged = before(k)
-            ready = torch.cuda.Event()
-            ready.record(copy)
-        with torch.cuda.stream(main):
+        staged: Staged | None = None
+        if before is not None:
+            with torch.cuda.stream(copy):
+                staged = before(k)
+                ready = torch.cuda.Event()
+                ready.record(copy)
             main.wait_event(ready)
+        with torch.cuda.stream(main):
             moved = on_link(k, staged)
-            arrived = torch.cuda.Event()
-            arrived.record(main)
-        with torch.cuda.stream(copy):
-            copy.wait_event(arrived)
-            after(k, moved)
             done = torch.cuda.Event()
-            done.record(copy)
+            done.record(main)
+        if after is not None:
+            with torch.cuda.stream(copy):
+                copy.wait_event(done)
+                after(k, moved)
+                done = torch.cuda.Event()
+                done.record(copy)
         finished.append(done)
     with torch.cuda.stream(main):
         main.wait_stream(copy)
@@ -180,10 +187,11 @@ def send_slices(
         total += at
         return sends
 
-    def send(k: int, sends: list[tuple[torch.Tensor, int]]) -> None:
+    def send(k: int, sends: list[tuple[torch.Tensor, int]] | None) -> None:
+        assert sends is not None
         comm.exchange(sends, [])
 
-    _pipeline(comm, len(schedule), in_flight, pack, send, lambda k, _: None)
+    _pipeline(comm, len(schedule), in_flight, pack, send, None)
     return total
 
 
@@ -254,5 +262,5 @@ def receive_slices(
         for received, dst in copies:
             dst.copy_(received)
 
-    _pipeline(comm, len(schedule), in_flight, lambda k: None, post, unpack)
+    _pipeline(comm, len(schedule), in_flight, None, post, unpack)
     return out
