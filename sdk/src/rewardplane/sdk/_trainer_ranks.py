@@ -160,7 +160,7 @@ class TrainerRanks:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self._plan: tuple[list[Any], PushPlan] | None = None  # (every rank's digest, the plan)
+        self._plan: tuple[str, PushPlan] | None = None  # (this rank's parts' digest, the plan)
 
     @property
     def leader(self) -> bool:
@@ -180,17 +180,28 @@ class TrainerRanks:
 
     def plan_of(self, parts: list[LocalPart]) -> PushPlan:
         """Every rank's parts → who sends what (the same on every rank; a bad split raises on every
-        rank). The digests travel each push (one small collective); the parts only when some
-        rank's changed."""
-        digests: list[Any] = [None] * self.size
-        dist.all_gather_object(digests, parts_digest(parts), group=self.group)
-        if self._plan is not None and self._plan[0] == digests:
-            return self._plan[1]
-        everyone: list[Any] = [None] * self.size
-        dist.all_gather_object(everyone, parts, group=self.group)
-        plan = plan_senders(everyone)
-        self._plan = (digests, plan)
-        return plan
+        rank). Each push costs one reduction of a flag (did any rank's parts change?); the parts
+        travel only when one did."""
+        digest = parts_digest(parts)
+        if self._any(self._plan is None or self._plan[0] != digest):
+            everyone: list[Any] = [None] * self.size
+            dist.all_gather_object(everyone, parts, group=self.group)
+            self._plan = (digest, plan_senders(everyone))
+        assert self._plan is not None
+        return self._plan[1]
+
+    def _any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank (one reduction of a 4-byte tensor)."""
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    @property
+    def _device(self) -> torch.device:
+        # gloo reduces CPU tensors; a group that is NCCL alone needs one on this rank's GPU
+        if "gloo" in str(dist.get_backend(self.group)) or not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
 
 
 class ShardedLayout:

@@ -144,8 +144,8 @@ def _dtensor_part(key: str, value: object) -> tuple[torch.Tensor, LocalPart]:
 
 
 def parts_digest(parts: Sequence[LocalPart]) -> str:
-    """Names a rank's descriptions: every push compares digests first, and exchanges the
-    descriptions only when some rank's changed."""
+    """Names a rank's descriptions: each push compares it with the rank's last one, and the ranks
+    exchange the descriptions only when some rank's changed."""
     h = hashlib.blake2b(digest_size=12)
     for p in parts:
         h.update(repr((p.key, p.dtype, p.full_shape, p.dim, p.start, p.stop)).encode())

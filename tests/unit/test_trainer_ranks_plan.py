@@ -1,0 +1,53 @@
+"""The trainer ranks agree on who sends what once, and again whenever any rank's parts change: two
+real processes in a gloo group (``TrainerRanks.plan_of``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rewardplane.protocol.naming import WeightValidationError
+from rewardplane.sdk._trainer_ranks import TrainerRanks
+from rewardplane.sdk.sharding import TensorPiece, local_parts
+from rewardplane.testing.servers import free_port
+
+
+def _rank(rank: int, port: int, out: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        ranks = TrainerRanks(dist.new_group([0, 1], backend="gloo"))
+        w = torch.arange(32.0).reshape(8, 4)
+        halves = {"w": TensorPiece.even(w.chunk(2)[rank], 0, rank, 2), "b": torch.zeros(4)}
+        first = ranks.plan_of(local_parts(halves)[1])
+        again = ranks.plan_of(local_parts(halves)[1])
+        # only rank 1 changes what it passes (a key the other rank lacks): both must refuse it
+        refused = None
+        try:
+            ranks.plan_of(local_parts(halves if rank == 0 else {**halves, "c": torch.ones(2)})[1])
+        except WeightValidationError as exc:
+            refused = str(exc)
+        # both ranks split differently now: a new plan on both
+        rows = (0, 2) if rank == 0 else (2, 8)
+        uneven = {"w": TensorPiece(w[rows[0] : rows[1]], 0, rows[0], (8, 4)), "b": torch.zeros(4)}
+        fourth = ranks.plan_of(local_parts(uneven)[1])
+        result = {
+            "cached": again is first,
+            "refused": refused,
+            "first": [[p.sender, p.start, p.stop] for p in first.metas["w"].pieces],
+            "fourth": [[p.sender, p.start, p.stop] for p in fourth.metas["w"].pieces],
+        }
+        (out / f"{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_change_on_any_rank_replans_every_rank(tmp_path: Path) -> None:
+    mp.spawn(_rank, args=(free_port(), tmp_path), nprocs=2, join=True)
+    for r in (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)):
+        assert r["cached"], r  # nothing changed: the plan agreed before, no exchange of parts
+        assert r["refused"] is not None and "extra ['c']" in r["refused"], r
+        assert r["first"] == [[0, 0, 4], [1, 4, 8]] and r["fourth"] == [[0, 0, 2], [1, 2, 8]], r
