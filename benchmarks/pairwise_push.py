@@ -247,29 +247,44 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     total = args.mib << 20 if args.mib else int(args.gib * (1 << 30))
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"pairwise_push-{os.getpid()}.json"
-    spawn: Callable[..., Any] = mp.spawn
-    spawn(worker, args=(args, free_port(), out), nprocs=4, join=True)
-    times = json.loads(out.read_text())
-    out.unlink()
-    rows = report(times, args, total)
+    rows = report(run_on_four(worker, args, "pairwise_push"), args, total)
     result = {
-        "meta": {
-            "card": None if args.cpu else torch.cuda.get_device_name(0),
-            "commit": os.environ.get("RP_COMMIT"),
-            "date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "torch": torch.__version__,
-            "nccl": None if args.cpu else ".".join(map(str, torch.cuda.nccl.version())),
-            "transport": "gloo" if args.cpu else ("sockets" if args.sockets else "nvlink"),
-        },
+        "meta": run_meta(args),
         "args": {k: v for k, v in vars(args).items() if k != "pattern_list"},
         "patterns": rows,
     }
-    if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "pairwise_push.json"
-        path.write_text(json.dumps(result, indent=2))
-        print(f"wrote {path}")
+    write_result(result, "pairwise_push.json")
     return 0
+
+
+def run_on_four(worker: Callable[..., None], args: argparse.Namespace, name: str) -> Any:
+    """``worker(rank, args, port, out)`` in four processes; returns what rank 0 wrote to ``out``."""
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"{name}-{os.getpid()}.json"
+    spawn: Callable[..., Any] = mp.spawn
+    spawn(worker, args=(args, free_port(), out), nprocs=4, join=True)
+    try:
+        return json.loads(out.read_text())
+    finally:
+        out.unlink()
+
+
+def run_meta(args: argparse.Namespace) -> dict[str, Any]:
+    """Where a four-GPU run ran (``--cpu``: gloo; ``--sockets``: NCCL's socket transport)."""
+    return {
+        "card": None if args.cpu else torch.cuda.get_device_name(0),
+        "commit": os.environ.get("RP_COMMIT"),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "torch": torch.__version__,
+        "nccl": None if args.cpu else ".".join(map(str, torch.cuda.nccl.version())),
+        "transport": "gloo" if args.cpu else ("sockets" if args.sockets else "nvlink"),
+    }
+
+
+def write_result(doc: dict[str, Any], filename: str) -> None:
+    if os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / filename
+        path.write_text(json.dumps(doc, indent=2))
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

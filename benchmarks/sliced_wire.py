@@ -42,16 +42,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from rewardplane.protocol import ParamMeta, Piece, plan_buckets
-from rewardplane.protocol.slices import Region, Transfer, slice_schedule
-from rewardplane.transport.comm import Backend, Communicator, create_store
-from rewardplane.transport.sliced import IN_FLIGHT, receive_slices, send_slices
-from rewardplane.transport.transfer import receive_buckets, send_buckets
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.pairwise_push import SOCKETS_ENV, free_port, run_meta, run_on_four, write_result  # noqa: E402
+from rewardplane.protocol import ParamMeta, Piece, plan_buckets  # noqa: E402
+from rewardplane.protocol.slices import Region, Transfer, slice_schedule  # noqa: E402
+from rewardplane.transport.comm import Backend, Communicator, create_store  # noqa: E402
+from rewardplane.transport.sliced import IN_FLIGHT, receive_slices, send_slices  # noqa: E402
+from rewardplane.transport.transfer import receive_buckets, send_buckets  # noqa: E402
 
 PATTERNS = ("broadcast-1", "sliced-1", "sliced-2")
-SOCKETS_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 RECEIVERS = (0, 1)
 
 
@@ -129,7 +131,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4, timeout=timeout
     )  # the barriers' group (gloo: it never shares NCCL's channels with the pushes)
     store = create_store(
-        "127.0.0.1", port + 1, is_master=rank == 3, world_size=None, timeout_s=args.timeout_s
+        "127.0.0.1", args.store_port, is_master=rank == 3, world_size=None, timeout_s=args.timeout_s
     )
     comms: dict[int, Communicator] = {}
     if rank != 3:  # one sender: ranks 0, 1 and 2
@@ -271,37 +273,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"sliced_wire-{os.getpid()}.json"
-    spawn: Callable[..., Any] = mp.spawn
-    spawn(worker, args=(args, port, tmp), nprocs=4, join=True)
-    results = json.loads(tmp.read_text())
-    tmp.unlink()
+    args.store_port = free_port()
+    results = run_on_four(worker, args, "sliced_wire")
     metas, _ = layout(args, 1)
     total = sum(m.nbytes for m in metas)
     report(results, total, args)
-    transport = "gloo" if args.cpu else ("sockets" if args.sockets else "nvlink")
+    meta = run_meta(args) | {"bytes": total}
     doc = {
-        "meta": {
-            "card": None if args.cpu else torch.cuda.get_device_name(0),
-            "commit": os.environ.get("RP_COMMIT"),
-            "date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "torch": torch.__version__,
-            "nccl": None if args.cpu else ".".join(map(str, torch.cuda.nccl.version())),
-            "transport": transport,
-            "bytes": total,
-        },
+        "meta": meta,
         "args": {k: v for k, v in vars(args).items() if k != "pattern_list"},
         "patterns": results,
     }
-    if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / f"sliced_wire-{transport}.json"
-        path.write_text(json.dumps(doc, indent=2))
-        print(f"wrote {path}")
+    write_result(doc, f"sliced_wire-{meta['transport']}.json")
     return 0 if all(r["wrong_elements"] == 0 for r in results.values()) else 1
 
 
