@@ -39,7 +39,7 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -155,13 +155,20 @@ class Plan:
                         assert torch.equal(t, want), (self.pattern, "bucket", k, "from", s, "to", r)
 
 
-def worker(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
+def rank_device(rank: int, args: argparse.Namespace) -> torch.device:
+    """A benchmark process's device (GPU ``rank``, or the CPU), its transport set before NCCL starts."""
     if args.sockets:
         os.environ.update(SOCKETS_ENV)
+    if args.cpu:
+        return torch.device("cpu")
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def worker(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
     cpu = args.cpu
-    device = torch.device("cpu") if cpu else torch.device("cuda", rank)
-    if not cpu:
-        torch.cuda.set_device(device)
+    device = rank_device(rank, args)
     dist.init_process_group(
         "gloo" if cpu else "nccl",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -228,17 +235,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=12.3, help="payload per push (GiB; default: the 7B shape)")
     p.add_argument("--mib", type=int, default=0, help="payload in MiB instead (small runs)")
+    return parse_four_gpu_args(p, PATTERNS, argv)
+
+
+def parse_four_gpu_args(
+    p: argparse.ArgumentParser, patterns: Sequence[str], argv: list[str] | None
+) -> argparse.Namespace:
+    """The options every four-GPU push benchmark takes, then ``argv`` parsed and checked."""
     p.add_argument("--bucket-mib", type=int, default=1024, help="bucket size (the SDK's default: 1 GiB)")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--patterns", default=",".join(PATTERNS))
+    p.add_argument("--patterns", default=",".join(patterns))
     p.add_argument("--sockets", action="store_true", help="NCCL's socket transport (P2P, SHM, IB off)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU (a smoke test of the patterns)")
     p.add_argument("--timeout-s", type=float, default=300.0)
     args = p.parse_args(argv)
     args.pattern_list = [x.strip() for x in args.patterns.split(",") if x.strip()]
-    bad = [x for x in args.pattern_list if x not in PATTERNS]
+    bad = [x for x in args.pattern_list if x not in patterns]
     if bad:
-        p.error(f"--patterns: unknown {bad}; choose from {', '.join(PATTERNS)}")
+        p.error(f"--patterns: unknown {bad}; choose from {', '.join(patterns)}")
     if not args.cpu and torch.cuda.device_count() < 4:
         p.error(f"needs four GPUs (found {torch.cuda.device_count()}); --cpu runs the patterns on gloo")
     return args

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -46,7 +45,14 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.pairwise_push import SOCKETS_ENV, free_port, run_meta, run_on_four, write_result  # noqa: E402
+from benchmarks.pairwise_push import (  # noqa: E402
+    free_port,
+    parse_four_gpu_args,
+    rank_device,
+    run_meta,
+    run_on_four,
+    write_result,
+)
 from rewardplane.protocol import ParamMeta, Piece, plan_buckets  # noqa: E402
 from rewardplane.protocol.slices import Region, Transfer, slice_schedule  # noqa: E402
 from rewardplane.transport.comm import Backend, Communicator, create_store  # noqa: E402
@@ -119,12 +125,8 @@ def held(t: torch.Tensor, meta: ParamMeta, sender: int) -> torch.Tensor | None:
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
-    if args.sockets:
-        os.environ.update(SOCKETS_ENV)
     cpu = args.cpu
-    device = torch.device("cpu") if cpu else torch.device("cuda", rank)
-    if not cpu:
-        torch.cuda.set_device(device)
+    device = rank_device(rank, args)
     backend: Backend = "gloo" if cpu else "nccl"
     timeout = timedelta(seconds=args.timeout_s)
     dist.init_process_group(
@@ -252,20 +254,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=11008)
     p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--bucket-mib", type=int, default=1024, help="bucket size (the SDK's default: 1 GiB)")
-    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--in-flight", type=int, default=IN_FLIGHT, help="buckets in flight on the sliced wire")
-    p.add_argument("--patterns", default=",".join(PATTERNS))
-    p.add_argument("--sockets", action="store_true", help="NCCL's socket transport (P2P, SHM, IB off)")
-    p.add_argument("--cpu", action="store_true", help="gloo on CPU (a smoke test)")
-    p.add_argument("--timeout-s", type=float, default=300.0)
-    args = p.parse_args(argv)
-    args.pattern_list = [x.strip() for x in args.patterns.split(",") if x.strip()]
-    bad = [x for x in args.pattern_list if x not in PATTERNS]
-    if bad:
-        p.error(f"--patterns: unknown {bad}; choose from {', '.join(PATTERNS)}")
-    if not args.cpu and torch.cuda.device_count() < 4:
-        p.error(f"needs four GPUs (found {torch.cuda.device_count()}); --cpu runs the patterns on gloo")
+    args = parse_four_gpu_args(p, PATTERNS, argv)
     if args.intermediate % 2 or args.hidden % 2 or args.vocab % 2:
         p.error("--hidden, --intermediate and --vocab must be even (two workers keep half each)")
     return args
