@@ -358,12 +358,20 @@ def test_sliced_pushes_from_two_ranks_land_bit_for_bit(
     check_serves(url, model_dir, last, version + 4, before, "sliced full push, two ranks")
 
 
-def test_atomic_push_from_two_ranks(url: str, model_dir: Path, version: int, tmp_path: Path) -> None:
+def test_atomic_pushes_from_two_ranks(url: str, model_dir: Path, version: int, tmp_path: Path) -> None:
+    # the first is applied through the loader at the swap (the workers publish their slices); the
+    # second is staged in each worker's slices and copied into the parameters at the swap
     before = fill_prefix_cache(url)
-    weights = {"full": 36}
-    pushes = [{"version": version + 1, "mode": "full", "weights": weights}]
+    weights = {"full": 35}
+    pushes = [
+        {"version": version + 1, "mode": "full", "weights": {"full": 36}},
+        {"version": version + 2, "mode": "full", "weights": weights},
+    ]
     pushed_ok(url, model_dir, tmp_path / "out", pushes, atomic=True)
-    check_serves(url, model_dir, weights, version + 1, before, "atomic, two ranks")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    update = httpx.get(f"{url}/get_num_background_tasks", headers=auth, timeout=30).json()["last_update"]
+    assert update["wire"] == "sliced" and update["in_place_bytes"] == 0, update
+    check_serves(url, model_dir, weights, version + 2, before, "atomic sliced, two ranks")
 
 
 def killed_mid_push(url: str, model_dir: Path, out: Path, version: int, *, atomic: bool) -> None:

@@ -60,24 +60,30 @@ def test_two_trainer_ranks_each_send_their_part(pair, tiny_model_dir, tmp_path, 
     _serves(pair, tiny_model_dir, 3)
 
 
-def test_a_sliced_push_from_two_ranks_lands_exactly(pair, tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("atomic", [False, True])
+def test_a_sliced_push_from_two_ranks_lands_exactly(pair, tiny_model_dir, tmp_path, monkeypatch, atomic):
     # The CPU engine keeps whole tensors, so ``auto`` broadcasts; forced, every server rank gets
-    # each sender's part point to point, into its parameters, once it published where they go.
+    # each sender's part point to point once it published where they go: into its parameters
+    # (streamed), or staged in its slices' shapes and copied in at the swap (atomic).
     monkeypatch.setenv("REWARDPLANE_PUSH_SLICING", "always")
     results = run_sharded_trainers(
         tmp_path / "out",
         urls=[h.url for h in pair],
         group_port=free_port(),
         model_dir=str(tiny_model_dir),
-        layout="tp",  # pieces by rows and by columns (rows in place, columns through scratch)
+        layout="tp",  # pieces by rows and by columns
         versions=[1, 2, 3],
+        atomic=atomic,
     )
     for r in results:
         assert r is not None and r.get("error") is None and r["pushed"] == [1, 2, 3], r
     for h in pair:
         update = last_update(h)
         assert update["via"] == "data_plane" and update["wire"] == "sliced", update
-        assert 0 < update["in_place_bytes"] < update["bytes"], update
+        if atomic:  # staged: nothing lands in a parameter before the swap
+            assert update["in_place_bytes"] == 0 < update["bytes"], update
+        else:  # one-box messages straight into the parameters, the rest packed
+            assert 0 < update["in_place_bytes"] < update["bytes"], update
     _serves(pair, tiny_model_dir, 3)
 
 
@@ -105,10 +111,12 @@ def test_a_head_only_push_from_two_ranks(pair, tiny_model_dir, tmp_path):
         assert v == 2 and close(got, want), (got, want)
 
 
-@pytest.mark.parametrize("atomic", [False, True])
+@pytest.mark.parametrize(("atomic", "sliced"), [(False, False), (True, False), (True, True)])
 def test_a_trainer_rank_killed_mid_push_leaves_no_replica_serving_a_mix(
-    pair, tiny_model_dir, tmp_path, atomic
+    pair, tiny_model_dir, tmp_path, monkeypatch, atomic, sliced
 ):
+    if sliced:  # version 1 (announced over HTTP, applied at the swap) publishes the slices
+        monkeypatch.setenv("REWARDPLANE_PUSH_SLICING", "always")
     results = run_sharded_trainers(
         tmp_path / "out",
         urls=[h.url for h in pair],
@@ -130,6 +138,8 @@ def test_a_trainer_rank_killed_mid_push_leaves_no_replica_serving_a_mix(
             break
         time.sleep(0.2)
     for h in pair:
+        if sliced:  # the push that failed was the sliced one, staged in the workers' slices
+            assert last_update(h)["wire"] == "sliced" and not last_update(h)["ok"], last_update(h)
         state = httpx.get(f"{h.url}/runtime_version").json()
         assert state["version"] == 1, state
         if atomic:  # staged: version 1 keeps serving, whole

@@ -527,10 +527,8 @@ class PushHeader(BaseModel):
     base_version: StrictInt | None = Field(default=None, ge=0)  # a delta push (UpdateParamBatchRequest's)
 
     @model_validator(mode="after")
-    def _sliced_is_streamed(self) -> PushHeader:
+    def _delta_base(self) -> PushHeader:
         check_delta_base(self.base_version, self.version, self.training_mode)
-        if self.sliced and self.atomic:
-            raise ValueError("a sliced push writes into the parameters as it arrives: it cannot be atomic")
         return self
 
 

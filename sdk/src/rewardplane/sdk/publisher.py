@@ -571,8 +571,9 @@ class RewardModelPublisher:
     ) -> dict[str, float] | None:
         """Header → ready reduction → buckets → commit reduction. None: a server no longer knows the
         layout (nothing moved; announce it over HTTP). Raises the servers' reasons otherwise."""
-        # tensor-parallel replicas that published what they keep get only that (protocol.slices)
-        schedule = None if self.atomic else dp.slices.schedule(lid, metadata, plan)
+        # tensor-parallel replicas that published what they keep get only that (protocol.slices);
+        # an atomic push's workers stage only their slices too
+        schedule = dp.slices.schedule(lid, metadata, plan)
         seq = dp.start(
             version=version,
             layout=lid,

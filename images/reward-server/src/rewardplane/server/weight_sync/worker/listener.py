@@ -75,10 +75,11 @@ class DataPushListener(ReceivePart):
         entered = time.monotonic()
         layout = None if go.error else self._rp_layout(None, go.bucket_bytes, go.layout_id)
         refusal = go.error or (None if layout else f"layout {go.layout_id} is not cached in this worker")
-        if refusal is None and layout is not None and not go.apply:  # atomic: is there room to stage it?
-            refusal = self.rp_staging_problem(sum(b.nbytes for b in layout[1]))
         if refusal is None and go.sliced:  # are the places it was published for still valid?
             refusal = self._rp_sliced_problem(comm, go.layout_id)
+        if refusal is None and layout is not None and not go.apply:  # atomic: is there room to stage it?
+            staged = self._rp_sliced_bytes(go.layout_id) if go.sliced else sum(b.nbytes for b in layout[1])
+            refusal = self.rp_staging_problem(staged)
         got = Received()
 
         agreed: float | None = None
@@ -126,7 +127,7 @@ class DataPushListener(ReceivePart):
         load = self._rp_load_kept if go.apply else None
         try:
             if go.sliced:
-                self._rp_receive_sliced(comm, go.layout_id, metas, got)
+                self._rp_receive_sliced(comm, go.layout_id, metas, got, stage=not go.apply)
             else:
                 receive_buckets(
                     comm,
@@ -147,6 +148,7 @@ class DataPushListener(ReceivePart):
             report(False, error=got.error)
         else:
             self._rp_staged = None if go.apply else got.staged
+            self._rp_staged_layout = None if go.apply or go.sliced else (comm, go.layout_id, metas, plan)
             report(True)
             if go.apply and not go.sliced:
                 self._rp_publish_slices(comm, go.layout_id, metas, plan)

@@ -111,6 +111,7 @@ class ReceivePart(SlicingPart):
         if got.error is not None:
             return outcome(False, got.applied_any, got.error)
         self._rp_staged = None if apply else got.staged
+        self._rp_staged_layout = None if apply else (comm, layout_key, metas, plan)
         if apply:
             self._rp_publish_slices(comm, layout_key, metas, plan)
         return outcome(True, False, None)

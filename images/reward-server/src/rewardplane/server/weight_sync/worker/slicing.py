@@ -1,12 +1,15 @@
 """The receiving side of sliced pushes (``protocol.slices``): after a push of a layout went through
-the model's loader, this worker knows what it keeps of every tensor and where (the copy plan), and
-publishes that in the group's store; the trainer then sends it only those bytes, straight into its
-parameters, on the next pushes of that layout."""
+the model's loader (streamed, or an atomic push applied under the lock), this worker knows what it
+keeps of every tensor and where (the copy plan), and publishes that in the group's store; the
+trainer then sends it only those bytes on the next pushes of that layout: into its parameters as
+they arrive (streamed), or into tensors shaped like its slices, copied into the parameters when the
+control plane swaps under the scoring lock (atomic)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,12 +30,24 @@ class _Kept:
     schedule: list[list[Transfer]]  # this worker's transfers of a sliced push, per bucket
 
 
+@dataclass
+class _StagedSlices:
+    """An atomic sliced push received: each parameter view with what goes into it at the swap."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    void: str | None = None  # why it can no longer be applied (the parameters moved)
+
+
 class SlicingPart(StagingPart):
     """Publishing what this worker keeps of a layout, and receiving a sliced push of it."""
 
     # layout id -> what was published of it, in the group ``_rp_slices_comm``
     _rp_slices: dict[str, _Kept] | None = None
     _rp_slices_comm: Communicator | None = None  # the group they were published in
+    _rp_staged_slices: _StagedSlices | None = None  # an atomic sliced push, until the swap
+    # an atomic push staged whole (group, layout, its metadata and buckets): once it is applied
+    # through the loader, this worker publishes its slices of that layout
+    _rp_staged_layout: tuple[Communicator, str, list[ParamMeta], list[Bucket]] | None = None
 
     def _rp_slice_of(self, name: str) -> tuple[Region | None, torch.Tensor] | None:
         """What this worker keeps of ``name`` and where; None where only the loader can load it."""
@@ -68,6 +83,10 @@ class SlicingPart(StagingPart):
         """The parameters moved or were discarded: the published places are void. The keys go
         first, so the trainer broadcasts (and this worker learns the places again) next time."""
         super()._rp_forget_places()
+        if self._rp_staged_slices is not None:
+            self._rp_staged_slices.void = (
+                "this worker's weights were reloaded after the atomic push was received; push again"
+            )
         comm, slices = self._rp_slices_comm, self._rp_slices
         self._rp_slices, self._rp_slices_comm = None, None
         if comm is None or not slices:
@@ -86,17 +105,50 @@ class SlicingPart(StagingPart):
             "push again: the next push sends whole tensors"
         )
 
+    def _rp_sliced_bytes(self, layout_key: str) -> int:
+        """What this worker keeps of a published layout (what an atomic sliced push stages)."""
+        assert self._rp_slices is not None
+        return sum(v.numel() * v.element_size() for v in self._rp_slices[layout_key].views)
+
     def _rp_receive_sliced(
         self,
         comm: Communicator,
         layout_key: str,
         metas: list[ParamMeta],
         got: Received,
+        stage: bool = False,
     ) -> None:
-        """Receive this worker's slices of every tensor into its parameters. Raises
+        """Receive this worker's slices of every tensor: into its parameters, or (``stage``: an
+        atomic push) into tensors of their shapes, applied by ``rp_apply_staged``. Raises
         ``CommunicatorError`` like ``receive_buckets``."""
         assert self._rp_slices is not None
         kept = self._rp_slices[layout_key]
-        receive_slices(
-            comm, metas, kept.schedule, comm.rank, comm.first_sender, kept.regions, kept.views, out=got
+        if not stage:
+            receive_slices(
+                comm, metas, kept.schedule, comm.rank, comm.first_sender, kept.regions, kept.views, out=got
+            )
+            return
+        targets = [torch.empty_like(v) for v in kept.views]
+        # nothing reaches a parameter before the swap: not in place, nothing applied
+        staged = receive_slices(
+            comm, metas, kept.schedule, comm.rank, comm.first_sender, kept.regions, targets
         )
+        got.bytes += staged.bytes
+        self._rp_staged_slices = _StagedSlices(list(zip(kept.views, targets, strict=True)))
+
+    def rp_apply_staged(self, metadata: list[dict[str, Any]]) -> None:
+        staged, self._rp_staged_slices = self._rp_staged_slices, None
+        if staged is not None:  # copied into the parameters they were received for
+            if staged.void is not None:
+                raise RuntimeError(staged.void)
+            for view, received in staged.pairs:
+                view.copy_(received)
+            return
+        layout, self._rp_staged_layout = self._rp_staged_layout, None
+        super().rp_apply_staged(metadata)
+        if layout is not None:  # the loader placed every tensor: the next pushes can be sliced
+            self._rp_publish_slices(*layout)
+
+    def rp_drop_staged(self) -> None:
+        self._rp_staged_slices, self._rp_staged_layout = None, None
+        super().rp_drop_staged()
