@@ -17,7 +17,9 @@ servers get the same requests (token ids, ``/pooling`` for the reward server, ``
 ``vllm serve``, raw scores) from the same client at the same concurrency. Prefix caching stays
 on (the default) but no engine sees a prompt twice: the warm-up uses other prompts, and each of
 the ``--rounds`` repeats of the headline measurement (default 3; the figures are medians) its
-own fresh prompt set, the same sets for every engine.
+own fresh prompt set, the same sets for every engine. For the headline round the reward server's
+own metrics (``rewardplane:request_stage_seconds``) give each request's mean time per stage
+(parse, engine; tokenize for texts) and the rest of its latency beside them.
 
 Usage (GPU machine, vLLM importable, ``VLLM_USE_FLASHINFER_SAMPLER=0`` is set for you;
 ``vllm serve`` also needs watchfiles, model-hosting-container-standards, jmespath, supervisor
@@ -504,6 +506,58 @@ def process_cpu_s(root: int) -> dict[str, float]:
     return out
 
 
+def metrics_text(url: str) -> str:
+    import httpx
+
+    return httpx.get(f"{url}/metrics", timeout=30).text
+
+
+def stage_totals(text: str) -> dict[str, tuple[float, float]]:
+    """The reward server's ``/metrics``: (seconds, requests) summed per stage of a scoring request
+    (``rewardplane:request_stage_seconds``), and ``e2e`` for /pooling's whole latency."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("rewardplane:request_stage_seconds"):
+                key = sample.labels.get("stage", "")
+            elif (
+                sample.name.startswith("rewardplane:e2e_request_latency_seconds")
+                and sample.labels.get("endpoint") == "/pooling"
+            ):
+                key = "e2e"
+            else:
+                continue
+            if sample.name.endswith("_sum"):
+                sums[key] = sample.value
+            elif sample.name.endswith("_count"):
+                counts[key] = sample.value
+    return {k: (sums[k], counts.get(k, 0.0)) for k in sums}
+
+
+def stage_times(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, dict[str, float]]:
+    """What the requests between two scrapes spent per stage: total seconds, requests, mean ms; and
+    ``other``: the mean e2e latency less the stages' means (waiting on the event loop, validation,
+    the answer's encoding and sending)."""
+    out: dict[str, dict[str, float]] = {}
+    for stage, (total, n) in after.items():
+        t0, n0 = before.get(stage, (0.0, 0.0))
+        if n > n0:
+            out[stage] = {"seconds": total - t0, "requests": n - n0, "mean_ms": 1e3 * (total - t0) / (n - n0)}
+    if "e2e" in out:
+        staged = sum(v["mean_ms"] for k, v in out.items() if k != "e2e")
+        out["other"] = {"mean_ms": out["e2e"]["mean_ms"] - staged}
+    return out
+
+
+def describe_stages(stages: dict[str, dict[str, float]]) -> str:
+    return "; ".join(f"{k} {v['mean_ms']:.2f} ms" for k, v in stages.items()) or "no stage metrics"
+
+
 def timed_with_cpu(
     proc: subprocess.Popen[bytes], run: Callable[[], tuple[float, T]]
 ) -> tuple[float, T, dict[str, float]]:
@@ -673,9 +727,13 @@ def measure_http(
         for k, per_request in enumerate(sizes):
             main = prompts["main"] if k == 0 else prompts["extra"][k - 1]
             profile: dict[str, float] = {}
+            # the reward server times each stage of a request (/metrics); vllm serve does not
+            scrape = (lambda: stage_totals(metrics_text(url))) if kind == "server" else dict
+            before = scrape()
             seconds, scores, busy = timed_with_cpu(
                 proc, functools.partial(scored, main, per_request, profile)
             )
+            stages = stage_times(before, scrape())
             round_seconds = [seconds]
             if k == 0:  # the headline request size: the further rounds too
                 round_seconds += [scored(more, per_request)[0] for more in prompts.get("rounds", [])]
@@ -687,6 +745,7 @@ def measure_http(
                 "prompts": len(main),
                 "cpu_busy": busy,
                 "answers": profile,
+                "stages": stages,
             }
         return out
 
@@ -913,6 +972,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
     )
     offline_tok_s = tokens / offline["seconds"]
     print(f"[{size}] server answers: {describe_answers(primary['answers'], offline_tok_s)}", flush=True)
+    print(f"[{size}] server stages per request: {describe_stages(primary['stages'])}", flush=True)
     serve_run: dict[str, Any] | None = None
     serve: dict[str, Any] | None = None
     serve_error = None
@@ -966,6 +1026,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
         "goal_server_vs_offline": goal_vs_offline(size),
         "server_vs_offline_max_abs_diff": max_abs(primary["scores"], offline["scores"]),
         "server_cpu_busy": primary["cpu_busy"],
+        "server_stages": primary["stages"],
         "server_answers": primary["answers"],
         "other_request_sizes": {
             str(k): {
@@ -1206,6 +1267,7 @@ def print_scoring_table(rows: list[dict[str, Any]], args: argparse.Namespace) ->
             f"{'':>6} CPU busy (CPU s / wall s): server {r['server_cpu_busy']}"
             + (f"; vllm serve {r['vllm_serve_cpu_busy']}" if "vllm_serve_cpu_busy" in r else "")
         )
+        print(f"{'':>6} server stages per request (its /metrics): {describe_stages(r['server_stages'])}")
 
 
 def print_judge_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:

@@ -71,6 +71,20 @@ PANELS: tuple[Panel, ...] = (
         unit="s",
     ),
     Panel(
+        "Time per request stage",
+        "Mean time a scoring request spends in each stage of the server: parse (body read and "
+        "JSON parsed), tokenize (texts only), engine (submitted to scored); the rest of its "
+        "latency is the event loop, validation and the answer.",
+        (
+            (
+                f"sum by (rewardmodel, stage) (rate(rewardplane:request_stage_seconds_sum{{{M}}}[{RATE}]))"
+                f" / sum by (rewardmodel, stage) (rate(rewardplane:request_stage_seconds_count{{{M}}}[{RATE}]))",
+                "{{stage}} {{rewardmodel}}",
+            ),
+        ),
+        unit="s",
+    ),
+    Panel(
         "Queue depth",
         "Requests waiting for the engine and requests running, per replica.",
         (

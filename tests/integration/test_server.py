@@ -8,6 +8,7 @@ import math
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fixtures.models import TEXTS, reference_logits
 
@@ -169,6 +170,28 @@ def test_metrics_exposed(one_label):
         "rewardplane:request_queue_time_seconds_count",
     ):
         assert name in text, name
+
+
+def _stage_counts(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        sample.labels["stage"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "rewardplane:request_stage_seconds_count"
+    }
+
+
+def test_each_stage_of_a_scoring_request_is_timed(one_label):
+    # texts are parsed, tokenized and scored; token ids skip tokenization; a control-plane body is
+    # not a scoring request's stage
+    before = _stage_counts(one_label.url)
+    assert httpx.post(f"{one_label.url}/score", json={"input": ["a b", "c"]}).status_code == 200
+    assert httpx.post(f"{one_label.url}/pooling", json={"input": [[1, 2, 3]]}).status_code == 200
+    httpx.post(f"{one_label.url}/init_communicator", json={"host": "127.0.0.1", "port": 1, "world_size": 2})
+    after = _stage_counts(one_label.url)
+    grew = {stage: after[stage] - before.get(stage, 0.0) for stage in after}
+    assert grew == {"parse": 2.0, "tokenize": 1.0, "engine": 2.0}, grew
 
 
 def test_control_plane_needs_a_token(one_label):

@@ -38,6 +38,7 @@ def test_the_panels_cover_scoring_pushes_sleep_and_the_operator() -> None:
     assert titles == {
         "Scoring rate",
         "Scoring latency",
+        "Time per request stage",
         "Queue depth",
         "Push timeline",
         "Weights version per replica",

@@ -15,6 +15,8 @@ from rewardplane.protocol.push_phases import PHASES, phase_spans
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# a request's stages: parsing a small body takes tens of microseconds
+_STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, *_LATENCY_BUCKETS)
 # vLLM's label values of vllm:engine_sleep_state, by sleep level (0: awake)
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
@@ -29,6 +31,14 @@ class ServerMetrics:
             "Request latency, arrival to answer",
             ["endpoint"],
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.stage_seconds = Histogram(
+            "rewardplane:request_stage_seconds",
+            "Time a scoring request spent in one stage: parse (body read and JSON parsed), tokenize "
+            "(texts to token ids, the pool's queue included), engine (submitted to every row scored)",
+            ["stage"],
+            buckets=_STAGE_BUCKETS,
             registry=r,
         )
         self.errors = Counter(

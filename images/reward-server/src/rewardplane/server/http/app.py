@@ -144,6 +144,7 @@ def build_app(
     app = FastAPI(title="rewardplane reward server", lifespan=lifespan)
     app.state.limits = limits  # checked on the parsed body before validation (body_parse.check_body_shape)
     app.state.body_parser = BodyParser()
+    app.state.metrics = metrics  # the parse stage's timing (routes._JSONRequest)
 
     @app.exception_handler(ServerError)
     async def _server_error(request: Request, exc: ServerError) -> JSONResponse:

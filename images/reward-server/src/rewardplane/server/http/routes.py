@@ -56,6 +56,7 @@ from rewardplane.server.http.body_parse import BodyParser, check_body_shape
 from rewardplane.server.http.inputs import Limits
 from rewardplane.server.http.scoring import to_score
 from rewardplane.server.http.service import ScoringService
+from rewardplane.server.metrics import ServerMetrics
 from rewardplane.server.weight_sync.control_plane import WeightSyncService
 from rewardplane.server.weight_sync.peer import send_weights
 
@@ -81,6 +82,7 @@ class _JSONRequest(Request):
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
+            started = time.perf_counter()
             body = await self.body()
             state = self.scope["app"].state
             parser: BodyParser | None = getattr(state, "body_parser", None)
@@ -98,6 +100,9 @@ class _JSONRequest(Request):
                 raise json.JSONDecodeError(str(exc), body.decode("utf-8", "replace")[:200], 0) from exc
             except BadRequest as exc:  # FastAPI turns any other error while reading a body into
                 raise HTTPException(400, exc.message) from exc  # "error parsing the body"
+            metrics: ServerMetrics | None = getattr(state, "metrics", None)
+            if metrics is not None and limits is not None:  # a scoring request's first stage
+                metrics.stage_seconds.labels("parse").observe(time.perf_counter() - started)
         return self._json
 
 

@@ -1,5 +1,5 @@
 """The scoring path every route shares: the model-name check, the request limits, tokenization off
-the event loop, the engine call and its metrics. Routes turn their own request shapes into texts
+the event loop, the engine call and its metrics (each stage's time too). Routes turn their own request shapes into texts
 or token ids and call ``tokenize`` / ``prompts`` and ``run``.
 
 Limits come before work: the number of inputs and each text's size are checked before anything is
@@ -63,10 +63,11 @@ class ScoringService:
         check_items(len(texts), self.limits)
         texts = bound_texts(texts, self.limits, truncate=truncate)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self.tokenizer_pool,
-            lambda: tokenize_texts(self.engine.tokenizer, texts, add_special_tokens=add_special_tokens),
-        )
+        with self.metrics.stage_seconds.labels("tokenize").time():
+            return await loop.run_in_executor(
+                self.tokenizer_pool,
+                lambda: tokenize_texts(self.engine.tokenizer, texts, add_special_tokens=add_special_tokens),
+            )
 
     async def prompts(self, raw: Any, *, truncate: bool, add_special_tokens: bool = True) -> list[list[int]]:
         """vLLM's ``input`` (a string, strings, token ids, or lists of token ids) as token ids."""
@@ -93,7 +94,8 @@ class ScoringService:
         if not prompts:  # an empty batch: nothing to score, answered at the version served
             return [], self.engine.guard.version, []
         prompts = apply_length_limit(prompts, self.limits, truncate=truncate)
-        rows, version = await self.engine.score(prompts, pooling)
+        with self.metrics.stage_seconds.labels("engine").time():
+            rows, version = await self.engine.score(prompts, pooling)
         self.metrics.items.inc(len(prompts))
         self.metrics.tokens.inc(sum(len(p) for p in prompts))
         return rows, version, prompts
@@ -103,7 +105,8 @@ class ScoringService:
         self.require_task(ModelTask.GENERATE)
         self.admission.check_scoring()
         options = sampling_options(req, len(prompt), self.info.max_model_len)
-        answers, version = await self.engine.generate(prompt, options)
+        with self.metrics.stage_seconds.labels("engine").time():
+            answers, version = await self.engine.generate(prompt, options)
         self.metrics.items.inc(1)
         self.metrics.tokens.inc(len(prompt) + sum(a.num_tokens for a in answers))
         return answers, version
