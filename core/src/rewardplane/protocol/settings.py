@@ -187,7 +187,8 @@ STAGING_MAX_BYTES: Setting[int | None] = _register(
         "REWARDPLANE_STAGING_MAX_BYTES",
         "a whole number of bytes >= 0",
         None,
-        "a cap on what one atomic push may stage on this server; unset: the device's free memory decides",
+        "a cap on what one push may stage on this server (an atomic push's copy of the update, a sliced "
+        "push's buckets in flight); unset: the device's free memory decides",
         SERVER,
         _whole(0),
         flag="--staging-max-bytes",

@@ -18,7 +18,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .weights import Bucket, ParamMeta
+from .weights import DTYPE_ITEMSIZE, Bucket, ParamMeta
 
 # (start, stop) along each dimension of the whole tensor
 Box = tuple[tuple[int, int], ...]
@@ -88,6 +88,11 @@ def box_numel(box: Box) -> int:
     for lo, hi in box:
         n *= hi - lo
     return n
+
+
+def transfer_bytes(metadata: Sequence[ParamMeta], t: Transfer) -> int:
+    """The bytes of one transfer on the wire (the tensor's pushed dtype)."""
+    return box_numel(t.box) * DTYPE_ITEMSIZE[metadata[t.index].dtype]
 
 
 def slice_schedule(

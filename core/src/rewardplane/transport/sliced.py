@@ -21,7 +21,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from rewardplane.protocol import ParamMeta
-from rewardplane.protocol.slices import Box, Needs, Transfer, box_numel, need_box, part_box, relative
+from rewardplane.protocol.slices import Box, Needs, Transfer, need_box, part_box, relative, transfer_bytes
 
 from .buckets import as_bytes, torch_dtype
 from .transfer import Received, _streams
@@ -64,10 +64,6 @@ def _messages(
         if mine(t):
             out.setdefault(peer(t), []).append(t)
     return out
-
-
-def _nbytes(metadata: Sequence[ParamMeta], t: Transfer) -> int:
-    return box_numel(t.box) * torch_dtype(metadata[t.index].dtype).itemsize
 
 
 class _Staging:
@@ -168,7 +164,7 @@ def send_slices(
         messages = _messages(schedule[k], lambda t: t.sender == sender, lambda t: t.receiver)
         sources = {r: [source(t) for t in ts] for r, ts in messages.items()}
         direct = {r for r, srcs in sources.items() if len(srcs) == 1 and srcs[0].is_contiguous()}
-        staged = sum(_nbytes(metadata, t) for r, ts in messages.items() if r not in direct for t in ts)
+        staged = sum(transfer_bytes(metadata, t) for r, ts in messages.items() if r not in direct for t in ts)
         flat = staging.get(k, staged) if staged else None
         sends: list[tuple[torch.Tensor, int]] = []
         at = 0
@@ -232,7 +228,7 @@ def receive_slices(
             and dsts[0].dtype == torch_dtype(metadata[messages[s][0].index].dtype)
             and dsts[0].device == device
         }
-        staged = sum(_nbytes(metadata, t) for s, ts in messages.items() if s not in direct for t in ts)
+        staged = sum(transfer_bytes(metadata, t) for s, ts in messages.items() if s not in direct for t in ts)
         flat = staging.get(k, staged) if staged else None
         recvs: list[tuple[torch.Tensor, int]] = []
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -240,13 +236,13 @@ def receive_slices(
         for sender, ts in messages.items():
             if sender in direct:
                 recvs.append((places[sender][0].view(-1).view(torch.uint8), src + sender))
-                out.in_place_bytes += _nbytes(metadata, ts[0])
-                out.bytes += _nbytes(metadata, ts[0])
+                out.in_place_bytes += transfer_bytes(metadata, ts[0])
+                out.bytes += transfer_bytes(metadata, ts[0])
                 continue
             assert flat is not None
             start = at
             for t, dst in zip(ts, places[sender], strict=True):
-                n = _nbytes(metadata, t)
+                n = transfer_bytes(metadata, t)
                 copies.append(
                     (flat[at : at + n].view(torch_dtype(metadata[t.index].dtype)).view(dst.shape), dst)
                 )

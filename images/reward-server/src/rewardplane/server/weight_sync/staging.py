@@ -19,6 +19,12 @@ def staging_limit_from_env() -> int | None:
     return settings.STAGING_MAX_BYTES.get()
 
 
+SMALLER_FRACTION = (
+    "give the engine a smaller memory fraction (--gpu-memory-utilization; RewardModel "
+    "spec.gpu.memoryFraction) to leave room for it"
+)
+
+
 def staging_problem(
     needed: int,
     *,
@@ -26,16 +32,19 @@ def staging_problem(
     free: int | None,
     cached: int = 0,
     limit: int | None = None,
+    what: str | None = None,
+    advice: str | None = None,
 ) -> str | None:
     """Why staging ``needed`` bytes on ``where`` would fail, or None. ``free``: the device's free
     memory (None: not a GPU); ``cached``: what the allocator holds unused, which it reuses before
     asking the device (a second atomic push reuses the first one's buffers); ``limit``: the
-    operator's cap."""
-    what = f"an atomic push stages the whole update ({needed / GIB:.2f} GiB) on {where} before swapping it in"
-    advice = (
+    operator's cap. ``what`` stages and the ``advice`` against it: an atomic push's by default."""
+    what = what or (
+        f"an atomic push stages the whole update ({needed / GIB:.2f} GiB) on {where} before swapping it in"
+    )
+    advice = advice or (
         "push it streamed instead (atomic=False: scoring waits during the transfer, no copy is staged), "
-        "or give the engine a smaller memory fraction (--gpu-memory-utilization; RewardModel "
-        "spec.gpu.memoryFraction) to leave room for the staged copy"
+        f"or {SMALLER_FRACTION}"
     )
     if limit is not None and needed > limit:
         return (

@@ -75,11 +75,12 @@ class DataPushListener(ReceivePart):
         entered = time.monotonic()
         layout = None if go.error else self._rp_layout(None, go.bucket_bytes, go.layout_id)
         refusal = go.error or (None if layout else f"layout {go.layout_id} is not cached in this worker")
-        if refusal is None and go.sliced:  # are the places it was published for still valid?
-            refusal = self._rp_sliced_problem(comm, go.layout_id)
-        if refusal is None and layout is not None and not go.apply:  # atomic: is there room to stage it?
-            staged = self._rp_sliced_bytes(go.layout_id) if go.sliced else sum(b.nbytes for b in layout[1])
-            refusal = self.rp_staging_problem(staged)
+        if refusal is None and go.sliced:  # the places it was published for still valid, and room to stage
+            refusal = self._rp_sliced_problem(comm, go.layout_id) or self._rp_sliced_staging_problem(
+                go.layout_id, atomic=not go.apply
+            )
+        elif refusal is None and layout is not None and not go.apply:  # atomic: is there room to stage it?
+            refusal = self.rp_staging_problem(sum(b.nbytes for b in layout[1]))
         got = Received()
 
         agreed: float | None = None

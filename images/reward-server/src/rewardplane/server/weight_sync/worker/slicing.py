@@ -14,10 +14,18 @@ from typing import Any
 import torch
 
 from rewardplane.protocol import Bucket, ParamMeta
-from rewardplane.protocol.slices import Region, Transfer, needs_key, needs_to_json, slice_schedule
+from rewardplane.protocol.slices import (
+    Region,
+    Transfer,
+    needs_key,
+    needs_to_json,
+    slice_schedule,
+    transfer_bytes,
+)
+from rewardplane.server.weight_sync.staging import GIB, SMALLER_FRACTION
 from rewardplane.server.weight_sync.worker.staging import StagingPart
 from rewardplane.transport.comm import Communicator
-from rewardplane.transport.sliced import receive_slices
+from rewardplane.transport.sliced import IN_FLIGHT, receive_slices
 from rewardplane.transport.transfer import Received
 
 log = logging.getLogger(__name__)
@@ -28,6 +36,7 @@ class _Kept:
     regions: list[Region | None]  # what this worker keeps of each tensor of the layout
     views: list[torch.Tensor]  # the parameter view each lands in
     schedule: list[list[Transfer]]  # this worker's transfers of a sliced push, per bucket
+    bucket_bytes: int  # the most this worker receives of one bucket (the wire stages up to that)
 
 
 @dataclass
@@ -77,7 +86,8 @@ class SlicingPart(StagingPart):
             log.debug("could not publish this worker's slices of layout %s: %s", layout_key, exc)
             return
         schedule = slice_schedule(metas, plan, {comm.rank: regions})
-        slices[layout_key] = _Kept(regions, views, schedule)
+        most = max((sum(transfer_bytes(metas, t) for t in bucket) for bucket in schedule), default=0)
+        slices[layout_key] = _Kept(regions, views, schedule, most)
 
     def _rp_forget_places(self) -> None:
         """The parameters moved or were discarded: the published places are void. The keys go
@@ -105,10 +115,27 @@ class SlicingPart(StagingPart):
             "push again: the next push sends whole tensors"
         )
 
-    def _rp_sliced_bytes(self, layout_key: str) -> int:
-        """What this worker keeps of a published layout (what an atomic sliced push stages)."""
+    def _rp_sliced_staging_problem(self, layout_key: str, atomic: bool) -> str | None:
+        """Why this worker cannot stage a sliced push of a published layout, or None: the wire
+        stages up to ``IN_FLIGHT`` buckets of this worker's share while they are copied into
+        place, and an atomic push also all of its slices until the swap."""
         assert self._rp_slices is not None
-        return sum(v.numel() * v.element_size() for v in self._rp_slices[layout_key].views)
+        kept = self._rp_slices[layout_key]
+        wire = IN_FLIGHT * kept.bucket_bytes
+        whole = sum(v.numel() * v.element_size() for v in kept.views) if atomic else 0
+        needed = wire + whole
+        where = self.rp_where()
+        what = (
+            f"a sliced push stages up to {IN_FLIGHT} buckets of this worker's slices ({wire / GIB:.2f} GiB)"
+        )
+        if atomic:
+            what += f" and, atomic, all of them until the swap ({whole / GIB:.2f} GiB)"
+        return self.rp_staging_problem(
+            needed,
+            what=f"{what} on {where}",
+            advice="lower the push's bucket_bytes, push without slicing (REWARDPLANE_PUSH_SLICING=never "
+            f"on the trainer){', push it streamed' if atomic else ''}, or {SMALLER_FRACTION}",
+        )
 
     def _rp_receive_sliced(
         self,

@@ -26,15 +26,29 @@ class StagingPart(PersistencePart):
     def rp_drop_staged(self) -> None:
         self._rp_staged = None
 
-    def rp_staging_problem(self, nbytes: int) -> str | None:
-        """Why this worker cannot stage ``nbytes`` for an atomic push (``staging.py``), or None."""
+    def rp_staging_problem(
+        self, nbytes: int, what: str | None = None, advice: str | None = None
+    ) -> str | None:
+        """Why this worker cannot stage ``nbytes`` (for an atomic push, or ``what`` says), or None
+        (``staging.py``)."""
         device = self.rp_device()
         free = self.rp_cuda_free_bytes()
         cached = 0
         if device.type == "cuda":
             cached = int(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-        where = f"GPU {device.index}" if device.type == "cuda" else "this server's host memory"
-        return staging_problem(nbytes, where=where, free=free, cached=cached, limit=staging_limit_from_env())
+        return staging_problem(
+            nbytes,
+            where=self.rp_where(),
+            free=free,
+            cached=cached,
+            limit=staging_limit_from_env(),
+            what=what,
+            advice=advice,
+        )
+
+    def rp_where(self) -> str:
+        device = self.rp_device()
+        return f"GPU {device.index}" if device.type == "cuda" else "this server's host memory"
 
     def rp_cuda_free_bytes(self) -> int | None:
         """Free memory of this worker's GPU (``cudaMemGetInfo``); None off CUDA."""
