@@ -1,5 +1,6 @@
 """The trainer ranks agree on who sends what once, and again whenever any rank's parts change: two
-real processes in a gloo group (``TrainerRanks.plan_of``)."""
+real processes in a gloo group (``TrainerRanks.plan_of``); each push's plan gets its own layout
+(``ShardedLayout.of``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rewardplane.protocol import RewardModelTrainingMode
 from rewardplane.protocol.naming import WeightValidationError
-from rewardplane.sdk._trainer_ranks import TrainerRanks
-from rewardplane.sdk.sharding import TensorPiece, local_parts
+from rewardplane.sdk._trainer_ranks import ShardedLayout, TrainerRanks
+from rewardplane.sdk.sharding import TensorPiece, local_parts, plan_senders
 from rewardplane.testing.servers import free_port
 
 
@@ -51,3 +53,15 @@ def test_a_change_on_any_rank_replans_every_rank(tmp_path: Path) -> None:
         assert r["cached"], r  # nothing changed: the plan agreed before, no exchange of parts
         assert r["refused"] is not None and "extra ['c']" in r["refused"], r
         assert r["first"] == [[0, 0, 4], [1, 4, 8]] and r["fourth"] == [[0, 0, 2], [1, 2, 8]], r
+
+
+def test_a_delta_plan_made_where_an_earlier_one_was_gets_its_own_layout() -> None:
+    # A delta push's plan (``PushPlan.only``) lives for one push; the next one is often allocated at
+    # the same address. Each must get the layout of its own tensors, never the earlier one's.
+    full = plan_senders([local_parts({"a": torch.zeros(4), "b": torch.zeros(8), "c": torch.zeros(2)})[1]])
+    layout = ShardedLayout(None, (), 1 << 20)
+    for keys in (["a"], ["b", "c"], ["c"], ["a", "b"]) * 3:
+        _, metadata, _, _ = layout.of(
+            full.only(keys), RewardModelTrainingMode.FULL, False, None, None, partial=True
+        )
+        assert [m.name for m in metadata] == sorted(keys), keys

@@ -225,9 +225,12 @@ class ShardedLayout:
         """(server name, the rank's key) in push order, the metadata, its buckets, its layout id.
         With the served ``manifest`` (rank 0), checked against it first. ``partial``: a delta
         push's subset (the mode's rules held for the whole push it is a delta of)."""
-        key = (id(plan), mode, keep_lora, adapter, partial)
-        if self._cache is not None and self._cache[0] == key:
-            return self._cache[1:]
+        # the plan itself, not its id: a delta push's plan lives for one push, and a later one can
+        # be allocated where it was (same id, other tensors); held here, it cannot be
+        key = (plan, mode, keep_lora, adapter, partial)
+        cached = self._cache
+        if cached is not None and cached[0][0] is plan and cached[0][1:] == key[1:]:
+            return cached[1:]
         renamed = names_for_mode(
             {k: k for k in plan.metas},
             mode,
