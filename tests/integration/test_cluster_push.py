@@ -3,6 +3,8 @@ against a real kube-apiserver, the node agent running real servers, and real glo
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import os
 import subprocess
@@ -105,6 +107,7 @@ def test_cluster_push_end_to_end(
     control_plane: Any,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     name = make_model(kube, ns, node_agent.name, tiny_model_dir, replicas=2)
     logs = lambda: operator.logs() + "\n" + node_agent.log_tail()  # noqa: E731
@@ -259,6 +262,33 @@ def test_cluster_push_end_to_end(
         assert close(got, [[1 / (1 + math.exp(-w[0]))] for w in want])
         assert rewardplane_cli(["push", name, *base, "--from", str(checkpoint), "--version", "2"]) == 1
         assert "StaleVersion" in capsys.readouterr().err
+
+        # Delta pushes: the first sends everything, the next only the tensor that changed; one
+        # built on a version the replicas no longer hold as pushed is refused, and all is sent.
+        import torch
+
+        delta_model = perturbed(tiny_model_dir, seed=7)
+        opts: dict[str, Any] = {"bucket_bytes": 1 << 16, "timeout_s": 60, "trainer_host": "127.0.0.1"}
+        full_bytes = handle.push_weights(delta_model.state_dict(), 5, "full", delta=True, **opts).bytes
+        with torch.no_grad():
+            delta_model.score.weight.add_(0.5)
+        small = handle.push_weights(delta_model.state_dict(), 6, "full", delta=True, **opts)
+        assert 0 < small.bytes < full_bytes / 10, (small.bytes, full_bytes)
+        assert small.weightsync["spec"]["baseVersion"] == 5
+        every_replica_scores_like(handle, delta_model, tiny_model_dir, 6)
+        assert handle._acked is not None  # a trainer whose last acknowledged push is not what is served:
+        handle._acked = dataclasses.replace(handle._acked, version=5)  # the replicas serve 6
+        with torch.no_grad():
+            delta_model.score.weight.add_(0.5)
+        with caplog.at_level(logging.WARNING, logger="rewardplane.sdk.cluster"):
+            whole = handle.push_weights(delta_model.state_dict(), 7, "full", delta=True, **opts)
+        assert whole.bytes == full_bytes and "refused" in caplog.text, caplog.text
+        assert "baseVersion" not in whole.weightsync["spec"]
+        last = [(h["version"], h["phase"], h.get("reason")) for h in ws_status(kube, ns, name)["history"]][
+            -2:
+        ]
+        assert last[0] == (7, "Failed", "DeltaRefused") and last[1][:2] == (7, "Completed"), last
+        every_replica_scores_like(handle, delta_model, tiny_model_dir, 7)
     finally:
         handle.close()
 

@@ -57,6 +57,20 @@ def test_adapter_push_carries_its_lora_config_and_needs_lora_on_the_model():
         wsm.parse_push(ws_body(trainingMode="full", adapter=spec), lora_on)
 
 
+def test_a_delta_push_names_its_base_older_than_its_version_in_full_mode():
+    assert wsm.parse_push(ws_body(baseVersion=2), {}).base_version == 2
+    assert wsm.parse_push(ws_body(), {}).base_version is None
+    for spec, needle in (
+        ({"baseVersion": 3}, "must be older than spec.version 3"),
+        ({"baseVersion": -1}, "integer >= 0"),
+        ({"baseVersion": "2"}, "integer >= 0"),
+        ({"baseVersion": 2, "trainingMode": "head_only"}, "trainingMode full only, not head_only"),
+    ):
+        with pytest.raises(wsm.WeightSyncRefused, match=needle) as info:
+            wsm.parse_push(ws_body(**spec), {})
+        assert info.value.reason == wsapi.INVALID_SPEC
+
+
 def test_stale_and_duplicate_versions_are_refused():
     wsm.check_version(4, 3)
     for v in (3, 2):

@@ -42,6 +42,9 @@ INVALID_SPEC = "InvalidSpec"
 MANIFEST_INVALID = "ManifestInvalid"
 NO_REPLICAS = "NoReadyReplicas"
 REPLICA_REFUSED = "ReplicaRefused"
+# a replica does not hold spec.baseVersion as pushed (restarted, restored, broken, another version):
+# nothing moved; push every tensor instead (the SDK does so by itself)
+DELTA_REFUSED = "DeltaRefused"
 REPLICA_FAILED = "ReplicaFailed"
 TIMEOUT = "Timeout"
 OPERATOR_RESTARTED = "OperatorRestarted"

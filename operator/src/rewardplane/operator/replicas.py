@@ -40,7 +40,12 @@ WAIT_POLL_S = 30.0  # one long poll of /runtime_version (the server takes at mos
 
 
 class ReplicaError(RuntimeError):
-    """A replica did not answer, or answered with an error (the message says which and what)."""
+    """A replica did not answer, or answered with an error (the message says which and what;
+    ``code``: the error's ``detail.code`` where the server gave one, e.g. ``STALE_BASE``)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class Replicas(Protocol):
@@ -257,5 +262,14 @@ def _answered(url: str, path: str, call: Callable[[], httpx.Response]) -> httpx.
     except httpx.HTTPError as exc:
         raise ReplicaError(f"{url}{path} did not answer: {type(exc).__name__}: {exc}") from exc
     if resp.status_code >= 400:
-        raise ReplicaError(f"{url}{path} answered {resp.status_code}: {_detail(resp)}")
+        raise ReplicaError(f"{url}{path} answered {resp.status_code}: {_detail(resp)}", _code(resp))
     return resp
+
+
+def _code(resp: httpx.Response) -> str | None:
+    try:
+        detail = resp.json().get("detail")
+    except (ValueError, AttributeError):
+        return None
+    code = detail.get("code") if isinstance(detail, dict) else None
+    return code if isinstance(code, str) else None

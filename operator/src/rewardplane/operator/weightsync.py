@@ -51,6 +51,7 @@ class PushRequest:
     timeout_s: float
     adapter: AdapterConfig | None = None  # trainingMode adapter: the LoRA configuration
     senders: int = 1  # the trainer's sending ranks: the last ranks of the group
+    base_version: int | None = None  # a delta push: only the tensors changed since this version
 
     @property
     def group_id(self) -> str:
@@ -96,6 +97,16 @@ def parse_push(ws: Mapping[str, Any], rm_spec: Mapping[str, Any] | None) -> Push
     if not isinstance(senders, int) or isinstance(senders, bool) or senders < 1:
         problems.append(f"spec.trainer.ranks must be an integer >= 1 (got {senders!r})")
         senders = 1
+    base = spec.get("baseVersion")
+    if base is not None:
+        if not isinstance(base, int) or isinstance(base, bool) or base < 0:
+            problems.append(f"spec.baseVersion must be an integer >= 0 (got {base!r})")
+        elif isinstance(spec.get("version"), int) and base >= spec["version"]:
+            problems.append(f"spec.baseVersion {base} must be older than spec.version {spec['version']}")
+        if mode is not RewardModelTrainingMode.FULL:
+            problems.append(
+                f"spec.baseVersion (a delta push) goes with trainingMode full only, not {mode.value}"
+            )
     if problems:
         raise WeightSyncRefused(INVALID_SPEC, "; ".join(problems))
     return PushRequest(
@@ -114,6 +125,7 @@ def parse_push(ws: Mapping[str, Any], rm_spec: Mapping[str, Any] | None) -> Push
         timeout_s=float(spec.get("timeoutSeconds") or sync.get("timeoutSeconds") or 600),
         adapter=adapter,
         senders=senders,
+        base_version=base,
     )
 
 

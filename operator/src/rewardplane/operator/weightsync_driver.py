@@ -18,7 +18,13 @@ from typing import Any
 from rewardplane.api import weightsync as wsapi
 from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
 from rewardplane.api.names import TOKEN_KEY, token_secret_name
-from rewardplane.protocol import InitCommunicatorRequest, ParamMeta, UpdateParamBatchRequest, settings
+from rewardplane.protocol import (
+    STALE_BASE,
+    InitCommunicatorRequest,
+    ParamMeta,
+    UpdateParamBatchRequest,
+    settings,
+)
 
 from . import weightsync as wsm
 from .render import HTTP_PORT_NAME, selector
@@ -301,11 +307,13 @@ class WeightSyncDriver:
                     bucket_bytes=req.bucket_bytes,
                     timeout_s=left,
                     adapter=req.adapter,
+                    base_version=req.base_version,
                 )
                 self.replicas.update_param_batch(t.url, token, announce, left + 5.0)
                 entries[t.pod] = wsm.replica_entry(t, wsapi.TRANSFERRING)
         except ReplicaError as exc:
-            raise wsm.WeightSyncRefused(wsapi.REPLICA_REFUSED, str(exc)) from exc
+            reason = wsapi.DELTA_REFUSED if exc.code == STALE_BASE else wsapi.REPLICA_REFUSED
+            raise wsm.WeightSyncRefused(reason, str(exc)) from exc
         self._patch_status(ws, {"phase": wsapi.TRANSFERRING, "replicas": list(entries.values())})
 
         transfer = wsm.Transfer(

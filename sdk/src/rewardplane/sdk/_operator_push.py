@@ -142,7 +142,9 @@ class OperatorPush:
             return int(created["metadata"].get("generation") or 1)
         # a merge patch keeps fields it does not name: clear an earlier push's adapter and trainer
         # ranks explicitly (a one-rank push after a multi-rank one must not wait for absent ranks)
-        patched = self._kube.merge_patch(path, {"spec": {"adapter": None, "trainer": None, **spec}})
+        patched = self._kube.merge_patch(
+            path, {"spec": {"adapter": None, "trainer": None, "baseVersion": None, **spec}}
+        )
         return int(patched["metadata"]["generation"])
 
     def wait_phase(self, generation: int, phases: set[str], deadline: float, what: str) -> dict[str, Any]:
@@ -176,6 +178,7 @@ class OperatorPush:
         deadline: float,
         adapter: AdapterConfig | None,
         trainer: Mapping[str, Any] | None = None,
+        base_version: int | None = None,
     ) -> tuple[Any, str, int, dict[str, Any]]:
         """Store the manifest, host the push group's store, ask the operator for the push and wait
         for its rendezvous: (the store, its host, the generation to follow, the WeightSync)."""
@@ -198,6 +201,7 @@ class OperatorPush:
                 timeout_s=timeout_s,
                 adapter=adapter,
                 trainer=trainer,
+                base_version=base_version,
             )
         )
         ws = self.wait_phase(
@@ -220,9 +224,11 @@ class OperatorPush:
         backend: Backend,
         progress: bool | None,
         adapter: AdapterConfig | None,
+        base_version: int | None = None,
     ) -> PushResult:
         """Push prepared parameters (``RewardModelHandle.prepare``) as ``version``, within
-        ``timeout_s`` of ``started``; returns when the operator reports every replica serving it."""
+        ``timeout_s`` of ``started``; returns when the operator reports every replica serving it.
+        ``base_version``: a delta push of the tensors changed since that version."""
         import torch
 
         from rewardplane.transport.transfer import send_buckets
@@ -239,6 +245,7 @@ class OperatorPush:
             timeout_s=timeout_s,
             deadline=deadline,
             adapter=adapter,
+            base_version=base_version,
         )
         status = ws["status"]
         world = int(status["worldSize"])
@@ -279,8 +286,10 @@ class OperatorPush:
         timeout_s: float,
         adapter: AdapterConfig | None,
         trainer: Mapping[str, Any] | None = None,
+        base_version: int | None = None,
     ) -> dict[str, Any]:
-        """The WeightSync's spec for one push (``trainer``: a multi-rank trainer's ranks)."""
+        """The WeightSync's spec for one push (``trainer``: a multi-rank trainer's ranks;
+        ``base_version``: a delta push's)."""
         config_map, key, sha = manifest
         return {
             "rewardModelRef": self.name,
@@ -292,6 +301,7 @@ class OperatorPush:
             "timeoutSeconds": max(1, int(timeout_s)),
             **({"adapter": adapter_spec(adapter)} if adapter is not None else {}),
             **({"trainer": dict(trainer)} if trainer is not None else {}),
+            **({"baseVersion": int(base_version)} if base_version is not None else {}),
         }
 
     def finish(

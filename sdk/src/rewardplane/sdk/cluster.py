@@ -13,6 +13,8 @@ control-plane token comes from ``REWARDPLANE_TOKEN`` or the model's token Secret
 from __future__ import annotations
 
 import base64
+import functools
+import logging
 import os
 import threading
 import time
@@ -44,7 +46,7 @@ from ._cluster_status import (
     wait_for_urls,
     wait_until_ready,
 )
-from ._exceptions import ClusterError
+from ._exceptions import ClusterError, WeightSyncFailed
 from ._operator_push import OperatorPush, PushResult
 from .push_checks import check_fits, names_for_mode
 
@@ -55,8 +57,11 @@ if TYPE_CHECKING:
     from rewardplane.transport.comm import Backend
 
     from .client import RewardClient
+    from .delta import Acknowledged
 
 __all__ = ["PushResult", "ReplicaEndpoint", "RewardModelHandle"]
+
+log = logging.getLogger(__name__)
 
 CLIENT_WAIT_S = 60.0  # client(): how long to wait for a ready replica when there is no client yet
 
@@ -86,6 +91,8 @@ class RewardModelHandle:
         self._token = token
         self._client: RewardClient | None = None
         self._client_urls: tuple[str, ...] = ()
+        # what every replica committed in the last push_weights(delta=True): what a delta builds on
+        self._acked: Acknowledged | None = None
         self._lock = threading.Lock()
 
     @property
@@ -273,6 +280,7 @@ class RewardModelHandle:
         adapter: AdapterConfig | None = None,
         trainer_group: Any = None,
         interface: str | None = None,
+        delta: bool = False,
     ) -> PushResult:
         """Push ``params`` as ``version`` into every replica through the operator; returns when the
         operator reports every replica serving it. Raises WeightValidationError (nothing moved),
@@ -283,13 +291,26 @@ class RewardModelHandle:
         ``TensorPiece`` slices, or tensors every rank holds alike); each rank sends its own part from
         its own device, and every rank returns the same result or raises alike. ``interface``: the
         network interface this trainer's ranks give NCCL and gloo (a multi-rank push records it in
-        the WeightSync's spec.trainer)."""
+        the WeightSync's spec.trainer).
+
+        ``delta`` (training mode full, one trainer process): send only the tensors whose bytes
+        changed since the last ``push_weights(delta=True)`` every replica committed (the first sends
+        everything). A replica that does not hold that version as pushed (restarted, restored,
+        broken) refuses before anything moves, and everything is pushed as the same version."""
         started = time.monotonic()
         mode = RewardModelTrainingMode(training_mode)
+        # cleared while the push runs: after any failure the next delta push sends everything
+        acked, self._acked = self._acked, None
         if trainer_group is not None:
             import torch.distributed as dist
 
             if dist.get_world_size(trainer_group) > 1:
+                if delta:
+                    raise ValueError(
+                        "delta pushes through the operator are for one trainer process; from a "
+                        "multi-rank trainer push without delta, or use WeightPusher(trainer_group=..., "
+                        "delta=True) against the replicas' URLs"
+                    )
                 from ._operator_sharded import push_from_ranks
 
                 return push_from_ranks(
@@ -316,21 +337,45 @@ class RewardModelHandle:
         metadata, tensors = self.prepare(
             params, mode, keep_lora=keep_lora, head_name_patterns=head_name_patterns, adapter=adapter
         )
+        push = functools.partial(
+            OperatorPush(self).push,
+            version=version,
+            mode=mode,
+            started=started,
+            timeout_s=timeout_s,
+            trainer_host=trainer_host,
+            bucket_bytes=bucket_bytes,
+            device=device,
+            backend=backend,
+            progress=progress,
+            adapter=adapter,
+        )
+        from rewardplane.api.weightsync import DELTA_REFUSED
+
+        from .delta import Acknowledged, delta_names, fingerprints, warn_refused
+
+        delta = delta and mode is RewardModelTrainingMode.FULL
         try:
-            return OperatorPush(self).push(
-                metadata,
-                tensors,
-                version,
-                mode,
-                started=started,
-                timeout_s=timeout_s,
-                trainer_host=trainer_host,
-                bucket_bytes=bucket_bytes,
-                device=device,
-                backend=backend,
-                progress=progress,
-                adapter=adapter,
-            )
+            prints = fingerprints(tensors) if delta else {}
+            if delta and acked is not None:
+                keys = set(delta_names(prints, acked.prints, {m.name: m.nbytes for m in metadata}))
+                try:
+                    result = push(
+                        [m for m in metadata if m.name in keys],
+                        {k: t for k, t in tensors.items() if k in keys},
+                        base_version=acked.version,
+                    )
+                except WeightSyncFailed as exc:
+                    if exc.reason != DELTA_REFUSED:
+                        raise
+                    warn_refused(log, version, acked.version, exc, len(tensors))
+                else:
+                    self._acked = Acknowledged(version, prints)
+                    return result
+            result = push(metadata, tensors)
+            if delta:
+                self._acked = Acknowledged(version, prints)
+            return result
         except BaseException as exc:
             # The failed push's frames hold its rendezvous store and process group for as long as
             # the exception lives (a trainer that pushes again in its ``except`` block). A gloo
