@@ -1,16 +1,17 @@
 """How two senders should move a push into two receiving ranks (GPU, four GPUs; raw NCCL, no server).
 
 The sharded push (``benchmarks/sharded_push.py``) sends each tensor-parallel worker only its slice
-with NCCL point-to-point sends: two senders × two receivers in one NCCL group per bucket. Over NVLink
-that took 0.84 of one sender's broadcast, not the 0.5 the bytes allow. This benchmark measures the
+with NCCL point-to-point sends: two senders × two receivers in one NCCL group per bucket. This
+benchmark measures the link's side of that, raw NCCL without the project's transport: the
 candidate wires on the same payload, four processes, one GPU each (ranks 0 and 1 receive, 2 and 3
-send), so the push can take the fastest:
+send), one message per sender-receiver pair and bucket (``benchmarks/sliced_wire.py`` measures the
+transport's own functions):
 
 - ``broadcast-1``: rank 2 broadcasts everything to ranks 0 and 1 (one sender broadcasting: what
   both receivers get today without slicing; the baseline);
 - ``p2p-1``: rank 2 sends half to rank 0 and half to rank 1 (one sender sliced);
 - ``p2p-2``: ranks 2 and 3 each send a quarter to each receiver, all four sends in one NCCL group
-  per bucket (two senders sliced: today's wire);
+  per bucket (two senders sliced: the shape of the sliced wire);
 - ``p2p-2-rounds``: the same bytes in two rounds per bucket, each rank talking to one peer per
   round (2→0 and 3→1, then 2→1 and 3→0), point to point;
 - ``pairs-2-rounds``: the same rounds, each a broadcast on a two-rank communicator of its own
