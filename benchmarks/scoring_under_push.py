@@ -2,9 +2,10 @@
 
 One vLLM reward server on GPU 0 (the 7B shape, ``--load-format dummy``: random weights, as
 ``benchmarks/weight_sync.py``), kept busy by a closed-loop load generator in a process of its own
-(token-id prompts of U[lo, hi] tokens, 8 per ``/pooling`` request, N requests in flight through the
-SDK's sharded HTTP pool; each answer's completion time and weights ``version`` recorded); the
-trainer is this process, on GPU 1, with weights of the same shape. One run, one timeline:
+(``benchmarks/push_load_generator.py``: token-id prompts of U[lo, hi] tokens, 8 per ``/pooling``
+request, N requests in flight through the SDK's sharded HTTP pool; each answer's completion time
+and weights ``version`` recorded); the trainer is this process, on GPU 1, with weights of the same
+shape. One run, one timeline:
 
   1. baseline          no weight-sync group at all
   2. group_idle        the group joined and set up (the first pushes announced the layouts over HTTP
@@ -47,7 +48,6 @@ beside it (``…records.json``: every answer), which ``--reanalyze`` reads.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import faulthandler
 import json
@@ -61,14 +61,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 from unittest import mock
-
-import numpy as np
-import numpy.typing as npt
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -82,242 +79,12 @@ from benchmarks.push_load_analysis import (  # noqa: E402
     fmt,
     print_report,
 )
+from benchmarks.push_load_generator import LoadGen, write_json  # noqa: E402
 
-Array = npt.NDArray[np.float64]
 TOKEN = "bench"
 RESULT_NAME = "scoring_under_push.json"
 
-# ---- the load generator (a process of its own) ------------------------------------------------
-
-
-def make_request(rng: np.random.Generator, n: int, lo: int, hi: int, vocab: int) -> list[list[int]]:
-    """``n`` prompts of token ids, lengths uniform in [lo, hi], ids in [4, vocab) (past the
-    tokenizer's special tokens): fresh every time, so the prefix cache never hits."""
-    lengths = rng.integers(lo, hi + 1, size=n)
-    ids = rng.integers(4, vocab, size=int(lengths.sum())).tolist()
-    out, at = [], 0
-    for length in lengths.tolist():
-        out.append(ids[at : at + length])
-        at += length
-    return out
-
-
-# what one request returns: (the body's version, the header's version, None) or (None, None, error)
-Answer = tuple[int | None, int | None, str | None]
-Send = Callable[[list[list[int]]], Awaitable[Answer]]
-
-
-async def closed_loop(
-    send: Send,
-    make: Callable[[], list[list[int]]],
-    concurrency: int,
-    stop: asyncio.Event,
-    clock: Callable[[], float] = time.monotonic,
-    error_pause_s: float = 0.05,
-    records: Records | None = None,
-) -> Records:
-    """``concurrency`` senders, each sending its next request as soon as the last one is answered,
-    until ``stop`` is set; requests still in flight then are cancelled and not recorded. A sender
-    that fails outside ``send`` (a bug) stops everything and is raised. ``records``: filled as
-    answers come (the caller may watch it), returned."""
-    records = records if records is not None else Records()
-
-    async def sender() -> None:
-        while not stop.is_set():
-            prompts = make()
-            t_send = clock()
-            try:
-                version, header, error = await send(prompts)
-            except (asyncio.CancelledError, KeyboardInterrupt):
-                raise
-            except Exception as exc:  # a transport error: recorded, and the sender goes on
-                version, header, error = None, None, f"{type(exc).__name__}: {exc}"
-            t_done = clock()
-            if error is not None or version is None:
-                records.fail(t_send, t_done, error or "no version in the answer")
-                await asyncio.sleep(error_pause_s)
-                continue
-            records.add(t_send, t_done, len(prompts), sum(map(len, prompts)), version, header)
-
-    tasks = [asyncio.create_task(sender()) for _ in range(concurrency)]
-    stopped = asyncio.create_task(stop.wait())
-    try:
-        done, _ = await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in [stopped, *tasks]:
-            t.cancel()
-        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-    for outcome in outcomes:
-        if isinstance(outcome, BaseException) and not isinstance(outcome, asyncio.CancelledError):
-            raise outcome
-    return records
-
-
-def http_sender(client: Any, url: str) -> Send:
-    """POST ``{"input": prompts}`` to the server's ``/pooling`` (token ids in, raw rows out)."""
-    from rewardplane.protocol import VERSION_HEADER
-
-    endpoint = url.rstrip("/") + "/pooling"
-
-    async def send(prompts: list[list[int]]) -> Answer:
-        r = await client.post(endpoint, json={"input": prompts})
-        if r.status_code != 200:
-            return None, None, f"HTTP {r.status_code}: {r.text[:300]}"
-        body = r.json()
-        if len(body.get("data", [])) != len(prompts):
-            return None, None, f"{len(body.get('data', []))} rows for {len(prompts)} prompts"
-        header = r.headers.get(VERSION_HEADER)
-        return int(body["version"]), (int(header) if header is not None else None), None
-
-    return send
-
-
-def write_json(path: Path, obj: Any, indent: int | None = None) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=indent))
-    os.replace(tmp, path)
-
-
-def loadgen_main(args: argparse.Namespace) -> int:
-    """The load generator's process: runs until ``<control>/stop`` exists or ``--max-duration-s``;
-    writes ``status.json`` (answers and failures so far, CPU seconds) every half second and
-    ``records.json`` at the end."""
-    import httpx
-
-    from rewardplane.sdk.http_pool import ShardedAsyncClient
-
-    control = Path(args.control)
-    rng = np.random.default_rng(args.seed)
-    started = time.monotonic()
-    records = Records()
-
-    def status() -> None:
-        write_json(
-            control / "status.json",
-            {
-                "t": time.monotonic(),
-                "answered": len(records.t_done),
-                "failed": records.n_errors,
-                "first_error": records.errors[0]["error"] if records.errors else None,
-                "cpu_s": time.process_time(),
-            },
-        )
-
-    async def run() -> None:
-        stop = asyncio.Event()
-        timeout = httpx.Timeout(args.request_timeout_s, connect=30.0)
-        async with ShardedAsyncClient(max_connections=args.concurrency, timeout=timeout) as client:
-            gen = asyncio.create_task(
-                closed_loop(
-                    http_sender(client, args.url),
-                    lambda: make_request(rng, args.per_request, args.min_len, args.max_len, args.vocab),
-                    args.concurrency,
-                    stop,
-                    records=records,
-                )
-            )
-            try:
-                while not gen.done():
-                    if (control / "stop").exists() or time.monotonic() - started > args.max_duration_s:
-                        stop.set()
-                        break
-                    status()
-                    await asyncio.sleep(0.5)
-                await asyncio.wait_for(gen, 60)  # raises what stopped it early, if anything did
-            finally:
-                if not gen.done():
-                    gen.cancel()
-
-    asyncio.run(run())
-    status()
-    out = records.to_json()
-    out["cpu_s"] = time.process_time()
-    out["wall_s"] = time.monotonic() - started
-    write_json(control / "records.json", out)
-    return 0
-
-
 # ---- the run ------------------------------------------------------------------------------------
-
-
-class LoadGen:
-    """The load generator's process, seen from the orchestrator."""
-
-    def __init__(
-        self, work: Path, url: str, args: argparse.Namespace, vocab: int, max_duration_s: float
-    ) -> None:
-        self.control = work / "loadgen"
-        self.control.mkdir(parents=True, exist_ok=True)
-        self.cpu_s: float | None = None  # its CPU and wall seconds, once stopped
-        self.wall_s: float | None = None
-        self.log_path = work / "loadgen.log"
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--role",
-            "loadgen",
-            "--url",
-            url,
-            "--control",
-            str(self.control),
-            "--concurrency",
-            str(args.concurrency),
-            "--per-request",
-            str(args.per_request),
-            "--min-len",
-            str(args.min_len),
-            "--max-len",
-            str(args.max_len),
-            "--vocab",
-            str(vocab),
-            "--seed",
-            str(args.seed),
-            "--max-duration-s",
-            str(max_duration_s),
-            "--request-timeout-s",
-            str(args.request_timeout_s),
-        ]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def tail(self, n: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
-
-    def check(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the load generator exited with {self.proc.returncode}:\n{self.tail()}")
-
-    def stop(self, timeout_s: float) -> Records:
-        (self.control / "stop").touch()
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise RuntimeError(
-                f"the load generator did not stop within {timeout_s:.0f}s:\n{self.tail()}"
-            ) from None
-        path = self.control / "records.json"
-        if self.proc.returncode != 0 or not path.exists():
-            raise RuntimeError(f"the load generator failed (exit {self.proc.returncode}):\n{self.tail()}")
-        raw = json.loads(path.read_text())
-        self.cpu_s, self.wall_s = raw.pop("cpu_s", None), raw.pop("wall_s", None)
-        return Records.from_json(raw)
-
-    def status(self) -> dict[str, Any]:
-        """The generator's progress (``status.json``); {} before the first."""
-        with contextlib.suppress(OSError, ValueError):
-            return dict(json.loads((self.control / "status.json").read_text()))
-        return {}
-
-    def cpu_s_now(self) -> float | None:
-        cpu = self.status().get("cpu_s")
-        return float(cpu) if cpu is not None else None
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
 
 
 def server_last_update(url: str, version: int, timeout_s: float = 2.0) -> dict[str, Any]:
@@ -990,12 +757,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-mib", type=int, default=1024)
     p.add_argument("--out", default=None, help=f"result JSON (default $OUT/{RESULT_NAME} when OUT is set)")
     p.add_argument("--reanalyze", default=None, help="a result JSON of an earlier run: analyse it again")
-    # the load generator's process
-    p.add_argument("--role", choices=["main", "loadgen"], default="main", help=argparse.SUPPRESS)
-    p.add_argument("--url", help=argparse.SUPPRESS)
-    p.add_argument("--control", help=argparse.SUPPRESS)
-    p.add_argument("--vocab", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--max-duration-s", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.given = sorted(k for k in ANALYSIS_OPTIONS if getattr(args, k) is not None)
     mode = DEFAULTS["cpu"] if args.cpu else DEFAULTS["gpu"] | (DEFAULTS["quick"] if args.quick else {})
@@ -1011,8 +772,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    if args.role == "loadgen":
-        return loadgen_main(args)
     if args.reanalyze:
         return reanalyze(args)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
