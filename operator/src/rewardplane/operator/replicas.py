@@ -76,14 +76,17 @@ class Replicas(Protocol):
     def wait_for_version(self, url: str, version: int, timeout_s: float) -> Mapping[str, Any]: ...
 
 
-def _detail(resp: httpx.Response) -> str:
+def _error(resp: httpx.Response) -> tuple[str, str | None]:
+    """An error answer's message, and its ``detail.code`` where the server gave one."""
     try:
         body = resp.json()
     except ValueError:
-        return resp.text[:500]
-    if isinstance(body, dict):
-        return str(body.get("error") or body.get("detail") or body)[:500]
-    return str(body)[:500]
+        return resp.text[:500], None
+    if not isinstance(body, dict):
+        return str(body)[:500], None
+    detail = body.get("detail")
+    code = detail.get("code") if isinstance(detail, dict) else None
+    return str(body.get("error") or detail or body)[:500], code if isinstance(code, str) else None
 
 
 class HttpReplicas:
@@ -262,14 +265,6 @@ def _answered(url: str, path: str, call: Callable[[], httpx.Response]) -> httpx.
     except httpx.HTTPError as exc:
         raise ReplicaError(f"{url}{path} did not answer: {type(exc).__name__}: {exc}") from exc
     if resp.status_code >= 400:
-        raise ReplicaError(f"{url}{path} answered {resp.status_code}: {_detail(resp)}", _code(resp))
+        message, code = _error(resp)
+        raise ReplicaError(f"{url}{path} answered {resp.status_code}: {message}", code)
     return resp
-
-
-def _code(resp: httpx.Response) -> str | None:
-    try:
-        detail = resp.json().get("detail")
-    except (ValueError, AttributeError):
-        return None
-    code = detail.get("code") if isinstance(detail, dict) else None
-    return code if isinstance(code, str) else None

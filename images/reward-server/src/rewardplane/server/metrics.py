@@ -41,6 +41,10 @@ class ServerMetrics:
             buckets=_STAGE_BUCKETS,
             registry=r,
         )
+        # resolved once: every scoring request observes two or three of them
+        self.parse_stage = self.stage_seconds.labels("parse")
+        self.tokenize_stage = self.stage_seconds.labels("tokenize")
+        self.engine_stage = self.stage_seconds.labels("engine")
         self.errors = Counter(
             "rewardplane:request_errors", "Requests answered with an error", ["endpoint", "kind"], registry=r
         )

@@ -102,7 +102,7 @@ class _JSONRequest(Request):
                 raise HTTPException(400, exc.message) from exc  # "error parsing the body"
             metrics: ServerMetrics | None = getattr(state, "metrics", None)
             if metrics is not None and limits is not None:  # a scoring request's first stage
-                metrics.stage_seconds.labels("parse").observe(time.perf_counter() - started)
+                metrics.parse_stage.observe(time.perf_counter() - started)
         return self._json
 
 

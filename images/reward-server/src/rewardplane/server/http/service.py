@@ -1,6 +1,6 @@
 """The scoring path every route shares: the model-name check, the request limits, tokenization off
-the event loop, the engine call and its metrics (each stage's time too). Routes turn their own request shapes into texts
-or token ids and call ``tokenize`` / ``prompts`` and ``run``.
+the event loop, the engine call and its metrics (each stage's time too). Routes turn their own
+request shapes into texts or token ids and call ``tokenize`` / ``prompts`` and ``run``.
 
 Limits come before work: the number of inputs and each text's size are checked before anything is
 tokenized (``inputs.check_items``, ``inputs.bound_texts``), and tokenization runs on a pool of its
@@ -63,7 +63,7 @@ class ScoringService:
         check_items(len(texts), self.limits)
         texts = bound_texts(texts, self.limits, truncate=truncate)
         loop = asyncio.get_running_loop()
-        with self.metrics.stage_seconds.labels("tokenize").time():
+        with self.metrics.tokenize_stage.time():
             return await loop.run_in_executor(
                 self.tokenizer_pool,
                 lambda: tokenize_texts(self.engine.tokenizer, texts, add_special_tokens=add_special_tokens),
@@ -94,7 +94,7 @@ class ScoringService:
         if not prompts:  # an empty batch: nothing to score, answered at the version served
             return [], self.engine.guard.version, []
         prompts = apply_length_limit(prompts, self.limits, truncate=truncate)
-        with self.metrics.stage_seconds.labels("engine").time():
+        with self.metrics.engine_stage.time():
             rows, version = await self.engine.score(prompts, pooling)
         self.metrics.items.inc(len(prompts))
         self.metrics.tokens.inc(sum(len(p) for p in prompts))
@@ -105,7 +105,7 @@ class ScoringService:
         self.require_task(ModelTask.GENERATE)
         self.admission.check_scoring()
         options = sampling_options(req, len(prompt), self.info.max_model_len)
-        with self.metrics.stage_seconds.labels("engine").time():
+        with self.metrics.engine_stage.time():
             answers, version = await self.engine.generate(prompt, options)
         self.metrics.items.inc(1)
         self.metrics.tokens.inc(len(prompt) + sum(a.num_tokens for a in answers))
