@@ -20,7 +20,10 @@ publish their slices), then ``--reps`` timed full pushes; a push's time is train
 of ``pusher.push(...)`` (every rank starts it after a barrier of the trainer group); GB/s = the
 model's bytes ÷ that time. Goals (issue): two senders ÷ one ≤ 0.6 in time over NVLink, ≥ 1.8× the
 bytes/s over sockets; the ratios are taken against one sender broadcasting (and, beside it, against
-one sender sliced). The server reports which wire each phase's last push took.
+one sender sliced). The server reports which wire each phase's last push took. Each phase's line
+also shows rank 0's time outside the publisher (its push time less ``last_stats["total_s"]``, the
+header → commit) and, with two ranks, the trainer's steps in it: ``parts`` (describing the rank's
+parts), ``plan`` (the ranks agreeing on the plan), ``done`` (telling the other rank the end).
 
 Every phase is verified: the server's ``GET /param_checksums`` after each phase's last push equal
 those after the first phase's, the same weights (each phase's warm-up pushes other weights
@@ -267,17 +270,37 @@ def socket_connections(text: str) -> dict[str, int]:
     return {"via_socket": sockets, "other": len(lines) - sockets}
 
 
+# rank 0's steps outside the publisher's header → commit (ShardedPusher.last_stats; one sender: none)
+TRAINER_PHASES = ("parts_s", "plan_s", "done_s")
+
+
 def summary(r: dict[str, Any], nbytes: int) -> dict[str, Any]:
     times = r["times_s"]
     med = statistics.median(times)
+    stats = r["stats"]
     return {
         "times_s": times,
         "median_s": med,
         "gbps": nbytes / 1e9 / med,
         "warmup_s": r["warmup_s"],
-        "last_stats": r["stats"][-1] if r["stats"] else {},
+        "last_stats": stats[-1] if stats else {},
+        # medians over the timed pushes: rank 0's push time less the publisher's, and its parts
+        "outside_publish_s": statistics.median(t - st["total_s"] for t, st in zip(times, stats, strict=True))
+        if stats
+        else None,
+        "trainer_phases_s": {
+            k: statistics.median(st[k] for st in stats) for k in TRAINER_PHASES if stats and k in stats[0]
+        },
         "sent_by": r.get("sent_by"),
     }
+
+
+def trainer_line(phase: dict[str, Any]) -> str:
+    """Rank 0's time outside the publisher, and the trainer's steps in it (ms, medians)."""
+    if phase.get("outside_publish_s") is None:
+        return ""
+    steps = ", ".join(f"{k[:-2]} {1000 * v:.2f}" for k, v in phase["trainer_phases_s"].items())
+    return f"; outside publish {1000 * phase['outside_publish_s']:.2f} ms" + (f" ({steps})" if steps else "")
 
 
 def run_transport(
@@ -352,7 +375,8 @@ def run_transport(
             )
             out[name] = {**summary(got, nbytes), "wire": last_wire(server.url)}
             print(
-                f"[{transport}] {name:<11}: {1000 * out[name]['median_s']:.1f} ms median ({out[name]['wire']})",
+                f"[{transport}] {name:<11}: {1000 * out[name]['median_s']:.1f} ms median ({out[name]['wire']})"
+                + trainer_line(out[name]),
                 flush=True,
             )
         base_s = out["one"]["median_s"]

@@ -55,6 +55,10 @@ def test_two_trainer_ranks_each_send_their_part(pair, tiny_model_dir, tmp_path, 
     assert results[1]["sent_by"] == sent  # both ranks planned alike
     # the first push was announced over HTTP, the later ones started from the data plane
     assert "ready_at_s" not in results[0]["stats"][0] and "ready_at_s" in results[0]["stats"][2]
+    # the trainer's steps around the publisher's header → commit, on every rank
+    for st in results[0]["stats"]:
+        assert {"parts_s", "plan_s", "done_s"} <= st.keys() and st["push_s"] > st["total_s"], st
+    assert all({"parts_s", "plan_s", "push_s"} <= st.keys() for st in results[1]["stats"]), results[1]
     assert last_update(pair[0])["via"] == "data_plane"
     assert last_update(pair[0])["wire"] == "broadcast"  # whole tensors everywhere: broadcast moves less
     _serves(pair, tiny_model_dir, 3)

@@ -5,7 +5,9 @@ receivers (threads of one process), split by rows and by columns, in place and t
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +18,14 @@ from pydantic import ValidationError
 from rewardplane.protocol import InitCommunicatorRequest, ParamMeta, Piece, layout_id, plan_buckets
 from rewardplane.protocol.naming import WeightValidationError
 from rewardplane.protocol.slices import Region, needs_from_json, needs_to_json, slice_schedule
-from rewardplane.sdk.sharding import LocalPart, TensorPiece, local_parts, parts_digest, plan_senders
+from rewardplane.sdk.sharding import (
+    LocalPart,
+    PartsBook,
+    TensorPiece,
+    local_parts,
+    parts_digest,
+    plan_senders,
+)
 from rewardplane.testing.servers import free_port
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.sliced import receive_slices, send_slices
@@ -83,8 +92,75 @@ def test_a_dtensor_sharded_by_fsdp_becomes_pieces() -> None:
         # on a mesh of one the shard is the whole tensor: sent whole
         assert parts == [LocalPart("w", "float32", (4, 3)), LocalPart("r", "float32", (4, 3))]
         assert torch.equal(tensors["w"], w)
+        book = PartsBook()
+        for _ in range(2):  # described, then reused
+            got, got_parts, _ = book.describe({"w": sharded, "r": replicated})
+            assert got_parts == parts and torch.equal(got["w"], w) and torch.equal(got["r"], w)
+        assert book.describe({"w": sharded, "r": sharded})[1] is not got_parts  # another placement
     finally:
         dist.destroy_process_group()
+
+
+def test_a_parts_book_describes_again_only_what_changed_shape_or_kind() -> None:
+    full = _full()
+    book = PartsBook()
+    tensors, parts, digest = book.describe(_rank_state(0, full))
+    assert (parts, digest) == (local_parts(_rank_state(0, full))[1], parts_digest(parts))
+    want = local_parts(_rank_state(0, full))[0]
+    assert tensors.keys() == want.keys() and all(torch.equal(tensors[k], v) for k, v in want.items())
+    # the very same objects, and fresh ones of the same shapes (state_dict() each push): reused
+    state = _rank_state(0, full)
+    assert book.describe(state)[1] is book.describe(state)[1]
+    fresh = {k: v.clone() for k, v in full.items()}
+    again, reused, _ = book.describe(_rank_state(0, fresh))
+    assert reused is parts and again["layer.norm.weight"] is fresh["layer.norm.weight"]
+    # another shape, dtype, piece, kind, key or order: described again, as local_parts does
+    changed: list[dict[str, Any]] = [
+        {**state, "layer.norm.weight": torch.zeros(8)},
+        {**state, "layer.norm.weight": full["layer.norm.weight"].double()},
+        {**state, "layer.q.weight": TensorPiece(full["layer.q.weight"][8:], 0, 8, (16, 16))},
+        {**state, "layer.b.weight": TensorPiece.even(full["layer.b.weight"].chunk(2)[0], 0, 0, 2)},
+        {**state, "extra": torch.zeros(2)},
+        dict(reversed(state.items())),
+    ]
+    for other in changed:
+        got, got_parts, got_digest = book.describe(other)
+        want_tensors, want_parts = local_parts(other)
+        assert got_parts == want_parts and got_digest == parts_digest(want_parts) != digest
+        assert got.keys() == want_tensors.keys()
+    # the same tensor object resized in place: its new shape is described
+    t = torch.zeros(4, 4)
+    book.describe({"t": t})
+    t.resize_(2, 4)
+    assert book.describe({"t": t})[1] == [LocalPart("t", "float32", (2, 4))]
+    # a bad piece raises every time; the last good descriptions stay
+    bad = {"w": TensorPiece(torch.zeros(3, 4), 0, 2, (4, 4))}
+    for _ in range(2):
+        with pytest.raises(WeightValidationError, match="exceed its size"):
+            book.describe(bad)
+        with pytest.raises(WeightValidationError, match="push tensors"):
+            book.describe({"t": t, "n": 3})
+    assert book.describe({"t": t})[1] == [LocalPart("t", "float32", (2, 4))]
+
+
+def test_a_parts_book_keeps_no_tensor_alive() -> None:
+    book = PartsBook()
+    state: dict[str, Any] = {"w": TensorPiece(torch.zeros(4, 4), 0, 0, (8, 4)), "r": torch.ones(3)}
+    refs = [weakref.ref(state["w"]), weakref.ref(state["w"].local), weakref.ref(state["r"])]
+    for _ in range(2):
+        tensors, _, _ = book.describe(state)
+    del state, tensors
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_tensors_in_autograd_are_sent_detached() -> None:
+    w = torch.nn.Parameter(torch.ones(4, 4))
+    book = PartsBook()
+    for _ in range(2):  # described, then reused
+        tensors, _, _ = book.describe({"w": w, "p": TensorPiece(w[:2], 0, 0, (4, 4))})
+        assert not tensors["w"].requires_grad and not tensors["p"].requires_grad
+        assert tensors["w"].data_ptr() == w.data_ptr()
 
 
 def test_pieces_that_leave_a_gap_or_overlap_are_refused_naming_the_tensor() -> None:

@@ -19,6 +19,7 @@ refuses before any byte moves, and every rank pushes everything instead, as the 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -53,7 +54,7 @@ from .data_plane import DataPlaneStarter
 from .delta import Acknowledged, changed_names, fingerprints, sent_names, warn_refused
 from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards
 from .retry import RewardServerError
-from .sharding import PushPlan, local_parts
+from .sharding import PartsBook, PushPlan
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,10 @@ class ShardedPusher:
         self._layout: ShardedLayout | None = None
         self._pushes = 0
         self._slice_book: SliceBook | None = None
+        self._parts_book = PartsBook()
+        # the last push's phases on this rank: the leader's publisher's, and those around them
+        # (parts_s: describing this rank's parts; plan_s: the ranks agreeing on the plan; done_s:
+        # telling the other ranks the push ended; push_s: the whole call)
         self.last_stats: dict[str, float] = {}
         # this rank's fingerprints of what every replica committed in the last delta-enabled push
         self._acked: Acknowledged | None = None
@@ -240,8 +245,32 @@ class ShardedPusher:
         adapter: AdapterConfig | None,
         delta: bool = False,
     ) -> int:
-        tensors, parts = local_parts(params)
-        plan = self.ranks.plan_of(parts)  # the same on every rank; a bad split raises on every rank
+        start = time.perf_counter()
+        tensors, parts, digest = self._parts_book.describe(params)
+        described = time.perf_counter()
+        # the same on every rank; a bad split raises on every rank
+        plan = self.ranks.plan_of(parts, digest)
+        planned = time.perf_counter()
+        self.last_stats = {}
+        v = self._push_planned(tensors, plan, version, training_mode, keep_lora, adapter, delta)
+        self.last_stats = {
+            **self.last_stats,
+            "parts_s": described - start,
+            "plan_s": planned - described,
+            "push_s": time.perf_counter() - start,
+        }
+        return v
+
+    def _push_planned(
+        self,
+        tensors: dict[str, torch.Tensor],
+        plan: PushPlan,
+        version: int | None,
+        training_mode: RewardModelTrainingMode,
+        keep_lora: bool,
+        adapter: AdapterConfig | None,
+        delta: bool,
+    ) -> int:
         # cleared while the push runs: after any failure the next delta-enabled push sends everything
         acked, self._acked = self._acked, None
         if not delta or training_mode is not RewardModelTrainingMode.FULL:
@@ -348,8 +377,9 @@ class ShardedPusher:
             raise WeightSyncError(f"the push of version {v} failed: {type(exc).__name__}: {exc}") from exc
         finally:
             publisher.tell = None
+        published = time.perf_counter()
         tell("done")
-        self.last_stats = publisher.last_stats
+        self.last_stats = {**publisher.last_stats, "done_s": time.perf_counter() - published}
         return v
 
     def _tell_failure(self, tell: Any, exc: BaseException) -> None:

@@ -178,11 +178,12 @@ class TrainerRanks:
         dist.all_gather_object(everyone, list(keys), group=self.group)
         return {k for ks in everyone for k in ks}
 
-    def plan_of(self, parts: list[LocalPart]) -> PushPlan:
+    def plan_of(self, parts: list[LocalPart], digest: str | None = None) -> PushPlan:
         """Every rank's parts → who sends what (the same on every rank; a bad split raises on every
         rank). Each push costs one reduction of a flag (did any rank's parts change?); the parts
-        travel only when one did."""
-        digest = parts_digest(parts)
+        travel only when one did. ``digest``: ``parts_digest(parts)``, when the caller has it."""
+        if digest is None:
+            digest = parts_digest(parts)
         if self._any(self._plan is None or self._plan[0] != digest):
             everyone: list[Any] = [None] * self.size
             dist.all_gather_object(everyone, parts, group=self.group)

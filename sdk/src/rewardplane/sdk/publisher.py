@@ -636,8 +636,13 @@ def _is_stale_base(detail: Any) -> bool:
 def _detached(
     state_dict: Mapping[str, torch.Tensor], order: list[tuple[str, str]]
 ) -> dict[str, torch.Tensor]:
-    """Server name → the caller's tensor, detached (the wire takes raw views of it)."""
-    return {server: state_dict[k].detach() for server, k in order}
+    """Server name → the caller's tensor, detached (the wire takes raw views of it). A tensor outside
+    autograd is taken as it is: no new tensor objects to make and free on every push."""
+    out: dict[str, torch.Tensor] = {}
+    for server, k in order:
+        t = state_dict[k]
+        out[server] = t.detach() if t.requires_grad else t
+    return out
 
 
 class Rank0OnlyPublisher:

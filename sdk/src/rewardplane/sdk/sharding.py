@@ -10,10 +10,12 @@ cover it. Pure logic, apart from reading the tensors' placements.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 
@@ -81,10 +83,72 @@ def local_parts(state_dict: Mapping[str, object]) -> tuple[dict[str, torch.Tenso
             tensors[key] = value.detach()
             parts.append(LocalPart(key, canonical_dtype(str(value.dtype)), tuple(value.shape)))
         else:
-            raise WeightValidationError(
-                f"{key!r} is a {type(value).__name__}; push tensors, DTensors or TensorPiece slices"
-            )
+            _not_pushable(key, value)
     return tensors, parts
+
+
+def _not_pushable(key: str, value: object) -> NoReturn:
+    raise WeightValidationError(
+        f"{key!r} is a {type(value).__name__}; push tensors, DTensors or TensorPiece slices"
+    )
+
+
+class PartsBook:
+    """:func:`local_parts` for one rank's successive pushes, with :func:`parts_digest`: when every
+    entry has the key, kind, dtype and shape (and piece or placement) it had in the last call, that
+    call's descriptions and digest are reused; only the tensors are taken again. The descriptions
+    depend on nothing else, so fresh tensor objects (``model.state_dict()`` each push) reuse them
+    too. Holds no tensor: the signatures keep shapes, dtypes and placements only."""
+
+    def __init__(self) -> None:
+        self._signature: list[tuple[Any, ...]] | None = None
+        self._parts: list[LocalPart] = []
+        self._digest = ""
+
+    def describe(
+        self, state_dict: Mapping[str, object]
+    ) -> tuple[dict[str, torch.Tensor], list[LocalPart], str]:
+        """This rank's tensors, their descriptions and the descriptions' digest (``local_parts``)."""
+        tensors: dict[str, torch.Tensor] = {}
+        signature: list[tuple[Any, ...]] = []
+        dtensors: list[int] = []  # their local tensors take their place's shape (below)
+        dtensor_type = _dtensor_type()
+        # one pass, no description: the tuples' lengths (3, 5, 6) keep the kinds apart
+        for key, value in state_dict.items():
+            if isinstance(value, TensorPiece):
+                local = value.local
+                signature.append(
+                    (key, local.dtype, local.shape, value.dim, value.start, tuple(value.full_shape))
+                )
+            elif dtensor_type is not None and isinstance(value, dtensor_type):
+                dtensors.append(len(signature))
+                local = value.to_local()
+                signature.append((key, value.dtype, value.shape, value.placements, value.device_mesh))
+            elif isinstance(value, torch.Tensor):
+                local = value
+                signature.append((key, value.dtype, value.shape))
+            else:
+                _not_pushable(key, value)
+            # the wire reads the bytes alone: a tensor outside autograd is sent as it is
+            tensors[key] = local.detach() if local.requires_grad else local
+        if signature != self._signature:
+            return self._describe_anew(state_dict, signature)
+        for i in dtensors:  # as _dtensor_part: a padded or strided shard sends its place
+            part = self._parts[i]
+            shape = list(part.full_shape)
+            if part.dim is not None:
+                shape[part.dim] = part.stop - part.start
+            local = tensors[part.key]
+            if local.numel() == math.prod(shape):
+                tensors[part.key] = local.reshape(shape)
+        return tensors, self._parts, self._digest
+
+    def _describe_anew(
+        self, state_dict: Mapping[str, object], signature: list[tuple[Any, ...]]
+    ) -> tuple[dict[str, torch.Tensor], list[LocalPart], str]:
+        tensors, parts = local_parts(state_dict)  # raises for what is not pushable: nothing kept
+        self._signature, self._parts, self._digest = signature, parts, parts_digest(parts)
+        return tensors, parts, self._digest
 
 
 def _check_piece(key: str, p: TensorPiece) -> None:
@@ -106,12 +170,18 @@ def _check_piece(key: str, p: TensorPiece) -> None:
         )
 
 
-def _is_dtensor(value: object) -> bool:
+@functools.cache
+def _dtensor_type() -> type[Any] | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch without distributed tensors
-        return False
-    return isinstance(value, DTensor)
+        return None
+    return DTensor
+
+
+def _is_dtensor(value: object) -> bool:
+    dtensor_type = _dtensor_type()
+    return dtensor_type is not None and isinstance(value, dtensor_type)
 
 
 def _dtensor_part(key: str, value: object) -> tuple[torch.Tensor, LocalPart]:
