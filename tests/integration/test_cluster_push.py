@@ -3,6 +3,7 @@ against a real kube-apiserver, the node agent running real servers, and real glo
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 import math
@@ -19,6 +20,7 @@ import httpx
 import pytest
 
 from rewardplane.api.kube import Kube, core_path, custom_path
+from rewardplane.api.names import TOKEN_KEY, token_secret_name
 from rewardplane.cli import main as rewardplane_cli
 from rewardplane.protocol.naming import select_head
 from rewardplane.sdk import RewardModelHandle, WeightSyncFailed
@@ -446,6 +448,18 @@ def test_cluster_adapter_push_through_the_operator(
         handle.close()
 
 
+def last_wires(kube: Kube, ns: str, name: str, handle: RewardModelHandle) -> list[str]:
+    """Each replica's wire of its last update (``last_update.wire``: sliced or broadcast)."""
+    secret = kube.get(core_path("secrets", ns, token_secret_name(name))) or {}
+    token = base64.b64decode(secret["data"][TOKEN_KEY]).decode()
+    return [
+        httpx.get(
+            f"{e.url}/get_num_background_tasks", headers={"Authorization": f"Bearer {token}"}, timeout=10
+        ).json()["last_update"]["wire"]
+        for e in handle.get_all_endpoints()
+    ]
+
+
 def test_two_trainer_ranks_push_through_the_operator(
     kube: Kube,
     operator: Any,
@@ -454,11 +468,18 @@ def test_two_trainer_ranks_push_through_the_operator(
     tiny_model_dir: Path,
     control_plane: Any,
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # an FSDP2 trainer of two processes: RewardModelHandle.push_weights(trainer_group=...) on each
     from tests.fixtures.trainer import run_sharded_trainers, sharded_model
 
-    name = make_model(kube, ns, node_agent.name, tiny_model_dir, replicas=2)
+    # The CPU engine keeps whole tensors, so ``auto`` broadcasts; forced, the replicas' workers and
+    # the trainer's ranks agree on a sliced push once the workers know their places: they learn
+    # them in the first push and publish them into the next push's new group as they join it.
+    # Without the Pod's own copy: a replica keeping host copies of every pushed tensor (to restore
+    # a restarted container) needs every byte on its first worker, so it takes broadcasts.
+    monkeypatch.setenv("REWARDPLANE_PUSH_SLICING", "always")
+    name = make_model(kube, ns, node_agent.name, tiny_model_dir, replicas=2, weightSync={"podCopy": False})
     logs = lambda: operator.logs() + "\n" + node_agent.log_tail()  # noqa: E731
     handle = RewardModelHandle(name, ns, kubeconfig=str(control_plane.kubeconfig))
     try:
@@ -479,7 +500,7 @@ def test_two_trainer_ranks_push_through_the_operator(
         assert results[0]["stats"] == results[1]["stats"]
         assert results[0]["stats"][-1]["world_size"] == 4 and results[0]["stats"][-1]["replicas"] == 2
         ws = kube.get(custom_path(ns, name, WS_PLURAL)) or {}
-        assert ws["spec"]["trainer"] == {"ranks": 2, "interface": "lo"}
+        assert ws["spec"]["trainer"] == {"ranks": 2, "interface": "lo", "agreeSlicing": True}
         status = ws["status"]
         assert (status["phase"], status["worldSize"], status["senders"]) == ("Completed", 4, 2)
         assert [(r["rankOffset"], r["phase"]) for r in status["replicas"]] == [
@@ -487,12 +508,28 @@ def test_two_trainer_ranks_push_through_the_operator(
             (1, "Completed"),
         ]
         assert get_rm(kube, ns, name)["status"]["weightsVersion"] == 2
+        assert status["agreeSlicing"] is True and last_wires(kube, ns, name, handle) == ["sliced", "sliced"]
         every_replica_scores_like(handle, sharded_model(tiny_model_dir, 2), tiny_model_dir, 2)
         # a one-process push on the same WeightSync afterwards: the two ranks are not waited for
         model = perturbed(tiny_model_dir, seed=5)
         result = handle.push_weights(model.state_dict(), 3, "full", timeout_s=60, trainer_host="127.0.0.1")
         ws = kube.get(custom_path(ns, name, WS_PLURAL)) or {}
-        assert "trainer" not in ws["spec"] and result.world_size == 3 and ws["status"]["senders"] == 1
+        assert ws["spec"]["trainer"] == {"ranks": 1, "agreeSlicing": True}  # the two ranks' spec cleared
+        assert result.world_size == 3 and ws["status"]["senders"] == 1
+        # one sender's layout (no pieces) is new to the workers: learned in this push, sliced next
+        assert last_wires(kube, ns, name, handle) == ["broadcast", "broadcast"]
         every_replica_scores_like(handle, model, tiny_model_dir, 3)
+        model = perturbed(tiny_model_dir, seed=6)
+        handle.push_weights(model.state_dict(), 4, "full", timeout_s=60, trainer_host="127.0.0.1")
+        assert last_wires(kube, ns, name, handle) == ["sliced", "sliced"]
+        every_replica_scores_like(handle, model, tiny_model_dir, 4)
+        # a trainer that never slices does not ask for the agreement: a broadcast, bit for bit alike
+        monkeypatch.setenv("REWARDPLANE_PUSH_SLICING", "never")
+        model = perturbed(tiny_model_dir, seed=7)
+        handle.push_weights(model.state_dict(), 5, "full", timeout_s=60, trainer_host="127.0.0.1")
+        ws = kube.get(custom_path(ns, name, WS_PLURAL)) or {}
+        assert ws["spec"]["trainer"]["agreeSlicing"] is False and ws["status"]["agreeSlicing"] is False
+        assert last_wires(kube, ns, name, handle) == ["broadcast", "broadcast"]
+        every_replica_scores_like(handle, model, tiny_model_dir, 5)
     finally:
         handle.close()

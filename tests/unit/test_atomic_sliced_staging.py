@@ -30,11 +30,12 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
 
 
 class Joined:
-    """A worker (rank 0) and the trainer (rank 1, host of the store) in one gloo group."""
+    """A worker (rank 0) and the trainer (rank 1, host of the store) in one gloo group; ``worker``:
+    one that was in another group before (a new group per push, as through the operator)."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker: HFWeightSyncWorker | None = None) -> None:
         port = free_port()
-        self.worker = HFWeightSyncWorker(torch.nn.Linear(4, 3), torch.device("cpu"))
+        self.worker = worker or HFWeightSyncWorker(torch.nn.Linear(4, 3), torch.device("cpu"))
         made: list[Communicator] = []
 
         def trainer_joins() -> None:

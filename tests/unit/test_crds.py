@@ -25,8 +25,24 @@ EXAMPLES = ROOT / "examples"
 HELM_CANDIDATES = [Path.home() / ".cache" / "rewardplane" / "bin" / "helm"]
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """Refuses a key given twice in one mapping (YAML keeps the last one silently: a field's
+    second copy would hide an edit to the first)."""
+
+
+def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    keys = [loader.construct_object(k, deep=deep) for k, _ in node.value]
+    twice = sorted({str(k) for k in keys if keys.count(k) > 1})
+    if twice:
+        raise yaml.constructor.ConstructorError(None, None, f"keys given twice: {twice}", node.start_mark)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def load_crd(name: str) -> dict[str, Any]:
-    return yaml.safe_load((CRDS / name).read_text())
+    return yaml.load((CRDS / name).read_text(), Loader=_UniqueKeys)  # noqa: S506 (a SafeLoader)
 
 
 def schema_of(crd: dict[str, Any]) -> dict[str, Any]:

@@ -222,3 +222,16 @@ def test_a_resumed_push_measures_its_duration_from_its_recorded_start():
     assert wsm.seconds_since(None, now) == 0.0
     assert wsm.seconds_since("not a time", now) == 0.0
     assert wsm.seconds_since("2026-11-26T12:01:00Z", now) == 0.0  # clocks skewed: never negative
+
+
+def test_a_push_asks_for_a_slicing_agreement_only_where_every_replica_takes_part():
+    assert wsm.parse_push(ws_body(trainer={"agreeSlicing": True}), {}).agree_slicing is True
+    assert wsm.parse_push(ws_body(), {}).agree_slicing is False
+    with pytest.raises(wsm.WeightSyncRefused, match=r"spec\.trainer\.agreeSlicing must be true or false"):
+        wsm.parse_push(ws_body(trainer={"agreeSlicing": "yes"}), {})
+    new = [wsm.Candidate(i, f"rm-{i}", f"u{i}", 2, 3, "serving", agrees_slicing=True) for i in range(2)]
+    assert wsm.plan_group(new, 3, Mode.FULL).agrees_slicing
+    # a server without the agreement (an older image) would never join the reduction
+    old = [new[0], wsm.Candidate(1, "rm-1", "u1", 2, 3, "serving")]
+    assert not wsm.plan_group(old, 3, Mode.FULL).agrees_slicing
+    assert "agreeSlicing" in wsm.start_status(wsm.parse_push(ws_body(), {}), "now")  # cleared per push

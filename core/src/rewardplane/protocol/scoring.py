@@ -108,6 +108,9 @@ class RuntimeVersionResponse(BaseModel):
     # The version a delta push may build on here: the last one a push committed, None when anything
     # else wrote the weights since (a start, a restore, a failed update). See protocol.weights.delta_refusal.
     delta_base: int | None = None
+    # This server's workers join the slicing agreement of an announce that asks for it
+    # (UpdateParamBatchRequest.agree_slicing); a server without the field does not.
+    agrees_slicing: bool = True
 
 
 class WorldSizeResponse(BaseModel):

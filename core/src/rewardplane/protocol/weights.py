@@ -423,6 +423,13 @@ class UpdateParamBatchRequest(BaseModel):
         description="A delta push: only the tensors that changed since this version, which the replica must "
         "serve as it was pushed (else 409 before any byte moves); training_mode full only",
     )
+    agree_slicing: StrictBool = Field(
+        default=False,
+        description="Before the first bucket, every worker and every trainer rank agree in one reduction "
+        "whether the push is sliced (each worker receives only its published slices, protocol.slices): a "
+        "worker agrees when it published its places of this layout in this group, the trainer when it "
+        "wants it. The trainer joins that reduction too (pushes through the operator).",
+    )
 
     @model_validator(mode="after")
     def _non_empty_unique(self) -> UpdateParamBatchRequest:

@@ -51,6 +51,12 @@ class CommunicatorError(RuntimeError):
     pass
 
 
+def group_store(store: dist.Store, group_id: str) -> dist.Store:
+    """Group ``group_id``'s namespace in the trainer's store (``Communicator.store``): reachable
+    before the group forms, for what its ranks publish ahead of it."""
+    return dist.PrefixStore(f"rewardplane/{group_id}/", store)
+
+
 def resolve_backend(backend: Backend, device: torch.device) -> Literal["nccl", "gloo"]:
     if backend == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
@@ -107,7 +113,7 @@ class Communicator:
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
         self.backend = resolve_backend(backend, device)
-        prefixed = dist.PrefixStore(f"rewardplane/{group_id}/", store)
+        prefixed = group_store(store, group_id)
         # the group's namespace in the store: pushes started from the data plane signal through it
         self.store = prefixed
         if self.backend == "nccl":

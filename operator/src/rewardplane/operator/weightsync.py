@@ -52,6 +52,8 @@ class PushRequest:
     adapter: AdapterConfig | None = None  # trainingMode adapter: the LoRA configuration
     senders: int = 1  # the trainer's sending ranks: the last ranks of the group
     base_version: int | None = None  # a delta push: only the tensors changed since this version
+    # the trainer joins the agreement on slicing (UpdateParamBatchRequest.agree_slicing)
+    agree_slicing: bool = False
 
     @property
     def group_id(self) -> str:
@@ -107,6 +109,11 @@ def parse_push(ws: Mapping[str, Any], rm_spec: Mapping[str, Any] | None) -> Push
             problems.append(
                 f"spec.baseVersion (a delta push) goes with trainingMode full only, not {mode.value}"
             )
+    # under spec.trainer: an SDK that predates it clears spec.trainer in its merge patch, so a
+    # flag left by a newer one can never make the replicas wait for an agreement nobody joins
+    agree = (spec.get("trainer") or {}).get("agreeSlicing", False)
+    if not isinstance(agree, bool):
+        problems.append(f"spec.trainer.agreeSlicing must be true or false (got {agree!r})")
     if problems:
         raise WeightSyncRefused(INVALID_SPEC, "; ".join(problems))
     return PushRequest(
@@ -126,6 +133,7 @@ def parse_push(ws: Mapping[str, Any], rm_spec: Mapping[str, Any] | None) -> Push
         adapter=adapter,
         senders=senders,
         base_version=base,
+        agree_slicing=agree is True,
     )
 
 
@@ -232,6 +240,7 @@ class Candidate:
     version: int
     state: str
     stale: bool = False  # restarted onto older weights, waiting for a restore
+    agrees_slicing: bool = False  # its server joins an agreement on slicing (RuntimeVersionResponse)
 
 
 @dataclass(frozen=True)
@@ -249,6 +258,8 @@ class GroupPlan:
     world_size: int
     skipped: tuple[str, ...] = field(default_factory=tuple)
     """Human-readable "pod: why" for replicas left out."""
+    agrees_slicing: bool = False
+    """Every target's server joins an agreement on slicing: a push may ask for one."""
 
 
 def plan_group(
@@ -260,6 +271,7 @@ def plan_group(
     targets: list[Target] = []
     skipped: list[str] = []
     offset = 0
+    agree = True
     for c in sorted(candidates, key=lambda c: c.replica):
         behind = c.state != "broken" and (c.stale or c.version < current)
         if behind and mode is not RewardModelTrainingMode.FULL:
@@ -269,6 +281,7 @@ def plan_group(
             continue
         targets.append(Target(c.replica, c.pod, c.url, c.world_size, offset))
         offset += c.world_size
+        agree = agree and c.agrees_slicing
     if not targets:
         raise WeightSyncRefused(
             NO_REPLICAS,
@@ -280,7 +293,7 @@ def plan_group(
                 else " (none is running and answering); wait until the RewardModel is Ready and push again"
             ),
         )
-    return GroupPlan(tuple(targets), offset + senders, tuple(skipped))
+    return GroupPlan(tuple(targets), offset + senders, tuple(skipped), agree)
 
 
 # --------------------------------------------------------------------------------------------
@@ -421,7 +434,16 @@ def step(
 # Status
 # --------------------------------------------------------------------------------------------
 
-_RESET = ("reason", "message", "completedAt", "durationSeconds", "bytes", "worldSize", "replicas")
+_RESET = (
+    "reason",
+    "message",
+    "completedAt",
+    "durationSeconds",
+    "bytes",
+    "worldSize",
+    "replicas",
+    "agreeSlicing",
+)
 
 
 def seconds_since(timestamp: str | None, now: datetime) -> float:

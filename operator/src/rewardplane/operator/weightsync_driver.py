@@ -193,7 +193,14 @@ class WeightSyncDriver:
             name = pod["metadata"]["name"]
             out.append(
                 wsm.Candidate(
-                    index, name, url, world, version, str(runtime.get("state") or ""), name in stale
+                    index,
+                    name,
+                    url,
+                    world,
+                    version,
+                    str(runtime.get("state") or ""),
+                    name in stale,
+                    runtime.get("agrees_slicing") is True,
                 )
             )
         return out
@@ -284,12 +291,15 @@ class WeightSyncDriver:
     ) -> None:
         entries = {t.pod: wsm.replica_entry(t, wsapi.RENDEZVOUS) for t in plan.targets}
         note = f"left out: {'; '.join(plan.skipped)}" if plan.skipped else None
+        # the trainer reads it before it joins: it takes part in the agreement only when asked
+        agree = req.agree_slicing and plan.agrees_slicing
         self._patch_status(
             ws,
             {
                 "phase": wsapi.RENDEZVOUS,
                 "worldSize": plan.world_size,
                 "senders": req.senders,
+                "agreeSlicing": agree,
                 "replicas": list(entries.values()),
                 "message": note,
             },
@@ -308,6 +318,7 @@ class WeightSyncDriver:
                     timeout_s=left,
                     adapter=req.adapter,
                     base_version=req.base_version,
+                    agree_slicing=agree,
                 )
                 self.replicas.update_param_batch(t.url, token, announce, left + 5.0)
                 entries[t.pod] = wsm.replica_entry(t, wsapi.TRANSFERRING)

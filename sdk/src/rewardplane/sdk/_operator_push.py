@@ -28,6 +28,7 @@ from rewardplane.protocol import (
     ParamMeta,
     RewardModelTrainingMode,
     plan_buckets,
+    settings,
 )
 
 from ._cluster_status import wait_for_version
@@ -140,10 +141,12 @@ class OperatorPush:
         created = self._kube.create(custom_path(self.namespace, None, WS_PLURAL), body)
         if created is not None:
             return int(created["metadata"].get("generation") or 1)
-        # a merge patch keeps fields it does not name: clear an earlier push's adapter and trainer
-        # ranks explicitly (a one-rank push after a multi-rank one must not wait for absent ranks)
+        # a merge patch keeps fields it does not name: clear an earlier push's adapter, base and
+        # trainer fields explicitly (a one-rank push after a multi-rank one must not wait for absent
+        # ranks; spec.trainer.ranks is always given)
+        trainer = {"interface": None, **(spec.get("trainer") or {})}
         patched = self._kube.merge_patch(
-            path, {"spec": {"adapter": None, "trainer": None, "baseVersion": None, **spec}}
+            path, {"spec": {"adapter": None, "baseVersion": None, **spec, "trainer": trainer}}
         )
         return int(patched["metadata"]["generation"])
 
@@ -231,7 +234,11 @@ class OperatorPush:
         ``base_version``: a delta push of the tensors changed since that version."""
         import torch
 
+        from rewardplane.protocol import layout_id
+        from rewardplane.transport.sliced import send_slices
         from rewardplane.transport.transfer import send_buckets
+
+        from ._slicing import agree_on_slices
 
         deadline = started + timeout_s
         first = next(iter(tensors.values()))
@@ -255,11 +262,21 @@ class OperatorPush:
                 generation, {"Transferring", "Completed"}, deadline, "every replica to accept the announce"
             )
             transfer_start = time.monotonic()
-            total = sum(b.nbytes for b in plan_buckets(metadata, bucket_bytes))
+            plan = plan_buckets(metadata, bucket_bytes)
+            schedule = None
+            if status.get("agreeSlicing"):  # the replicas agree on slicing: so does this trainer
+                lid = layout_id(metadata, bucket_bytes)
+                schedule = agree_on_slices(comm, lid, metadata, plan, decides=True)
+            total = sum(b.nbytes for b in plan)
             bar = _progress_bar(total, progress, f"push v{version}")
             try:
-                sender = _ProgressComm(comm, bar) if bar is not None else comm
-                sent = send_buckets(sender, metadata, tensors, bucket_bytes, world - 1)
+                if schedule is not None:
+                    sent = send_slices(comm, metadata, dict(tensors), schedule)
+                    if bar is not None:
+                        bar.update(total)
+                else:
+                    sender = _ProgressComm(comm, bar) if bar is not None else comm
+                    sent = send_buckets(sender, metadata, tensors, bucket_bytes, world - 1, plan=plan)
                 failed = comm.max_flag(0)
             finally:
                 if bar is not None:
@@ -291,6 +308,8 @@ class OperatorPush:
         """The WeightSync's spec for one push (``trainer``: a multi-rank trainer's ranks;
         ``base_version``: a delta push's)."""
         config_map, key, sha = manifest
+        # not when this trainer never slices: the agreement would cost a reduction for nothing
+        ranks = {"ranks": 1, **(trainer or {}), "agreeSlicing": settings.PUSH_SLICING.get() != "never"}
         return {
             "rewardModelRef": self.name,
             "version": int(version),
@@ -300,7 +319,7 @@ class OperatorPush:
             "bucketBytes": int(bucket_bytes),
             "timeoutSeconds": max(1, int(timeout_s)),
             **({"adapter": adapter_spec(adapter)} if adapter is not None else {}),
-            **({"trainer": dict(trainer)} if trainer is not None else {}),
+            "trainer": ranks,
             **({"baseVersion": int(base_version)} if base_version is not None else {}),
         }
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,10 +23,11 @@ from pydantic import BaseModel
 
 from rewardplane.protocol import AdapterConfig, Bucket, ParamMeta, RewardModelTrainingMode
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, WeightValidationError
-from rewardplane.transport.comm import Backend, create_store
+from rewardplane.transport.comm import Backend, Communicator, create_store
 
 from ._exceptions import WeightSyncFailed
 from ._operator_push import OperatorPush, PushResult
+from ._slicing import agree_on_slices
 from ._trainer_ranks import RankSends, SenderStep, ShardedLayout, StepChannel, TrainerRanks, follow_leader
 from .sharding import local_parts
 
@@ -40,6 +41,7 @@ class OperatorInvite(BaseModel):
     group_id: str = ""
     generation: int = 0
     served: list[str] = []
+    agree_slicing: bool = False  # the replicas agree on slicing with every rank (status.agreeSlicing)
     error: str | None = None
     error_type: str | None = None  # WeightValidationError: nothing moved, raise it as such
     reason: str | None = None  # WeightSyncFailed's reason
@@ -118,6 +120,7 @@ def push_from_ranks(
                 group_id=str(ws["status"]["groupId"]),
                 generation=generation,
                 served=sorted(manifest),
+                agree_slicing=bool(ws["status"].get("agreeSlicing")),
             )
         except Exception as exc:
             failure = exc
@@ -141,9 +144,19 @@ def push_from_ranks(
     channel = StepChannel(comm.store, 0, max(1.0, deadline - time.monotonic()) + 30.0)
     try:
         sending = RankSends(comm, ranks.rank, layout, tensors, bucket_bytes)
+
+        def send() -> int:
+            # every rank and every worker agree on slicing first, where the replicas take part
+            schedule = None
+            if invite.agree_slicing:
+                schedule = agree_on_slices(
+                    comm, sending.layout_id, sending.metadata, sending.buckets, decides=ranks.leader
+                )
+            return sending.send(schedule)
+
         if ranks.leader:
-            return _lead(op, sending, channel, invite, version, mode, started, deadline)
-        done = follow_leader(channel, lambda _: sending.send(), _failed)
+            return _lead(op, send, sending.comm, channel, invite, version, mode, started, deadline)
+        done = follow_leader(channel, lambda _: send(), _failed)
         assert done.detail is not None
         return PushResult(**done.detail)
     finally:
@@ -152,7 +165,8 @@ def push_from_ranks(
 
 def _lead(
     op: OperatorPush,
-    sending: RankSends,
+    send: Callable[[], int],
+    comm: Communicator,
     channel: StepChannel,
     invite: OperatorInvite,
     version: int,
@@ -168,15 +182,15 @@ def _lead(
             invite.generation, {"Transferring", "Completed"}, deadline, "every replica to accept the announce"
         )
     except BaseException as exc:
-        sending.comm.abort()
+        comm.abort()
         fail(exc)
         raise
     channel.tell(SenderStep(push=0, step="send", version=version))
     transfer_start = time.monotonic()
     try:
-        sent = sending.send()
+        sent = send()
     except BaseException as exc:
-        sending.comm.abort()  # the replicas see the group fail at once instead of waiting for the timeout
+        comm.abort()  # the replicas see the group fail at once instead of waiting for the timeout
         fail(exc)
         raise
     transfer_s = time.monotonic() - transfer_start

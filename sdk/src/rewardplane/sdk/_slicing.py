@@ -18,6 +18,7 @@ import torch.distributed as dist
 from rewardplane.protocol import Bucket, ParamMeta, settings
 from rewardplane.protocol.slices import Transfer, box_numel, needs_from_json, needs_key, slice_schedule
 from rewardplane.transport.buckets import torch_dtype
+from rewardplane.transport.comm import Communicator
 
 Slicing = Literal["auto", "always", "never"]
 SLICED_SHARE = 0.75
@@ -60,3 +61,17 @@ class SliceBook:
             worth = self.slicing == "always" or moved <= SLICED_SHARE * whole
             self._schedules[layout] = schedule if worth else None
         return self._schedules[layout]
+
+
+def agree_on_slices(
+    comm: Communicator, layout: str, metadata: Sequence[ParamMeta], plan: Sequence[Bucket], *, decides: bool
+) -> list[list[Transfer]] | None:
+    """A push through the operator (a group formed for it; the workers published the places they
+    know into its store as they joined): every trainer rank and every worker agree in one
+    reduction whether it is sliced; the schedule, or None to broadcast. ``decides``: this rank
+    applies ``REWARDPLANE_PUSH_SLICING`` (rank 0); the others agree to whatever the published
+    places allow. A worker that no longer holds its places, or lacks room to stage its share,
+    makes it a broadcast."""
+    book = SliceBook(comm.store, comm.first_sender, None if decides else "always")
+    schedule = book.schedule(layout, metadata, plan)
+    return schedule if comm.max_flag(0 if schedule is not None else 1) == 0 else None

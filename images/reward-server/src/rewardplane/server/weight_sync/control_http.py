@@ -267,7 +267,7 @@ class AnnouncedPushes(DataPlanePushes):
             if req.atomic or adapter:
                 # Stage while the old weights keep serving, then swap under the exclusive lock. An
                 # adapter is always staged: it is small, and vLLM builds it from the whole set.
-                result = _merge(await self._receive(layout, False))
+                result = _merge(await self._receive(layout, False, req.agree_slicing))
                 stamps.update(result.pop("times"), returned=time.monotonic())
                 if result["ok"]:
                     async with guard.updating(timeout_s=req.timeout_s):
@@ -302,7 +302,7 @@ class AnnouncedPushes(DataPlanePushes):
                     # Both finish before the lock is released, whatever happens to either.
                     reset, received = await asyncio.gather(
                         self.port.reset_cache(),
-                        self._receive(layout, True),
+                        self._receive(layout, True, req.agree_slicing),
                         return_exceptions=True,
                     )
                     stamps["returned"] = time.monotonic()
@@ -357,18 +357,26 @@ class AnnouncedPushes(DataPlanePushes):
         self.port.use_adapter(self.adapter)
         return _slowest(applied)
 
-    async def _receive(self, layout: Layout, apply: bool) -> list[dict[str, Any]]:
-        """``rp_receive`` on every worker; the metadata only travels when the workers lack it."""
+    async def _receive(
+        self, layout: Layout, apply: bool, agree_slicing: bool = False
+    ) -> list[dict[str, Any]]:
+        """``rp_receive`` on every worker; the metadata only travels when the workers lack it.
+        ``agree_slicing``: the workers and the trainer agree whether the push is sliced first."""
         known = layout.id in self._worker_layouts
         results = await self.port.call_workers(
-            "rp_receive", None if known else layout.metadata, layout.bucket_bytes, apply, layout.id
+            "rp_receive",
+            None if known else layout.metadata,
+            layout.bucket_bytes,
+            apply,
+            layout.id,
+            agree_slicing,
         )
         if known and any(r.get("unknown_layout") for r in results):
             # nothing was posted: the trainer's broadcast waits for the second call
             log.warning("the workers no longer hold layout %s; sending its metadata", layout.id)
             self._worker_layouts.pop(layout.id, None)
             results = await self.port.call_workers(
-                "rp_receive", layout.metadata, layout.bucket_bytes, apply, layout.id
+                "rp_receive", layout.metadata, layout.bucket_bytes, apply, layout.id, agree_slicing
             )
         remember_layout(self._worker_layouts, layout.id, None)  # the workers cached it
         return results

@@ -296,4 +296,5 @@ def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
         "bytes": max((r["bytes"] for r in results), default=0),
         "in_place_bytes": min((r.get("in_place_bytes", 0) for r in results), default=0),
         "error": "; ".join(errors) if errors else None,
+        "sliced": any(r.get("sliced") for r in results),  # the workers agreed on it, all alike
     }

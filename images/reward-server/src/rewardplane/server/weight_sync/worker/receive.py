@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from rewardplane.protocol import Bucket, ParamMeta, plan_buckets, remember_layout
 from rewardplane.server.weight_sync.worker.slicing import SlicingPart
-from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.comm import Communicator, create_store, group_store
 from rewardplane.transport.transfer import Received, receive_buckets
+
+log = logging.getLogger(__name__)
 
 
 class ReceivePart(SlicingPart):
@@ -29,6 +32,8 @@ class ReceivePart(SlicingPart):
         self.rp_close_communicator()
         rank = rank_offset + self.rp_local_rank()
         store = create_store(host, port, is_master=False, world_size=world_size, timeout_s=timeout_s)
+        # before the group forms: a trainer that joined it finds every worker's places
+        published = self._rp_publish_places(group_store(store, group_id), rank)
         self._rp_comm = Communicator(
             store,
             rank=rank,
@@ -39,6 +44,7 @@ class ReceivePart(SlicingPart):
             group_id=group_id,
             senders=senders,
         )
+        self._rp_joined_with_places(self._rp_comm, published)
         return rank
 
     def rp_receive(
@@ -47,8 +53,12 @@ class ReceivePart(SlicingPart):
         bucket_bytes: int,
         apply: bool,
         layout_key: str,
+        agree_slicing: bool = False,
     ) -> dict[str, Any]:
         """Receive every bucket. ``apply``: load each as it arrives (streamed); else stage them all.
+        ``agree_slicing``: first agree with every rank whether the push is sliced (this worker
+        agrees when it published its places of the layout in this group and has room to stage
+        its share); sliced, it receives only its slices.
 
         ``metadata`` may be None for a layout this worker received before (``layout_key``); if it
         does not hold it, it answers ``unknown_layout`` at once, before posting any receive, and the
@@ -79,6 +89,8 @@ class ReceivePart(SlicingPart):
         src = comm.first_sender
         got = Received()
 
+        sliced = False
+
         def outcome(ok: bool, partial: bool, error: str | None) -> dict[str, Any]:
             # monotonic stamps (one clock for every process of the host) for the update's timeline
             times = {"worker_in": entered, "worker_posted": got.posted_at, "worker_out": time.monotonic()}
@@ -89,20 +101,31 @@ class ReceivePart(SlicingPart):
                 "in_place_bytes": got.in_place_bytes,
                 "error": error,
                 "times": times,
+                "sliced": sliced,
             }
 
         self._rp_kept = {} if self._rp_keeps() else None
         try:
-            receive_buckets(
-                comm,
-                metas,
-                bucket_bytes,
-                src,
-                self._rp_load_kept if apply else None,
-                out=got,
-                plan=plan,
-                place=self.rp_place,
-            )
+            if agree_slicing:
+                problem = self._rp_sliced_problem(comm, layout_key) or self._rp_sliced_staging_problem(
+                    layout_key, atomic=not apply
+                )
+                if problem is not None:
+                    log.debug("this worker asks for a broadcast push of layout %s: %s", layout_key, problem)
+                sliced = comm.max_flag(1 if problem else 0) == 0
+            if sliced:
+                self._rp_receive_sliced(comm, layout_key, metas, got, stage=not apply)
+            else:
+                receive_buckets(
+                    comm,
+                    metas,
+                    bucket_bytes,
+                    src,
+                    self._rp_load_kept if apply else None,
+                    out=got,
+                    plan=plan,
+                    place=self.rp_place,
+                )
             if comm.max_flag(1 if got.error else 0) != 0 and got.error is None:
                 got.error = "another rank failed to load its part of the update"
         except Exception as exc:  # communication failed: the trainer died or timed out
@@ -111,8 +134,8 @@ class ReceivePart(SlicingPart):
         if got.error is not None:
             return outcome(False, got.applied_any, got.error)
         self._rp_staged = None if apply else got.staged
-        self._rp_staged_layout = None if apply else (comm, layout_key, metas, plan)
-        if apply:
+        self._rp_staged_layout = None if apply or sliced else (comm, layout_key, metas, plan)
+        if apply and not sliced:
             self._rp_publish_slices(comm, layout_key, metas, plan)
         return outcome(True, False, None)
 

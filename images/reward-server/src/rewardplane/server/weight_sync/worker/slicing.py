@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rewardplane.protocol import Bucket, ParamMeta
+from rewardplane.protocol import Bucket, ParamMeta, remember_layout
 from rewardplane.protocol.slices import (
     Region,
     Transfer,
@@ -40,6 +40,17 @@ class _Kept:
 
 
 @dataclass
+class _Places:
+    """What this worker keeps of a layout and where, whatever group it is in: published again
+    into each group it joins, until its parameters move."""
+
+    regions: list[Region | None]
+    views: list[torch.Tensor]
+    metas: list[ParamMeta]
+    plan: list[Bucket]
+
+
+@dataclass
 class _StagedSlices:
     """An atomic sliced push received: each parameter view with what goes into it at the swap."""
 
@@ -53,6 +64,8 @@ class SlicingPart(StagingPart):
     # layout id -> what was published of it, in the group ``_rp_slices_comm``
     _rp_slices: dict[str, _Kept] | None = None
     _rp_slices_comm: Communicator | None = None  # the group they were published in
+    # layout id -> this worker's places of it (any group): a group formed later gets them at its join
+    _rp_places: dict[str, _Places] | None = None
     _rp_staged_slices: _StagedSlices | None = None  # an atomic sliced push, until the swap
     # an atomic push staged whole (group, layout, its metadata and buckets): once it is applied
     # through the loader, this worker publishes its slices of that layout
@@ -78,16 +91,33 @@ class SlicingPart(StagingPart):
         kept = [self._rp_slice_of(m.name) for m in metas]
         if any(k is None for k in kept):
             return
-        regions = [k[0] for k in kept if k is not None]
-        views = [k[1] for k in kept if k is not None]
-        try:
-            comm.store.set(needs_key(layout_key, comm.rank), needs_to_json(regions))
-        except Exception as exc:  # the trainer's store is gone: its next group starts afresh
-            log.debug("could not publish this worker's slices of layout %s: %s", layout_key, exc)
-            return
-        schedule = slice_schedule(metas, plan, {comm.rank: regions})
-        most = max((sum(transfer_bytes(metas, t) for t in bucket) for bucket in schedule), default=0)
-        slices[layout_key] = _Kept(regions, views, schedule, most)
+        places = _Places(
+            [k[0] for k in kept if k is not None], [k[1] for k in kept if k is not None], metas, plan
+        )
+        if self._rp_places is None:
+            self._rp_places = {}
+        remember_layout(self._rp_places, layout_key, places)  # bounded, like the layouts themselves
+        published = _publish(comm.store, comm.rank, layout_key, places)
+        if published is not None:
+            slices[layout_key] = published
+
+    def _rp_publish_places(self, store: Any, rank: int) -> dict[str, _Kept]:
+        """Joining a group as ``rank``: publish the places of every layout this worker learned in
+        an earlier group into the new group's store, before the group forms (so a trainer that
+        joined it finds them: pushes through the operator form a group per push). Returns what was
+        published, to record once the group is formed."""
+        if not self._rp_places or self._rp_keeps():
+            return {}
+        out: dict[str, _Kept] = {}
+        for layout_key, places in self._rp_places.items():
+            published = _publish(store, rank, layout_key, places)
+            if published is None:
+                break
+            out[layout_key] = published
+        return out
+
+    def _rp_joined_with_places(self, comm: Communicator, published: dict[str, _Kept]) -> None:
+        self._rp_slices, self._rp_slices_comm = dict(published), comm
 
     def _rp_forget_places(self) -> None:
         """The parameters moved or were discarded: the published places are void. The keys go
@@ -98,7 +128,7 @@ class SlicingPart(StagingPart):
                 "this worker's weights were reloaded after the atomic push was received; push again"
             )
         comm, slices = self._rp_slices_comm, self._rp_slices
-        self._rp_slices, self._rp_slices_comm = None, None
+        self._rp_slices, self._rp_slices_comm, self._rp_places = None, None, None
         if comm is None or not slices:
             return
         for layout_key in slices:
@@ -179,3 +209,16 @@ class SlicingPart(StagingPart):
     def rp_drop_staged(self) -> None:
         self._rp_staged_slices, self._rp_staged_layout = None, None
         super().rp_drop_staged()
+
+
+def _publish(store: Any, rank: int, layout_key: str, places: _Places) -> _Kept | None:
+    """``places`` in ``store`` as receiving rank ``rank``'s needs; what that rank receives of a
+    sliced push of the layout. None when the store is gone (its group's next push broadcasts)."""
+    try:
+        store.set(needs_key(layout_key, rank), needs_to_json(places.regions))
+    except Exception as exc:  # the trainer's store is gone: its next group starts afresh
+        log.debug("could not publish this worker's slices of layout %s: %s", layout_key, exc)
+        return None
+    schedule = slice_schedule(places.metas, places.plan, {rank: places.regions})
+    most = max((sum(transfer_bytes(places.metas, t) for t in bucket) for bucket in schedule), default=0)
+    return _Kept(places.regions, places.views, schedule, most)

@@ -1,0 +1,93 @@
+"""Slicing agreed per push (pushes through the operator form a new group for every push): a worker
+publishes the places it learned in an earlier group into each new group's store as it joins, and
+the trainer and the worker agree in one reduction whether the push is sliced. The transformers
+engine's worker and real gloo groups on threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rewardplane.protocol import layout_id, plan_buckets
+from rewardplane.sdk._slicing import agree_on_slices
+from rewardplane.transport.comm import Communicator
+from rewardplane.transport.sliced import send_slices
+from rewardplane.transport.transfer import send_buckets
+
+from .test_atomic_sliced_staging import BUCKET, Joined, _both, _metas, _params, _weights
+
+
+def _push(joined: Joined, weights: dict[str, torch.Tensor]) -> tuple[dict, bool]:
+    """A streamed push announced with the agreement: (the worker's result, whether the trainer sliced)."""
+    metas = _metas(weights)
+    layout, plan = layout_id(metas, BUCKET), plan_buckets(metas, BUCKET)
+    sliced: list[bool] = []
+
+    def trainer(comm: Communicator) -> None:
+        schedule = agree_on_slices(comm, layout, metas, plan, decides=True)
+        sliced.append(schedule is not None)
+        if schedule is not None:
+            send_slices(comm, metas, weights, schedule)
+        else:
+            send_buckets(comm, metas, weights, BUCKET, src=1, plan=plan)
+        comm.max_flag(0)
+
+    def worker() -> dict:
+        return joined.worker.rp_receive([m.model_dump() for m in metas], BUCKET, True, layout, True)
+
+    out = _both(joined, trainer, worker)
+    assert out["ok"], out
+    return out, sliced[0]
+
+
+@pytest.fixture(autouse=True)
+def _always_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one worker keeps every tensor whole: slicing moves no fewer bytes, so ``auto`` would broadcast
+    monkeypatch.setenv("REWARDPLANE_PUSH_SLICING", "always")
+
+
+def test_a_worker_takes_its_places_into_the_next_group_and_the_push_there_is_sliced() -> None:
+    first = Joined()
+    out, sliced = _push(first, _weights(1))  # nothing published yet: both agree on a broadcast
+    assert (out["sliced"], sliced) == (False, False)
+    worker = first.worker
+    first.close()
+    second = Joined(worker)  # a new group and store, as the operator forms for every push
+    try:
+        out, sliced = _push(second, _weights(2))
+        assert (out["sliced"], sliced) == (True, True)
+        assert all(torch.equal(_params(worker)[k], _weights(2)[k]) for k in ("weight", "bias"))
+    finally:
+        second.close()
+
+
+def test_a_worker_without_room_to_stage_its_share_makes_the_push_a_broadcast(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first = Joined()
+    _push(first, _weights(1))
+    worker = first.worker
+    first.close()
+    monkeypatch.setenv("REWARDPLANE_STAGING_MAX_BYTES", "10")  # less than one bucket's 60 bytes
+    second = Joined(worker)
+    try:
+        out, sliced = _push(second, _weights(2))  # the trainer wanted it sliced; the worker did not
+        assert (out["sliced"], sliced) == (False, False)
+        assert all(torch.equal(_params(worker)[k], _weights(2)[k]) for k in ("weight", "bias"))
+    finally:
+        second.close()
+
+
+def test_reloaded_weights_leave_nothing_to_publish_in_the_next_group() -> None:
+    first = Joined()
+    _push(first, _weights(1))
+    worker = first.worker
+    first.close()
+    worker._rp_forget_places()  # what reloading the weights (a level-2 wake) does
+    second = Joined(worker)
+    try:
+        out, sliced = _push(second, _weights(3))
+        assert (out["sliced"], sliced) == (False, False)
+        assert all(torch.equal(_params(worker)[k], _weights(3)[k]) for k in ("weight", "bias"))
+    finally:
+        second.close()
