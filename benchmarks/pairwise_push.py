@@ -16,9 +16,17 @@ transport's own functions):
   round (2→0 and 3→1, then 2→1 and 3→0), point to point;
 - ``pairs-2-rounds``: the same rounds, each a broadcast on a two-rank communicator of its own
   (``dist.new_group`` per sender-receiver pair): a collective uses all of NCCL's channels, where
-  point-to-point sends share fewer per peer.
+  point-to-point sends share fewer per peer;
+- ``broadcast-2``: ranks 2 and 3 each broadcast their half of every bucket to all four ranks (the
+  other sender takes part, into scratch), the two broadcasts in one NCCL group per bucket: two
+  senders into receivers that keep every byte (TP=1 replicas), one message per sender and bucket;
+- ``broadcast-2-pieces``: the same bytes as ``--pieces`` broadcasts per sender and bucket, the two
+  senders' pieces alternating in one NCCL group: the shape of the project's broadcast wire from two
+  trainer ranks, one broadcast per piece of each tensor.
 
-Each receiver gets half the payload in every sliced pattern. Per pattern: one warm-up, then
+In the broadcast patterns both receivers get the whole payload; in the others, half each.
+
+Per pattern: one warm-up, then
 ``--reps`` timed runs (barrier, then rank 0's wall time to the last receive); figures are medians;
 every received bucket is checked against the sender's fill. Ratios are taken against
 ``broadcast-1``; the issue's goal for two senders is ≤ 0.6.
@@ -50,7 +58,15 @@ import torch.multiprocessing as mp
 
 RECEIVERS = (0, 1)
 SENDERS = (2, 3)
-PATTERNS = ("broadcast-1", "p2p-1", "p2p-2", "p2p-2-rounds", "pairs-2-rounds")
+PATTERNS = (
+    "broadcast-1",
+    "p2p-1",
+    "p2p-2",
+    "p2p-2-rounds",
+    "pairs-2-rounds",
+    "broadcast-2",
+    "broadcast-2-pieces",
+)
 SOCKETS_ENV = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
 
 
@@ -72,6 +88,17 @@ class World:
         self.bcast1 = dist.new_group([0, 1, 2])
         # every rank creates every group, in the same order
         self.pairs = {(s, r): dist.new_group(sorted((s, r))) for s in SENDERS for r in RECEIVERS}
+
+    def broadcasts(self, sends: list[tuple[torch.Tensor, int]]) -> None:
+        """``(tensor, root)`` broadcasts over all four ranks, as one NCCL group (gloo: in turn)."""
+        if self.device.type != "cuda":
+            for t, root in sends:
+                dist.broadcast(t, src=root)
+            return
+        with dist._coalescing_manager(device=self.device, async_ops=True) as cm:
+            for t, root in sends:
+                dist.broadcast(t, src=root, async_op=True)
+        cm.wait()
 
     def barrier(self) -> None:
         dist.barrier()
@@ -101,16 +128,32 @@ def rounds_of(parts: list[Part]) -> list[list[Part]]:
     return out
 
 
+def pieces_of(size: int, pieces: int) -> list[Part]:
+    """Two senders' broadcasts of one bucket: each sender's half in ``pieces`` parts, alternating
+    senders (receiver -1: every other rank receives)."""
+    half = size // 2
+    out: list[Part] = []
+    for i in range(pieces):
+        for j, s in enumerate(SENDERS):
+            base, n = (0, half) if j == 0 else (half, size - half)
+            start, stop = base + n * i // pieces, base + n * (i + 1) // pieces
+            if stop > start:
+                out.append((s, -1, start, stop - start))
+    return out
+
+
 class Plan:
     """One pattern's buffers on this rank, allocated and filled once: per bucket, the groups of
     transfers posted together (one group; or one per round), each (part, this rank's tensor)."""
 
-    def __init__(self, w: World, pattern: str, total: int, bucket: int) -> None:
+    def __init__(self, w: World, pattern: str, total: int, bucket: int, pieces: int = 1) -> None:
         self.w, self.pattern = w, pattern
         self.steps: list[list[list[tuple[Part, torch.Tensor]]]] = []
         for k, size in enumerate(buckets_of(total, bucket)):
             if pattern == "broadcast-1":
                 groups = [[(2, r, 0, size) for r in RECEIVERS]]
+            elif pattern.startswith("broadcast-2"):
+                groups = [pieces_of(size, pieces if pattern.endswith("pieces") else 1)]
             else:
                 parts = parts_of(pattern, size // 2)
                 groups = rounds_of(parts) if pattern.endswith("rounds") else [parts]
@@ -124,7 +167,7 @@ class Plan:
                 continue  # the broadcast sends one buffer to both receivers
             if self.w.rank == s:
                 out.append((p, payload(n, k * 1000 + off, self.w.device)))
-            elif self.w.rank == r:
+            elif self.w.rank == r or r == -1:  # -1: a broadcast to all four ranks
                 out.append((p, torch.empty(n, dtype=torch.uint8, device=self.w.device)))
         return out
 
@@ -135,6 +178,8 @@ class Plan:
                 if self.pattern == "broadcast-1":
                     for _, t in group:
                         dist.broadcast(t, src=2, group=w.bcast1)
+                elif self.pattern.startswith("broadcast-2"):
+                    w.broadcasts([(t, s) for (s, _, _, _), t in group])
                 elif self.pattern.startswith("pairs"):
                     for (s, r, _, _), t in group:  # one per rank per round
                         dist.broadcast(t, src=s, group=w.pairs[(s, r)])
@@ -151,7 +196,7 @@ class Plan:
         for k, groups in enumerate(self.steps):
             for group in groups:
                 for (s, r, off, n), t in group:
-                    if self.w.rank == r:
+                    if self.w.rank == r or (r == -1 and self.w.rank != s):
                         want = payload(n, k * 1000 + off, self.w.device)
                         assert torch.equal(t, want), (self.pattern, "bucket", k, "from", s, "to", r)
 
@@ -183,7 +228,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
     bucket = args.bucket_mib << 20
     results: dict[str, Any] = {}
     for pattern in args.pattern_list:
-        plan = Plan(w, pattern, total, bucket)
+        plan = Plan(w, pattern, total, bucket, args.pieces)
         w.barrier()
         plan.run()  # warm-up: NCCL's connections
         w.barrier()
@@ -217,18 +262,21 @@ def report(times: dict[str, list[float]], args: argparse.Namespace, total: int) 
     rows: dict[str, Any] = {}
     base = statistics.median(times["broadcast-1"]) if "broadcast-1" in times else None
     print(f"\npayload {total / 1e9:.2f} GB in {args.bucket_mib} MiB buckets; medians of {args.reps}")
-    print(f"{'pattern':<16} {'ms':>9} {'GB/s':>8} {'÷ broadcast-1':>14}")
+    print(f"{'pattern':<20} {'ms':>9} {'GB/s':>8} {'÷ broadcast-1':>14}")
     for p, ts in times.items():
         med = statistics.median(ts)
         ratio = med / base if base else None
         rows[p] = {"median_s": med, "times_s": ts, "gb_s": total / med / 1e9, "vs_broadcast_1": ratio}
         print(
-            f"{p:<16} {med * 1e3:>9.2f} {total / med / 1e9:>8.1f} {ratio if ratio is not None else float('nan'):>14.3f}"
+            f"{p:<20} {med * 1e3:>9.2f} {total / med / 1e9:>8.1f} {ratio if ratio is not None else float('nan'):>14.3f}"
         )
     for p in ("p2p-2", "p2p-2-rounds", "pairs-2-rounds"):
         r = rows.get(p, {}).get("vs_broadcast_1")
         if r is not None and not args.cpu:
             print(f"goal {p} ÷ broadcast-1 <= 0.6: {r:.3f} {'met' if r <= 0.6 else 'missed'}")
+    if "broadcast-2" in rows and "broadcast-2-pieces" in rows:
+        ratio = rows["broadcast-2-pieces"]["median_s"] / rows["broadcast-2"]["median_s"]
+        print(f"broadcast-2-pieces ÷ broadcast-2 ({args.pieces} pieces per sender and bucket): {ratio:.3f}")
     return rows
 
 
@@ -236,6 +284,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gib", type=float, default=12.3, help="payload per push (GiB; default: the 7B shape)")
     p.add_argument("--mib", type=int, default=0, help="payload in MiB instead (small runs)")
+    p.add_argument(
+        "--pieces",
+        type=int,
+        default=16,
+        help="broadcast-2-pieces: broadcasts per sender and bucket (a 1 GiB bucket of the 7B shape "
+        "holds 14-35 tensors, each split between the two senders)",
+    )
     return parse_four_gpu_args(p, PATTERNS, argv)
 
 

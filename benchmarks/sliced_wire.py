@@ -1,5 +1,6 @@
 """The sliced wire on its own (GPU, four GPUs; the project's transport functions, no server): a push
-of the 7B shape into one TP=2 replica's two workers, from one and from two trainer ranks.
+of the 7B shape into one TP=2 replica's two workers (or, ``--replica-tp 1``, into two TP=1 replicas
+keeping every tensor whole), from one and from two trainer ranks.
 
 ``benchmarks/sharded_push.py`` measures the whole push through a vLLM server; ``pairwise_push.py``
 measures raw NCCL with one message per sender-receiver pair. This one runs the code between them —
@@ -13,6 +14,9 @@ Patterns, each into the same receivers:
 - ``broadcast-1``: rank 2 broadcasts every tensor whole (``send_buckets``/``receive_buckets``, every
   tensor received in place): what the push does before the workers published their slices; the
   baseline of the sharded push's goal (two senders ≤ 0.6 of it);
+- ``broadcast-2``: ranks 2 and 3 broadcast their own pieces to the whole group (each sender also
+  receives the other's, into scratch): the wire of a two-rank trainer's push into receivers that do
+  not slice, with every tensor received in place;
 - ``sliced-1`` / ``sliced-2``: the sliced wire (``transport.sliced``) from one and from two
   senders: one message per sender-receiver pair and bucket, the boxes packed back to back and
   copied out on the copy stream while the next bucket travels; ``--in-flight`` buckets at once.
@@ -22,6 +26,7 @@ Every pattern's received tensors are compared with the trainer's, element for el
 
     python benchmarks/sliced_wire.py                 # NVLink
     python benchmarks/sliced_wire.py --sockets       # NCCL's socket transport (P2P, SHM, IB off)
+    python benchmarks/sliced_wire.py --replica-tp 1  # two TP=1 replicas: slices are whole tensors
     python benchmarks/sliced_wire.py --cpu --layers 2 --hidden 64   # gloo on CPU: a smoke test
 
 Writes ``$OUT/sliced_wire-<transport>.json`` where ``OUT`` is set.
@@ -59,7 +64,7 @@ from rewardplane.transport.comm import Backend, Communicator, create_store  # no
 from rewardplane.transport.sliced import IN_FLIGHT, receive_slices, send_slices  # noqa: E402
 from rewardplane.transport.transfer import receive_buckets, send_buckets  # noqa: E402
 
-PATTERNS = ("broadcast-1", "sliced-1", "sliced-2")
+PATTERNS = ("broadcast-1", "broadcast-2", "sliced-1", "sliced-2")
 RECEIVERS = (0, 1)
 
 
@@ -84,7 +89,7 @@ def shapes(args: argparse.Namespace) -> dict[str, tuple[tuple[int, ...], int | N
 
 def layout(args: argparse.Namespace, senders: int) -> tuple[list[ParamMeta], dict[int, list[Region | None]]]:
     """The pushed tensors (split by rows between ``senders`` where the rows divide, else whole from
-    one sender, alternating) and what each worker keeps of them."""
+    one sender, alternating) and what each worker keeps of them (``--replica-tp 1``: everything)."""
     metas: list[ParamMeta] = []
     needs: dict[int, list[Region | None]] = {r: [] for r in RECEIVERS}
     for i, (name, (shape, kept_dim)) in enumerate(shapes(args).items()):
@@ -96,7 +101,7 @@ def layout(args: argparse.Namespace, senders: int) -> tuple[list[ParamMeta], dic
         else:
             metas.append(ParamMeta(name=name, dtype="bfloat16", shape=shape, sender=i % senders))
         for r in RECEIVERS:
-            if kept_dim is None:
+            if kept_dim is None or args.replica_tp == 1:
                 needs[r].append(None)
             else:
                 half = shape[kept_dim] // 2
@@ -174,12 +179,13 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
         if rank == 3 and n == 1:
             return None
         comm, metas, depth = comms[n], layouts[n][0], args.in_flight
-        if pattern == "broadcast-1":
-            if rank == 2:
-                return lambda: send_buckets(comm, metas1, full, bucket, src=2, plan=plan[1])
+        if pattern.startswith("broadcast"):
+            if rank >= 2:
+                tensors = full if n == 1 else parts
+                return lambda: send_buckets(comm, metas, tensors, bucket, src=2, plan=plan[n], sender=sender)
             by_name = {m.name: whole_targets[i] for i, m in enumerate(metas1)}
             return lambda: receive_buckets(
-                comm, metas1, bucket, 2, load=lambda _: None, plan=plan[1], place=lambda m: by_name[m.name]
+                comm, metas, bucket, 2, load=lambda _: None, plan=plan[n], place=lambda m: by_name[m.name]
             )
         if rank >= 2:
             tensors = full if n == 1 else parts
@@ -195,8 +201,9 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
         bad = 0
         for i, m in enumerate(metas1):
             expect = full_tensor(i, m.shape, device)
-            got = whole_targets[i] if pattern == "broadcast-1" else kept_targets[i]
-            bad += int((got != (expect if pattern == "broadcast-1" else kept(expect, needs[rank][i]))).sum())
+            whole = pattern.startswith("broadcast")
+            got = whole_targets[i] if whole else kept_targets[i]
+            bad += int((got != (expect if whole else kept(expect, needs[rank][i]))).sum())
             got.zero_()
         return bad
 
@@ -219,7 +226,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: Path) -> None:
         wrong = torch.tensor([verify(pattern)])
         dist.all_reduce(wrong)
         n = int(pattern[-1])
-        messages = sum(1 for ts in schedule[n] for t in ts) if pattern != "broadcast-1" else None
+        messages = sum(1 for ts in schedule[n] for t in ts) if pattern.startswith("sliced") else None
         results[pattern] = {"times_s": times, "wrong_elements": int(wrong), "box_messages": messages}
     if rank == 0:
         out.write_text(json.dumps(results))
@@ -240,11 +247,16 @@ def report(results: dict[str, Any], total: int, args: argparse.Namespace) -> dic
         print(
             f"{p:<12} {med * 1e3:>9.2f} {r['gb_s']:>8.1f} {ratio:>14.3f} {boxes:>6} {r['wrong_elements']:>6}"
         )
-    if not args.cpu and base:
-        for p in ("sliced-2",):
-            if p in results:
-                ratio = results[p]["vs_broadcast_1"]
-                print(f"goal {p} ÷ broadcast-1 <= 0.6: {ratio:.3f} {'met' if ratio <= 0.6 else 'missed'}")
+    if "broadcast-2" in results and "sliced-2" in results:
+        # two senders: what slicing gains over the two senders' broadcasts (where receivers keep
+        # every byte, as TP=1 replicas do, that is the whole difference between the two wires)
+        ratio = statistics.median(results["sliced-2"]["times_s"]) / statistics.median(
+            results["broadcast-2"]["times_s"]
+        )
+        print(f"sliced-2 ÷ broadcast-2: {ratio:.3f}")
+    if not args.cpu and base and args.replica_tp == 2 and "sliced-2" in results:
+        ratio = results["sliced-2"]["vs_broadcast_1"]
+        print(f"goal sliced-2 ÷ broadcast-1 <= 0.6: {ratio:.3f} {'met' if ratio <= 0.6 else 'missed'}")
     return results
 
 
@@ -255,6 +267,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, default=11008)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--in-flight", type=int, default=IN_FLIGHT, help="buckets in flight on the sliced wire")
+    p.add_argument(
+        "--replica-tp",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="2: ranks 0 and 1 are one TP=2 replica's workers; 1: two TP=1 replicas, each keeping everything",
+    )
     args = parse_four_gpu_args(p, PATTERNS, argv)
     if args.intermediate % 2 or args.hidden % 2 or args.vocab % 2:
         p.error("--hidden, --intermediate and --vocab must be even (two workers keep half each)")

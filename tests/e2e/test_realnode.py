@@ -493,7 +493,7 @@ def test_two_trainer_pods_push_their_halves(real_cluster: RealCluster) -> None:
     ws = c.custom.get_namespaced_custom_object(GROUP, VERSION, NS, "weightsyncs", RM)
     status = ws["status"]
     replicas = len(status["replicas"])
-    assert ws["spec"]["trainer"] == {"ranks": 2, "interface": "eth0"}
+    assert ws["spec"]["trainer"] == {"ranks": 2, "interface": "eth0", "agreeSlicing": True}
     assert (status["phase"], status["senders"], status["worldSize"]) == ("Completed", 2, replicas + 2)
     assert results[0]["world_size"] == results[1]["world_size"] == replicas + 2
     import torch
