@@ -48,3 +48,45 @@ def test_llm_judge_example_learns_its_verdicts() -> None:
     # the random judge's answers are unreadable (counted, written as the default); the pushed one's are scores
     assert result["failures_before"] > 0 and result["failures_after"] == 0
     assert result["after"] >= 0.9 > result["before"]
+
+
+def test_fsdp_example_pushes_from_two_ranks(server_factory, tiny_model_dir) -> None:
+    # torchrun, two FSDP2 ranks on CPU (gloo): each sends its own shards into a real server, and
+    # rank 0 checks the served scores against the trainer's own forward pass (the example fails
+    # otherwise); several servers are tests/integration/test_sharded_push.py's
+    import os
+
+    from rewardplane.sdk import RewardClient
+    from rewardplane.testing.servers import free_port
+
+    servers = [server_factory(tiny_model_dir, token="secret")]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            str(EXAMPLES.parent / "fsdp_push.py"),
+            "--model",
+            str(tiny_model_dir),
+            "--urls",
+            *[s.url for s in servers],
+            "--group-port",
+            str(free_port()),
+            "--trainer-host",
+            "127.0.0.1",
+        ],
+        env={**os.environ, "REWARDPLANE_TOKEN": "secret"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pushed version 1 from 2 ranks" in proc.stdout, proc.stdout
+    assert "largest difference" in proc.stdout, proc.stdout
+    for s in servers:  # the server committed the push
+        with RewardClient(s.url, token="secret") as client:
+            assert client.get_model_version() == 1
