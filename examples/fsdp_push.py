@@ -19,7 +19,7 @@ allowed to create WeightSyncs and ConfigMaps, as in docs/operator.md):
 
 Across hosts the reward servers connect to every trainer rank (NCCL opens connections both ways):
 ``--interface`` names the network interface the ranks give NCCL and gloo, and ``--trainer-host``
-(direct mode) the address the servers reach rank 0 at (docs/weight-sync.md, "Across hosts").
+the address the servers reach rank 0 at (docs/weight-sync.md, "Across hosts").
 GPUs: NCCL, rank i on ``cuda:LOCAL_RANK``; without GPUs: gloo on CPU.
 """
 
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 timeout_s=args.timeout_s,
                 trainer_group=dist.group.WORLD,
                 interface=args.interface,
+                trainer_host=args.trainer_host,
             )
             version = result.version
             client = handle.client()
