@@ -47,7 +47,7 @@ NS = "default"
 RM = "e2e-rm"
 GROUP, VERSION = "rewardplane.io", "v1alpha1"
 MODEL_CLAIM = "models"
-TRAINER_SA = "e2e-trainer"
+TRAINER_SA = "rewardplane-trainer"  # examples/trainer-rbac.yaml's ServiceAccount
 RUN_AS = 65532
 SCORE_TOL = 2e-3
 READY_TIMEOUT_S = 240
@@ -368,43 +368,34 @@ def trainer_pod(name: str, script_config_map: str, args: list[str]) -> dict[str,
     }
 
 
-def test_pushes_from_a_trainer_pod_over_the_pod_network(real_cluster: RealCluster) -> None:
-    c = real_cluster
-    # What a trainer needs, and nothing more: read the model, drive its WeightSync, store the
-    # parameter manifest, read the control token (the manifest check asks a replica for it).
-    c.core.create_namespaced_service_account(NS, {"metadata": {"name": TRAINER_SA}})
+def apply_trainer_rbac(c: RealCluster, model: str) -> None:
+    """examples/trainer-rbac.yaml in NS, its token Secret's name made ``model``'s (what its header
+    tells users to do; the RoleBinding's subject left without a namespace, as in the file)."""
+    import yaml
     from kubernetes import client
 
+    from rewardplane.api.names import token_secret_name
+
     rbac = client.RbacAuthorizationV1Api(c.api)
-    rbac.create_namespaced_role(
-        NS,
-        {
-            "metadata": {"name": TRAINER_SA},
-            "rules": [
-                {"apiGroups": [GROUP], "resources": ["rewardmodels"], "verbs": ["get", "list", "watch"]},
-                {
-                    "apiGroups": [GROUP],
-                    "resources": ["weightsyncs"],
-                    "verbs": ["get", "list", "watch", "create", "patch"],
-                },
-                {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "patch"]},
-                {
-                    "apiGroups": [""],
-                    "resources": ["secrets"],
-                    "verbs": ["get"],
-                    "resourceNames": [f"{RM}-control-token"],
-                },
-            ],
-        },
-    )
-    rbac.create_namespaced_role_binding(
-        NS,
-        {
-            "metadata": {"name": TRAINER_SA},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": TRAINER_SA},
-            "subjects": [{"kind": "ServiceAccount", "name": TRAINER_SA, "namespace": NS}],
-        },
-    )
+    example = Path(__file__).resolve().parents[2] / "examples" / "trainer-rbac.yaml"
+    for doc in yaml.safe_load_all(example.read_text()):
+        if doc["kind"] == "ServiceAccount":
+            assert doc["metadata"]["name"] == TRAINER_SA
+            c.core.create_namespaced_service_account(NS, doc)
+        elif doc["kind"] == "Role":
+            for rule in doc["rules"]:
+                if "resourceNames" in rule:
+                    rule["resourceNames"] = [token_secret_name(model)]
+            rbac.create_namespaced_role(NS, doc)
+        else:
+            rbac.create_namespaced_role_binding(NS, doc)
+
+
+def test_pushes_from_a_trainer_pod_over_the_pod_network(real_cluster: RealCluster) -> None:
+    c = real_cluster
+    # What a trainer needs, and nothing more (read the model, drive its WeightSync, store the
+    # parameter manifest, read the control token): examples/trainer-rbac.yaml, as users apply it
+    apply_trainer_rbac(c, RM)
     c.core.create_namespaced_config_map(
         NS, {"metadata": {"name": "e2e-trainer"}, "data": {"trainer.py": TRAINER_SCRIPT}}
     )

@@ -299,7 +299,7 @@ def test_scale_subresource_reads_fields_the_operator_writes() -> None:
 # ------------------------------------------------------------------ examples
 
 
-EXAMPLE_FILES = sorted(EXAMPLES.glob("*.yaml"))
+EXAMPLE_FILES = sorted(EXAMPLES.glob("rewardmodel*.yaml"))  # the custom resources
 
 
 def test_examples_exist() -> None:
@@ -320,6 +320,25 @@ def test_examples_are_valid(path: Path) -> None:
         assert schema_errors(doc, schema) == []
         if doc["kind"] == "RewardModel":
             assert validate_spec(doc["spec"], doc["metadata"]["name"]) == []
+
+
+def test_trainer_rbac_example_names_the_example_models_token() -> None:
+    # the Role lets the trainer read the control token of the RewardModel it pushes into
+    from rewardplane.api.names import token_secret_name
+
+    docs = {d["kind"]: d for d in yaml.safe_load_all((EXAMPLES / "trainer-rbac.yaml").read_text())}
+    assert set(docs) == {"ServiceAccount", "Role", "RoleBinding"}
+    model = yaml.safe_load((EXAMPLES / "rewardmodel.yaml").read_text())["metadata"]["name"]
+    (secrets,) = [r for r in docs["Role"]["rules"] if r["resources"] == ["secrets"]]
+    assert secrets == {
+        "apiGroups": [""],
+        "resources": ["secrets"],
+        "verbs": ["get"],
+        "resourceNames": [token_secret_name(model)],
+    }
+    sa = docs["ServiceAccount"]["metadata"]["name"]
+    assert docs["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": sa}]
+    assert docs["RoleBinding"]["roleRef"]["name"] == docs["Role"]["metadata"]["name"]
 
 
 def test_cpu_example_matches_the_tiny_model_script() -> None:
