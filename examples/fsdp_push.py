@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     try:
         dtype = torch.bfloat16 if cuda else torch.float32
-        model = AutoModelForSequenceClassification.from_pretrained(args.model, dtype=dtype).to(device).eval()
+        # loaded on the CPU: fully_shard moves each block to this rank's device as it shards it,
+        # so no GPU ever holds the whole model
+        model = AutoModelForSequenceClassification.from_pretrained(args.model, dtype=dtype).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for layer in getattr(model.base_model, "layers", []):  # decoder blocks first, then the rest

@@ -24,7 +24,6 @@ from rewardplane.api.names import TOKEN_KEY, token_secret_name
 from rewardplane.cli import main as rewardplane_cli
 from rewardplane.protocol.naming import select_head
 from rewardplane.sdk import RewardModelHandle, WeightSyncFailed
-from rewardplane.testing.servers import free_port
 from tests.fixtures.models import TEXTS
 from tests.fixtures.operator import (
     SERVER_READY_S,
@@ -34,7 +33,7 @@ from tests.fixtures.operator import (
     reward_model,
     wait_for,
 )
-from tests.fixtures.trainer import logits, perturbed
+from tests.fixtures.trainer import logits, perturbed, run_fsdp_example
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -535,23 +534,10 @@ def test_two_trainer_ranks_push_through_the_operator(
         # examples/fsdp_push.py through the operator: two FSDP2 ranks under torchrun push version 6
         # and check the served scores against their own forward pass
         env = {k: v for k, v in os.environ.items() if k != "REWARDPLANE_PUSH_SLICING"}
-        example = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                "2",
-                "--master-port",
-                str(free_port()),
-                str(Path(__file__).resolve().parents[2] / "examples" / "fsdp_push.py"),
-                *("--model", str(tiny_model_dir), "--reward-model", name, "--namespace", ns),
-                *("--interface", "lo", "--trainer-host", "127.0.0.1", "--timeout-s", "60"),
-            ],
+        example = run_fsdp_example(
+            *("--model", str(tiny_model_dir), "--reward-model", name, "--namespace", ns),
+            *("--interface", "lo", "--trainer-host", "127.0.0.1", "--timeout-s", "60"),
             env={**env, "KUBECONFIG": str(control_plane.kubeconfig)},
-            capture_output=True,
-            text=True,
-            timeout=240,
         )
         assert example.returncode == 0, example.stdout[-3000:] + example.stderr[-3000:] + logs()[-3000:]
         assert "pushed version 6 from 2 ranks" in example.stdout, example.stdout

@@ -58,35 +58,16 @@ def test_fsdp_example_pushes_from_two_ranks(server_factory, tiny_model_dir) -> N
 
     from rewardplane.sdk import RewardClient
     from rewardplane.testing.servers import free_port
+    from tests.fixtures.trainer import run_fsdp_example
 
-    servers = [server_factory(tiny_model_dir, token="secret")]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            str(EXAMPLES.parent / "fsdp_push.py"),
-            "--model",
-            str(tiny_model_dir),
-            "--urls",
-            *[s.url for s in servers],
-            "--group-port",
-            str(free_port()),
-            "--trainer-host",
-            "127.0.0.1",
-        ],
+    server = server_factory(tiny_model_dir, token="secret")
+    proc = run_fsdp_example(
+        *("--model", str(tiny_model_dir), "--urls", server.url),
+        *("--group-port", str(free_port()), "--trainer-host", "127.0.0.1"),
         env={**os.environ, "REWARDPLANE_TOKEN": "secret"},
-        capture_output=True,
-        text=True,
-        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "pushed version 1 from 2 ranks" in proc.stdout, proc.stdout
     assert "largest difference" in proc.stdout, proc.stdout
-    for s in servers:  # the server committed the push
-        with RewardClient(s.url, token="secret") as client:
-            assert client.get_model_version() == 1
+    with RewardClient(server.url, token="secret") as client:  # the server committed the push
+        assert client.get_model_version() == 1
