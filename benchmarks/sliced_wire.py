@@ -250,9 +250,7 @@ def report(results: dict[str, Any], total: int, args: argparse.Namespace) -> dic
     if "broadcast-2" in results and "sliced-2" in results:
         # two senders: what slicing gains over the two senders' broadcasts (where receivers keep
         # every byte, as TP=1 replicas do, that is the whole difference between the two wires)
-        ratio = statistics.median(results["sliced-2"]["times_s"]) / statistics.median(
-            results["broadcast-2"]["times_s"]
-        )
+        ratio = results["sliced-2"]["median_s"] / results["broadcast-2"]["median_s"]
         print(f"sliced-2 ÷ broadcast-2: {ratio:.3f}")
     if not args.cpu and base and args.replica_tp == 2 and "sliced-2" in results:
         ratio = results["sliced-2"]["vs_broadcast_1"]

@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
 
         state = model.state_dict()  # DTensors: each rank's shards, nothing gathered
         full = RewardModelTrainingMode.FULL
+        token = os.environ.get("REWARDPLANE_TOKEN")
+        handle = None
         if args.urls:
-            token = os.environ.get("REWARDPLANE_TOKEN")
             with WeightPusher(
                 args.urls,
                 group_port=args.group_port,
@@ -112,7 +113,6 @@ def main(argv: list[str] | None = None) -> int:
                 trainer_host=args.trainer_host,
             ) as pusher:
                 version = pusher.push(state, training_mode=full)  # on every rank; one version
-            client = RewardClient(args.urls, token=token)
         else:
             handle = RewardModelHandle(args.reward_model, args.namespace)
             version = handle.get_weights_version() + 1 if rank == 0 else 0  # one version for all ranks
@@ -128,16 +128,19 @@ def main(argv: list[str] | None = None) -> int:
                 trainer_host=args.trainer_host,
             )
             version = result.version
-            client = handle.client()
-        if rank == 0:
-            served = one_label(client.score_batch(TEXTS, normalize=False))
+        if rank == 0:  # the check: rank 0 alone asks the servers
+            with RewardClient(args.urls, token=token) if handle is None else handle.client() as client:
+                served = one_label(client.score_batch(TEXTS, normalize=False))
+                served_version = client.get_model_version()
             worst = max(abs(a - b) for a, b in zip(served, want, strict=True))
             print(f"pushed version {version} from {dist.get_world_size()} ranks")
-            print(f"served  {[round(s, 4) for s in served]} (version {client.get_model_version()})")
+            print(f"served  {[round(s, 4) for s in served]} (version {served_version})")
             print(f"trainer {[round(s, 4) for s in want]}; largest difference {worst:.2e}")
             if worst > (5e-2 if cuda else 1e-3):  # bf16 on GPU: the trainer's and vLLM's kernels differ
                 print("the served scores are not the trainer's", file=sys.stderr)
                 return 1
+        if handle is not None:
+            handle.close()
         return 0
     finally:
         dist.destroy_process_group()
