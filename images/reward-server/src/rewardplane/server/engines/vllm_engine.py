@@ -67,6 +67,7 @@ from rewardplane.protocol import ModelTask, ParamMeta, PoolingType, settings
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, is_head_key
 from rewardplane.server.config import ServerConfig
 from rewardplane.server.engines.checkpoint import checkpoint_files
+from rewardplane.server.engines.eager_tasks import start_now
 from rewardplane.server.engines.engine import Completion, EngineInfo, SamplingOptions, ServedAdapter
 from rewardplane.server.engines.generation import wrong_task
 from rewardplane.server.engines.prefix_cache import CacheEpoch
@@ -432,7 +433,7 @@ class VLLMEngine:
 
         def work(llm: AsyncLLM) -> Awaitable[list[list[float]]]:
             return asyncio.gather(
-                *(self._encode(llm, f"rp-{base_id}-{i}", ids) for i, ids in enumerate(prompts))
+                *start_now(self._encode(llm, f"rp-{base_id}-{i}", ids) for i, ids in enumerate(prompts))
             )
 
         rows, version = await self._guarded(work, f"scoring {len(prompts)} input(s)")
