@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from rewardplane.protocol import RewardModelTrainingMode
 from rewardplane.protocol.naming import WeightValidationError
+from rewardplane.sdk._operator_sharded import ranks_state
 from rewardplane.sdk._trainer_ranks import ShardedLayout, TrainerRanks
 from rewardplane.sdk.sharding import TensorPiece, local_parts, plan_senders
 from rewardplane.testing.servers import free_port
@@ -65,3 +66,40 @@ def test_a_delta_plan_made_where_an_earlier_one_was_gets_its_own_layout() -> Non
             full.only(keys), RewardModelTrainingMode.FULL, False, None, None, partial=True
         )
         assert [m.name for m in metadata] == sorted(keys), keys
+
+
+def _handle_rank(rank: int, port: int, out: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        group = dist.new_group([0, 1], backend="gloo")
+        w = torch.arange(32.0).reshape(8, 4)
+        parts = local_parts({"w": TensorPiece.even(w.chunk(2)[rank], 0, rank, 2)})[1]
+        # two operator pushes from the same group: what the handle keeps between them
+        first = ranks_state(None, group)
+        plan = first.ranks.plan_of(parts)
+        layout = first.layout({"w"}, ("score",), 1 << 20)
+        second = ranks_state(first, group)
+        result = {
+            "same_state": second is first,
+            "same_plan": second.ranks.plan_of(parts) is plan,
+            "same_layout": second.layout({"w"}, ("score",), 1 << 20) is layout,
+            "other_bucket_size": second.layout({"w"}, ("score",), 1 << 10) is not layout,
+            "other_group": ranks_state(second, dist.new_group([0, 1], backend="gloo")) is not second,
+        }
+        (out / f"{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_handle_keeps_the_agreed_plan_and_layout_from_one_operator_push_to_the_next(
+    tmp_path: Path,
+) -> None:
+    mp.spawn(_handle_rank, args=(free_port(), tmp_path), nprocs=2, join=True)
+    for r in (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)):
+        assert r == {
+            "same_state": True,
+            "same_plan": True,
+            "same_layout": True,
+            "other_bucket_size": True,
+            "other_group": True,
+        }, r

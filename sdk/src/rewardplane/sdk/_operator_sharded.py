@@ -47,6 +47,34 @@ class OperatorInvite(BaseModel):
     reason: str | None = None  # WeightSyncFailed's reason
 
 
+class RanksState:
+    """What a handle keeps between pushes from one trainer group: the ranks (with the push plan
+    they agreed on, so an unchanged split costs one flag reduction instead of gathering every
+    rank's parts) and the layouts built from it (checked against the served manifest once)."""
+
+    MAX_LAYOUTS = 4  # served name sets × head patterns × bucket sizes a trainer switches between
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.ranks = TrainerRanks(group)
+        self._layouts: dict[tuple[frozenset[str], tuple[str, ...], int], ShardedLayout] = {}
+
+    def layout(self, served: set[str], patterns: Sequence[str], bucket_bytes: int) -> ShardedLayout:
+        key = (frozenset(served), tuple(patterns), bucket_bytes)
+        found = self._layouts.get(key)
+        if found is None:
+            if len(self._layouts) >= self.MAX_LAYOUTS:
+                self._layouts.clear()
+            found = self._layouts[key] = ShardedLayout(set(served), patterns, bucket_bytes)
+        return found
+
+
+def ranks_state(previous: RanksState | None, group: dist.ProcessGroup) -> RanksState:
+    """``previous`` where it is of ``group``, else a fresh one."""
+    if previous is not None and previous.ranks.group is group:
+        return previous
+    return RanksState(group)
+
+
 def use_interface(interface: str | None) -> None:
     """The interface this rank gives NCCL and gloo (set before the group forms)."""
     if interface:
@@ -64,7 +92,7 @@ def _raise_shared(invite: OperatorInvite) -> None:
 
 def push_from_ranks(
     op: OperatorPush,
-    group: dist.ProcessGroup,
+    state: RanksState,
     params: Mapping[str, Any],
     version: int,
     mode: RewardModelTrainingMode,
@@ -80,9 +108,10 @@ def push_from_ranks(
     adapter: AdapterConfig | None,
     interface: str | None,
 ) -> PushResult:
-    """Every rank of ``group`` calls this with its own ``params``; see the module's docstring."""
+    """Every rank of the group calls this with its own ``params`` and the state its handle keeps
+    for the group (``ranks_state``); see the module's docstring."""
 
-    ranks = TrainerRanks(group)
+    ranks = state.ranks
     deadline = started + timeout_s
     tensors, parts = local_parts(params)
     plan = ranks.plan_of(parts)  # the same on every rank; a bad split raises on every rank
@@ -96,7 +125,7 @@ def push_from_ranks(
     if ranks.leader:
         try:
             manifest = op.handle.manifest()
-            layout = ShardedLayout(set(manifest), patterns, bucket_bytes).of(
+            layout = state.layout(set(manifest), patterns, bucket_bytes).of(
                 plan, mode, keep_lora, adapter, manifest
             )
             trainer: dict[str, Any] = {"ranks": ranks.size}
@@ -133,7 +162,7 @@ def push_from_ranks(
     if invite.error is not None:
         _raise_shared(invite)
     if layout is None:  # the other ranks: the leader's layout, from the served names it shared
-        layout = ShardedLayout(set(invite.served), patterns, bucket_bytes).of(
+        layout = state.layout(set(invite.served), patterns, bucket_bytes).of(
             plan, mode, keep_lora, adapter, None
         )
     if store is None:

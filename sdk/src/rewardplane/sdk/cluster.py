@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from rewardplane.api.kube import Kube
     from rewardplane.transport.comm import Backend
 
+    from ._operator_sharded import RanksState
     from .client import RewardClient
     from .delta import Acknowledged
 
@@ -93,6 +94,8 @@ class RewardModelHandle:
         self._client_urls: tuple[str, ...] = ()
         # what every replica committed in the last push_weights(delta=True): what a delta builds on
         self._acked: Acknowledged | None = None
+        # a multi-rank trainer's ranks and layouts, kept from one push to the next (_operator_sharded)
+        self._ranks_state: RanksState | None = None
         self._lock = threading.Lock()
 
     @property
@@ -311,11 +314,12 @@ class RewardModelHandle:
                         "multi-rank trainer push without delta, or use WeightPusher(trainer_group=..., "
                         "delta=True) against the replicas' URLs"
                     )
-                from ._operator_sharded import push_from_ranks
+                from ._operator_sharded import push_from_ranks, ranks_state
 
+                self._ranks_state = ranks_state(self._ranks_state, trainer_group)
                 return push_from_ranks(
                     OperatorPush(self),
-                    trainer_group,
+                    self._ranks_state,
                     params,
                     version,
                     mode,
