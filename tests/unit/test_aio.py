@@ -10,6 +10,16 @@ import pytest
 from rewardplane.sdk._aio import gather_or_cancel
 
 
+async def _waits(i: int, cancelled: list[int]) -> int:
+    """A request whose answer never comes in time: records its cancellation."""
+    try:
+        await asyncio.sleep(10)
+    except asyncio.CancelledError:
+        cancelled.append(i)
+        raise
+    return i
+
+
 def test_the_first_request_is_on_its_way_before_the_last_is_built() -> None:
     events: list[str] = []
 
@@ -33,12 +43,7 @@ def test_the_first_failure_cancels_the_rest_and_starts_no_more() -> None:
         started.append(i)
         if i == 2:
             raise ValueError("server said no")
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            cancelled.append(i)
-            raise
-        return i
+        return await _waits(i, cancelled)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a coroutine never awaited would warn
@@ -51,16 +56,8 @@ def test_the_first_failure_cancels_the_rest_and_starts_no_more() -> None:
 def test_cancelling_the_caller_cancels_what_started_and_drops_the_rest() -> None:
     cancelled: list[int] = []
 
-    async def request(i: int) -> int:
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            cancelled.append(i)
-            raise
-        return i
-
     async def main() -> None:
-        task = asyncio.ensure_future(gather_or_cancel([request(i) for i in range(1000)]))
+        task = asyncio.ensure_future(gather_or_cancel([_waits(i, cancelled) for i in range(1000)]))
         for _ in range(5):
             await asyncio.sleep(0)
         task.cancel()
