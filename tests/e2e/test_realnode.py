@@ -1581,11 +1581,16 @@ def test_every_cause_a_replica_does_not_start_is_named(real_cluster: RealCluster
                 return any(e.reason == r for e in events.items)
 
             wait_for(f"a Warning Event {reason} on {name}", warned, 30, 0.5)
-        table = kubectl(c, "get", "rm", *cases, "-n", NS)
+
+        def table_names_every_cause() -> str | None:
+            # e2e-nocpu's refused Pod is replaced every ENDED_POD_GRACE_S, and its row says
+            # RollingOut until the kubelet refuses the replacement too: read the table again
+            table = kubectl(c, "get", "rm", *cases, "-n", NS)
+            rows = {line.split()[0]: line.split() for line in table.splitlines()[1:] if line.strip()}
+            return table if all(reason in rows.get(n, []) for n, (_, reason, _) in cases.items()) else None
+
+        table = wait_for("kubectl get rm to name every cause", table_names_every_cause, 60, 1)
         assert "REASON" in table.splitlines()[0], table
-        for name, (_, reason, _) in cases.items():
-            row = next(line for line in table.splitlines() if line.startswith(name + " "))
-            assert reason in row.split(), (name, row)
         unread = named("e2e-unreadable", "ModelUnreadable", "uid 65532") or {}
         assert "chmod -R a+rX" in unread.get("message", ""), unread
         # the Pod the kubelet refused never runs again: the operator replaces it (as a ReplicaSet
