@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rewardplane.protocol import RewardModelTrainingMode
+from rewardplane.protocol import ParamMeta, RewardModelTrainingMode
 from rewardplane.protocol.naming import WeightValidationError
 from rewardplane.sdk._operator_sharded import ranks_state
 from rewardplane.sdk._trainer_ranks import ShardedLayout, TrainerRanks
@@ -103,3 +104,18 @@ def test_a_handle_keeps_the_agreed_plan_and_layout_from_one_operator_push_to_the
             "other_bucket_size": True,
             "other_group": True,
         }, r
+
+
+def test_a_kept_layout_is_checked_against_the_served_model_on_every_push() -> None:
+    # the operator's replicas can be changed to another model between two pushes of one plan
+    plan = plan_senders([local_parts({"w": torch.zeros(4, 2), "b": torch.zeros(2)})[1]])
+    layout = ShardedLayout({"w", "b"}, (), 1 << 20)
+    fits = {
+        "w": ParamMeta(name="w", dtype="float32", shape=(4, 2)),
+        "b": ParamMeta(name="b", dtype="float32", shape=(2,)),
+    }
+    first = layout.of(plan, RewardModelTrainingMode.FULL, False, None, fits)
+    assert layout.of(plan, RewardModelTrainingMode.FULL, False, None, fits) == first
+    wider = {**fits, "w": ParamMeta(name="w", dtype="float32", shape=(4, 3))}
+    with pytest.raises(WeightValidationError, match="do not fit the served model"):
+        layout.of(plan, RewardModelTrainingMode.FULL, False, None, wider)

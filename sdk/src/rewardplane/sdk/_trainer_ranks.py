@@ -230,8 +230,16 @@ class ShardedLayout:
         # be allocated where it was (same id, other tensors); held here, it cannot be
         key = (plan, mode, keep_lora, adapter, partial)
         cached = self._cache
-        if cached is not None and cached[0][0] is plan and cached[0][1:] == key[1:]:
-            return cached[1:]
+        if cached is None or cached[0][0] is not plan or cached[0][1:] != key[1:]:
+            cached = self._cache = self._build(key)
+        if manifest:  # every push: the served model can change under a kept layout
+            check_fits(cached[2], manifest, mode, adapter)
+        return cached[1:]
+
+    def _build(
+        self, key: tuple[PushPlan, RewardModelTrainingMode, bool, AdapterConfig | None, bool]
+    ) -> tuple[Any, list[tuple[str, str]], list[ParamMeta], list[Bucket], str]:
+        plan, mode, keep_lora, adapter, partial = key
         renamed = names_for_mode(
             {k: k for k in plan.metas},
             mode,
@@ -243,9 +251,5 @@ class ShardedLayout:
         )
         order = [(server, renamed[server]) for server in sorted(renamed)]
         metadata = [plan.metas[k].model_copy(update={"name": server}) for server, k in order]
-        if manifest:
-            check_fits(metadata, manifest, mode, adapter)
         buckets = plan_buckets(metadata, self.bucket_bytes)
-        lid = layout_id(metadata, self.bucket_bytes)
-        self._cache = (key, order, metadata, buckets, lid)
-        return order, metadata, buckets, lid
+        return key, order, metadata, buckets, layout_id(metadata, self.bucket_bytes)
