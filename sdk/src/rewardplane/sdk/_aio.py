@@ -27,7 +27,7 @@ async def gather_or_cancel(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
         for c in coros:
             tasks.append(asyncio.ensure_future(c))
             await asyncio.sleep(0)
-            if tasks[-1].done() and not tasks[-1].cancelled() and tasks[-1].exception() is not None:
+            if _failed(tasks[-1]):
                 break  # a request already failed: start no more
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
     finally:
@@ -40,6 +40,10 @@ async def gather_or_cancel(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
             # Cancelled requests unwind promptly; the bound guards against a stuck task.
             await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
     for t in tasks:
-        if t.done() and not t.cancelled() and t.exception() is not None:
+        if _failed(t):
             raise t.exception()  # type: ignore[misc]
     return [t.result() for t in tasks]
+
+
+def _failed(task: asyncio.Future[Any]) -> bool:
+    return task.done() and not task.cancelled() and task.exception() is not None
