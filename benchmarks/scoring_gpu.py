@@ -232,6 +232,8 @@ def vllm_kwargs(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.enforce_eager:
         kw["enforce_eager"] = True
+    if args.compilation_config:
+        kw["compilation_config"] = json.loads(args.compilation_config)
     return kw
 
 
@@ -616,6 +618,8 @@ def server_cmd(model_dir: Path, port: int, args: argparse.Namespace, judge: bool
         cmd += ["--task", "generate"]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    if args.compilation_config:  # an extra vLLM engine argument: the server passes it to vLLM
+        cmd += ["--compilation-config", args.compilation_config]
     return cmd
 
 
@@ -665,6 +669,8 @@ def vllm_serve_cmd(
         cmd += ["--" + key.replace("_", "-"), str(value)]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    if args.compilation_config:
+        cmd += ["--compilation-config", args.compilation_config]
     return cmd
 
 
@@ -826,10 +832,10 @@ def judge_chats(n: int, lo: int, hi: int, seed: int) -> list[str]:
     return [" ".join(WORD.format(i) for i in ids) for ids in make_prompts(n, lo, hi, seed)]
 
 
-def run_phase(
+def phase_cmd(
     name: str, model_dir: Path, work: Path, args: argparse.Namespace, extra: list[str] | None = None
-) -> dict[str, Any]:
-    result = work / f"{name}.json"
+) -> list[str]:
+    """The command line of one phase in its own process, with the engine settings of this run."""
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -849,6 +855,16 @@ def run_phase(
     ]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    if args.compilation_config:
+        cmd += ["--compilation-config", args.compilation_config]
+    return cmd
+
+
+def run_phase(
+    name: str, model_dir: Path, work: Path, args: argparse.Namespace, extra: list[str] | None = None
+) -> dict[str, Any]:
+    result = work / f"{name}.json"
+    cmd = phase_cmd(name, model_dir, work, args, extra)
     log = work / f"{name}.log"
     result.unlink(missing_ok=True)
     t0 = time.perf_counter()
@@ -1371,6 +1387,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (faster start)"
     )
+    p.add_argument(
+        "--compilation-config",
+        default="",
+        help="vLLM's compilation config (JSON) for every vLLM engine the benchmark starts: offline, the "
+        "reward server and vllm serve, e.g. '{\"cudagraph_capture_sizes\": [512, 1024, 2048]}'",
+    )
     p.add_argument("--skip-hf", action="store_true", help="no transformers phase")
     p.add_argument(
         "--hf-sizes", default="0.4b,1.4b", help="sizes that get the transformers phase (default: 0.4b,1.4b)"
@@ -1397,6 +1419,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
     if not args.phase and not args.size_list and not args.judge_size_list:
         p.error("nothing to measure: --sizes and --judge-sizes are both empty")
+    if args.compilation_config:
+        try:
+            config = json.loads(args.compilation_config)
+        except json.JSONDecodeError as exc:
+            p.error(f"--compilation-config is not JSON ({exc}): {args.compilation_config!r}")
+        if not isinstance(config, dict):
+            p.error(f"--compilation-config must be a JSON object, got {args.compilation_config!r}")
     if min(args.judge_prompts, args.judge_output_tokens, args.rounds, args.concurrency) < 1:
         p.error("--judge-prompts, --judge-output-tokens, --rounds and --concurrency must be >= 1")
     return args
