@@ -100,8 +100,7 @@ def test_a_layout_the_server_does_not_know_is_announced_over_http(server, tiny_m
 
 
 def test_two_replicas_one_header(server_factory, tiny_model_dir):
-    a = server_factory(tiny_model_dir, token=TOKEN)
-    b = server_factory(tiny_model_dir, token=TOKEN)
+    a, b = server_factory.several(tiny_model_dir, {"token": TOKEN}, {"token": TOKEN})
     sync = sync_for(a, b, bucket_bytes=1 << 16)
     try:
         sync.sync(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)

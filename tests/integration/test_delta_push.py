@@ -71,8 +71,7 @@ def test_delta_push_moves_only_changed_tensors_and_falls_back_after_a_restore(
     server_factory, tiny_model_dir, tmp_path, caplog
 ):
     weights = tmp_path / "weights"
-    a = server_factory(tiny_model_dir, token=TOKEN)
-    b = server_factory(tiny_model_dir, token=TOKEN, weights_dir=weights)
+    a, b = server_factory.several(tiny_model_dir, {"token": TOKEN}, {"token": TOKEN, "weights_dir": weights})
     model = perturbed(tiny_model_dir, seed=41)
     sizes = {n: t.numel() * t.element_size() for n, t in model.state_dict().items()}
     full_bytes = sum(sizes.values())

@@ -29,8 +29,7 @@ def _wait_version(url: str, version: int, timeout_s: float = 60.0) -> int:
 
 
 def test_fresh_replica_gets_the_current_weights_from_a_peer(server_factory, tiny_model_dir) -> None:
-    source = server_factory(tiny_model_dir, token=TOKEN)
-    fresh = server_factory(tiny_model_dir, token=TOKEN)
+    source, fresh = server_factory.several(tiny_model_dir, {"token": TOKEN}, {"token": TOKEN})
     trained = perturbed(tiny_model_dir, seed=21)
     sync = sync_for(source, bucket_bytes=1 << 16)
     try:

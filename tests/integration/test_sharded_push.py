@@ -28,7 +28,7 @@ def last_update(h):
 
 @pytest.fixture
 def pair(server_factory, tiny_model_dir):
-    return server_factory(tiny_model_dir, token=TOKEN), server_factory(tiny_model_dir, token=TOKEN)
+    return server_factory.several(tiny_model_dir, {"token": TOKEN}, {"token": TOKEN})
 
 
 def _serves(handles, model_dir, version):
@@ -192,8 +192,7 @@ def test_delta_pushes_from_two_ranks_send_only_what_changed(server_factory, tiny
     after replica b was restored (it no longer holds v4 as pushed), is refused as a delta on both
     ranks and pushed whole, as v5."""
     weights = tmp_path / "weights"
-    a = server_factory(tiny_model_dir, token=TOKEN)
-    b = server_factory(tiny_model_dir, token=TOKEN, weights_dir=weights)
+    a, b = server_factory.several(tiny_model_dir, {"token": TOKEN}, {"token": TOKEN, "weights_dir": weights})
     results = run_sharded_trainers(
         tmp_path / "out",
         urls=[a.url, b.url],

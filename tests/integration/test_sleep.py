@@ -191,8 +191,7 @@ def test_sleep_waits_for_scoring_in_flight(server_factory, tiny_model_dir):
 
 
 def test_sdk_clients_sleep_and_wake_every_server(server_factory, tiny_model_dir):
-    a = server_factory(tiny_model_dir, token=TOKEN)
-    b = server_factory(tiny_model_dir, token=TOKEN)
+    a, b = server_factory.several(tiny_model_dir, {"token": TOKEN}, {"token": TOKEN})
     with RewardClient([a.url, b.url], token=TOKEN, retry=RetryPolicy.no_retry()) as client:
         before = client.score_batch(TEXTS, normalize=False)
         states = client.sleep(level=1)
@@ -233,8 +232,7 @@ def _handle_over(*servers) -> RewardModelHandle:
 
 
 def test_handle_awake_wakes_for_the_block_and_sleeps_after_it_even_on_error(server_factory, tiny_model_dir):
-    a = server_factory(tiny_model_dir, token=TOKEN)
-    b = server_factory(tiny_model_dir, token=TOKEN)
+    a, b = server_factory.several(tiny_model_dir, {"token": TOKEN}, {"token": TOKEN})
     handle = _handle_over(a, b)
     handle.sleep(level=1)
     assert {health(s).json()["state"] for s in (a, b)} == {"sleeping"}

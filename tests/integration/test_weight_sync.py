@@ -180,8 +180,7 @@ def test_lora_merged_push_then_fresh_adapters(server, tiny_model_dir):
 
 @pytest.mark.parametrize("per_server_groups", [False, True])
 def test_two_replicas_one_push(server_factory, tiny_model_dir, per_server_groups):
-    a = server_factory(tiny_model_dir, token=TOKEN)
-    b = server_factory(tiny_model_dir, token=TOKEN)
+    a, b = server_factory.several(tiny_model_dir, {"token": TOKEN}, {"token": TOKEN})
     model = perturbed(tiny_model_dir, seed=6)
     # group_port + i is the default; here each port is picked free so a busy neighbour port cannot flake
     sync = sync_for(a, b, per_server_groups=per_server_groups, group_ports=[free_port(), free_port()])

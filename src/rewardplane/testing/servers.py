@@ -162,3 +162,20 @@ def start_server(
     model_dir: Path, log_dir: Path, *, startup_timeout_s: float = 120, **kwargs: Any
 ) -> ServerHandle:
     return wait_healthy(launch_server(model_dir, log_dir, **kwargs), startup_timeout_s)
+
+
+def start_servers(
+    model_dir: Path, log_dir: Path, *option_sets: dict[str, Any], startup_timeout_s: float = 120
+) -> list[ServerHandle]:
+    """One server per option set (``launch_server``'s keywords), started side by side: most of a
+    start is importing torch and loading the model, which overlap. If one does not become healthy,
+    every one is stopped and the error raised."""
+    handles: list[ServerHandle] = []
+    try:
+        for opts in option_sets:
+            handles.append(launch_server(model_dir, log_dir, **opts))
+        return [wait_healthy(h, startup_timeout_s) for h in handles]
+    except BaseException:
+        for h in handles:
+            h.stop()
+        raise
