@@ -122,13 +122,13 @@ def binned(thread: Thread, width: float) -> dict[int, Seconds]:
     return bins
 
 
-def kinds_of_bins(core: EngineCore, width: float) -> dict[str, list[int]]:
-    """The bins of arrivals (input thread busy) and of steady running (main thread busy, input idle)."""
-    main, inputs = binned(core.main, width), binned(core.inputs, width)
+def kinds_of_bins(main: dict[int, Seconds], inputs: dict[int, Seconds], width: float) -> dict[str, list[int]]:
+    """The bins of arrivals (input thread busy) and of steady running (main thread busy, input idle);
+    ``main`` and ``inputs``: the two threads ``binned``."""
     kinds: dict[str, list[int]] = {"arrival": [], "steady": []}
     for b in sorted(set(main) | set(inputs)):
-        in_busy = sum(v for s, v in inputs[b].items() if s != "idle") / width
-        stepping = sum(main[b].get(s, 0.0) for s in ("launch", "gpu_wait", "schedule")) / width
+        in_busy = sum(v for s, v in inputs.get(b, {}).items() if s != "idle") / width
+        stepping = sum(main.get(b, {}).get(s, 0.0) for s in ("launch", "gpu_wait", "schedule")) / width
         if in_busy >= ARRIVAL_BUSY:
             kinds["arrival"].append(b)
         elif in_busy == 0 and stepping >= 0.8:
@@ -136,9 +136,8 @@ def kinds_of_bins(core: EngineCore, width: float) -> dict[str, list[int]]:
     return kinds
 
 
-def shares(thread: Thread, width: float, bins: Iterable[int]) -> dict[str, float]:
-    """Each state's share of the time in ``bins``."""
-    per_bin = binned(thread, width)
+def shares(per_bin: dict[int, Seconds], bins: Iterable[int]) -> dict[str, float]:
+    """Each state's share of the time in ``bins`` (``per_bin``: a thread ``binned``)."""
     total: Seconds = collections.defaultdict(float)
     for b in bins:
         for state, v in per_bin.get(b, {}).items():
@@ -157,19 +156,17 @@ def report(doc: dict[str, Any], width: float, show_bins: bool = False) -> str:
     if not cores:
         return "no vLLM engine core in this recording (record with --subprocesses and --idle)"
     for core in cores:
-        kinds = kinds_of_bins(core, width)
+        main_bins, input_bins = binned(core.main, width), binned(core.inputs, width)
+        kinds = kinds_of_bins(main_bins, input_bins, width)
         lines.append(f"engine core {core.pid}:")
         for kind, bins in kinds.items():
-            lines.append(
-                f"  {kind:8} {len(bins) * width:5.1f} s  main: {_fmt(shares(core.main, width, bins))}"
-            )
-            lines.append(f"  {'':8} {'':7}  input: {_fmt(shares(core.inputs, width, bins))}")
+            lines.append(f"  {kind:8} {len(bins) * width:5.1f} s  main: {_fmt(shares(main_bins, bins))}")
+            lines.append(f"  {'':8} {'':7}  input: {_fmt(shares(input_bins, bins))}")
         if show_bins:
-            main, inputs = binned(core.main, width), binned(core.inputs, width)
             for b in sorted(set(kinds["arrival"]) | set(kinds["steady"])):
                 cells = {
-                    **{"M." + k: v for k, v in main[b].items()},
-                    **{"I." + k: v for k, v in inputs[b].items()},
+                    **{"M." + k: v for k, v in main_bins.get(b, {}).items()},
+                    **{"I." + k: v for k, v in input_bins.get(b, {}).items()},
                 }
                 lines.append(
                     f"  {b * width:7.2f} "

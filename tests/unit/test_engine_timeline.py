@@ -12,7 +12,7 @@ import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # benchmarks/, after everything else
 
-from benchmarks.engine_timeline import engine_cores, kinds_of_bins, report, shares  # noqa: E402
+from benchmarks.engine_timeline import binned, engine_cores, kinds_of_bins, report, shares  # noqa: E402
 
 FRAMES = [
     "Thread.run",  # 0
@@ -68,13 +68,14 @@ def test_only_processes_with_an_input_thread_are_engine_cores() -> None:
 
 def test_arrival_and_steady_bins_and_their_shares() -> None:
     (core,) = engine_cores(recording())
-    kinds = kinds_of_bins(core, 0.1)
+    main, inputs = binned(core.main, 0.1), binned(core.inputs, 0.1)
+    kinds = kinds_of_bins(main, inputs, 0.1)
     assert kinds["arrival"] == [4, 5, 6, 7]
     assert kinds["steady"] == list(range(8, 18))
-    assert shares(core.main, 0.1, kinds["arrival"]) == pytest.approx({"launch": 1.0})
-    assert shares(core.inputs, 0.1, kinds["arrival"]) == pytest.approx({"hash": 0.75, "decode": 0.25})
-    assert shares(core.main, 0.1, kinds["steady"]) == pytest.approx({"launch": 0.6, "gpu_wait": 0.4})
-    assert shares(core.inputs, 0.1, kinds["steady"]) == pytest.approx({"idle": 1.0})
+    assert shares(main, kinds["arrival"]) == pytest.approx({"launch": 1.0})
+    assert shares(inputs, kinds["arrival"]) == pytest.approx({"hash": 0.75, "decode": 0.25})
+    assert shares(main, kinds["steady"]) == pytest.approx({"launch": 0.6, "gpu_wait": 0.4})
+    assert shares(inputs, kinds["steady"]) == pytest.approx({"idle": 1.0})
 
 
 def test_report_names_each_kind_and_says_when_there_is_no_engine_core() -> None:
