@@ -595,6 +595,16 @@ def judge_model_len(args: argparse.Namespace) -> int:
     return 2 * args.max_len + CHAT_ROOM + args.judge_output_tokens
 
 
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The vLLM engine settings of this run as flags, the same for every engine started as a
+    process (the reward server, ``vllm serve``, the offline phase); ``vllm_kwargs`` applies them
+    offline."""
+    flags = ["--enforce-eager"] if args.enforce_eager else []
+    if args.compilation_config:
+        flags += ["--compilation-config", args.compilation_config]
+    return flags
+
+
 def server_cmd(model_dir: Path, port: int, args: argparse.Namespace, judge: bool = False) -> list[str]:
     """The reward server on the vLLM engine (``judge``: in generate mode, an LLM judge)."""
     cmd = [
@@ -616,11 +626,7 @@ def server_cmd(model_dir: Path, port: int, args: argparse.Namespace, judge: bool
     ]
     if judge:
         cmd += ["--task", "generate"]
-    if args.enforce_eager:
-        cmd.append("--enforce-eager")
-    if args.compilation_config:  # an extra vLLM engine argument: the server passes it to vLLM
-        cmd += ["--compilation-config", args.compilation_config]
-    return cmd
+    return cmd + engine_flags(args)  # extra vLLM engine arguments: the server passes them to vLLM
 
 
 def vllm_serve_cmd(
@@ -667,11 +673,7 @@ def vllm_serve_cmd(
     ]
     for key, value in limits.items():  # max_num_batched_tokens, max_num_seqs
         cmd += ["--" + key.replace("_", "-"), str(value)]
-    if args.enforce_eager:
-        cmd.append("--enforce-eager")
-    if args.compilation_config:
-        cmd += ["--compilation-config", args.compilation_config]
-    return cmd
+    return cmd + engine_flags(args)
 
 
 @contextlib.contextmanager
@@ -836,7 +838,7 @@ def phase_cmd(
     name: str, model_dir: Path, work: Path, args: argparse.Namespace, extra: list[str] | None = None
 ) -> list[str]:
     """The command line of one phase in its own process, with the engine settings of this run."""
-    cmd = [
+    return [
         sys.executable,
         os.path.abspath(__file__),
         "--phase",
@@ -852,12 +854,8 @@ def phase_cmd(
         "--gpu-memory-utilization",
         str(args.gpu_memory_utilization),
         *(extra or []),
+        *engine_flags(args),
     ]
-    if args.enforce_eager:
-        cmd.append("--enforce-eager")
-    if args.compilation_config:
-        cmd += ["--compilation-config", args.compilation_config]
-    return cmd
 
 
 def run_phase(
