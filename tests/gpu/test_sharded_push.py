@@ -8,7 +8,8 @@ and sends its own rows. The weights are a checkpoint plus a seeded change comput
 same bits in the trainers and here: the replica's every parameter is checked bit for bit
 (``/param_checksums``), its scores against the transformers model. Full, head-only, LoRA (merged)
 and atomic pushes; a rank killed mid-push (atomic: the old version keeps serving; streamed: broken,
-scoring refused, until a full push repairs it).
+scoring refused, until a full push repairs it); a second TP=2 replica that saves its pushes
+(``--weights-dir``) takes them sliced and is restored, shard by shard, after a restart.
 """
 
 from __future__ import annotations
@@ -417,3 +418,64 @@ def test_a_rank_killed_mid_push_breaks_a_streamed_replica_until_a_full_push(
     pushes = [{"version": version + 3, "mode": "full", "weights": weights}]
     pushed_ok(url, model_dir, tmp_path / "repair", pushes)
     check_serves(url, model_dir, weights, version + 3, before, "full push after a broken one")
+
+
+def _saved_versions(weights: Path, ranks: int) -> list[int | None]:
+    """Each TP worker's saved version (``version.rank<k>-of-<n>.json``), None where it saved none."""
+    out: list[int | None] = []
+    for k in range(ranks):
+        path = weights / f"version.rank{k}-of-{ranks}.json"
+        out.append(json.loads(path.read_text()).get("version") if path.exists() else None)
+    return out
+
+
+def test_a_persisting_replica_takes_sliced_pushes_and_a_restart_restores_them(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A TP=2 replica with ``--weights-dir`` (the operator's podCopy and persistDir) beside the
+    module's: its second full push is sliced, each worker saves its own ranges, and after a restart
+    ``/restore_weights`` puts every shard back bit for bit."""
+    from tests.gpu.vllm_support import start_vllm_server, stop, wait_ready
+
+    weights = tmp_path / "weights"
+    (tmp_path / "first").mkdir()
+    server = wait_ready(
+        start_vllm_server(
+            model_dir, tmp_path / "first", gpu="0,1", tensor_parallel_size=2, weights_dir=weights
+        )
+    )
+    last = {"full": 52, "head": 53}
+    try:
+        before = fill_prefix_cache(server.url)
+        pushes = [
+            {"version": 1, "mode": "full", "weights": {"full": 51}},
+            {"version": 2, "mode": "full", "weights": {"full": 52}},
+            {"version": 3, "mode": "head_only", "weights": last},
+        ]
+        pushed_ok(server.url, model_dir, tmp_path / "out", pushes[:2])
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        tasks = httpx.get(f"{server.url}/get_num_background_tasks", headers=auth, timeout=30).json()
+        assert tasks["last_update"]["wire"] == "sliced", tasks["last_update"]
+        pushed_ok(server.url, model_dir, tmp_path / "out-head", pushes[2:])
+        check_serves(server.url, model_dir, last, 3, before, "persisting replica, before the restart")
+        deadline = time.monotonic() + 120
+        while _saved_versions(weights, 2) != [3, 3]:
+            assert time.monotonic() < deadline, f"saved versions {_saved_versions(weights, 2)}, not [3, 3]"
+            time.sleep(0.1)
+    finally:
+        stop(server)
+    (tmp_path / "restarted").mkdir()
+    restarted = wait_ready(
+        start_vllm_server(
+            model_dir, tmp_path / "restarted", gpu="0,1", tensor_parallel_size=2, weights_dir=weights
+        )
+    )
+    try:
+        assert int(httpx.get(f"{restarted.url}/runtime_version", timeout=30).json()["version"]) == 0
+        base = fill_prefix_cache(restarted.url)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        ok = httpx.post(f"{restarted.url}/restore_weights", json={"version": 3}, headers=auth, timeout=300)
+        assert ok.status_code == 200, ok.text
+        check_serves(restarted.url, model_dir, last, 3, base, "restored, TP=2")
+    finally:
+        stop(restarted)

@@ -31,6 +31,13 @@ def pair(server_factory, tiny_model_dir):
     return server_factory.several(tiny_model_dir, {"token": TOKEN}, {"token": TOKEN})
 
 
+def _pair_saving_b(server_factory, model_dir, tmp_path):
+    """Two servers started side by side; the second saves its pushes in the returned directory."""
+    weights = tmp_path / "weights"
+    a, b = server_factory.several(model_dir, {"token": TOKEN}, {"token": TOKEN, "weights_dir": weights})
+    return a, b, weights
+
+
 def _serves(handles, model_dir, version):
     want = logits(sharded_model(model_dir, version), model_dir, TEXTS)
     for h in handles:
@@ -89,6 +96,37 @@ def test_a_sliced_push_from_two_ranks_lands_exactly(pair, tiny_model_dir, tmp_pa
         else:  # one-box messages straight into the parameters, the rest packed
             assert 0 < update["in_place_bytes"] < update["bytes"], update
     _serves(pair, tiny_model_dir, 3)
+
+
+def test_a_persisting_replica_takes_sliced_pushes_and_restores_them(
+    server_factory, tiny_model_dir, tmp_path, monkeypatch
+):
+    # --weights-dir (podCopy and persistDir in a cluster): the worker saves what it received of each
+    # tensor, so keeping a copy no longer turns the replica's pushes into broadcasts.
+    monkeypatch.setenv("REWARDPLANE_PUSH_SLICING", "always")
+    a, b, weights = _pair_saving_b(server_factory, tiny_model_dir, tmp_path)
+    results = run_sharded_trainers(
+        tmp_path / "out",
+        urls=[a.url, b.url],
+        group_port=free_port(),
+        model_dir=str(tiny_model_dir),
+        layout="tp",
+        versions=[1, 2, 3],
+    )
+    for r in results:
+        assert r is not None and r.get("error") is None and r["pushed"] == [1, 2, 3], r
+    assert last_update(b)["wire"] == "sliced", last_update(b)
+    deadline = time.monotonic() + 30
+    while '"version": 3' not in (
+        (weights / "version.json").read_text() if (weights / "version.json").exists() else ""
+    ):
+        assert time.monotonic() < deadline, "version 3 was not saved"
+        time.sleep(0.05)
+    b.kill()
+    restarted = server_factory(tiny_model_dir, token=TOKEN, weights_dir=weights)
+    got = httpx.post(f"{restarted.url}/restore_weights", json={"version": 3}, headers=AUTH, timeout=60)
+    assert got.status_code == 200, got.text
+    _serves([a, restarted], tiny_model_dir, 3)
 
 
 def test_a_head_only_push_from_two_ranks(pair, tiny_model_dir, tmp_path):
@@ -191,8 +229,7 @@ def test_delta_pushes_from_two_ranks_send_only_what_changed(server_factory, tiny
     rank's part of them); v3, the same weights, the smallest tensor alone; v4 the two again; v5,
     after replica b was restored (it no longer holds v4 as pushed), is refused as a delta on both
     ranks and pushed whole, as v5."""
-    weights = tmp_path / "weights"
-    a, b = server_factory.several(tiny_model_dir, {"token": TOKEN}, {"token": TOKEN, "weights_dir": weights})
+    a, b, weights = _pair_saving_b(server_factory, tiny_model_dir, tmp_path)
     results = run_sharded_trainers(
         tmp_path / "out",
         urls=[a.url, b.url],

@@ -55,8 +55,7 @@ class Restores(ControlPlaneState):
         saved = store.saved_version()
         if saved is None:
             raise Conflict(
-                f"no persisted weights in {store.dir}: nothing was pushed to this replica's directory yet; "
-                "push the weights again"
+                f"no persisted weights to restore: {store.unsaved_reason()}; push the weights again"
             )
         if store.saved_base() != store.base:
             raise Conflict(

@@ -230,19 +230,21 @@ class ControlPlaneState:
     async def _prepare_workers(self) -> None:
         """Once, before anything is loaded: fingerprint the base model (saved weights carry it and
         are never restored onto another base) and tell the workers where to persist, so the first
-        worker keeps host copies (HF names) of what it loads (vLLM's workers exist only after start)."""
+        workers keep host copies (HF names) of what they load (vLLM's workers exist only after start)."""
         store = self.store
         if store is None or self._persistence_ready:
             return
         if not store.base:
             params = await self.port.call_workers("rp_named_parameters")
             store.base = base_fingerprint(self.manifest, params[0] if params else None)
-        await self.port.call_workers("rp_persist_to", str(store.dir), store.base)
+        # every worker saves its own part: the replica's version is the one all of them saved
+        store.ranks = max(1, len(await self.port.call_workers("rp_local_rank")))
+        await self.port.call_workers("rp_persist_to", str(store.dir), store.base, store.ranks)
         self._persistence_ready = True
 
     async def _persist(self, version: int) -> None:
         """After ``guard.commit(version)``: the workers hold host copies of what this update loaded;
-        the replica's first worker merges them into the saved union in a background thread. A tracked
+        each merges its own into its saved union in a background thread. A tracked
         task waits for that write, so ``/get_num_background_tasks`` counts it (bounded)."""
         if self.store is None:
             return

@@ -11,11 +11,18 @@ host copy of the pushed bytes; scoring waits for it) and writes them to disk in 
 in bf16). A head_only push after a full one rewrites the union (read + write). Disk space: one copy
 of the union per replica.
 
-Both engines do it the same way, in the worker extension: vLLM's workers hold fused and sharded
-parameters, so the copies are taken while the update is loaded, under the HF names that were pushed
-(the replica's first worker keeps them: every tensor-parallel worker receives every full tensor), and
-a restore goes through the engine's own ``load_weights`` in every worker, one parameter at a time on
-the device — so neither costs GPU memory beyond one parameter, within vLLM's memory fraction.
+Both engines do it the same way, in the worker extension, under the pushed (HF) names: every worker
+of a replica saves what it keeps of each pushed tensor — the whole tensor, or, where a
+tensor-parallel worker keeps one range of it (``copy_plan.py`` learned it from the loader), that
+range with its place in the whole tensor. A replica of one worker writes ``pushed.safetensors`` and
+``version.json``; worker ``k`` of ``n`` writes ``pushed.rank<k>-of-<n>.safetensors`` and
+``version.rank<k>-of-<n>.json``, and the replica's saved version is the one all ``n`` agree on. So a
+sliced push (each worker receives only its range) is saved as it arrived, and no worker holds or
+writes the whole model. A restore goes through the engine's own ``load_weights`` in every worker,
+one parameter at a time on the device: a range is put back into a tensor of the whole shape (the
+rest zeros, which the worker's loader does not read), so neither costs GPU memory beyond one
+parameter, within vLLM's memory fraction. Weights saved by a replica of another tensor-parallel
+size are refused with the sizes named.
 
 This module is the store; ``control_plane.WeightSyncService`` drives it (``_persist``, ``restore``)
 and ``routes.persistence_router`` serves ``POST /restore_weights``.
@@ -27,12 +34,16 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from rewardplane.protocol.slices import Region
 
 log = logging.getLogger(__name__)
 
@@ -55,71 +66,177 @@ def base_fingerprint(manifest: Mapping[str, Any], params: Mapping[str, torch.Ten
     return digest.hexdigest()[:16]
 
 
-class WeightsStore:
-    """The persisted union of pushed parameters in one directory (atomic file replacement)."""
+@dataclass(frozen=True)
+class HostCopy:
+    """What a worker keeps of one pushed tensor: all of it, or the range ``region`` of a tensor of
+    ``shape`` (a tensor-parallel worker's rows or columns)."""
 
-    def __init__(self, directory: Path, base: str = "") -> None:
+    tensor: torch.Tensor  # on the host
+    region: Region | None = None
+    shape: tuple[int, ...] = ()  # the whole pushed tensor's shape (with a region)
+
+    def whole(self, device: torch.device) -> torch.Tensor:
+        """The tensor to give the loader on ``device``: this copy, or, for a range, a tensor of the
+        whole shape holding it (the rest zeros: the worker that kept the range reads only it)."""
+        if self.region is None:
+            return self.tensor.to(device)
+        r = self.region
+        out = torch.zeros(self.shape, dtype=self.tensor.dtype, device=device)
+        out.narrow(r.dim, r.start, r.stop - r.start).copy_(self.tensor)
+        return out
+
+
+_RANK_FILE = re.compile(r"^version\.rank(\d+)-of-(\d+)\.json$")
+
+
+class WeightsStore:
+    """The persisted union of pushed parameters in one directory (atomic file replacement), as
+    worker ``rank`` of a replica of ``ranks`` workers sees it (the control plane: any rank)."""
+
+    def __init__(self, directory: Path, base: str = "", rank: int = 0, ranks: int = 1) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.base = base  # base_fingerprint of the model these weights were pushed onto
+        self.rank = rank
+        self.ranks = ranks  # the replica's workers (tensor-parallel size); set before anything is read
         self._lock = threading.Lock()
 
-    def _saved(self) -> dict[str, Any]:
+    def _suffix(self, rank: int) -> str:
+        return "" if self.ranks == 1 else f".rank{rank}-of-{self.ranks}"
+
+    def _weights(self, rank: int) -> Path:
+        return self.dir / f"pushed{self._suffix(rank)}.safetensors"
+
+    def _record(self, rank: int) -> Path:
+        return self.dir / f"version{self._suffix(rank)}.json"
+
+    def _saved(self, rank: int) -> dict[str, Any]:
         try:
-            saved = json.loads((self.dir / VERSION_FILE).read_text())
+            saved = json.loads(self._record(rank).read_text())
         except (OSError, ValueError):
             return {}
         return saved if isinstance(saved, dict) else {}
 
+    def _versions(self) -> list[int | None]:
+        """Each worker's saved version (None: nothing readable)."""
+        out: list[int | None] = []
+        for rank in range(self.ranks):
+            try:
+                out.append(int(self._saved(rank)["version"]))
+            except (KeyError, TypeError, ValueError):
+                out.append(None)
+        return out
+
     def saved_version(self) -> int | None:
-        try:
-            return int(self._saved()["version"])
-        except (KeyError, TypeError, ValueError):
-            return None
+        """The version every worker of the replica saved, or None (nothing saved, saved by a replica
+        of another size, or the workers disagree: ``unsaved_reason`` says which)."""
+        versions = self._versions()
+        first = versions[0]
+        return first if first is not None and all(v == first for v in versions) else None
+
+    def unsaved_reason(self) -> str:
+        """Why ``saved_version`` is None, in words."""
+        versions = self._versions()
+        if any(v is not None for v in versions):
+            found = ", ".join(
+                f"worker {k}: {v if v is not None else 'nothing'}" for k, v in enumerate(versions)
+            )
+            return f"the replica's workers saved different versions ({found}): a save failed part-way"
+        others = sorted(
+            {
+                int(m.group(2))
+                for p in self.dir.glob("version.rank*-of-*.json")
+                if (m := _RANK_FILE.match(p.name))
+            }
+        )
+        if self.ranks != 1 and (self.dir / "version.json").exists():
+            others.insert(0, 1)
+        others = [n for n in others if n != self.ranks]
+        if others:
+            sizes = " and ".join(str(n) for n in others)
+            return (
+                f"the weights in {self.dir} were saved by a replica of {sizes} tensor-parallel worker(s); "
+                f"this one has {self.ranks}"
+            )
+        return f"nothing was pushed to this replica's directory {self.dir} yet"
 
     def saved_base(self) -> str | None:
-        base = self._saved().get("base")
+        base = self._saved(0).get("base")
         return str(base) if base else None
 
-    def save(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Merge ``tensors`` into the saved union and record ``version`` (latest value per name)."""
-        from safetensors.torch import load_file, save_file
+    def save(self, version: int, copies: Mapping[str, HostCopy]) -> None:
+        """Merge this worker's ``copies`` into its saved union and record ``version`` (latest value
+        per name). The record follows the weights, so it never names absent weights."""
+        from safetensors.torch import save_file
 
         with self._lock:
-            path = self.dir / WEIGHTS_FILE
-            union: dict[str, torch.Tensor] = {}
-            if path.exists():
-                union = load_file(str(path))
-            union.update({n: t.contiguous() for n, t in tensors.items()})
-            tmp = self.dir / (WEIGHTS_FILE + ".tmp")
-            save_file(union, str(tmp), metadata={"version": str(version)})
-            os.replace(tmp, path)  # the version file follows the weights, so it never names absent weights
-            tmp_version = self.dir / (VERSION_FILE + ".tmp")
-            tmp_version.write_text(
+            union, regions = self._load_own()
+            for name, copy in copies.items():
+                union[name] = copy.tensor.contiguous()
+                if copy.region is None:
+                    regions.pop(name, None)
+                else:
+                    r = copy.region
+                    regions[name] = [r.dim, r.start, r.stop, list(copy.shape)]
+            path = self._weights(self.rank)
+            tmp = path.with_name(path.name + ".tmp")
+            metadata = {"version": str(version), "rank": str(self.rank), "ranks": str(self.ranks)}
+            if regions:
+                metadata["regions"] = json.dumps(regions)
+            save_file(union, str(tmp), metadata=metadata)
+            os.replace(tmp, path)
+            record = self._record(self.rank)
+            tmp_record = record.with_name(record.name + ".tmp")
+            tmp_record.write_text(
                 json.dumps({"version": version, "parameters": len(union), "base": self.base})
             )
-            os.replace(tmp_version, self.dir / VERSION_FILE)
+            os.replace(tmp_record, record)
 
-    def saved_names(self) -> set[str]:
-        """The names of the saved parameters (read from the file's header; no tensor is loaded)."""
+    def _load_own(self) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
+        """This worker's saved tensors and the ranges among them (name → dim, start, stop, shape)."""
         from safetensors import safe_open
-
-        with self._lock:
-            path = self.dir / WEIGHTS_FILE
-            if not path.exists():
-                return set()
-            with safe_open(str(path), framework="pt") as f:
-                return set(f.keys())
-
-    def load(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         from safetensors.torch import load_file
 
+        path = self._weights(self.rank)
+        if not path.exists():
+            return {}, {}
+        with safe_open(str(path), framework="pt") as f:
+            regions = json.loads((f.metadata() or {}).get("regions", "{}"))
+        return load_file(str(path)), regions
+
+    def saved_names(self) -> set[str]:
+        """The names every worker saved (read from the files' headers; no tensor is loaded)."""
+        from safetensors import safe_open
+
+        names: set[str] | None = None
         with self._lock:
-            version = self.saved_version()
-            path = self.dir / WEIGHTS_FILE
-            if version is None or not path.exists():
+            for rank in range(self.ranks):
+                path = self._weights(rank)
+                if not path.exists():
+                    return set()
+                with safe_open(str(path), framework="pt") as f:
+                    keys = set(f.keys())
+                names = keys if names is None else names & keys
+        return names or set()
+
+    def load(self) -> tuple[int, dict[str, HostCopy]] | None:
+        """This worker's saved version and copies, or None when it saved nothing."""
+        with self._lock:
+            try:
+                version = int(self._saved(self.rank)["version"])
+            except (KeyError, TypeError, ValueError):
                 return None
-            return version, load_file(str(path))
+            if not self._weights(self.rank).exists():
+                return None
+            tensors, regions = self._load_own()
+        copies = {}
+        for name, tensor in tensors.items():
+            if name in regions:
+                dim, start, stop, shape = regions[name]
+                copies[name] = HostCopy(tensor, Region(dim, start, stop), tuple(shape))
+            else:
+                copies[name] = HostCopy(tensor)
+        return version, copies
 
 
 PERSIST_WAIT_S = 3600.0  # bound on one background write (the union of a large model, on a slow disk)

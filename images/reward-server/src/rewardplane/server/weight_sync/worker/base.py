@@ -10,8 +10,9 @@ from typing import Any, Protocol, cast
 import torch
 
 from rewardplane.protocol import Bucket, ParamMeta, PushLoaded
+from rewardplane.protocol.slices import Region
 from rewardplane.server.weight_sync.copy_plan import CopyPlan
-from rewardplane.server.weight_sync.persistence import WeightsStore
+from rewardplane.server.weight_sync.persistence import HostCopy, WeightsStore
 from rewardplane.transport.comm import Communicator
 
 
@@ -28,9 +29,9 @@ class WorkerBase:
     _rp_comm: Communicator | None = None
     _rp_staged: list[tuple[Bucket, torch.Tensor]] | None = None
     # Persistence (--weights-dir): host copies, under HF names, of what the running update loaded
-    # (kept by the replica's first worker only: every worker receives every full tensor).
+    # (every worker keeps its own: the whole tensor, or the range a tensor-parallel worker keeps).
     _rp_store: WeightsStore | None = None
-    _rp_kept: dict[str, torch.Tensor] | None = None
+    _rp_kept: dict[str, HostCopy] | None = None
     _rp_writer: threading.Thread | None = None
     # Pushes started from the data plane: the group's rendezvous (host, port, timeout, id), the
     # listener thread waiting for this replica's go, and its last outcome (seq, what it reported).
@@ -79,6 +80,11 @@ class WorkerBase:
         # vLLM: the parameter view the copy plan learned for the name
         plan = self._rp_copy_plan
         return None if plan is None else plan.target(name)
+
+    def _rp_slice_of(self, name: str) -> tuple[Region | None, torch.Tensor] | None:
+        """What this worker keeps of ``name`` and where; None where only the loader can load it."""
+        plan = self._rp_copy_plan
+        return None if plan is None else plan.slice_of(name)
 
     def _rp_forget_places(self) -> None:
         """The parameters were discarded (and are loaded again): what was learned of where each

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
+from rewardplane.protocol import ParamMeta
+from rewardplane.protocol.slices import Region
 from rewardplane.server.engines.checkpoint import iter_checkpoint
-from rewardplane.server.weight_sync.persistence import WeightsStore
+from rewardplane.server.weight_sync.persistence import HostCopy, WeightsStore
 from rewardplane.server.weight_sync.worker.base import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -19,25 +21,47 @@ log = logging.getLogger(__name__)
 class PersistencePart(WorkerBase):
     """Host copies of what a push loaded, written in the background; restore and checkpoint reload."""
 
-    def rp_persist_to(self, directory: str, base: str = "") -> None:
+    def rp_persist_to(self, directory: str, base: str = "", ranks: int = 1) -> None:
         """From now on keep host copies of loaded weights and persist them into ``directory``;
-        ``base`` is the fingerprint of the base model they are pushed onto (saved with them)."""
-        self._rp_store = WeightsStore(Path(directory), base)
+        ``base`` is the fingerprint of the base model they are pushed onto (saved with them),
+        ``ranks`` the replica's workers (each saves its own part)."""
+        self._rp_store = WeightsStore(Path(directory), base, rank=self.rp_local_rank(), ranks=ranks)
 
     def _rp_keeps(self) -> bool:
-        return self._rp_store is not None and self.rp_local_rank() == 0
+        return self._rp_store is not None
 
     def _rp_load_kept(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Load, then copy to host what was loaded (the tensors are views of a bucket reused next)."""
+        """Load, then copy to host what this worker keeps of each tensor (the tensors are views of a
+        bucket reused next): the range a tensor-parallel worker keeps, once the loader showed it."""
         self.rp_load(weights)
-        if self._rp_kept is not None:
+        kept = self._rp_kept
+        if kept is not None:
             with torch.no_grad():
                 for name, tensor in weights:
-                    self._rp_kept[name] = tensor.detach().to("cpu", copy=True)
+                    found = self._rp_slice_of(name)
+                    region = found[0] if found is not None else None
+                    part = (
+                        tensor
+                        if region is None
+                        else tensor.narrow(region.dim, region.start, region.stop - region.start)
+                    )
+                    kept[name] = HostCopy(part.detach().to("cpu", copy=True), region, tuple(tensor.shape))
+
+    def _rp_keep_received(
+        self, metas: list[ParamMeta], regions: list[Region | None], received: list[torch.Tensor]
+    ) -> None:
+        """Host copies of a sliced push's ranges, as received (into the parameters or staged)."""
+        kept = self._rp_kept
+        if kept is None:
+            return
+        with torch.no_grad():
+            for meta, region, tensor in zip(metas, regions, received, strict=True):
+                kept[meta.name] = HostCopy(tensor.detach().to("cpu", copy=True), region, tuple(meta.shape))
 
     def rp_persist(self, version: int) -> bool:
         """Write this update's host copies into the store's union, in a background thread (disk I/O
-        stays off the engine's loop). Returns whether this worker writes (the replica's first)."""
+        stays off the engine's loop). Returns whether this worker writes (every worker that
+        persists)."""
         kept, self._rp_kept = self._rp_kept, None
         store = self._rp_store
         if store is None or kept is None or not self._rp_keeps():
@@ -61,8 +85,9 @@ class PersistencePart(WorkerBase):
         return self._rp_writer is not None and self._rp_writer.is_alive()
 
     def rp_restore(self, version: int) -> int:
-        """Load the persisted union of ``version`` through the engine's own loader (HF names, full
-        tensors: vLLM fuses and shards them itself). Returns the number of parameters restored.
+        """Load this worker's persisted union of ``version`` through the engine's own loader (HF
+        names; a saved range goes back inside a tensor of the whole shape, which the loader narrows
+        to that range again). Returns the number of parameters restored.
 
         Raises ``LookupError`` naming the version found when it is not ``version``."""
         store = self._rp_store
@@ -70,16 +95,16 @@ class PersistencePart(WorkerBase):
             raise LookupError("this worker persists no weights (no --weights-dir)")
         loaded = store.load()
         if loaded is None:
-            raise LookupError(f"no persisted weights in {store.dir}")
-        saved, tensors = loaded
+            raise LookupError(f"no persisted weights in {store.dir} for worker {store.rank} of {store.ranks}")
+        saved, copies = loaded
         if saved != version:
             raise LookupError(f"the persisted weights are version {saved}, not {version}")
         device = self.rp_device()
         with torch.no_grad():
             # one tensor at a time on the device: restoring needs no more memory than one parameter
-            for name, tensor in tensors.items():
-                self.rp_load([(name, tensor.to(device))])
-        return len(tensors)
+            for name, copy in copies.items():
+                self.rp_load([(name, copy.whole(device))])
+        return len(copies)
 
     def rp_load_checkpoint(self, model_dir: str) -> list[str]:
         """Load the base checkpoint's weights again (after a level-2 sleep discarded them), one tensor

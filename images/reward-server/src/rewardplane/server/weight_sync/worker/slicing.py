@@ -55,6 +55,8 @@ class _StagedSlices:
     """An atomic sliced push received: each parameter view with what goes into it at the swap."""
 
     pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    metas: list[ParamMeta]  # the layout's tensors, in the pairs' order
+    regions: list[Region | None]  # what of each the pair holds
     void: str | None = None  # why it can no longer be applied (the parameters moved)
 
 
@@ -71,22 +73,16 @@ class SlicingPart(StagingPart):
     # through the loader, this worker publishes its slices of that layout
     _rp_staged_layout: tuple[Communicator, str, list[ParamMeta], list[Bucket]] | None = None
 
-    def _rp_slice_of(self, name: str) -> tuple[Region | None, torch.Tensor] | None:
-        """What this worker keeps of ``name`` and where; None where only the loader can load it."""
-        plan = self._rp_copy_plan
-        return None if plan is None else plan.slice_of(name)
-
     def _rp_publish_slices(
         self, comm: Communicator, layout_key: str, metas: list[ParamMeta], plan: list[Bucket]
     ) -> None:
         """After a streamed push of ``layout_key`` loaded every tensor: publish what this worker
-        keeps of each, where every tensor has one place in the parameters. Not while host copies of
-        whole tensors are kept (persistence needs every byte on the replica's first worker)."""
+        keeps of each, where every tensor has one place in the parameters."""
         if self._rp_slices_comm is not comm:
             self._rp_slices, self._rp_slices_comm = {}, comm
         slices = self._rp_slices
         assert slices is not None
-        if layout_key in slices or self._rp_keeps():
+        if layout_key in slices:
             return
         kept = [self._rp_slice_of(m.name) for m in metas]
         if any(k is None for k in kept):
@@ -106,7 +102,7 @@ class SlicingPart(StagingPart):
         an earlier group into the new group's store, before the group forms (so a trainer that
         joined it finds them: pushes through the operator form a group per push). Returns what was
         published, to record once the group is formed."""
-        if not self._rp_places or self._rp_keeps():
+        if not self._rp_places:
             return {}
         out: dict[str, _Kept] = {}
         for layout_key, places in self._rp_places.items():
@@ -184,6 +180,8 @@ class SlicingPart(StagingPart):
             receive_slices(
                 comm, metas, kept.schedule, comm.rank, comm.first_sender, kept.regions, kept.views, out=got
             )
+            if got.error is None:
+                self._rp_keep_received(metas, kept.regions, kept.views)
             return
         targets = [torch.empty_like(v) for v in kept.views]
         # nothing reaches a parameter before the swap: not in place, nothing applied
@@ -191,7 +189,9 @@ class SlicingPart(StagingPart):
             comm, metas, kept.schedule, comm.rank, comm.first_sender, kept.regions, targets
         )
         got.bytes += staged.bytes
-        self._rp_staged_slices = _StagedSlices(list(zip(kept.views, targets, strict=True)))
+        self._rp_staged_slices = _StagedSlices(
+            list(zip(kept.views, targets, strict=True)), metas, kept.regions
+        )
 
     def rp_apply_staged(self, metadata: list[dict[str, Any]]) -> None:
         staged, self._rp_staged_slices = self._rp_staged_slices, None
@@ -200,6 +200,8 @@ class SlicingPart(StagingPart):
                 raise RuntimeError(staged.void)
             for view, received in staged.pairs:
                 view.copy_(received)
+            self._rp_kept = {} if self._rp_keeps() else None
+            self._rp_keep_received(staged.metas, staged.regions, [r for _, r in staged.pairs])
             return
         layout, self._rp_staged_layout = self._rp_staged_layout, None
         super().rp_apply_staged(metadata)
