@@ -476,10 +476,9 @@ def test_two_trainer_ranks_push_through_the_operator(
     # The CPU engine keeps whole tensors, so ``auto`` broadcasts; forced, the replicas' workers and
     # the trainer's ranks agree on a sliced push once the workers know their places: they learn
     # them in the first push and publish them into the next push's new group as they join it.
-    # Without the Pod's own copy: a replica keeping host copies of every pushed tensor (to restore
-    # a restarted container) needs every byte on its first worker, so it takes broadcasts.
+    # With the Pod's own copy (podCopy, the default): each worker saves what it received.
     monkeypatch.setenv("REWARDPLANE_PUSH_SLICING", "always")
-    name = make_model(kube, ns, node_agent.name, tiny_model_dir, replicas=2, weightSync={"podCopy": False})
+    name = make_model(kube, ns, node_agent.name, tiny_model_dir, replicas=2)
     logs = lambda: operator.logs() + "\n" + node_agent.log_tail()  # noqa: E731
     handle = RewardModelHandle(name, ns, kubeconfig=str(control_plane.kubeconfig))
     try:
