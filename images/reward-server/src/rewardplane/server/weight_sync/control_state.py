@@ -229,8 +229,8 @@ class ControlPlaneState:
     # ---- persistence (--weights-dir) ---------------------------------------------------------
     async def _prepare_workers(self) -> None:
         """Once, before anything is loaded: fingerprint the base model (saved weights carry it and
-        are never restored onto another base) and tell the workers where to persist, so the first
-        workers keep host copies (HF names) of what they load (vLLM's workers exist only after start)."""
+        are never restored onto another base) and tell the workers where to persist, so each keeps
+        host copies (HF names) of what it loads (vLLM's workers exist only after start)."""
         store = self.store
         if store is None or self._persistence_ready:
             return

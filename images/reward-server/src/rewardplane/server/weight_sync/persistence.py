@@ -47,9 +47,6 @@ from rewardplane.protocol.slices import Region
 
 log = logging.getLogger(__name__)
 
-WEIGHTS_FILE = "pushed.safetensors"
-VERSION_FILE = "version.json"
-
 
 def base_fingerprint(manifest: Mapping[str, Any], params: Mapping[str, torch.Tensor] | None) -> str:
     """Identifies the base model a server loaded: every parameter's name, dtype and shape, plus a
