@@ -35,17 +35,17 @@ ROWS, COLS, TP = 4, 6, 2
 
 
 class ShardedModel(torch.nn.Module):
-    """Shard ``shard`` of ``TP``: ``up`` split by rows, ``down`` by columns, ``norm`` whole."""
+    """Shard ``shard`` of ``tp``: ``up`` split by rows, ``down`` by columns, ``norm`` whole."""
 
-    def __init__(self, shard: int) -> None:
+    def __init__(self, shard: int, tp: int = TP) -> None:
         super().__init__()
-        self.shard = shard
-        self.up = torch.nn.Parameter(torch.zeros(ROWS // TP, COLS), requires_grad=False)
-        self.down = torch.nn.Parameter(torch.zeros(COLS, ROWS // TP), requires_grad=False)
+        self.shard, self.tp = shard, tp
+        self.up = torch.nn.Parameter(torch.zeros(ROWS // tp, COLS), requires_grad=False)
+        self.down = torch.nn.Parameter(torch.zeros(COLS, ROWS // tp), requires_grad=False)
         self.norm = torch.nn.Parameter(torch.zeros(COLS), requires_grad=False)
 
     def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        n = ROWS // TP
+        n = ROWS // self.tp
         for name, w in weights:
             if name == "up":
                 self.up.data.copy_(w.narrow(0, self.shard * n, n))
@@ -59,8 +59,8 @@ class ShardWorker(RewardWeightSyncExtension):
     """The worker extension as a vLLM worker has it (its loader, learned by the copy plan), on CPU;
     ``rank`` is its place in the replica, ``shard`` the part its model keeps."""
 
-    def __init__(self, shard: int, rank: int | None = None) -> None:
-        self.model = ShardedModel(shard)
+    def __init__(self, shard: int, rank: int | None = None, tp: int = TP) -> None:
+        self.model = ShardedModel(shard, tp)
         self.rank = shard if rank is None else rank
 
     def rp_model(self) -> torch.nn.Module:
@@ -79,8 +79,8 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _shard_of(weights: dict[str, torch.Tensor], shard: int) -> dict[str, torch.Tensor]:
-    model = ShardedModel(shard)
+def _shard_of(weights: dict[str, torch.Tensor], shard: int, tp: int = TP) -> dict[str, torch.Tensor]:
+    model = ShardedModel(shard, tp)
     model.load_weights(list(weights.items()))
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
@@ -106,18 +106,20 @@ def _pushed_through_the_loader(
         _persisted(w, version)
 
 
-def _lone(directory: Path, shard: int) -> ShardWorker:
-    """A replica of one worker that keeps shard ``shard`` (its rank is 0) and persists."""
-    worker = ShardWorker(shard=shard, rank=0)
+def _lone(directory: Path, shard: int, tp: int = TP) -> ShardWorker:
+    """A replica of one worker that keeps shard ``shard`` of ``tp`` (its rank is 0) and persists."""
+    worker = ShardWorker(shard=shard, rank=0, tp=tp)
     worker.rp_persist_to(str(directory), "b", 1)
     return worker
 
 
-def _restores_to(directory: Path, shard: int, weights: dict[str, torch.Tensor], version: int) -> None:
+def _restores_to(
+    directory: Path, shard: int, weights: dict[str, torch.Tensor], version: int, tp: int = TP
+) -> None:
     """A fresh lone worker restores ``version`` from ``directory`` to its shard of ``weights``."""
-    restarted = _lone(directory, shard)
+    restarted = _lone(directory, shard, tp)
     assert restarted.rp_restore(version) == len(weights)
-    got, want = _params(restarted), _shard_of(weights, shard)
+    got, want = _params(restarted), _shard_of(weights, shard, tp)
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
@@ -165,18 +167,29 @@ def test_each_worker_saves_its_own_range_and_a_fresh_replica_restores_it(tmp_pat
         assert all(torch.equal(got[k], expected[k]) for k in expected), shard
 
 
-def test_weights_saved_by_another_tensor_parallel_size_or_part_way_are_not_restorable(tmp_path: Path) -> None:
+def test_weights_saved_part_way_are_not_restorable(tmp_path: Path) -> None:
     workers = _replica(tmp_path)
     _pushed_through_the_loader(workers, _weights(1), version=1)
-    single = WeightsStore(tmp_path, ranks=1)
-    assert single.saved_version() is None
-    assert "replica of 2 tensor-parallel worker(s); this one has 1" in single.unsaved_reason()
     _pushed_through_the_loader(workers[:1], _weights(2), version=2)  # worker 1's save never happened
     store = WeightsStore(tmp_path, ranks=TP)
     assert store.saved_version() is None
-    assert "worker 0: 2, worker 1: 1" in store.unsaved_reason()
-    with pytest.raises(LookupError, match="version 1, not 2"):
+    assert "saved different versions (worker 0: 2, worker 1: 1)" in store.unsaved_reason()
+    assert WeightsStore(tmp_path, ranks=1).saved_version() is None  # nor at another size
+    with pytest.raises(LookupError, match="no persisted weights"):
         workers[1].rp_restore(2)
+
+
+def test_a_replica_of_another_tensor_parallel_size_restores_and_keeps_the_union(tmp_path: Path) -> None:
+    # The RewardModel went from TP=2 to TP=1 (the Pod's directory stays): whole tensors are put
+    # together from both workers' ranges; the TP=1 union starts from them, so a later push of the
+    # norm alone still restores with the rest.
+    _pushed_through_the_loader(_replica(tmp_path), _weights(1), version=1)
+    assert WeightsStore(tmp_path, ranks=1).saved_version() == 1
+    _restores_to(tmp_path, 0, _weights(1), 1, tp=1)
+    single = _lone(tmp_path, 0, tp=1)
+    _pushed_through_the_loader([single], {"norm": _weights(2)["norm"]}, version=2)
+    assert WeightsStore(tmp_path, ranks=1).saved_version() == 2
+    _restores_to(tmp_path, 0, {**_weights(1), "norm": _weights(2)["norm"]}, 2, tp=1)
 
 
 def test_a_sliced_push_into_a_persisting_worker_is_saved_as_it_arrived(tmp_path: Path) -> None:

@@ -22,7 +22,8 @@ writes the whole model. A restore goes through the engine's own ``load_weights``
 one parameter at a time on the device: a range is put back into a tensor of the whole shape (the
 rest zeros, which the worker's loader does not read), so neither costs GPU memory beyond one
 parameter, within vLLM's memory fraction. Weights saved by a replica of another tensor-parallel
-size are refused with the sizes named.
+size (the RewardModel's size changed; the directory stays the Pod's) are put together into whole
+tensors from all of that replica's workers and saved again at this size by the restore.
 
 This module is the store; ``control_plane.WeightSyncService`` drives it (``_persist``, ``restore``)
 and ``routes.persistence_router`` serves ``POST /restore_weights``.
@@ -86,9 +87,24 @@ class HostCopy:
 _RANK_FILE = re.compile(r"^version\.rank(\d+)-of-(\d+)\.json$")
 
 
+@dataclass
+class Saved:
+    """A worker's saved weights: the version, its copies, and whether they were saved by a replica
+    of another tensor-parallel size (then every copy is a whole tensor, put together from all of
+    that replica's workers, and this worker's own union must start from them)."""
+
+    version: int
+    copies: dict[str, HostCopy]
+    other_size: bool = False
+
+
 class WeightsStore:
     """The persisted union of pushed parameters in one directory (atomic file replacement), as
-    worker ``rank`` of a replica of ``ranks`` workers sees it (the control plane: any rank)."""
+    worker ``rank`` of a replica of ``ranks`` workers sees it (the control plane: any rank).
+
+    Weights saved at another tensor-parallel size (the RewardModel's size changed; the directory
+    stays the Pod's) are read when this size saved nothing yet: whole tensors are put together from
+    the ranges of all that size's workers, and the restore saves them again at this size."""
 
     def __init__(self, directory: Path, base: str = "", rank: int = 0, ranks: int = 1) -> None:
         self.dir = Path(directory)
@@ -98,67 +114,76 @@ class WeightsStore:
         self.ranks = ranks  # the replica's workers (tensor-parallel size); set before anything is read
         self._lock = threading.Lock()
 
-    def _suffix(self, rank: int) -> str:
-        return "" if self.ranks == 1 else f".rank{rank}-of-{self.ranks}"
+    def _weights(self, rank: int, size: int) -> Path:
+        return self.dir / f"pushed{_suffix(rank, size)}.safetensors"
 
-    def _weights(self, rank: int) -> Path:
-        return self.dir / f"pushed{self._suffix(rank)}.safetensors"
+    def _record(self, rank: int, size: int) -> Path:
+        return self.dir / f"version{_suffix(rank, size)}.json"
 
-    def _record(self, rank: int) -> Path:
-        return self.dir / f"version{self._suffix(rank)}.json"
-
-    def _saved(self, rank: int) -> dict[str, Any]:
+    def _saved(self, rank: int, size: int) -> dict[str, Any]:
         try:
-            saved = json.loads(self._record(rank).read_text())
+            saved = json.loads(self._record(rank, size).read_text())
         except (OSError, ValueError):
             return {}
         return saved if isinstance(saved, dict) else {}
 
-    def _versions(self) -> list[int | None]:
-        """Each worker's saved version (None: nothing readable)."""
+    def _versions(self, size: int) -> list[int | None]:
+        """Each worker's saved version at ``size`` workers (None: nothing readable)."""
         out: list[int | None] = []
-        for rank in range(self.ranks):
+        for rank in range(size):
             try:
-                out.append(int(self._saved(rank)["version"]))
+                out.append(int(self._saved(rank, size)["version"]))
             except (KeyError, TypeError, ValueError):
                 out.append(None)
         return out
 
-    def saved_version(self) -> int | None:
-        """The version every worker of the replica saved, or None (nothing saved, saved by a replica
-        of another size, or the workers disagree: ``unsaved_reason`` says which)."""
-        versions = self._versions()
+    def _agreed(self, size: int) -> int | None:
+        versions = self._versions(size)
         first = versions[0]
         return first if first is not None and all(v == first for v in versions) else None
 
+    def _sizes(self) -> list[int]:
+        """The replica sizes that saved anything here."""
+        sizes = {
+            int(m.group(2))
+            for p in self.dir.glob("version.rank*-of-*.json")
+            if (m := _RANK_FILE.match(p.name))
+        }
+        if (self.dir / "version.json").exists():
+            sizes.add(1)
+        return sorted(sizes)
+
+    def saved_size(self) -> int | None:
+        """The replica size whose saved weights count: this one's once it saved anything (all its
+        workers must agree), else the size whose workers agree on the latest version."""
+        if any(v is not None for v in self._versions(self.ranks)):
+            return self.ranks if self._agreed(self.ranks) is not None else None
+        agreed = [(v, n) for n in self._sizes() if n != self.ranks and (v := self._agreed(n)) is not None]
+        return max(agreed)[1] if agreed else None
+
+    def saved_version(self) -> int | None:
+        """The version every worker of the saving replica saved, or None (nothing saved, or the
+        workers disagree: ``unsaved_reason`` says which)."""
+        size = self.saved_size()
+        return None if size is None else self._agreed(size)
+
     def unsaved_reason(self) -> str:
         """Why ``saved_version`` is None, in words."""
-        versions = self._versions()
-        if any(v is not None for v in versions):
-            found = ", ".join(
-                f"worker {k}: {v if v is not None else 'nothing'}" for k, v in enumerate(versions)
-            )
-            return f"the replica's workers saved different versions ({found}): a save failed part-way"
-        others = sorted(
-            {
-                int(m.group(2))
-                for p in self.dir.glob("version.rank*-of-*.json")
-                if (m := _RANK_FILE.match(p.name))
-            }
-        )
-        if self.ranks != 1 and (self.dir / "version.json").exists():
-            others.insert(0, 1)
-        others = [n for n in others if n != self.ranks]
-        if others:
-            sizes = " and ".join(str(n) for n in others)
-            return (
-                f"the weights in {self.dir} were saved by a replica of {sizes} tensor-parallel worker(s); "
-                f"this one has {self.ranks}"
-            )
+        for size in [self.ranks, *(n for n in self._sizes() if n != self.ranks)]:
+            versions = self._versions(size)
+            if any(v is not None for v in versions):
+                found = ", ".join(
+                    f"worker {k}: {v if v is not None else 'nothing'}" for k, v in enumerate(versions)
+                )
+                return (
+                    f"the {size} worker(s) that saved the weights in {self.dir} saved different versions "
+                    f"({found}): a save failed part-way"
+                )
         return f"nothing was pushed to this replica's directory {self.dir} yet"
 
     def saved_base(self) -> str | None:
-        base = self._saved(0).get("base")
+        size = self.saved_size()
+        base = self._saved(0, size).get("base") if size is not None else None
         return str(base) if base else None
 
     def save(self, version: int, copies: Mapping[str, HostCopy]) -> None:
@@ -167,7 +192,7 @@ class WeightsStore:
         from safetensors.torch import save_file
 
         with self._lock:
-            union, regions = self._load_own()
+            union, regions = _read(self._weights(self.rank, self.ranks))
             for name, copy in copies.items():
                 union[name] = copy.tensor.contiguous()
                 if copy.region is None:
@@ -175,40 +200,32 @@ class WeightsStore:
                 else:
                     r = copy.region
                     regions[name] = [r.dim, r.start, r.stop, list(copy.shape)]
-            path = self._weights(self.rank)
+            path = self._weights(self.rank, self.ranks)
             tmp = path.with_name(path.name + ".tmp")
             metadata = {"version": str(version), "rank": str(self.rank), "ranks": str(self.ranks)}
             if regions:
                 metadata["regions"] = json.dumps(regions)
             save_file(union, str(tmp), metadata=metadata)
             os.replace(tmp, path)
-            record = self._record(self.rank)
+            record = self._record(self.rank, self.ranks)
             tmp_record = record.with_name(record.name + ".tmp")
             tmp_record.write_text(
                 json.dumps({"version": version, "parameters": len(union), "base": self.base})
             )
             os.replace(tmp_record, record)
 
-    def _load_own(self) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
-        """This worker's saved tensors and the ranges among them (name → dim, start, stop, shape)."""
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        path = self._weights(self.rank)
-        if not path.exists():
-            return {}, {}
-        with safe_open(str(path), framework="pt") as f:
-            regions = json.loads((f.metadata() or {}).get("regions", "{}"))
-        return load_file(str(path)), regions
-
     def saved_names(self) -> set[str]:
-        """The names every worker saved (read from the files' headers; no tensor is loaded)."""
+        """The names every worker of the saving replica saved (read from the files' headers; no
+        tensor is loaded)."""
         from safetensors import safe_open
 
+        size = self.saved_size()
+        if size is None:
+            return set()
         names: set[str] | None = None
         with self._lock:
-            for rank in range(self.ranks):
-                path = self._weights(rank)
+            for rank in range(size):
+                path = self._weights(rank, size)
                 if not path.exists():
                     return set()
                 with safe_open(str(path), framework="pt") as f:
@@ -216,24 +233,73 @@ class WeightsStore:
                 names = keys if names is None else names & keys
         return names or set()
 
-    def load(self) -> tuple[int, dict[str, HostCopy]] | None:
-        """This worker's saved version and copies, or None when it saved nothing."""
+    def load(self) -> Saved | None:
+        """What this worker restores, or None when nothing was saved."""
         with self._lock:
-            try:
-                version = int(self._saved(self.rank)["version"])
-            except (KeyError, TypeError, ValueError):
+            size = self.saved_size()
+            version = None if size is None else self._agreed(size)
+            if size is None or version is None:
                 return None
-            if not self._weights(self.rank).exists():
-                return None
-            tensors, regions = self._load_own()
-        copies = {}
-        for name, tensor in tensors.items():
-            if name in regions:
-                dim, start, stop, shape = regions[name]
-                copies[name] = HostCopy(tensor, Region(dim, start, stop), tuple(shape))
-            else:
-                copies[name] = HostCopy(tensor)
-        return version, copies
+            if size == self.ranks:
+                path = self._weights(self.rank, size)
+                if not path.exists():
+                    return None
+                tensors, regions = _read(path)
+                return Saved(version, _copies(tensors, regions))
+            parts = [_read(self._weights(rank, size)) for rank in range(size)]
+        return Saved(version, _assembled(parts), other_size=True)
+
+
+def _suffix(rank: int, size: int) -> str:
+    return "" if size == 1 else f".rank{rank}-of-{size}"
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
+    """A saved file's tensors and the ranges among them (name → dim, start, stop, whole shape)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if not path.exists():
+        return {}, {}
+    with safe_open(str(path), framework="pt") as f:
+        regions = json.loads((f.metadata() or {}).get("regions", "{}"))
+    return load_file(str(path)), regions
+
+
+def _copies(tensors: dict[str, torch.Tensor], regions: dict[str, list[Any]]) -> dict[str, HostCopy]:
+    copies = {}
+    for name, tensor in tensors.items():
+        if name in regions:
+            dim, start, stop, shape = regions[name]
+            copies[name] = HostCopy(tensor, Region(dim, start, stop), tuple(shape))
+        else:
+            copies[name] = HostCopy(tensor)
+    return copies
+
+
+def _assembled(parts: list[tuple[dict[str, torch.Tensor], dict[str, list[Any]]]]) -> dict[str, HostCopy]:
+    """Whole tensors from every worker's saved ranges (a name saved whole comes from the first)."""
+    names = set(parts[0][0])
+    for tensors, _ in parts[1:]:
+        names &= set(tensors)
+    out: dict[str, HostCopy] = {}
+    for name in sorted(names):
+        if any(name not in regions for _, regions in parts):  # replicated: every worker has it whole
+            out[name] = HostCopy(next(t[name] for t, regions in parts if name not in regions))
+            continue
+        dim, _, _, shape = parts[0][1][name]
+        whole = torch.empty(shape, dtype=parts[0][0][name].dtype)
+        covered = torch.zeros(shape[dim], dtype=torch.bool)
+        for tensors, regions in parts:
+            _, start, stop, _ = regions[name]
+            whole.narrow(dim, start, stop - start).copy_(tensors[name])
+            covered[start:stop] = True
+        if not bool(covered.all()):
+            raise LookupError(
+                f"the saved ranges of {name} do not cover the whole tensor; push the weights again"
+            )
+        out[name] = HostCopy(whole)
+    return out
 
 
 PERSIST_WAIT_S = 3600.0  # bound on one background write (the union of a large model, on a slow disk)

@@ -87,24 +87,29 @@ class PersistencePart(WorkerBase):
     def rp_restore(self, version: int) -> int:
         """Load this worker's persisted union of ``version`` through the engine's own loader (HF
         names; a saved range goes back inside a tensor of the whole shape, which the loader narrows
-        to that range again). Returns the number of parameters restored.
+        to that range again). Weights saved at another tensor-parallel size come whole, and what
+        this worker keeps of them is saved at its own size at once: its union starts from them.
+        Returns the number of parameters restored.
 
         Raises ``LookupError`` naming the version found when it is not ``version``."""
         store = self._rp_store
         if store is None:
             raise LookupError("this worker persists no weights (no --weights-dir)")
-        loaded = store.load()
-        if loaded is None:
+        saved = store.load()
+        if saved is None:
             raise LookupError(f"no persisted weights in {store.dir} for worker {store.rank} of {store.ranks}")
-        saved, copies = loaded
-        if saved != version:
-            raise LookupError(f"the persisted weights are version {saved}, not {version}")
+        if saved.version != version:
+            raise LookupError(f"the persisted weights are version {saved.version}, not {version}")
         device = self.rp_device()
+        self._rp_kept = {} if saved.other_size else None
         with torch.no_grad():
             # one tensor at a time on the device: restoring needs no more memory than one parameter
-            for name, copy in copies.items():
-                self.rp_load([(name, copy.whole(device))])
-        return len(copies)
+            for name, copy in saved.copies.items():
+                self._rp_load_kept([(name, copy.whole(device))])
+        kept, self._rp_kept = self._rp_kept, None
+        if kept is not None:
+            store.save(version, kept)
+        return len(saved.copies)
 
     def rp_load_checkpoint(self, model_dir: str) -> list[str]:
         """Load the base checkpoint's weights again (after a level-2 sleep discarded them), one tensor
