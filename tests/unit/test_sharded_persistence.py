@@ -192,6 +192,23 @@ def test_a_replica_of_another_tensor_parallel_size_restores_and_keeps_the_union(
     _restores_to(tmp_path, 0, {**_weights(1), "norm": _weights(2)["norm"]}, 2, tp=1)
 
 
+def test_a_return_to_an_earlier_size_restores_the_latest_weights_not_that_size_s_old_ones(
+    tmp_path: Path,
+) -> None:
+    # TP=2 saved v1 (everything); then TP=1 lost its weights and was pushed v2, the norm alone, onto
+    # the base; back at TP=2 the restore must give v2 (base + norm), not v1's backbone under v2.
+    _pushed_through_the_loader(_replica(tmp_path), _weights(1), version=1)
+    norm = {"norm": _weights(2)["norm"]}
+    _pushed_through_the_loader([_lone(tmp_path, 0, tp=1)], norm, version=2)
+    assert WeightsStore(tmp_path, ranks=TP).saved_version() == 2
+    back = _replica(tmp_path)
+    assert [w.rp_restore(2) for w in back] == [1, 1]
+    assert WeightsStore(tmp_path, ranks=TP).saved_names() == {"norm"}  # v1's backbone is gone
+    for shard, w in enumerate(back):
+        got = _params(w)
+        assert torch.equal(got["norm"], norm["norm"]) and not got["up"].any(), shard
+
+
 def test_a_sliced_push_into_a_persisting_worker_is_saved_as_it_arrived(tmp_path: Path) -> None:
     # The worker keeps shard 1; first a push through the loader (it learns and publishes its ranges
     # even though it persists), then a streamed sliced push carrying only those ranges.

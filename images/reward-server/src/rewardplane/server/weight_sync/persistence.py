@@ -103,8 +103,9 @@ class WeightsStore:
     worker ``rank`` of a replica of ``ranks`` workers sees it (the control plane: any rank).
 
     Weights saved at another tensor-parallel size (the RewardModel's size changed; the directory
-    stays the Pod's) are read when this size saved nothing yet: whole tensors are put together from
-    the ranges of all that size's workers, and the restore saves them again at this size."""
+    stays the Pod's) are read when they are the latest: whole tensors are put together from the
+    ranges of all that size's workers, and the restore saves them at this size in place of what
+    this size saved before."""
 
     def __init__(self, directory: Path, base: str = "", rank: int = 0, ranks: int = 1) -> None:
         self.dir = Path(directory)
@@ -154,12 +155,10 @@ class WeightsStore:
         return sorted(sizes)
 
     def saved_size(self) -> int | None:
-        """The replica size whose saved weights count: this one's once it saved anything (all its
-        workers must agree), else the size whose workers agree on the latest version."""
-        if any(v is not None for v in self._versions(self.ranks)):
-            return self.ranks if self._agreed(self.ranks) is not None else None
-        agreed = [(v, n) for n in self._sizes() if n != self.ranks and (v := self._agreed(n)) is not None]
-        return max(agreed)[1] if agreed else None
+        """The replica size whose saved weights count: of the sizes whose workers all agree, the
+        one with the latest version (this size on a tie: a restore from another size saved it)."""
+        agreed = [(v, n == self.ranks, n) for n in self._sizes() if (v := self._agreed(n)) is not None]
+        return max(agreed)[2] if agreed else None
 
     def saved_version(self) -> int | None:
         """The version every worker of the saving replica saved, or None (nothing saved, or the
@@ -186,13 +185,14 @@ class WeightsStore:
         base = self._saved(0, size).get("base") if size is not None else None
         return str(base) if base else None
 
-    def save(self, version: int, copies: Mapping[str, HostCopy]) -> None:
-        """Merge this worker's ``copies`` into its saved union and record ``version`` (latest value
-        per name). The record follows the weights, so it never names absent weights."""
+    def save(self, version: int, copies: Mapping[str, HostCopy], *, replace: bool = False) -> None:
+        """Merge this worker's ``copies`` into its saved union (``replace``: they are the whole
+        union) and record ``version`` (latest value per name). The record follows the weights, so
+        it never names absent weights."""
         from safetensors.torch import save_file
 
         with self._lock:
-            union, regions = _read(self._weights(self.rank, self.ranks))
+            union, regions = ({}, {}) if replace else _read(self._weights(self.rank, self.ranks))
             for name, copy in copies.items():
                 union[name] = copy.tensor.contiguous()
                 if copy.region is None:

@@ -88,7 +88,7 @@ class PersistencePart(WorkerBase):
         """Load this worker's persisted union of ``version`` through the engine's own loader (HF
         names; a saved range goes back inside a tensor of the whole shape, which the loader narrows
         to that range again). Weights saved at another tensor-parallel size come whole, and what
-        this worker keeps of them is saved at its own size at once: its union starts from them.
+        this worker keeps of them replaces what it saved at its own size: its union starts from them.
         Returns the number of parameters restored.
 
         Raises ``LookupError`` naming the version found when it is not ``version``."""
@@ -107,8 +107,8 @@ class PersistencePart(WorkerBase):
             for name, copy in saved.copies.items():
                 self._rp_load_kept([(name, copy.whole(device))])
         kept, self._rp_kept = self._rp_kept, None
-        if kept is not None:
-            store.save(version, kept)
+        if kept is not None:  # this size's union is now what was restored, nothing older
+            store.save(version, kept, replace=True)
         return len(saved.copies)
 
     def rp_load_checkpoint(self, model_dir: str) -> list[str]:
