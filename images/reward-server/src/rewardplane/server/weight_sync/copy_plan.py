@@ -166,6 +166,11 @@ class _Watch(TorchFunctionMode):
         return result
 
 
+def region_of(tensor: torch.Tensor, region: Region | None) -> torch.Tensor:
+    """The part of ``tensor`` that ``region`` names (a view), or all of it."""
+    return tensor if region is None else tensor.narrow(region.dim, region.start, region.stop - region.start)
+
+
 @dataclass(frozen=True)
 class _Place:
     view: torch.Tensor  # a parameter view the name (or its region) is copied into
@@ -176,8 +181,7 @@ class _Place:
         """What of ``tensor`` is copied here, or None if it does not fit what was learned."""
         if tuple(tensor.shape) != self.shape:
             return None
-        r = self.region
-        part = tensor if r is None else tensor.narrow(r.dim, r.start, r.stop - r.start)
+        part = region_of(tensor, self.region)
         return part if part.shape == self.view.shape else None
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from rewardplane.protocol.slices import Region
+from rewardplane.server.weight_sync.copy_plan import region_of
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +74,18 @@ class HostCopy:
     region: Region | None = None
     shape: tuple[int, ...] = ()  # the whole pushed tensor's shape (with a region)
 
+    @classmethod
+    def taken(cls, part: torch.Tensor, region: Region | None, shape: Any) -> HostCopy:
+        """A host copy of ``part`` (on any device), the ``region`` of a tensor of ``shape``."""
+        return cls(part.detach().to("cpu", copy=True), region, tuple(shape))
+
     def whole(self, device: torch.device) -> torch.Tensor:
         """The tensor to give the loader on ``device``: this copy, or, for a range, a tensor of the
         whole shape holding it (the rest zeros: the worker that kept the range reads only it)."""
         if self.region is None:
             return self.tensor.to(device)
-        r = self.region
         out = torch.zeros(self.shape, dtype=self.tensor.dtype, device=device)
-        out.narrow(r.dim, r.start, r.stop - r.start).copy_(self.tensor)
+        region_of(out, self.region).copy_(self.tensor)
         return out
 
 
@@ -154,17 +159,21 @@ class WeightsStore:
             sizes.add(1)
         return sorted(sizes)
 
-    def saved_size(self) -> int | None:
-        """The replica size whose saved weights count: of the sizes whose workers all agree, the
-        one with the latest version (this size on a tie: a restore from another size saved it)."""
+    def _latest(self) -> tuple[int, int] | None:
+        """(version, replica size) of the saved weights that count: of the sizes whose workers all
+        agree, the one with the latest version (this size on a tie: a restore from another size
+        saved it)."""
         agreed = [(v, n == self.ranks, n) for n in self._sizes() if (v := self._agreed(n)) is not None]
-        return max(agreed)[2] if agreed else None
+        if not agreed:
+            return None
+        version, _, size = max(agreed)
+        return version, size
 
     def saved_version(self) -> int | None:
         """The version every worker of the saving replica saved, or None (nothing saved, or the
         workers disagree: ``unsaved_reason`` says which)."""
-        size = self.saved_size()
-        return None if size is None else self._agreed(size)
+        latest = self._latest()
+        return None if latest is None else latest[0]
 
     def unsaved_reason(self) -> str:
         """Why ``saved_version`` is None, in words."""
@@ -181,8 +190,8 @@ class WeightsStore:
         return f"nothing was pushed to this replica's directory {self.dir} yet"
 
     def saved_base(self) -> str | None:
-        size = self.saved_size()
-        base = self._saved(0, size).get("base") if size is not None else None
+        latest = self._latest()
+        base = self._saved(0, latest[1]).get("base") if latest is not None else None
         return str(base) if base else None
 
     def save(self, version: int, copies: Mapping[str, HostCopy], *, replace: bool = False) -> None:
@@ -219,9 +228,10 @@ class WeightsStore:
         tensor is loaded)."""
         from safetensors import safe_open
 
-        size = self.saved_size()
-        if size is None:
+        latest = self._latest()
+        if latest is None:
             return set()
+        size = latest[1]
         names: set[str] | None = None
         with self._lock:
             for rank in range(size):
@@ -236,10 +246,10 @@ class WeightsStore:
     def load(self) -> Saved | None:
         """What this worker restores, or None when nothing was saved."""
         with self._lock:
-            size = self.saved_size()
-            version = None if size is None else self._agreed(size)
-            if size is None or version is None:
+            latest = self._latest()
+            if latest is None:
                 return None
+            version, size = latest
             if size == self.ranks:
                 path = self._weights(self.rank, size)
                 if not path.exists():
@@ -292,7 +302,7 @@ def _assembled(parts: list[tuple[dict[str, torch.Tensor], dict[str, list[Any]]]]
         covered = torch.zeros(shape[dim], dtype=torch.bool)
         for tensors, regions in parts:
             _, start, stop, _ = regions[name]
-            whole.narrow(dim, start, stop - start).copy_(tensors[name])
+            region_of(whole, Region(dim, start, stop)).copy_(tensors[name])
             covered[start:stop] = True
         if not bool(covered.all()):
             raise LookupError(

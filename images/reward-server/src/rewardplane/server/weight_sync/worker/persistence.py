@@ -12,6 +12,7 @@ import torch
 from rewardplane.protocol import ParamMeta
 from rewardplane.protocol.slices import Region
 from rewardplane.server.engines.checkpoint import iter_checkpoint
+from rewardplane.server.weight_sync.copy_plan import region_of
 from rewardplane.server.weight_sync.persistence import HostCopy, WeightsStore
 from rewardplane.server.weight_sync.worker.base import WorkerBase
 
@@ -40,12 +41,7 @@ class PersistencePart(WorkerBase):
                 for name, tensor in weights:
                     found = self._rp_slice_of(name)
                     region = found[0] if found is not None else None
-                    part = (
-                        tensor
-                        if region is None
-                        else tensor.narrow(region.dim, region.start, region.stop - region.start)
-                    )
-                    kept[name] = HostCopy(part.detach().to("cpu", copy=True), region, tuple(tensor.shape))
+                    kept[name] = HostCopy.taken(region_of(tensor, region), region, tensor.shape)
 
     def _rp_keep_received(
         self, metas: list[ParamMeta], regions: list[Region | None], received: list[torch.Tensor]
@@ -56,7 +52,7 @@ class PersistencePart(WorkerBase):
             return
         with torch.no_grad():
             for meta, region, tensor in zip(metas, regions, received, strict=True):
-                kept[meta.name] = HostCopy(tensor.detach().to("cpu", copy=True), region, tuple(meta.shape))
+                kept[meta.name] = HostCopy.taken(tensor, region, meta.shape)
 
     def rp_persist(self, version: int) -> bool:
         """Write this update's host copies into the store's union, in a background thread (disk I/O
