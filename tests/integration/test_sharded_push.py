@@ -38,6 +38,14 @@ def _pair_saving_b(server_factory, model_dir, tmp_path):
     return a, b, weights
 
 
+def _push(tmp_path, handles, model_dir, **options):
+    """Two trainer ranks push ``options`` (layout, versions, ...) into ``handles``' servers."""
+    urls = [h.url for h in handles]
+    return run_sharded_trainers(
+        tmp_path / "out", urls=urls, group_port=free_port(), model_dir=str(model_dir), **options
+    )
+
+
 def _serves(handles, model_dir, version):
     want = logits(sharded_model(model_dir, version), model_dir, TEXTS)
     for h in handles:
@@ -47,14 +55,7 @@ def _serves(handles, model_dir, version):
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp", "replicated"])
 def test_two_trainer_ranks_each_send_their_part(pair, tiny_model_dir, tmp_path, layout):
-    results = run_sharded_trainers(
-        tmp_path / "out",
-        urls=[h.url for h in pair],
-        group_port=free_port(),
-        model_dir=str(tiny_model_dir),
-        layout=layout,
-        versions=[1, 2, 3],
-    )
+    results = _push(tmp_path, pair, tiny_model_dir, layout=layout, versions=[1, 2, 3])
     for r in results:
         assert r is not None and r.get("error") is None and r["pushed"] == [1, 2, 3], r
     sent = results[0]["sent_by"]
@@ -77,11 +78,10 @@ def test_a_sliced_push_from_two_ranks_lands_exactly(pair, tiny_model_dir, tmp_pa
     # each sender's part point to point once it published where they go: into its parameters
     # (streamed), or staged in its slices' shapes and copied in at the swap (atomic).
     monkeypatch.setenv("REWARDPLANE_PUSH_SLICING", "always")
-    results = run_sharded_trainers(
-        tmp_path / "out",
-        urls=[h.url for h in pair],
-        group_port=free_port(),
-        model_dir=str(tiny_model_dir),
+    results = _push(
+        tmp_path,
+        pair,
+        tiny_model_dir,
         layout="tp",  # pieces by rows and by columns
         versions=[1, 2, 3],
         atomic=atomic,
@@ -105,14 +105,7 @@ def test_a_persisting_replica_takes_sliced_pushes_and_restores_them(
     # tensor, so keeping a copy no longer turns the replica's pushes into broadcasts.
     monkeypatch.setenv("REWARDPLANE_PUSH_SLICING", "always")
     a, b, weights = _pair_saving_b(server_factory, tiny_model_dir, tmp_path)
-    results = run_sharded_trainers(
-        tmp_path / "out",
-        urls=[a.url, b.url],
-        group_port=free_port(),
-        model_dir=str(tiny_model_dir),
-        layout="tp",
-        versions=[1, 2, 3],
-    )
+    results = _push(tmp_path, (a, b), tiny_model_dir, layout="tp", versions=[1, 2, 3])
     for r in results:
         assert r is not None and r.get("error") is None and r["pushed"] == [1, 2, 3], r
     assert last_update(b)["wire"] == "sliced", last_update(b)
@@ -131,15 +124,7 @@ def test_a_persisting_replica_takes_sliced_pushes_and_restores_them(
 
 def test_a_head_only_push_from_two_ranks(pair, tiny_model_dir, tmp_path):
     # the one-row head is all on rank 0 under FSDP2 (rank 1's shard of it is empty): rank 0 sends it
-    results = run_sharded_trainers(
-        tmp_path / "out",
-        urls=[h.url for h in pair],
-        group_port=free_port(),
-        model_dir=str(tiny_model_dir),
-        layout="fsdp",
-        mode="head_only",
-        versions=[1, 2],
-    )
+    results = _push(tmp_path, pair, tiny_model_dir, layout="fsdp", mode="head_only", versions=[1, 2])
     for r in results:
         assert r is not None and r.get("error") is None and r["pushed"] == [1, 2], r
     assert results[0]["sent_by"][1] == 0 < results[0]["sent_by"][0]
@@ -159,11 +144,10 @@ def test_a_trainer_rank_killed_mid_push_leaves_no_replica_serving_a_mix(
 ):
     if sliced:  # version 1 (announced over HTTP, applied at the swap) publishes the slices
         monkeypatch.setenv("REWARDPLANE_PUSH_SLICING", "always")
-    results = run_sharded_trainers(
-        tmp_path / "out",
-        urls=[h.url for h in pair],
-        group_port=free_port(),
-        model_dir=str(tiny_model_dir),
+    results = _push(
+        tmp_path,
+        pair,
+        tiny_model_dir,
         layout="fsdp",
         versions=[1, 2],
         die=1,  # rank 1 dies a few buckets into version 2
@@ -230,11 +214,10 @@ def test_delta_pushes_from_two_ranks_send_only_what_changed(server_factory, tiny
     after replica b was restored (it no longer holds v4 as pushed), is refused as a delta on both
     ranks and pushed whole, as v5."""
     a, b, weights = _pair_saving_b(server_factory, tiny_model_dir, tmp_path)
-    results = run_sharded_trainers(
-        tmp_path / "out",
-        urls=[a.url, b.url],
-        group_port=free_port(),
-        model_dir=str(tiny_model_dir),
+    results = _push(
+        tmp_path,
+        (a, b),
+        tiny_model_dir,
         layout="fsdp",
         versions=[1, 2, 3, 4, 5],
         delta=True,

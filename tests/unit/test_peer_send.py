@@ -10,11 +10,11 @@ import time
 import torch
 
 from rewardplane.protocol import ParamMeta
-from rewardplane.server.weight_sync.worker_extension import RewardWeightSyncExtension
 from rewardplane.testing.servers import free_port
 from rewardplane.transport.buckets import meta_of
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.transfer import receive_buckets
+from tests.fixtures.workers import CpuWorker
 
 BUCKET = 256
 
@@ -35,17 +35,6 @@ class FusedModel(torch.nn.Module):
                 self.head.data.copy_(w)
             elif name == "scaled":
                 self.scaled.data.copy_(w * 2)  # computed from the tensor: cannot be read back
-
-
-class VLLMShapedWorker(RewardWeightSyncExtension):
-    def __init__(self) -> None:
-        self.model = FusedModel()
-
-    def rp_model(self) -> torch.nn.Module:
-        return self.model
-
-    def rp_device(self) -> torch.device:
-        return torch.device("cpu")
 
 
 def pushed(seed: int) -> dict[str, torch.Tensor]:
@@ -80,7 +69,7 @@ def receive(port: int, metas: list[ParamMeta], group_id: str) -> dict[str, torch
     return got
 
 
-def outcome_of(worker: RewardWeightSyncExtension, timeout_s: float = 30) -> tuple[bool, str]:
+def outcome_of(worker: CpuWorker, timeout_s: float = 30) -> tuple[bool, str]:
     deadline = time.monotonic() + timeout_s
     while (outcome := worker.rp_peer_send_outcome()) is None:
         assert time.monotonic() < deadline, "the send did not end"
@@ -89,7 +78,7 @@ def outcome_of(worker: RewardWeightSyncExtension, timeout_s: float = 30) -> tupl
 
 
 def test_a_vllm_shaped_worker_sends_what_the_last_push_loaded() -> None:
-    worker = VLLMShapedWorker()
+    worker = CpuWorker(FusedModel())
     for seed in (0, 1):
         worker.rp_load(list(pushed(seed).items()))
     want = pushed(1)
@@ -107,7 +96,7 @@ def test_a_vllm_shaped_worker_sends_what_the_last_push_loaded() -> None:
 
 
 def test_names_that_cannot_be_read_back_are_named_before_anything_moves() -> None:
-    worker = VLLMShapedWorker()
+    worker = CpuWorker(FusedModel())
     assert "not pushed to this replica since it started" in str(worker.rp_peer_send_problem(["q"]))
     worker.rp_load([*pushed(0).items(), ("scaled", torch.ones(4))])
     problem = worker.rp_peer_send_problem(["q", "k", "v", "head", "scaled"])
@@ -116,7 +105,7 @@ def test_names_that_cannot_be_read_back_are_named_before_anything_moves() -> Non
 
 
 def test_a_peer_that_never_joins_ends_the_send_as_failed_not_hung() -> None:
-    worker = VLLMShapedWorker()
+    worker = CpuWorker(FusedModel())
     worker.rp_load(list(pushed(0).items()))
     metas = [meta_of(n, t) for n, t in pushed(0).items()]
     worker.rp_peer_send_start(

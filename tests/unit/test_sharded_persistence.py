@@ -18,9 +18,9 @@ from safetensors import safe_open
 from rewardplane.protocol import plan_buckets
 from rewardplane.protocol.slices import needs_from_json, needs_key, slice_schedule
 from rewardplane.server.weight_sync.persistence import WeightsStore
-from rewardplane.server.weight_sync.worker_extension import RewardWeightSyncExtension
 from rewardplane.transport.comm import Communicator
 from rewardplane.transport.sliced import send_slices
+from tests.fixtures.workers import CpuWorker
 from tests.unit.test_atomic_sliced_staging import (
     BUCKET,
     LAYOUT,
@@ -55,19 +55,12 @@ class ShardedModel(torch.nn.Module):
                 self.norm.data.copy_(w)
 
 
-class ShardWorker(RewardWeightSyncExtension):
+class ShardWorker(CpuWorker):
     """The worker extension as a vLLM worker has it (its loader, learned by the copy plan), on CPU;
     ``rank`` is its place in the replica, ``shard`` the part its model keeps."""
 
     def __init__(self, shard: int, rank: int | None = None, tp: int = TP) -> None:
-        self.model = ShardedModel(shard, tp)
-        self.rank = shard if rank is None else rank
-
-    def rp_model(self) -> torch.nn.Module:
-        return self.model
-
-    def rp_device(self) -> torch.device:
-        return torch.device("cpu")
+        super().__init__(ShardedModel(shard, tp), shard if rank is None else rank)
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -89,7 +82,7 @@ def _params(worker: ShardWorker) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in worker.model.named_parameters()}
 
 
-def _persisted(worker: RewardWeightSyncExtension, version: int) -> None:
+def _persisted(worker: CpuWorker, version: int) -> None:
     assert worker.rp_persist(version)
     deadline = time.monotonic() + 30
     while worker.rp_persist_pending() and time.monotonic() < deadline:
