@@ -1235,10 +1235,29 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ]
         for what, key, bound in checks:
             if key in r:
-                out.append(
-                    {"size": r["size"], "goal": what, "value": r[key], "bound": bound, "met": r[key] >= bound}
-                )
+                goal = {
+                    "size": r["size"],
+                    "goal": what,
+                    "value": r[key],
+                    "bound": bound,
+                    "met": r[key] >= bound,
+                }
+                rounds = r.get(f"{key}_rounds") or []
+                if len(rounds) > 1:  # the spread tells a miss by noise from one by a margin
+                    goal["rounds"] = [min(rounds), max(rounds)]
+                out.append(goal)
     return out
+
+
+def goal_line(g: dict[str, Any]) -> str:
+    """One goal as printed: the figure (with the digits that show a miss: 0.99999 is not 1.000),
+    the rounds' range, the bound, met or MISSED."""
+    value = f"{g['value']:.3f}"
+    if not g["met"] and float(value) >= g["bound"]:
+        value = f"{g['value']:.6f}"
+    spread = f"; rounds {g['rounds'][0]:.3f}-{g['rounds'][1]:.3f}" if "rounds" in g else ""
+    verdict = "met" if g["met"] else "MISSED"
+    return f"  {g['size']:>5} {g['goal']:<26} {value} (goal >= {g['bound']}{spread}): {verdict}"
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -1254,9 +1273,7 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         print_judge_table(judging, args)
     print("goals:")
     for g in goals(rows):
-        print(
-            f"  {g['size']:>5} {g['goal']:<26} {g['value']:.3f} (goal >= {g['bound']}): {'met' if g['met'] else 'MISSED'}"
-        )
+        print(goal_line(g))
 
 
 def print_scoring_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
