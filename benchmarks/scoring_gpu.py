@@ -629,13 +629,21 @@ def server_cmd(model_dir: Path, port: int, args: argparse.Namespace, judge: bool
     return cmd + engine_flags(args)  # extra vLLM engine arguments: the server passes them to vLLM
 
 
+SERVE_SETTINGS = {
+    "server": "the reward server's batch limits (scoring: and no chunked prefill)",
+    "own": "its own default batch limits (scoring: and chunked prefill)",
+}
+
+
 def vllm_serve_cmd(
     model_dir: Path, port: int, args: argparse.Namespace, limits: dict[str, int], judge: bool = False
 ) -> list[str]:
-    """``vllm serve MODEL`` (vLLM's own CLI entry point) with the engine settings of the reward server
-    and the offline run: bf16, the same memory fraction, max length and batch limits; scoring
-    (``--runner pooling``) with an fp32 head, LAST pooling and no chunked prefill, a judge
-    (``--runner generate``) with vLLM's defaults otherwise, as the reward server in generate mode."""
+    """``vllm serve MODEL`` (vLLM's own CLI entry point) serving the same model as the reward server:
+    bf16, the same memory fraction and max length; scoring (``--runner pooling``) with an fp32 head
+    and LAST pooling, a judge (``--runner generate``). With ``--vllm-serve-settings server`` (the
+    default) it also gets the reward server's batch limits and, scoring, no chunked prefill: the
+    two HTTP front ends over the same engine. With ``own`` those are left to ``vllm serve``'s
+    defaults: what a user who runs ``vllm serve`` instead gets."""
     cmd = [
         sys.executable,
         "-m",
@@ -651,14 +659,16 @@ def vllm_serve_cmd(
         "--gpu-memory-utilization",
         str(args.gpu_memory_utilization),
     ]
+    same_engine = args.vllm_serve_settings == "server"
     if not judge:
         cmd += [
             "--hf-overrides",
             json.dumps({"head_dtype": "float32"}),
             "--pooler-config",
             json.dumps({"pooling_type": "LAST"}),
-            "--no-enable-chunked-prefill",
         ]
+        if same_engine:
+            cmd.append("--no-enable-chunked-prefill")
     cmd += [
         "--served-model-name",
         SERVED_NAME,
@@ -671,7 +681,7 @@ def vllm_serve_cmd(
         "--port",
         str(port),
     ]
-    for key, value in limits.items():  # max_num_batched_tokens, max_num_seqs
+    for key, value in limits.items() if same_engine else ():  # max_num_batched_tokens, max_num_seqs
         cmd += ["--" + key.replace("_", "-"), str(value)]
     return cmd + engine_flags(args)
 
@@ -1283,6 +1293,7 @@ def print_scoring_table(rows: list[dict[str, Any]], args: argparse.Namespace) ->
         f"{args.items_per_request_list[0]} prompts/request; transformers: batches of {args.hf_batch}, padded"
         + (", enforce_eager" if args.enforce_eager else "")
         + f"; medians of {args.rounds} round(s) on fresh prompts (transformers: round 1)"
+        + f"; vllm serve with {SERVE_SETTINGS[args.vllm_serve_settings]}"
     )
     print(
         f"{'model':>6} {'params':>7} {'offline':>10} {'server':>10} {'vllm serve':>10} {'hf':>10} "
@@ -1323,6 +1334,7 @@ def print_judge_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> N
         f"ignore_eos); HTTP: {args.concurrency} in flight, one chat per request"
         + (", enforce_eager" if args.enforce_eager else "")
         + f"; medians of {args.rounds} round(s) on fresh chats"
+        + f"; vllm serve with {SERVE_SETTINGS[args.vllm_serve_settings]}"
     )
     print(
         f"{'model':>6} {'params':>7} {'server':>10} {'srv req/s':>9} {'vllm serve':>10} {'serve req/s':>11} "
@@ -1413,6 +1425,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--hf-sizes", default="0.4b,1.4b", help="sizes that get the transformers phase (default: 0.4b,1.4b)"
     )
     p.add_argument("--skip-vllm-serve", action="store_true", help="no vllm serve phase")
+    p.add_argument(
+        "--vllm-serve-settings",
+        choices=("server", "own"),
+        default="server",
+        help="vllm serve's batch limits and chunked prefill: the reward server's (server: compares the "
+        "front ends over one engine) or vllm serve's own defaults (own: what a user running it gets)",
+    )
     p.add_argument(
         "--reuse-models", action="store_true", help="use a model built earlier in --workdir (same size)"
     )

@@ -54,3 +54,23 @@ def test_a_config_that_is_not_a_json_object_is_refused(bad: str, capsys: pytest.
     with pytest.raises(SystemExit):
         parse(["--sizes", "0.4b", "--compilation-config", bad])
     assert "--compilation-config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("judge", [False, True])
+def test_vllm_serve_gets_the_servers_batch_settings_unless_asked_for_its_own(judge: bool) -> None:
+    model, limits = Path("/models/m"), {"max_num_batched_tokens": 16384, "max_num_seqs": 1024}
+    same = vllm_serve_cmd(model, 8001, parse(["--sizes", "0.4b"]), limits, judge=judge)
+    own = vllm_serve_cmd(
+        model, 8001, parse(["--sizes", "0.4b", "--vllm-serve-settings", "own"]), limits, judge=judge
+    )
+    assert _value_after(same, "--max-num-batched-tokens") == "16384"
+    assert _value_after(same, "--max-num-seqs") == "1024"
+    assert "--max-num-batched-tokens" not in own and "--max-num-seqs" not in own
+    assert ("--no-enable-chunked-prefill" in same) is not judge  # the scorer's engine setting only
+    assert "--no-enable-chunked-prefill" not in own
+    # the model served stays the same: head dtype and pooling (a scorer), length and memory
+    for flag in ("--max-model-len", "--gpu-memory-utilization", "--runner"):
+        assert _value_after(own, flag) == _value_after(same, flag)
+    if not judge:
+        assert json.loads(_value_after(own, "--pooler-config")) == {"pooling_type": "LAST"}
+        assert json.loads(_value_after(own, "--hf-overrides")) == {"head_dtype": "float32"}
