@@ -1427,7 +1427,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-vllm-serve", action="store_true", help="no vllm serve phase")
     p.add_argument(
         "--vllm-serve-settings",
-        choices=("server", "own"),
+        choices=tuple(SERVE_SETTINGS),
         default="server",
         help="vllm serve's batch limits and chunked prefill: the reward server's (server: compares the "
         "front ends over one engine) or vllm serve's own defaults (own: what a user running it gets)",
