@@ -42,6 +42,9 @@ server ÷ ``vllm serve`` (output tokens/s, medians of ``--rounds``) >= 1.0. Ever
 
     python benchmarks/scoring_gpu.py --sizes '' --judge-sizes 1.4b    # the judge only
 
+A server that answers nothing for ``--stall-timeout`` seconds (60) while requests wait fails its
+phase at once, naming how many requests it answered; the other phases still run.
+
 Prints a final table and each goal met or missed; writes ``scoring_gpu.json`` to ``$OUT`` (or
 ``--out``) when set, with the card, vLLM's version, ``$RP_COMMIT`` and the date.
 """
@@ -382,16 +385,26 @@ def bounded(coro: Coroutine[Any, Any, T], timeout_s: float) -> T:
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
+STALL_S = 60.0  # no answer for this long while requests wait: the server has stalled
+
+
+class Stalled(RuntimeError):
+    """A server stopped answering: requests were in flight and none was answered for a while."""
+
+
 async def send_all(
     endpoint: str,
     bodies: list[dict[str, Any]],
     concurrency: int,
     parse: Callable[[Any], T],
     done_at: list[float] | None = None,
+    stall_s: float = STALL_S,
 ) -> tuple[float, list[T]]:
     """POST every body to ``endpoint`` with at most ``concurrency`` in flight: the seconds it took
     and ``parse`` of each answer's JSON, in the bodies' order. ``done_at``: filled with each
-    answer's arrival, in seconds after the start, in the bodies' order."""
+    answer's arrival, in seconds after the start, in the bodies' order. Raises ``Stalled`` (and
+    cancels the rest) once ``stall_s`` pass without an answer: a round takes seconds, so a server
+    that stops answering is named within a minute instead of holding the phase to its bound."""
     import httpx
 
     from rewardplane.sdk._aio import gather_or_cancel
@@ -399,11 +412,26 @@ async def send_all(
 
     results: list[Any] = [None] * len(bodies)
     sem = asyncio.Semaphore(concurrency)
+    answered = 0
+    progress = asyncio.Event()
+
+    async def watchdog() -> None:
+        while answered < len(bodies):
+            try:
+                await asyncio.wait_for(progress.wait(), stall_s)
+            except TimeoutError:
+                raise Stalled(
+                    f"{endpoint} stalled: {answered} of {len(bodies)} requests answered, "
+                    f"none in the last {stall_s:g} s"
+                ) from None
+            progress.clear()
+
     # The SDK's client: one httpx pool of 256 connections costs ~2x the client CPU per request
     # (benchmarks/http_client.py), which capped this benchmark rather than the server.
     async with ShardedAsyncClient(max_connections=concurrency, timeout=httpx.Timeout(600.0)) as client:
 
         async def one(i: int) -> None:
+            nonlocal answered
             async with sem:
                 r = await client.post(endpoint, **json_body(bodies[i]))
                 if r.status_code != 200:
@@ -411,12 +439,14 @@ async def send_all(
                 results[i] = parse(r.json())
                 if done_at is not None:
                     done_at[i] = time.perf_counter() - t0
+                answered += 1
+                progress.set()
 
         if done_at is not None:
             done_at[:] = [0.0] * len(bodies)
         t0 = time.perf_counter()
         # the SDK's fan-out: the requests start in turn, so the first is sent before the last is built
-        await gather_or_cancel([one(i) for i in range(len(bodies))])
+        await gather_or_cancel([watchdog(), *(one(i) for i in range(len(bodies)))])
         seconds = time.perf_counter() - t0
     return seconds, results
 
@@ -455,9 +485,10 @@ async def drive(
     per_request: int,
     concurrency: int,
     profile: dict[str, float] | None = None,
+    stall_s: float = STALL_S,
 ) -> tuple[float, list[list[float]]]:
     """Send every prompt in requests of ``per_request`` with at most ``concurrency`` in flight;
-    ``profile``: filled with ``answer_profile`` of the round."""
+    ``profile``: filled with ``answer_profile`` of the round; ``Stalled`` as ``send_all``."""
     chunks = [prompts[i : i + per_request] for i in range(0, len(prompts), per_request)]
     field = target["field"]
 
@@ -466,7 +497,9 @@ async def drive(
 
     bodies = [{"input": chunk, **target["body"]} for chunk in chunks]
     done_at: list[float] = []
-    seconds, results = await send_all(target["url"] + target["path"], bodies, concurrency, scores, done_at)
+    seconds, results = await send_all(
+        target["url"] + target["path"], bodies, concurrency, scores, done_at, stall_s
+    )
     if profile is not None:
         profile.update(answer_profile(done_at, [sum(map(len, c)) for c in chunks], seconds))
     return seconds, [row for chunk in results for row in chunk]
@@ -749,7 +782,8 @@ def measure_http(
     def scored(
         prompts_: list[list[int]], per_request: int, profile: dict[str, float] | None = None
     ) -> tuple[float, list[list[float]]]:
-        return bounded(drive(target, prompts_, per_request, args.concurrency, profile), args.phase_timeout)
+        round_ = drive(target, prompts_, per_request, args.concurrency, profile, args.stall_timeout)
+        return bounded(round_, args.phase_timeout)
 
     with serving(kind, cmd, port, work, args) as (proc, startup):
         scored(prompts["warmup"], sizes[0])
@@ -808,7 +842,8 @@ def measure_judge(
 
     def answered(chats_: list[str]) -> tuple[float, list[Answer]]:
         bodies = judge_bodies(chats_, k)
-        return bounded(send_all(endpoint, bodies, args.concurrency, judge_answer), args.phase_timeout)
+        round_ = send_all(endpoint, bodies, args.concurrency, judge_answer, stall_s=args.stall_timeout)
+        return bounded(round_, args.phase_timeout)
 
     with serving(kind, cmd, port, work, args) as (proc, startup):
         answered(chats["warmup"])
@@ -1436,6 +1471,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--reuse-models", action="store_true", help="use a model built earlier in --workdir (same size)"
     )
     p.add_argument("--phase-timeout", type=float, default=900.0, help="bound on each phase (s)")
+    p.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=STALL_S,
+        help="a server that answers nothing for this long while requests wait has stalled: its "
+        "phase fails with how many requests it answered (s)",
+    )
     p.add_argument("--workdir", type=Path, default=Path("/tmp/rp-scoring-bench"))
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     # internal: one phase in this process

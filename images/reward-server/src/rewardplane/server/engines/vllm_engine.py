@@ -213,9 +213,11 @@ def build_engine_args(cfg: ServerConfig, max_model_len: int) -> AsyncEngineArgs:
     base.setdefault("max_num_seqs", seqs)
     # Chunked prefill is off unless asked for (--enable-chunked-prefill): in vLLM 0.24 a pooling
     # model's prompt split across steps can race with async scheduling (vllm-project/vllm#48901:
-    # wrong scores under torch.compile; #48214, #47971: crashes and silent stalls). Our scoring
-    # server stalled under load with chunked prefill on (benchmarks/README.md). A reward must be
-    # right; whole prompts per step cost little for prompts up to max_model_len.
+    # wrong scores under torch.compile; #48214, #47971: crashes and silent stalls), and one of
+    # exactly max_model_len tokens never gets its last token scheduled (#55427). Our scoring
+    # server, and `vllm serve` with its defaults, stalled under load with chunked prefill on
+    # (benchmarks/README.md). A reward must be right; whole prompts per step cost little for
+    # prompts up to max_model_len.
     # (Generation keeps vLLM's default: the race is in the pooling path, and decoding wants it.)
     if not generate:
         base["enable_chunked_prefill"] = False
