@@ -56,9 +56,18 @@ def test_installing_the_trainer_extras_keeps_the_installed_torch(tmp_path: Path)
     assert {"rewardplane", "rewardplane-sdk", "rewardplane-core"} <= set(plan)
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not _pypi_reachable(), reason="needs the package index to resolve vLLM's dependencies")
-def test_the_server_with_vllm_resolves_with_vllms_torch(tmp_path: Path) -> None:
-    plan = _dry_run(tmp_path, "./core", "./images/reward-server[vllm]", ignore_installed=True)
+def test_the_server_with_vllm_resolves_with_vllms_torch() -> None:
+    # uv's resolver over the same metadata: pip's dry run of this set takes 80 s, uv's ~5 s
+    cmd = [str(Path(sys.executable).with_name("uv")), "pip", "compile", "--no-header", "--quiet"]
+    cmd += ["--python-version", f"{sys.version_info.major}.{sys.version_info.minor}"]
+    cmd += ["core/pyproject.toml", "images/reward-server/pyproject.toml", "--extra", "vllm"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = dict(
+        line.split("==", 1)
+        for line in result.stdout.splitlines()
+        if "==" in line and not line.startswith(" ")
+    )
     assert plan["vllm"] == "0.24.0"
     assert plan["torch"].startswith("2.11"), plan["torch"]
