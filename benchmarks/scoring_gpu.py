@@ -9,7 +9,9 @@ on the same token-id prompts (lengths uniform in [64, 1024], 2048 of them), for 
 
 Every measurement runs in its own fresh process, one after the other on the same GPU (vLLM
 offline, the reward server ``python -m rewardplane.server --engine vllm``, ``vllm serve
---runner pooling``, then transformers), so each has the GPU to itself. vLLM engines get identical
+--runner pooling``, then transformers), so each has the GPU to itself; with ``--interleave`` the
+reward server and ``vllm serve`` share it, half the memory each, and take turns on every prompt
+set, so the GPU's drift between phases stays out of their ratio. vLLM engines get identical
 settings (bf16, fp32 head, LAST pooling, same memory fraction, same max length, no chunked
 prefill, and ``vllm serve`` the batch limits the offline engine picked, as the reward server
 does): the server ÷ ``vllm serve`` ratio compares the two HTTP front ends over one engine. Both
@@ -719,6 +721,21 @@ def vllm_serve_cmd(
     return cmd + engine_flags(args)
 
 
+class PhaseFailed(RuntimeError):
+    """One server's phase failed: the message names the server and carries its log's tail."""
+
+
+def phase_failed(kind: str, exc: BaseException, log: Path) -> PhaseFailed:
+    return PhaseFailed(
+        f"the {kind} phase failed ({type(exc).__name__}: {exc!r}); server log {log}:\n"
+        f"{log.read_text(errors='replace')[-12000:]}"
+    )
+
+
+def server_log(work: Path, kind: str, port: int) -> Path:
+    return work / f"{kind}-{port}.log"
+
+
 @contextlib.contextmanager
 def serving(
     kind: str, cmd: list[str], port: int, work: Path, args: argparse.Namespace
@@ -727,13 +744,15 @@ def serving(
     "vllm-serve"), and yield the process and its startup seconds once it is healthy. A failure to
     start, or of the body, raises with the tail of the server's log; the server's whole process group
     is killed on the way out."""
-    log = work / f"{kind}-{port}.log"
+    log = server_log(work, kind, port)
     t0 = time.perf_counter()
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", proc, log, args.phase_timeout)
         yield proc, time.perf_counter() - t0
+    except PhaseFailed:  # another server's, started beside this one (--interleave)
+        raise
     except Exception as exc:
         # The reward server and its engine core print every thread's stack on SIGUSR1: see where it
         # waits (vllm serve installs no such handler).
@@ -743,16 +762,95 @@ def serving(
             time.sleep(3)
         elif proc.poll() is not None:
             print(f"the {kind} process exited with {proc.returncode}", flush=True)
-        raise RuntimeError(
-            f"the {kind} phase failed ({type(exc).__name__}: {exc!r}); server log {log}:\n"
-            f"{log.read_text(errors='replace')[-12000:]}"
-        ) from exc
+        raise phase_failed(kind, exc, log) from exc
     finally:
         stop_process(proc, grace_s=60)
         try:  # vLLM's engine core lives in the server's process group
             os.killpg(proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+class HttpServer(NamedTuple):
+    """One HTTP server of the scoring benchmark before it starts: its command, port, request target
+    and the request sizes it is measured at."""
+
+    kind: str  # "server" (the reward server) or "vllm-serve"
+    cmd: list[str]
+    port: int
+    target: Target
+    sizes: list[int]
+
+
+def http_server(
+    kind: str, model_dir: Path, args: argparse.Namespace, limits: dict[str, int] | None = None
+) -> HttpServer:
+    """The reward server (``/pooling``, every request size) or ``vllm serve`` (``/classify``, raw
+    scores, the headline size only) on a free port."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    if kind == "server":
+        target: Target = {"name": kind, "url": url, "path": "/pooling", "body": {}, "field": "data"}
+        return HttpServer(kind, server_cmd(model_dir, port, args), port, target, args.items_per_request_list)
+    # raw scores (use_activation off), as the reward server and the offline run return them
+    body = {"model": SERVED_NAME, "use_activation": False}
+    target = {"name": kind, "url": url, "path": "/classify", "body": body, "field": "probs"}
+    cmd = vllm_serve_cmd(model_dir, port, args, limits or {})
+    return HttpServer(kind, cmd, port, target, args.items_per_request_list[:1])
+
+
+def scored(
+    srv: HttpServer,
+    prompts_: list[list[int]],
+    per_request: int,
+    args: argparse.Namespace,
+    profile: dict[str, float] | None = None,
+) -> tuple[float, list[list[float]]]:
+    """One round: every prompt scored by ``srv``; its seconds and the scores."""
+    round_ = drive(srv.target, prompts_, per_request, args.concurrency, profile, args.stall_timeout)
+    return bounded(round_, args.phase_timeout)
+
+
+def measured_run(
+    srv: HttpServer,
+    proc: subprocess.Popen[bytes],
+    prompts_: list[list[int]],
+    per_request: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The measured round of one request size: seconds, scores, CPU busy, when the answers came and
+    (the reward server's own metrics; ``vllm serve`` has none) each request's time per stage."""
+    url = srv.target["url"]
+    profile: dict[str, float] = {}
+    scrape = (lambda: stage_totals(metrics_text(url))) if srv.kind == "server" else dict
+    before = scrape()
+    seconds, scores, busy = timed_with_cpu(
+        proc, functools.partial(scored, srv, prompts_, per_request, args, profile)
+    )
+    return {
+        "seconds": seconds,
+        "round_seconds": [seconds],
+        "scores": scores,
+        "tokens": sum(map(len, prompts_)),
+        "prompts": len(prompts_),
+        "cpu_busy": busy,
+        "answers": profile,
+        "stages": stage_times(before, scrape()),
+    }
+
+
+def other_sizes(
+    srv: HttpServer, proc: subprocess.Popen[bytes], prompts: Prompts, args: argparse.Namespace
+) -> dict[int, Any]:
+    """The measured round of each further request size, on its own fresh prompts (reuse would hit the
+    prefix cache)."""
+    runs = {}
+    for k, per_request in enumerate(srv.sizes[1:]):
+        runs[per_request] = {
+            **measured_run(srv, proc, prompts["extra"][k], per_request, args),
+            "scores": None,
+        }
+    return runs
 
 
 def measure_http(
@@ -765,54 +863,75 @@ def measure_http(
 ) -> dict[str, Any]:
     """Start one HTTP server (``kind``: "server", the reward server, or "vllm-serve"), warm it up, and
     score the prompts at each request size (``vllm serve``: the headline size only)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    target: Target
-    if kind == "server":
-        cmd = server_cmd(model_dir, port, args)
-        target = {"name": kind, "url": url, "path": "/pooling", "body": {}, "field": "data"}
-        sizes = args.items_per_request_list
-    else:
-        cmd = vllm_serve_cmd(model_dir, port, args, limits or {})
-        # raw scores (use_activation off), as the reward server and the offline run return them
-        body = {"model": SERVED_NAME, "use_activation": False}
-        target = {"name": kind, "url": url, "path": "/classify", "body": body, "field": "probs"}
-        sizes = args.items_per_request_list[:1]
+    srv = http_server(kind, model_dir, args, limits)
+    with serving(kind, srv.cmd, srv.port, work, args) as (proc, startup):
+        scored(srv, prompts["warmup"], srv.sizes[0], args)
+        headline = measured_run(srv, proc, prompts["main"], srv.sizes[0], args)
+        headline["round_seconds"] += [
+            scored(srv, more, srv.sizes[0], args)[0] for more in prompts.get("rounds", [])
+        ]
+        runs = {srv.sizes[0]: headline, **other_sizes(srv, proc, prompts, args)}
+        return {"startup_s": startup, "runs": runs, "command": srv.cmd[1:]}
 
-    def scored(
-        prompts_: list[list[int]], per_request: int, profile: dict[str, float] | None = None
-    ) -> tuple[float, list[list[float]]]:
-        round_ = drive(target, prompts_, per_request, args.concurrency, profile, args.stall_timeout)
-        return bounded(round_, args.phase_timeout)
 
-    with serving(kind, cmd, port, work, args) as (proc, startup):
-        scored(prompts["warmup"], sizes[0])
-        out: dict[str, Any] = {"startup_s": startup, "runs": {}, "command": cmd[1:]}
-        # Each request size gets its own prompts' worth of fresh work: reuse would hit the prefix cache.
-        for k, per_request in enumerate(sizes):
-            main = prompts["main"] if k == 0 else prompts["extra"][k - 1]
-            profile: dict[str, float] = {}
-            # the reward server times each stage of a request (/metrics); vllm serve does not
-            scrape = (lambda: stage_totals(metrics_text(url))) if kind == "server" else dict
-            before = scrape()
-            seconds, scores, busy = timed_with_cpu(
-                proc, functools.partial(scored, main, per_request, profile)
-            )
-            stages = stage_times(before, scrape())
-            round_seconds = [seconds]
-            if k == 0:  # the headline request size: the further rounds too
-                round_seconds += [scored(more, per_request)[0] for more in prompts.get("rounds", [])]
-            out["runs"][per_request] = {
-                "seconds": seconds,
-                "round_seconds": round_seconds,
-                "scores": scores if k == 0 else None,
-                "tokens": sum(map(len, main)),
-                "prompts": len(main),
-                "cpu_busy": busy,
-                "answers": profile,
-                "stages": stages,
+PAIR = ("server", "vllm-serve")
+
+
+def pair_order(rounds: int) -> list[tuple[str, str]]:
+    """Which of the two servers goes first in each round of ``--interleave``: the reward server in
+    the measured round, then the other one first every second round, so neither always runs right
+    after the other's load (a warmer GPU, a fuller allocator) over the rounds."""
+    return [PAIR if i % 2 == 0 else PAIR[::-1] for i in range(rounds)]
+
+
+def measure_pair(
+    model_dir: Path,
+    prompts: Prompts,
+    args: argparse.Namespace,
+    work: Path,
+    limits: dict[str, int],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``--interleave``: the reward server and ``vllm serve`` up at once on the GPU, each with half the
+    memory fraction, and every prompt set scored by both, one right after the other: the two front
+    ends are compared minutes apart no more, so the GPU's drift between phases stays out of the
+    ratio. Returns measure_http's result for each."""
+    half = argparse.Namespace(**{**vars(args), "gpu_memory_utilization": args.gpu_memory_utilization / 2})
+    live: dict[str, tuple[HttpServer, subprocess.Popen[bytes], float]] = {}
+
+    def on(kind: str, call: Callable[[], T]) -> T:
+        """``call()`` against one of the two servers; a failure is that server's, with its log."""
+        try:
+            return call()
+        except Exception as exc:
+            raise phase_failed(kind, exc, server_log(work, kind, live[kind][0].port)) from exc
+
+    with contextlib.ExitStack() as stack:
+        for kind in PAIR:  # one after the other: each engine sizes its memory with the other idle
+            srv = http_server(kind, model_dir, half, limits if kind == "vllm-serve" else None)
+            proc, startup = stack.enter_context(serving(kind, srv.cmd, srv.port, work, half))
+            live[kind] = (srv, proc, startup)
+            on(kind, functools.partial(scored, srv, prompts["warmup"], srv.sizes[0], half))
+        sets = [prompts["main"], *prompts.get("rounds", [])]
+        runs: dict[str, dict[str, Any]] = {}
+        for i, order in enumerate(pair_order(len(sets))):
+            for kind in order:
+                srv, proc, _ = live[kind]
+                if i == 0:
+                    runs[kind] = on(
+                        kind, functools.partial(measured_run, srv, proc, sets[0], srv.sizes[0], half)
+                    )
+                else:
+                    seconds, _ = on(kind, functools.partial(scored, srv, sets[i], srv.sizes[0], half))
+                    runs[kind]["round_seconds"].append(seconds)
+        out = {}
+        for kind, (srv, proc, startup) in live.items():
+            rest = on(kind, functools.partial(other_sizes, srv, proc, prompts, half))
+            out[kind] = {
+                "startup_s": startup,
+                "runs": {srv.sizes[0]: runs[kind], **rest},
+                "command": srv.cmd[1:],
             }
-        return out
+        return out["server"], out["vllm-serve"]
 
 
 class JudgeChats(TypedDict):
@@ -1036,7 +1155,17 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
         flush=True,
     )
     wait_gpu_free()
-    server = measure_http("server", model_dir, prompts, args, work)
+    serve: dict[str, Any] | None = None
+    serve_error = None
+    if args.interleave and not args.skip_vllm_serve:
+        try:
+            server, serve = measure_pair(model_dir, prompts, args, work, offline["batch_limits"])
+        except Exception as exc:  # the server's figures alone, as without --interleave
+            serve_error = f"the interleaved run failed: {error_summary(exc)}"
+            print(f"[{size}] {serve_error}", flush=True)
+            wait_gpu_free()
+    if serve is None:
+        server = measure_http("server", model_dir, prompts, args, work)
     primary = server["runs"][args.items_per_request_list[0]]
     print(
         f"[{size}] server HTTP: {tokens / primary['seconds']:,.0f} tok/s (startup {server['startup_s']:.0f}s); "
@@ -1047,26 +1176,24 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
     print(f"[{size}] server answers: {describe_answers(primary['answers'], offline_tok_s)}", flush=True)
     print(f"[{size}] server stages per request: {describe_stages(primary['stages'])}", flush=True)
     serve_run: dict[str, Any] | None = None
-    serve: dict[str, Any] | None = None
-    serve_error = None
-    if not args.skip_vllm_serve:
+    if not args.skip_vllm_serve and not args.interleave:
         wait_gpu_free()
         try:
             serve = measure_http("vllm-serve", model_dir, prompts, args, work, limits=offline["batch_limits"])
         except Exception as exc:  # keep the offline and server figures of this size
             serve_error = error_summary(exc)
             print(f"[{size}] vllm serve FAILED: {serve_error}", flush=True)
-        else:
-            serve_run = serve["runs"][args.items_per_request_list[0]]
-            print(
-                f"[{size}] vllm serve HTTP: {tokens / serve_run['seconds']:,.0f} tok/s "
-                f"(startup {serve['startup_s']:.0f}s); CPU busy: {serve_run['cpu_busy']}",
-                flush=True,
-            )
-            print(
-                f"[{size}] vllm serve answers: {describe_answers(serve_run['answers'], offline_tok_s)}",
-                flush=True,
-            )
+    if serve is not None:
+        serve_run = serve["runs"][args.items_per_request_list[0]]
+        print(
+            f"[{size}] vllm serve HTTP: {tokens / serve_run['seconds']:,.0f} tok/s "
+            f"(startup {serve['startup_s']:.0f}s); CPU busy: {serve_run['cpu_busy']}",
+            flush=True,
+        )
+        print(
+            f"[{size}] vllm serve answers: {describe_answers(serve_run['answers'], offline_tok_s)}",
+            flush=True,
+        )
     hf = None
     if not args.skip_hf and size in args.hf_sizes.split(","):
         wait_gpu_free()
@@ -1329,6 +1456,7 @@ def print_scoring_table(rows: list[dict[str, Any]], args: argparse.Namespace) ->
         + (", enforce_eager" if args.enforce_eager else "")
         + f"; medians of {args.rounds} round(s) on fresh prompts (transformers: round 1)"
         + f"; vllm serve with {SERVE_SETTINGS[args.vllm_serve_settings]}"
+        + ("; interleaved: both servers up at once, half the memory fraction each" if args.interleave else "")
     )
     print(
         f"{'model':>6} {'params':>7} {'offline':>10} {'server':>10} {'vllm serve':>10} {'hf':>10} "
@@ -1460,6 +1588,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--hf-sizes", default="0.4b,1.4b", help="sizes that get the transformers phase (default: 0.4b,1.4b)"
     )
     p.add_argument("--skip-vllm-serve", action="store_true", help="no vllm serve phase")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="scoring: the reward server and vllm serve up at once, half the memory fraction each, "
+        "every prompt set scored by both back to back (the order alternating by round), so the GPU's "
+        "drift between phases stays out of server / vllm serve",
+    )
     p.add_argument(
         "--vllm-serve-settings",
         choices=tuple(SERVE_SETTINGS),
