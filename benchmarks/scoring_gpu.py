@@ -45,7 +45,8 @@ server ÷ ``vllm serve`` (output tokens/s, medians of ``--rounds``) >= 1.0. Ever
     python benchmarks/scoring_gpu.py --sizes '' --judge-sizes 1.4b    # the judge only
 
 A server that answers nothing for ``--stall-timeout`` seconds (60) while requests wait fails its
-phase at once, naming how many requests it answered; the other phases still run.
+phase at once, naming how many requests it answered and the longest prompt of each one it left;
+the other phases still run.
 
 Prints a final table and each goal met or missed; writes ``scoring_gpu.json`` to ``$OUT`` (or
 ``--out``) when set, with the card, vLLM's version, ``$RP_COMMIT`` and the date.
@@ -391,7 +392,12 @@ STALL_S = 60.0  # no answer for this long while requests wait: the server has st
 
 
 class Stalled(RuntimeError):
-    """A server stopped answering: requests were in flight and none was answered for a while."""
+    """A server stopped answering: requests were in flight and none was answered for a while.
+    ``unanswered``: the requests without an answer, by their index in the round."""
+
+    def __init__(self, message: str, unanswered: list[int]) -> None:
+        super().__init__(message)
+        self.unanswered = unanswered
 
 
 async def send_all(
@@ -415,6 +421,7 @@ async def send_all(
     results: list[Any] = [None] * len(bodies)
     sem = asyncio.Semaphore(concurrency)
     answered = 0
+    done = [False] * len(bodies)
     progress = asyncio.Event()
 
     async def watchdog() -> None:
@@ -424,7 +431,8 @@ async def send_all(
             except TimeoutError:
                 raise Stalled(
                     f"{endpoint} stalled: {answered} of {len(bodies)} requests answered, "
-                    f"none in the last {stall_s:g} s"
+                    f"none in the last {stall_s:g} s",
+                    [i for i, d in enumerate(done) if not d],
                 ) from None
             progress.clear()
 
@@ -442,6 +450,7 @@ async def send_all(
                 if done_at is not None:
                     done_at[i] = time.perf_counter() - t0
                 answered += 1
+                done[i] = True
                 progress.set()
 
         if done_at is not None:
@@ -499,9 +508,18 @@ async def drive(
 
     bodies = [{"input": chunk, **target["body"]} for chunk in chunks]
     done_at: list[float] = []
-    seconds, results = await send_all(
-        target["url"] + target["path"], bodies, concurrency, scores, done_at, stall_s
-    )
+    try:
+        seconds, results = await send_all(
+            target["url"] + target["path"], bodies, concurrency, scores, done_at, stall_s
+        )
+    except Stalled as exc:  # which prompts the server left: a length it cannot finish shows here
+        longest = [max(map(len, chunks[i])) for i in exc.unanswered[:8]]
+        more = ", ..." if len(exc.unanswered) > 8 else ""
+        raise Stalled(
+            f"{exc}; the longest prompt of each unanswered request, in tokens: "
+            f"{', '.join(map(str, longest))}{more}",
+            exc.unanswered,
+        ) from None
     if profile is not None:
         profile.update(answer_profile(done_at, [sum(map(len, c)) for c in chunks], seconds))
     return seconds, [row for chunk in results for row in chunk]

@@ -18,7 +18,7 @@ import pytest
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # benchmarks/, after everything else
 
-from benchmarks.scoring_gpu import Stalled, send_all  # noqa: E402
+from benchmarks.scoring_gpu import Stalled, drive, send_all  # noqa: E402
 
 
 class _Server:
@@ -34,7 +34,7 @@ class _Server:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
-                self.rfile.read(int(self.headers["Content-Length"]))
+                request = self.rfile.read(int(self.headers["Content-Length"]))
                 with owner.lock:
                     owner.count += 1
                     mine = owner.count
@@ -42,7 +42,10 @@ class _Server:
                     owner.release.wait(30)  # the stall: the request is accepted, never answered
                     return
                 time.sleep(owner.delay_s)
-                body = json.dumps({"n": mine}).encode()
+                inputs = json.loads(request)["input"]
+                # /pooling's answer: one row per input, and the request's order number
+                rows = [{"index": j, "data": [float(len(x))]} for j, x in enumerate(inputs)]
+                body = json.dumps({"n": mine, "data": rows}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -96,3 +99,23 @@ def test_a_slow_server_that_keeps_answering_is_not_a_stall(serve: Callable[..., 
     assert seconds > 0.5
     assert sorted(a["n"] for a in answers) == list(range(1, 13))
     assert all(t > 0 for t in done_at)
+
+
+def test_a_stall_names_the_prompts_left_unanswered(serve: Callable[..., _Server]) -> None:
+    # one request in flight at a time, so the server answers requests 0-2 and holds request 3,
+    # whose longest prompt (1,024 tokens) is what the message must name
+    server = serve(answers=3)
+    lengths = [5, 6, 7, 8, 9, 10, 1024, 11, 12, 13]
+    prompts = [[1] * n for n in lengths]
+    target = {
+        "name": "server",
+        "url": server.url.removesuffix("/pooling"),
+        "path": "/pooling",
+        "body": {},
+        "field": "data",
+    }
+    with pytest.raises(Stalled) as err:
+        asyncio.run(drive(target, prompts, 2, 1, stall_s=0.5))  # type: ignore[arg-type]
+    assert err.value.unanswered == [3, 4]
+    assert "3 of 5 requests answered" in str(err.value)
+    assert "the longest prompt of each unanswered request, in tokens: 1024, 13" in str(err.value)
