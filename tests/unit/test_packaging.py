@@ -16,11 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 DISTRIBUTIONS = ["core", "sdk", "operator", "images/reward-server", "."]
 
 
-def _dry_run(tmp_path: Path, *requirements: str, ignore_installed: bool = False) -> dict[str, str]:
+def _dry_run(tmp_path: Path, *requirements: str) -> dict[str, str]:
     """What pip would install (name → version) for these requirements into this environment."""
     report = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "-q", "--no-build-isolation"]
-    cmd += ["--report", str(report), *(["--ignore-installed"] if ignore_installed else []), *requirements]
+    cmd += ["--report", str(report), *requirements]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return {
