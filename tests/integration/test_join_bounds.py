@@ -1,7 +1,8 @@
 """Joins of a trainer's group are bounded, over real HTTP against real server processes: a join to a
 store nobody serves, or to a peer that accepts and never answers (a frozen trainer), is given up
 after its timeout_s and the next join works; timeout_s above the server's maximum is refused; a
-pending join is cancelled by POST /close_communicator, which names it, and a fresh push then works."""
+pending join is cancelled by POST /close_communicator, which names it (a close naming another group
+leaves it pending), and a fresh push then works."""
 
 from __future__ import annotations
 
@@ -141,4 +142,41 @@ def test_close_cancels_a_pending_join_then_a_push_works(
     # nothing pending any more: a close answers without a cancelled join
     again = httpx.post(f"{server.url}/close_communicator", headers=AUTH, timeout=30).json()
     assert again["cancelled_join"] is None
+    _push_works(server, tiny_model_dir, version=1)
+
+
+def test_a_close_naming_a_group_cancels_that_groups_join_only(
+    server: ServerHandle, tiny_model_dir: Any, silent_peer: int
+) -> None:
+    """What an operator that took over a push does with the joins its predecessor asked for: a
+    close naming another group changes nothing (closed false, the join still pending); one naming
+    the pending join's group cancels it, and a push then works."""
+    body = {
+        "host": "127.0.0.1",
+        "port": silent_peer,
+        "world_size": 2,
+        "timeout_s": 300,
+        "group_id": "push-g1",
+    }
+    assert (
+        httpx.post(f"{server.url}/init_communicator", json=body, headers=AUTH, timeout=30).status_code == 200
+    )
+
+    def close(group_id: str) -> dict[str, Any]:
+        r = httpx.post(
+            f"{server.url}/close_communicator", json={"group_id": group_id}, headers=AUTH, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        answer: dict[str, Any] = r.json()
+        return answer
+
+    assert close("push-g0") == {"status": "ok", "closed": False, "cancelled_join": None}
+    tasks = httpx.get(f"{server.url}/get_num_background_tasks", headers=AUTH, timeout=10).json()
+    assert tasks["num_background_tasks"] == 1  # the join of push-g1 still waits
+    assert _join(server, silent_peer, 300).status_code == 409
+    answer = close("push-g1")
+    assert answer["closed"] is True and answer["cancelled_join"]["group_id"] == "push-g1", answer
+    tasks = httpx.get(f"{server.url}/get_num_background_tasks", headers=AUTH, timeout=10).json()
+    assert tasks["num_background_tasks"] == 0
+    assert close("push-g1")["closed"] is False  # nothing of that group is left
     _push_works(server, tiny_model_dir, version=1)

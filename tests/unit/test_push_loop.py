@@ -17,7 +17,7 @@ from rewardplane.operator.recovery import restore_plan
 from rewardplane.operator.replicas import Receiver, ReplicaError, restore_from_peer
 from rewardplane.operator.status import ProbeResult
 from rewardplane.operator.weightsync_driver import WeightSyncDriver
-from rewardplane.protocol import ParamMeta
+from rewardplane.protocol import UPDATE_IN_PROGRESS, ParamMeta
 from rewardplane.testing.kube import MemoryKube
 from rewardplane.testing.replicas import FakeReplica, FakeReplicas
 
@@ -272,6 +272,40 @@ def test_driver_resumed_push_fails_with_operator_restarted() -> None:
     status = (kube.get(path) or {})["status"]
     assert (status["phase"], status["reason"]) == ("Failed", wsapi.OPERATOR_RESTARTED)
     assert fake.calls == []  # nothing was asked of the replicas
+
+
+def test_driver_resumed_rendezvous_cancels_the_replicas_joins_of_that_group_only() -> None:
+    """The operator died after asking the replicas to join: each would wait for the dead push's
+    group until its deadline and refuse the trainer's next push meanwhile. The new operator
+    cancels those joins (group-scoped: a replica joining another group is left alone, one that
+    does not answer is skipped) and fails the push, so the trainer's second push starts at once."""
+    kube, fake = cluster({"a": FakeReplica(), "b": FakeReplica(), "c": FakeReplica()})
+    fake.replicas["http://a:8001"].group = "rm-g1"
+    fake.replicas["http://b:8001"].group = "someone-else"
+    fake.replicas["http://c:8001"].answers = False
+    path = custom_path(NS, "rm", wsapi.WS_PLURAL)
+    targets = [wsm.Target(i, f"rm-{i}", f"http://{u}:8001", 1, i + 1) for i, u in enumerate("abc")]
+    kube.merge_patch(
+        path + "/status",
+        {
+            "status": {
+                "phase": "Rendezvous",
+                "observedGeneration": 1,
+                "version": 5,
+                "groupId": "rm-g1",
+                "replicas": [wsm.replica_entry(t, "Rendezvous") for t in targets],
+            }
+        },
+    )
+    WeightSyncDriver(kube, replicas=fake).handle((NS, "rm"))  # type: ignore[arg-type]
+    status = (kube.get(path) or {})["status"]
+    assert (status["phase"], status["reason"]) == ("Failed", wsapi.OPERATOR_RESTARTED)
+    assert [c for c in fake.calls if c[0] == "close_communicator"] == [
+        ("close_communicator", f"http://{u}:8001") for u in "abc"
+    ]
+    assert fake.replicas["http://a:8001"].group is None  # its join of the dead push's group: cancelled
+    assert fake.replicas["http://b:8001"].group == "someone-else"  # another group's: untouched
+    assert not any(call == "init_communicator" for call, _ in fake.calls)  # nothing was pushed
 
 
 def test_driver_resumed_transfer_is_followed_to_completion() -> None:
@@ -605,6 +639,27 @@ def test_driver_waits_for_a_replica_ending_an_earlier_update_then_pushes() -> No
     ) == 4
     messages = [p["status"].get("message") for _, p in kube.patches if "message" in p["status"]]
     assert any(m and "waiting for rm-0 to end an earlier update" in m for m in messages), messages
+
+
+class UpdateJustEnded(FakeReplicas):
+    """Replica ``a`` refuses the first join because an update runs, and that update has ended by
+    the time the operator asks whether one runs (it reports no background task)."""
+
+    def init_communicator(self, url: str, token: str, req: Any) -> None:
+        if url == "http://a:8001" and ("init_communicator", url) not in self.calls:
+            self.calls.append(("init_communicator", url))
+            raise ReplicaError(
+                f"{url}/init_communicator answered 409: a weight update is in progress", UPDATE_IN_PROGRESS
+            )
+        super().init_communicator(url, token, req)
+
+
+def test_driver_asks_again_when_the_update_that_refused_the_join_has_just_ended() -> None:
+    kube, _ = cluster({"a": FakeReplica()})
+    fake = UpdateJustEnded({"http://a:8001": FakeReplica()})
+    status = run_push(kube, fake)
+    assert status["phase"] == "Completed", status
+    assert fake.calls.count(("init_communicator", "http://a:8001")) == 2
 
 
 def test_driver_fails_at_once_when_an_idle_replica_refuses_to_join() -> None:

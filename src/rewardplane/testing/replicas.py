@@ -17,6 +17,8 @@ from rewardplane.operator.status import ProbeResult
 from rewardplane.protocol import (
     AdmissionRequest,
     AdmissionResponse,
+    CancelledJoin,
+    CloseCommunicatorResponse,
     InitCommunicatorRequest,
     ParamMeta,
     RestoreWeightsRequest,
@@ -43,6 +45,8 @@ class FakeReplica:
     """Set with ``state="sleeping"``: the level the replica sleeps at."""
     admitted: bool = True
     """False: started with --require-admission and not admitted yet."""
+    group: str | None = None
+    """The group_id of the group this replica is joining or in (set by init_communicator)."""
     _pending: int | None = None
     _polls: int = 0
     _last_error: str | None = None
@@ -54,6 +58,7 @@ CONTROL_PLANE_CALLS = frozenset(
         "background_tasks",
         "manifest",
         "init_communicator",
+        "close_communicator",
         "update_param_batch",
         "restore_weights",
         "send_weights",
@@ -111,7 +116,17 @@ class FakeReplicas:
         return list(self.manifest_of)
 
     def init_communicator(self, url: str, token: str, req: InitCommunicatorRequest) -> None:
-        self._get("init_communicator", url, token)
+        self._get("init_communicator", url, token).group = req.group_id
+
+    def close_communicator(self, url: str, token: str, group_id: str) -> CloseCommunicatorResponse:
+        """Leaves ``group_id`` only (a replica in another group, or in none, answers closed false)."""
+        r = self._get("close_communicator", url, token)
+        if r.group != group_id:
+            return CloseCommunicatorResponse(closed=False)
+        r.group = None
+        return CloseCommunicatorResponse(
+            cancelled_join=CancelledJoin(host="trainer", port=1, group_id=group_id, pending_s=1.0)
+        )
 
     def update_param_batch(
         self, url: str, token: str, req: UpdateParamBatchRequest, timeout_s: float

@@ -51,7 +51,13 @@ from .endpoints import (
     VERSION_HEADER,
     Endpoints,
 )
-from .joins import JOIN_GRACE_S, CancelledJoin, CloseCommunicatorResponse
+from .joins import (
+    JOIN_GRACE_S,
+    UPDATE_IN_PROGRESS,
+    CancelledJoin,
+    CloseCommunicatorRequest,
+    CloseCommunicatorResponse,
+)
 from .modes import (
     ModelTask,
     PoolingType,
@@ -128,6 +134,7 @@ from .weights import (
 __all__ = [
     "JOIN_GRACE_S",
     "CancelledJoin",
+    "CloseCommunicatorRequest",
     "CloseCommunicatorResponse",
     "AdmissionRequest",
     "AdmissionResponse",
@@ -187,6 +194,7 @@ __all__ = [
     "PushVerdict",
     "STOP_LISTENING",
     "STALE_BASE",
+    "UPDATE_IN_PROGRESS",
     "PooledRequest",
     "PoolingData",
     "PoolingRequest",

@@ -10,12 +10,20 @@ replica's weight sync (not its scoring) until it forms or is given up:
   stops waiting, forgets that attempt (a worker thread still blocked in the rendezvous leaves the
   group it forms, if it ever does) and takes a new join, a close or a sleep;
 - ``POST /close_communicator`` cancels a pending join the same way, and its answer
-  (``CloseCommunicatorResponse``) names the join it cancelled.
+  (``CloseCommunicatorResponse``) names the join it cancelled. With a ``group_id``
+  (``CloseCommunicatorRequest``) it acts only on that group: a server joining or in another
+  group, or in none, is left as it is (``closed`` false). An operator that took over a push its
+  predecessor left in the rendezvous cancels the replicas' joins this way, without touching a
+  group they joined since.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
+
+# The ``detail.code`` of a join refused (409) because a weight update is running: a caller that then
+# finds no update running asks again at once (the update ended between the two calls).
+UPDATE_IN_PROGRESS = "update_in_progress"
 
 # The rendezvous's own timeouts (TCPStore connect, process-group creation) overrun timeout_s by a
 # few seconds; past this much more the join is abandoned whatever the workers still do.
@@ -31,10 +39,26 @@ class CancelledJoin(BaseModel):
     pending_s: float = Field(description="How long the join had been waiting for the trainer.")
 
 
+class CloseCommunicatorRequest(BaseModel):
+    """Body of ``POST /close_communicator`` (optional: no body, or no ``group_id``, closes whatever
+    group the server is in or joining)."""
+
+    group_id: str | None = Field(
+        default=None,
+        description="Close only this group (the group_id of its /init_communicator): a server joining or in "
+        "another group, or in none, changes nothing and answers closed=false.",
+    )
+
+
 class CloseCommunicatorResponse(BaseModel):
     """Answer of ``POST /close_communicator``: the group is left, and a pending join cancelled."""
 
     status: str = "ok"
+    closed: bool = Field(
+        default=True,
+        description="False when the request named a group_id this server was neither in nor joining: "
+        "nothing was changed.",
+    )
     cancelled_join: CancelledJoin | None = Field(
         default=None,
         description="The join that was still waiting for the trainer, now cancelled; null if none.",

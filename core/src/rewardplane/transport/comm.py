@@ -286,12 +286,22 @@ class Communicator:
     def barrier(self) -> None:
         self.max_flag(0)
 
+    def _release(self) -> Any:
+        """The process group, no longer reachable from this communicator. A gloo group closes its
+        connections only when its last reference goes (its abort and shutdown leave them open, so
+        a peer blocked in a collective would wait for its timeout); the caller drops this one."""
+        pg, self.pg = self.pg, _Released(self.backend)
+        return pg
+
     def abort(self) -> None:
         """Tear the group down so nothing stays blocked on a dead peer. Never a graceful shutdown
         here: that waits for the pending (hung) collectives."""
         if self._closed:
             return
         self._closed = True
+        if self.backend == "gloo":
+            _drop_gloo(self._release(), "abort")
+            return
 
         def abort() -> None:
             try:
@@ -312,12 +322,44 @@ class Communicator:
             return
         if not self._closed:
             self._closed = True
-            shutdown = getattr(self.pg, "shutdown", None)
-            if shutdown is not None:
-                try:
-                    shutdown()
-                except Exception:
-                    log.debug("process group shutdown failed", exc_info=True)
+            _drop_gloo(self._release(), "shutdown")
+
+
+def _drop_gloo(pg: Any, how: str) -> None:
+    """End a gloo group: ``how`` (abort or shutdown), then its last reference goes, which closes
+    its connections, so a peer blocked on this rank fails at once ("Connection closed by peer").
+    That takes milliseconds; the teardown waits only for a collective of this rank still in flight
+    (none, where the collectives' own thread aborts or closes), so it runs on a thread the caller
+    waits for within a bound. Waited for, not left running: a process that exits while a group is
+    being torn down is ended by the C++ runtime (std::terminate)."""
+    group = [pg]
+    del pg
+
+    def drop() -> None:
+        g = group.pop()
+        try:
+            getattr(g, how)()
+        except Exception:
+            log.debug("gloo group %s failed", how, exc_info=True)
+        del g
+
+    t = threading.Thread(target=drop, name=f"gloo-{how}", daemon=True)
+    t.start()
+    t.join(timeout=10)
+    if t.is_alive():
+        log.warning("a gloo group's teardown still waits for a collective of this rank after 10 s")
+
+
+class _Released:
+    """Where a closed communicator's process group was: any use names the cause."""
+
+    def __init__(self, backend: str) -> None:
+        self._backend = backend
+
+    def __getattr__(self, name: str) -> Any:
+        raise CommunicatorError(
+            f"this {self._backend} group was closed or aborted; join a new group for the next push"
+        )
 
 
 def default_device() -> torch.device:

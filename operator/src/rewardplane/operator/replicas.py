@@ -19,6 +19,8 @@ from rewardplane.protocol import (
     AdmissionRequest,
     AdmissionResponse,
     BackgroundTasksResponse,
+    CloseCommunicatorRequest,
+    CloseCommunicatorResponse,
     Endpoints,
     HealthResponse,
     InitCommunicatorRequest,
@@ -37,6 +39,8 @@ from .status import ProbeResult
 PROBE_TIMEOUT = httpx.Timeout(2.0, connect=1.0)
 CALL_TIMEOUT = httpx.Timeout(10.0, connect=3.0)
 WAIT_POLL_S = 30.0  # one long poll of /runtime_version (the server takes at most 300 s)
+# A close that cancels a join past its rendezvous waits for that join's push channel (30 s at most).
+CLOSE_TIMEOUT_S = 40.0
 
 
 class ReplicaError(RuntimeError):
@@ -62,6 +66,8 @@ class Replicas(Protocol):
     def manifest(self, url: str, token: str) -> list[ParamMeta]: ...
 
     def init_communicator(self, url: str, token: str, req: InitCommunicatorRequest) -> None: ...
+
+    def close_communicator(self, url: str, token: str, group_id: str) -> CloseCommunicatorResponse: ...
 
     def update_param_batch(
         self, url: str, token: str, req: UpdateParamBatchRequest, timeout_s: float
@@ -158,6 +164,14 @@ class HttpReplicas:
 
     def init_communicator(self, url: str, token: str, req: InitCommunicatorRequest) -> None:
         self._post(url, Endpoints.INIT_COMMUNICATOR, token, req.model_dump(mode="json"), 10.0)
+
+    def close_communicator(self, url: str, token: str, group_id: str) -> CloseCommunicatorResponse:
+        body = CloseCommunicatorRequest(group_id=group_id).model_dump(mode="json")
+        answer = self._post(url, Endpoints.CLOSE_COMMUNICATOR, token, body, CLOSE_TIMEOUT_S)
+        try:
+            return CloseCommunicatorResponse.model_validate(answer)
+        except ValueError as exc:
+            raise ReplicaError(f"{url}{Endpoints.CLOSE_COMMUNICATOR} answered {answer!r}: {exc}") from exc
 
     def update_param_batch(
         self, url: str, token: str, req: UpdateParamBatchRequest, timeout_s: float

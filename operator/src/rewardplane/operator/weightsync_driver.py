@@ -20,6 +20,7 @@ from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
 from rewardplane.api.names import TOKEN_KEY, token_secret_name
 from rewardplane.protocol import (
     STALE_BASE,
+    UPDATE_IN_PROGRESS,
     InitCommunicatorRequest,
     ParamMeta,
     UpdateParamBatchRequest,
@@ -105,6 +106,7 @@ class WeightSyncDriver:
                 model = str((ws.get("spec") or {}).get("rewardModelRef") or "")
                 self._follow(ws, transfer, model_token(self.kube, ns, model), started)
                 return
+            self._cancel_joins(ws)
             self._finish(
                 ws,
                 wsm.FAILED,
@@ -116,6 +118,42 @@ class WeightSyncDriver:
         if not wsm.needs_push(ws):
             return
         self.push(ws)
+
+    def _cancel_joins(self, ws: Mapping[str, Any]) -> None:
+        """Replicas the dead operator asked to join the push's group wait for it until that push's
+        deadline, and refuse the trainer's next push meanwhile: cancel those joins (and leave the
+        group, if it formed). Scoped to the push's group, so a replica that moved on is left alone;
+        best effort, as a replica that does not answer ends the join by itself at the deadline."""
+        status = ws.get("status") or {}
+        group = status.get("groupId")
+        urls = {
+            str(r["pod"]): str(r["url"])
+            for r in status.get("replicas") or []
+            if r.get("url") and r.get("pod")
+        }
+        if not group or not urls:
+            return
+        model = str((ws.get("spec") or {}).get("rewardModelRef") or "")
+        try:
+            token = model_token(self.kube, ws["metadata"]["namespace"], model)
+        except (wsm.WeightSyncRefused, KubeError) as exc:
+            log.warning("could not cancel the joins of group %s: %s", group, exc)
+            return
+        for pod, url in urls.items():
+            try:
+                answer = self.replicas.close_communicator(url, token, str(group))
+            except ReplicaError as exc:
+                log.info("%s keeps its join of group %s until that push's deadline: %s", pod, group, exc)
+                continue
+            if answer.cancelled_join is not None:
+                log.info(
+                    "%s: cancelled its join of group %s (pending %.1fs)",
+                    pod,
+                    group,
+                    answer.cancelled_join.pending_s,
+                )
+            elif answer.closed:
+                log.info("%s: left group %s", pod, group)
 
     def _started(self, ws: Mapping[str, Any]) -> float:
         """When the push started, on this driver's clock (from ``status.startedAt``, which survives
@@ -352,8 +390,9 @@ class WeightSyncDriver:
         """Ask replica ``t`` to join the trainer's group. A replica still ending an earlier update
         (it refuses, and reports a background task: the transfer of a push whose operator died,
         which fails by itself once that trainer's group is gone) is waited for, as its answer
-        asks, until the push's deadline; any other refusal fails the push at once."""
-        waiting = False
+        asks, until the push's deadline; one whose update ended between its refusal and the
+        question whether one runs is asked again at once; any other refusal fails the push at once."""
+        waiting = asked_again = False
         while True:
             try:
                 self.replicas.init_communicator(
@@ -374,8 +413,15 @@ class WeightSyncDriver:
                     self._patch_status(ws, {"message": message})
                 return
             except ReplicaError as exc:
-                if self._clock() + BUSY_POLL_S > deadline or not self._busy(t.url, token):
+                if self._clock() + BUSY_POLL_S > deadline:
                     raise
+                if not self._busy(t.url, token):
+                    # refused for an update that ended before the question whether one runs: ask again
+                    if exc.code != UPDATE_IN_PROGRESS or asked_again:
+                        raise
+                    asked_again = True
+                    continue
+                asked_again = False
                 if not waiting:
                     waiting = True
                     note = f"waiting for {t.pod} to end an earlier update before it joins ({exc})"

@@ -24,6 +24,7 @@ from rewardplane.protocol import (
     AdmissionRequest,
     AdmissionResponse,
     BackgroundTasksResponse,
+    CloseCommunicatorRequest,
     CloseCommunicatorResponse,
     Endpoints,
     ErrorResponse,
@@ -299,9 +300,11 @@ def control_router(service: WeightSyncService, token: str | None) -> APIRouter:
     @router.post(
         Endpoints.CLOSE_COMMUNICATOR, response_model=CloseCommunicatorResponse, responses=errors(409, 413)
     )
-    async def close_communicator() -> CloseCommunicatorResponse:
-        """Leave the trainer's group; a join still waiting for the trainer is cancelled, and named."""
-        return CloseCommunicatorResponse(cancelled_join=await service.close())
+    async def close_communicator(req: CloseCommunicatorRequest | None = None) -> CloseCommunicatorResponse:
+        """Leave the trainer's group; a join still waiting for the trainer is cancelled, and named.
+        With a ``group_id``, only that group's (a server elsewhere answers ``closed: false``)."""
+        closed, cancelled = await service.close(req.group_id if req is not None else None)
+        return CloseCommunicatorResponse(closed=closed, cancelled_join=cancelled)
 
     def background_tasks() -> BackgroundTasksResponse:
         return BackgroundTasksResponse(

@@ -14,6 +14,7 @@ from rewardplane.protocol import (
     JOIN_GRACE_S,
     MAX_LAYOUTS,
     STALE_BASE,
+    UPDATE_IN_PROGRESS,
     CancelledJoin,
     InitCommunicatorRequest,
     RewardModelTrainingMode,
@@ -52,7 +53,8 @@ class AnnouncedPushes(DataPlanePushes):
             )
         if self.busy():
             raise Conflict(
-                "a weight update is in progress; wait for it (GET /get_num_background_tasks) and retry"
+                "a weight update is in progress; wait for it (GET /get_num_background_tasks) and retry",
+                detail={"code": UPDATE_IN_PROGRESS},
             )
         # One join at a time: the rendezvous cannot be interrupted, only given up on, so joins are
         # not queued; a pending one ends by forming, by its deadline or by POST /close_communicator.
@@ -131,8 +133,19 @@ class AnnouncedPushes(DataPlanePushes):
                 log.warning("abandoning join %s in the workers failed", pending.group_id, exc_info=True)
             raise
 
-    async def close(self) -> CancelledJoin | None:
-        """Leave the group; a join still waiting for the trainer is cancelled (and returned)."""
+    def in_group(self, group_id: str) -> bool:
+        """Whether this server is joining, or in, the group named ``group_id``."""
+        last = self._pending_join  # the last join: pending, formed (then its group), or over
+        return (
+            last is not None and last.group_id == group_id and (self._joining() is not None or self._has_comm)
+        )
+
+    async def close(self, group_id: str | None = None) -> tuple[bool, CancelledJoin | None]:
+        """Leave the group; a join still waiting for the trainer is cancelled (and returned). With
+        ``group_id``, only that group: (False, None) and nothing changed when the server is
+        neither joining nor in it."""
+        if group_id is not None and not self.in_group(group_id):
+            return False, None
         if self.busy():
             raise Conflict("a weight update is in progress; close the communicator after it finishes")
         cancelled = None
@@ -152,7 +165,7 @@ class AnnouncedPushes(DataPlanePushes):
         self._stop_listening()
         await self.port.call_workers("rp_close_communicator")
         self._has_comm = False
-        return cancelled
+        return True, cancelled
 
     # ---- update -----------------------------------------------------------------------------
     def _layout_of(self, req: UpdateParamBatchRequest) -> Layout:
