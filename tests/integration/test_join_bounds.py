@@ -171,6 +171,8 @@ def test_a_close_naming_a_group_cancels_that_groups_join_only(
         return answer
 
     assert close("push-g0") == {"status": "ok", "closed": False, "cancelled_join": None}
+    bad = httpx.post(f"{server.url}/close_communicator", json={"group_id": 5}, headers=AUTH, timeout=30)
+    assert bad.status_code == 422 and "group_id" in bad.text, bad.text  # refused, nothing closed
     tasks = httpx.get(f"{server.url}/get_num_background_tasks", headers=AUTH, timeout=10).json()
     assert tasks["num_background_tasks"] == 1  # the join of push-g1 still waits
     assert _join(server, silent_peer, 300).status_code == 409

@@ -298,7 +298,9 @@ def control_router(service: WeightSyncService, token: str | None) -> APIRouter:
         return StatusResponse(detail={"version": version})
 
     @router.post(
-        Endpoints.CLOSE_COMMUNICATOR, response_model=CloseCommunicatorResponse, responses=errors(409, 413)
+        Endpoints.CLOSE_COMMUNICATOR,
+        response_model=CloseCommunicatorResponse,
+        responses=errors(409, 413, 422),
     )
     async def close_communicator(req: CloseCommunicatorRequest | None = None) -> CloseCommunicatorResponse:
         """Leave the trainer's group; a join still waiting for the trainer is cancelled, and named.
