@@ -143,7 +143,8 @@ class WeightSyncDriver:
             try:
                 answer = self.replicas.close_communicator(url, token, str(group))
             except ReplicaError as exc:
-                log.info("%s keeps its join of group %s until that push's deadline: %s", pod, group, exc)
+                # busy with that group's update, or not answering: it ends by that push's deadline
+                log.info("%s: could not close group %s (%s)", pod, group, exc)
                 continue
             if answer.cancelled_join is not None:
                 log.info(
