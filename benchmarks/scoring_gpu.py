@@ -1701,6 +1701,8 @@ def main(argv: list[str] | None = None) -> int:
         "commit": os.environ.get("RP_COMMIT"),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0"),
+        # the reward server's final decoder layer on the pooled rows only (vllm_last_token)
+        "last_token_only": os.environ.get("REWARDPLANE_LAST_TOKEN_ONLY", "1"),
     }
     rows: list[dict[str, Any]] = []
     runs = [(size, size, bench_size) for size in args.size_list]

@@ -1,11 +1,28 @@
-"""What vLLM's worker processes import (``worker_extension_cls``): the weight-sync extension, and,
-before the model is built, the batch-invariant linear layers' matmul (``vllm_deterministic``)."""
+"""What vLLM's worker processes import (``worker_extension_cls``), before they build the model: the
+weight-sync extension, the batch-invariant linear layers' matmul (``vllm_deterministic``) and the
+Llama classifier that finishes its final layer on the pooled rows (``vllm_last_token``)."""
 
 from __future__ import annotations
 
+from rewardplane.protocol import settings
 from rewardplane.server.engines.vllm_deterministic import route_linear_layers
 from rewardplane.server.weight_sync.worker_extension import RewardWeightSyncExtension
 
-LINEAR_GEMM = route_linear_layers()
+LAST_TOKEN_MODEL = "rewardplane.server.engines.vllm_last_token:LastTokenLlamaForSequenceClassification"
 
-__all__ = ["LINEAR_GEMM", "RewardWeightSyncExtension"]
+
+def register_last_token_model() -> bool:
+    """Serve ``LlamaForSequenceClassification`` with ``LAST_TOKEN_MODEL`` unless turned off. By name:
+    vLLM imports it when it builds the model, after the worker has picked its device."""
+    if not settings.LAST_TOKEN_ONLY.get():
+        return False
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("LlamaForSequenceClassification", LAST_TOKEN_MODEL)
+    return True
+
+
+LINEAR_GEMM = route_linear_layers()
+LAST_TOKEN = register_last_token_model()
+
+__all__ = ["LAST_TOKEN", "LINEAR_GEMM", "RewardWeightSyncExtension"]
