@@ -102,8 +102,9 @@ def scenario(url: str) -> dict[str, list[list[float]]]:
     out["alone"] = [served(url, [t])[0][0] for t in TEXTS[:6]]
     out["texts"] = served(url, TEXTS)[0]
     out["mixed batch of 96"] = served(url, mixed_texts(96, seed=1))[0]
-    # REPEATED's blocks are cached by now: this prompt starts from them
-    out["cached prefix"] = served(url, [REPEATED + " A second sentence follows the cached first one."])[0]
+    # REPEATED's blocks are cached by now: these prompts start from them
+    tails = (" A second sentence follows.", " Then a question?", " no", " The end of the text, at last.")
+    out["cached prefix"] = served(url, [REPEATED + tail for tail in tails])[0]
     rng = random.Random(2)
     batches = [mixed_texts(rng.randint(1, 12), seed=100 + i) for i in range(24)]
     out["concurrent"] = [row for rows in asyncio.run(concurrent(url, batches)) for row in rows]
