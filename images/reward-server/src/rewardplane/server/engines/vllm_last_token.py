@@ -60,6 +60,7 @@ def engine_facts(vllm_config: Any) -> EngineFacts:
         sequence_parallel=bool(passes.enable_sp or passes.fuse_gemm_comms),
         breakable_cuda_graph=bool(envs.VLLM_USE_BREAKABLE_CUDAGRAPH),
         v2_model_runner=bool(envs.VLLM_USE_V2_MODEL_RUNNER),
+        batch_invariant=bool(envs.VLLM_BATCH_INVARIANT),
         layers=int(model.hf_config.num_hidden_layers),
     )
 
@@ -134,10 +135,7 @@ class LastTokenLlamaModel(LlamaModel):
         last = self.layers[self.end_layer - 1]
         rows = pooled_rows(last.self_attn.attn.layer_name)
         if rows is not None:
-            # Batch-invariant mode: a one-row matmul takes another kernel than two rows or more, and
-            # sums in another order; a prompt alone in its step would then score differently.
-            take = rows.repeat(2) if rows.numel() == 1 and envs.VLLM_BATCH_INVARIANT else rows
-            attn_out, residual = attn_out.index_select(0, take), residual.index_select(0, take)
+            attn_out, residual = attn_out.index_select(0, rows), residual.index_select(0, rows)
             _once(
                 "active",
                 logging.INFO,
@@ -148,7 +146,7 @@ class LastTokenLlamaModel(LlamaModel):
         hidden, _ = last.self_attn.o_proj(attn_out)
         hidden, residual = last.post_attention_layernorm(hidden, residual)
         hidden, _ = self.norm(last.mlp(hidden), residual)
-        return hidden if rows is None else out.index_copy_(0, rows, hidden[: rows.numel()])
+        return hidden if rows is None else out.index_copy_(0, rows, hidden)
 
 
 class LastTokenLlamaForSequenceClassification(as_seq_cls_model(LlamaForCausalLM)):  # type: ignore[misc]
