@@ -31,7 +31,6 @@ About 3-4 minutes on one H100 (three vLLM starts of ~1 minute each, seconds of s
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 from collections.abc import Iterator
@@ -46,7 +45,7 @@ from rewardplane.protocol.settings import DETERMINISTIC_GEMM
 from rewardplane.server.engines.vllm_deterministic import CUBLAS_MIN_MAJOR
 from rewardplane.testing.servers import ServerHandle
 from tests.gpu.conftest import LlamaSize, build_llama_seqcls
-from tests.gpu.vllm_support import device_count, start_vllm_server, stop, wait_ready
+from tests.gpu.vllm_support import device_count, record_result, start_vllm_server, stop, wait_ready
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -226,12 +225,7 @@ def report(
                 f"from the reference {r['reference']!r}, max |diff| {r['max_abs_diff']:.3g}; first (uncached) "
                 f"scoring {r['cold']!r} ({'equal' if r['cold_equals_reference'] else 'DIFFERENT'})"
             )
-    out = os.environ.get("OUT")
-    if out:
-        path = Path(out) / RESULT_FILE
-        data = json.loads(path.read_text()) if path.exists() else {}
-        data[what] = s
-        path.write_text(json.dumps(data, indent=2))
+    record_result(RESULT_FILE, what, s)
 
 
 # ---- fixtures --------------------------------------------------------------------------------

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -38,6 +36,7 @@ from tests.gpu.vllm_support import (
     assert_close,
     device_count,
     pearson,
+    record_result,
     reference_scores,
     rows_of,
     served,
@@ -111,15 +110,6 @@ def scenario(url: str) -> dict[str, list[list[float]]]:
     return out
 
 
-def record(key: str, value: Any) -> None:
-    out = os.environ.get("OUT")
-    if out:
-        path = Path(out) / RESULT_FILE
-        data = json.loads(path.read_text()) if path.exists() else {}
-        data[key] = value
-        path.write_text(json.dumps(data, indent=2))
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_llama_seqcls(tmp_path_factory.mktemp("vllm-last-token"), SIZE, num_labels=1, seed=5)
@@ -185,7 +175,7 @@ def test_pooled_rows_give_the_scores_of_vllms_own_model(
         "pooled_rows_max_abs": max_diff(got["texts"], reference),
         "every_row_max_abs": max_diff(every_row_scores["texts"], reference),
     }
-    record("TP=1", figures)
+    record_result(RESULT_FILE, "TP=1", figures)
     print(json.dumps(figures, indent=1))
 
     for case, rows in got.items():
@@ -215,6 +205,8 @@ def test_tensor_parallel_server_runs_the_pooled_rows(
         f"both tensor-parallel workers must choose the pooled rows ({handle.log_path})"
     )
     assert RAN in log
-    record("TP=2", {case: max_diff(rows, every_row_scores[case]) for case, rows in got.items()})
+    record_result(
+        RESULT_FILE, "TP=2", {case: max_diff(rows, every_row_scores[case]) for case, rows in got.items()}
+    )
     for case, rows in got.items():
         assert_close(rows, every_row_scores[case], f"TP=2, {case}: pooled rows vs every row (TP=1)")

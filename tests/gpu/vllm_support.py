@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import os
 import shlex
@@ -111,6 +112,16 @@ def served(url: str, texts: list[str] = TEXTS, endpoint: str = "/score") -> tupl
         return [d["probs"] for d in sorted(body["data"], key=lambda d: d["index"])], body["version"]
     body = post(url, "/pooling", {"input": texts})
     return [d["data"] for d in sorted(body["data"], key=lambda d: d["index"])], body["version"]
+
+
+def record_result(file_name: str, key: str, value: Any) -> None:
+    """Merge ``{key: value}`` into ``$OUT/file_name`` (where ``OUT`` is set: the device runs)."""
+    out = os.environ.get("OUT")
+    if out:
+        path = Path(out) / file_name
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[key] = value
+        path.write_text(json.dumps(data, indent=2))
 
 
 def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
