@@ -14,7 +14,7 @@ import torch
 
 from rewardplane.protocol import ParamMeta, plan_buckets
 from rewardplane.protocol.slices import needs_from_json, needs_key, slice_schedule
-from rewardplane.server.weight_sync.worker_extension import HFWeightSyncWorker
+from rewardplane.server.weight_sync.worker_extension import HFWeightSyncWorker, RewardWeightSyncExtension
 from rewardplane.testing.servers import free_port
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.sliced import send_slices
@@ -33,7 +33,7 @@ class Joined:
     """A worker (rank 0) and the trainer (rank 1, host of the store) in one gloo group; ``worker``:
     one that was in another group before (a new group per push, as through the operator)."""
 
-    def __init__(self, worker: HFWeightSyncWorker | None = None) -> None:
+    def __init__(self, worker: RewardWeightSyncExtension | None = None) -> None:
         port = free_port()
         self.worker = worker or HFWeightSyncWorker(torch.nn.Linear(4, 3), torch.device("cpu"))
         made: list[Communicator] = []
