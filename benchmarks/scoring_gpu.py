@@ -72,6 +72,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any, NamedTuple, TypedDict, TypeVar
 
+from rewardplane.protocol.settings import LAST_TOKEN_ONLY
 from rewardplane.testing.processes import stop_process
 
 SIZES: dict[str, dict[str, int]] = {
@@ -90,6 +91,8 @@ GOAL_VS_OFFLINE_DEFAULT = 0.95
 GOAL_VS_SERVE = 1.0
 GOAL_VS_HF = 2.0
 SERVED_NAME = "reward-model"
+# vLLM offline with vLLM's own model (every row), beside the offline phase with the pooled rows
+EVERY_ROW_PHASE = "offline-every-row"
 # The judge's tokenizer: these special tokens, then one word per further id ("w4" ... "w31999"), so a
 # prompt of n random words is n tokens and every generated id decodes to text.
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
@@ -1151,6 +1154,25 @@ def describe_answers(p: dict[str, float], offline_tok_s: float) -> str:
     )
 
 
+def fmt_rounds(values: list[float]) -> str:
+    return f"{min(values):.3f}-{max(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+
+
+def pooled_rows_gain(
+    offline: dict[str, Any], every_row: dict[str, Any], round_tokens: list[int]
+) -> dict[str, Any]:
+    """vLLM offline with the final layer on the pooled rows (as the server runs it) against vLLM's
+    own model on the same prompt sets: throughput ratio per round, its median, and the scores' gap."""
+    pooled_s, every_s = offline["round_seconds"], every_row["round_seconds"]
+    rounds = [e / p for p, e in zip(pooled_s, every_s, strict=True)]
+    return {
+        "offline_every_row_tok_s": median(t / x for t, x in zip(round_tokens, every_s, strict=True)),
+        "pooled_rows_vs_every_row_rounds": rounds,
+        "pooled_rows_vs_every_row": median(rounds),
+        "pooled_rows_vs_every_row_max_abs_diff": max_abs(offline["scores"], every_row["scores"]),
+    }
+
+
 def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, Any]) -> dict[str, Any]:
     work = root / size
     model_dir, built = built_model("build", size, f"[{size}]", work, args)
@@ -1182,6 +1204,18 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
         f"batch limits {offline['batch_limits']})",
         flush=True,
     )
+    every_row = None
+    if args.offline_every_row:
+        wait_gpu_free()
+        every_row = run_phase(EVERY_ROW_PHASE, model_dir, work, args)
+        gain = pooled_rows_gain(offline, every_row, [tokens] + [sum(map(len, r)) for r in prompts["rounds"]])
+        print(
+            f"[{size}] vLLM offline, every row ({LAST_TOKEN_ONLY.name}=0): "
+            f"{gain['offline_every_row_tok_s']:,.0f} tok/s; pooled rows ÷ every row "
+            f"{gain['pooled_rows_vs_every_row']:.3f} (rounds {fmt_rounds(gain['pooled_rows_vs_every_row_rounds'])}); "
+            f"max |diff| {gain['pooled_rows_vs_every_row_max_abs_diff']:.4f}",
+            flush=True,
+        )
     wait_gpu_free()
     serve: dict[str, Any] | None = None
     serve_error = None
@@ -1265,6 +1299,8 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
         },
         "startup_s": {"offline": offline["startup_s"], "server": server["startup_s"]},
     }
+    if every_row is not None:
+        row.update(pooled_rows_gain(offline, every_row, round_tokens))
     if serve_error is not None:
         row["vllm_serve_error"] = serve_error
     if serve is not None and serve_run is not None:
@@ -1506,6 +1542,12 @@ def print_scoring_table(rows: list[dict[str, Any]], args: argparse.Namespace) ->
                 end="",
             )
         print()
+        if "pooled_rows_vs_every_row" in r:
+            print(
+                f"{'':>6} offline, pooled rows ÷ every row: {r['pooled_rows_vs_every_row']:.3f} (rounds "
+                f"{fmt_rounds(r['pooled_rows_vs_every_row_rounds'])}; every row "
+                f"{r['offline_every_row_tok_s']:,.0f} tok/s; max |diff| {r['pooled_rows_vs_every_row_max_abs_diff']:.4f})"
+            )
         for k, v in r["other_request_sizes"].items():
             print(
                 f"{'':>6} {'':>7} server with {k} prompt(s)/request: {v['tok_s']:,.0f} tok/s = {v['vs_offline']:.3f} x offline"
@@ -1617,6 +1659,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--skip-vllm-serve", action="store_true", help="no vllm serve phase")
     p.add_argument(
+        "--offline-every-row",
+        action="store_true",
+        help="scoring: also run vLLM offline with REWARDPLANE_LAST_TOKEN_ONLY=0 (vLLM's own model, the "
+        "final decoder layer on every row) and report the pooled rows' gain over it, round by round",
+    )
+    p.add_argument(
         "--interleave",
         action="store_true",
         help="scoring: the reward server and vllm serve up at once, half the memory fraction each, "
@@ -1644,7 +1692,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/rp-scoring-bench"))
     p.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
     # internal: one phase in this process
-    p.add_argument("--phase", choices=["build", "build-judge", "offline", "hf"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--phase", choices=["build", "build-judge", "offline", EVERY_ROW_PHASE, "hf"], help=argparse.SUPPRESS
+    )
     p.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--size", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -1699,10 +1749,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             prompts = json.loads((work / "prompts.json").read_text())
             settle_heap()
+            if args.phase == EVERY_ROW_PHASE:
+                # read by the reward server's worker extension in vLLM's workers (they inherit it)
+                os.environ[LAST_TOKEN_ONLY.name] = "0"
             out = (
-                phase_offline(args.model_dir, prompts, args)
-                if args.phase == "offline"
-                else phase_hf(args.model_dir, prompts, args)
+                phase_hf(args.model_dir, prompts, args)
+                if args.phase == "hf"
+                else phase_offline(args.model_dir, prompts, args)
             )
         (work / f"{args.phase}.json").write_text(json.dumps(out))
         return 0
@@ -1712,7 +1765,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0"),
         # the reward server's final decoder layer on the pooled rows only (vllm_last_token)
-        "last_token_only": os.environ.get("REWARDPLANE_LAST_TOKEN_ONLY", "1"),
+        "last_token_only": os.environ.get(LAST_TOKEN_ONLY.name, "1"),
     }
     rows: list[dict[str, Any]] = []
     runs = [(size, size, bench_size) for size in args.size_list]
