@@ -25,6 +25,7 @@ leaves vLLM's own model in place.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from itertools import islice
 from typing import Any
@@ -48,11 +49,14 @@ def engine_facts(vllm_config: Any) -> EngineFacts:
         vllm_config.parallel_config,
         vllm_config.compilation_config,
     )
-    pooler = model.pooler_config
+    pooling: str | None = None
+    if model.pooler_config is not None:
+        with contextlib.suppress(ValueError):  # raised while no sequence pooling type is resolved
+            pooling = str(model.pooler_config.get_seq_pooling_type())
     passes = compilation.pass_config
     mode = compilation.cudagraph_mode
     return EngineFacts(
-        pooling=str(pooler.get_seq_pooling_type()) if pooler is not None else None,
+        pooling=pooling,
         lora=vllm_config.lora_config is not None,
         pipeline_parallel=int(parallel.pipeline_parallel_size),
         micro_batching=bool(parallel.use_ubatching),
