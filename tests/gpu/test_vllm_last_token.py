@@ -51,24 +51,12 @@ SIZE = LlamaSize(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=4096)
 CHOSEN = "final decoder layer: output projection, MLP and norm on each prompt's last token"
 RAN = "final decoder layer on the pooled rows only:"
 RESULT_FILE = "last_token_test.json"
+# fmt: off
 WORDS = [
-    "the",
-    "a",
-    "reward",
-    "model",
-    "policy",
-    "answer",
-    "question",
-    "helpful",
-    "honest",
-    "step",
-    "sea",
-    "night",
-    "poem",
-    "kernel",
-    "batch",
-    "score",
+    "the", "a", "reward", "model", "policy", "answer", "question", "helpful",
+    "honest", "step", "sea", "night", "poem", "kernel", "batch", "score",
 ]
+# fmt: on
 
 
 def mixed_texts(n: int, seed: int) -> list[str]:
