@@ -1204,11 +1204,12 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
         f"batch limits {offline['batch_limits']})",
         flush=True,
     )
-    every_row = None
+    # per round (fresh prompts each): tokens/s of each engine and the ratios; the medians are the figures
+    round_tokens = [tokens] + [sum(map(len, r)) for r in prompts["rounds"]]
+    gain: dict[str, Any] | None = None
     if args.offline_every_row:
         wait_gpu_free()
-        every_row = run_phase(EVERY_ROW_PHASE, model_dir, work, args)
-        gain = pooled_rows_gain(offline, every_row, [tokens] + [sum(map(len, r)) for r in prompts["rounds"]])
+        gain = pooled_rows_gain(offline, run_phase(EVERY_ROW_PHASE, model_dir, work, args), round_tokens)
         print(
             f"[{size}] vLLM offline, every row ({LAST_TOKEN_ONLY.name}=0): "
             f"{gain['offline_every_row_tok_s']:,.0f} tok/s; pooled rows ÷ every row "
@@ -1262,8 +1263,6 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
         hf = run_phase("hf", model_dir, work, args)
         print(f"[{size}] transformers padded: {tokens / hf['seconds']:,.0f} tok/s", flush=True)
 
-    # per round (fresh prompts each): tokens/s of each engine and the ratios; the medians are the figures
-    round_tokens = [tokens] + [sum(map(len, r)) for r in prompts["rounds"]]
     off_s, srv_s = offline["round_seconds"], primary["round_seconds"]
     row: dict[str, Any] = {
         "kind": "score",
@@ -1299,8 +1298,8 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
         },
         "startup_s": {"offline": offline["startup_s"], "server": server["startup_s"]},
     }
-    if every_row is not None:
-        row.update(pooled_rows_gain(offline, every_row, round_tokens))
+    if gain is not None:
+        row.update(gain)
     if serve_error is not None:
         row["vllm_serve_error"] = serve_error
     if serve is not None and serve_run is not None:
