@@ -21,8 +21,14 @@ scoring of either probe, the first included, must be equal.
 
 Each probe is scored alone, at the first, middle and last index of batches of 2, 7, 33 and 128
 texts (other texts of 1-160 words, fresh ones for every batch), and in 3 rounds of 24 concurrent
-background requests with 6 probe requests sent while those are in flight. Scores are compared with
-``==`` on the floats the server returns (fp32 head outputs, serialized exactly).
+background requests with 6 probe requests sent while those are in flight. Eight more texts (1-160
+words) are each scored alone, twice, then the eight in one batch and among 56 others, so that a
+difference that two probes might miss by chance shows. Scores are compared with ``==`` on the
+floats the server returns (fp32 head outputs, serialized exactly).
+
+The servers run the final decoder layer on the pooled rows only (``vllm_last_token``), as by
+default: its few rows per step, and the score head's, run on vLLM's Triton matmul in this mode
+(with cuBLASLt a prompt alone in its step scored 1 ulp away from its score in larger steps).
 
 Env knobs: ``RP_VLLM_SERVER_ARGS`` (extra server flags), ``RP_VLLM_STARTUP_S`` (start timeout).
 About 3-4 minutes on one H100 (three vLLM starts of ~1 minute each, seconds of scoring).
@@ -61,6 +67,8 @@ LONG_PROBE = (
     "of many other requests that the server happens to be scoring at the same moment."
 )
 PROBES = {"short": SHORT_PROBE, "long": LONG_PROBE}
+MORE_TEXTS = 8  # scored alone and batched besides the probes
+MORE_TEXTS_AMONG = 56  # other texts in the mixed batch
 BATCH_SIZES = (2, 7, 33, 128)
 POSITIONS = ("first", "middle", "last")
 CONCURRENT_ROUNDS = 3
@@ -190,6 +198,28 @@ def run_cases(url: str, probe_id: int, probe: str) -> tuple[ProbeRun, int]:
     return run, distinct
 
 
+def run_more_texts(url: str) -> dict[str, ProbeRun]:
+    """``MORE_TEXTS`` texts, each alone (twice), then all in one batch and spread among others."""
+    texts = other_texts(MORE_TEXTS, seed=77)
+    mixed = other_texts(MORE_TEXTS_AMONG, seed=78)
+    # inserted in ascending order, each text ends up at its slot
+    slots = random.Random(79).sample(range(len(mixed) + len(texts)), len(texts))
+    for slot, text in sorted(zip(slots, texts, strict=True)):
+        mixed.insert(slot, text)
+    runs: dict[str, ProbeRun] = {}
+    with httpx.Client(timeout=httpx.Timeout(180.0)) as client:
+        for i, text in enumerate(texts):
+            (cold,), (tokens,) = score(client, url, [text])
+            (ref,), _ = score(client, url, [text])
+            runs[f"text {i}"] = ProbeRun(tokens=tokens, cold=cold, ref=ref)
+        together, _ = score(client, url, texts)
+        among, _ = score(client, url, mixed)
+    for i, at in enumerate(slots):
+        runs[f"text {i}"].cases[f"the {MORE_TEXTS} together, index {i}"] = together[i]
+        runs[f"text {i}"].cases[f"among {len(mixed)} texts, index {at}"] = among[at]
+    return runs
+
+
 def summary(runs: dict[str, ProbeRun]) -> dict[str, Any]:
     return {
         name: {
@@ -279,14 +309,15 @@ def test_scores_bit_identical_in_batch_invariant_mode(
     for probe_id, (name, probe) in enumerate(PROBES.items()):
         runs[name], d = run_cases(handle.url, probe_id, probe)
         distinct = max(distinct, d)
+    runs.update(run_more_texts(handle.url))
     gemm = "triton" if server == "invariant-triton" or gpu_major() < CUBLAS_MIN_MAJOR else "cublas"
     report(f"--deterministic, linear layers on {gemm}", runs, handle, capsys)
 
     # the server ran the matmul this case is about (its vLLM worker logs the choice)
     assert f"linear layers on {gemm}" in handle.log(), f"no 'linear layers on {gemm}' in {handle.log_path}"
-    # and its final decoder layer on every row: on the pooled rows alone a prompt alone in its step
-    # scored 1 ulp away from its score in larger steps (H200, cuBLASLt)
-    assert "final decoder layer on every row: batch-invariant mode" in handle.log(), handle.log_path
+    # and the final decoder layer on the pooled rows, those rows on the Triton matmul
+    assert "final decoder layer on the pooled rows only" in handle.log(), handle.log_path
+    assert "the final layer's pooled rows on vLLM's Triton matmul" in handle.log(), handle.log_path
 
     # the comparisons mean something: different texts get different scores
     assert runs["short"].ref != runs["long"].ref
@@ -312,6 +343,7 @@ def test_default_mode_differences_recorded(
         pytest.skip("RP_BI_DEFAULT_SERVER=0: no default-mode server")
     url = servers["default"].url
     runs = {name: run_cases(url, probe_id, probe)[0] for probe_id, (name, probe) in enumerate(PROBES.items())}
+    runs.update(run_more_texts(url))
     report("VLLM_BATCH_INVARIANT=0 (default mode)", runs, servers["default"], capsys)
     assert any(r.mismatches() or r.cold != r.ref for r in runs.values()), (
         "default mode gave bit-identical scores in every case: the test could not tell the modes apart"

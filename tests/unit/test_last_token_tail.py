@@ -42,7 +42,6 @@ def test_the_served_configuration_runs_the_pooled_rows_only() -> None:
         ({"breakable_cuda_graph": True}, "VLLM_USE_BREAKABLE_CUDAGRAPH=1"),
         ({"v2_model_runner": True}, "VLLM_USE_V2_MODEL_RUNNER=1"),
         ({"layers": 0}, "no decoder layer"),
-        ({"batch_invariant": True}, "batch-invariant mode (--deterministic)"),
     ],
 )
 def test_each_condition_that_needs_every_row_is_named(change: dict[str, object], named: str) -> None:

@@ -28,9 +28,6 @@ class EngineFacts:
     breakable_cuda_graph: bool  # VLLM_USE_BREAKABLE_CUDAGRAPH=1 also wraps the whole model
     v2_model_runner: bool  # VLLM_USE_V2_MODEL_RUNNER=1: another runner, its row layout unchecked
     layers: int
-    # --deterministic: on H200 a prompt alone in its step scored 1 ulp away from the same prompt
-    # in larger steps with the tail on the pooled rows; every row keeps scores bit-identical
-    batch_invariant: bool = False
 
 
 def why_every_row(f: EngineFacts) -> str | None:
@@ -45,9 +42,5 @@ def why_every_row(f: EngineFacts) -> str | None:
         (f.breakable_cuda_graph, "VLLM_USE_BREAKABLE_CUDAGRAPH=1 wraps the whole model in a graph"),
         (f.v2_model_runner, "VLLM_USE_V2_MODEL_RUNNER=1 (the pooled rows are checked with the V1 runner)"),
         (f.layers < 1, "the model has no decoder layer"),
-        (
-            f.batch_invariant,
-            "batch-invariant mode (--deterministic) keeps every row for bit-identical scores",
-        ),
     )
     return next((why for applies, why in reasons if applies), None)

@@ -13,10 +13,17 @@ does not trust cuBLASLt, or with ``REWARDPLANE_DETERMINISTIC_GEMM=triton``, vLLM
 
 ``linear_gemm`` is the decision (pure); ``route_linear_layers`` applies it in a vLLM worker process,
 before the model is built and compiled (vLLM imports the worker extension at worker start).
+
+cuBLASLt without split-K is row-invariant for the model's large GEMMs, not for a handful of rows: it
+picks other kernels for a few rows, with their own reduction order (on H200 a prompt alone in its
+step scored 1 fp32 ulp away from the same prompt in larger steps, once the final decoder layer ran
+on the pooled rows only, one row per prompt). ``any_row_count`` puts such layers on vLLM's Triton
+matmul, whose tiles do not depend on the row count; the work there is a few rows per step.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Literal
 
@@ -69,3 +76,34 @@ def _linear_layers_on_cublas() -> None:
 
     apply._rewardplane_cublas = True  # type: ignore[attr-defined]
     method.apply = apply
+
+
+def any_row_count(*layers: Any) -> int:
+    """In batch-invariant mode, run these linear layers (eager ones that see a few rows per step: the
+    pooled rows) on vLLM's Triton matmul, exact for any row count. Returns how many were switched;
+    quantized layers keep their own method. A no-op outside batch-invariant mode."""
+    import vllm.envs as envs
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    if not envs.VLLM_BATCH_INVARIANT:
+        return 0
+    switched = 0
+    for layer in layers:
+        if type(layer.quant_method) is UnquantizedLinearMethod:
+            layer.quant_method = _any_row_count_method()()
+            switched += 1
+    return switched
+
+
+@functools.cache
+def _any_row_count_method() -> type:
+    from vllm.model_executor.layers.batch_invariant import linear_batch_invariant
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    class AnyRowCountLinearMethod(UnquantizedLinearMethod):
+        """Weights as vLLM's unquantized layers; the product on the row-count-exact Triton matmul."""
+
+        def apply(self, layer: Any, x: Any, bias: Any = None) -> Any:
+            return linear_batch_invariant(x, layer.weight, bias)
+
+    return AnyRowCountLinearMethod

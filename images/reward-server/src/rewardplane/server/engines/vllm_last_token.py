@@ -38,6 +38,7 @@ from vllm.model_executor.models.adapters import as_seq_cls_model
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 from rewardplane.server.engines.last_token_tail import EngineFacts, why_every_row
+from rewardplane.server.engines.vllm_deterministic import any_row_count
 
 # under vLLM's logger: in its worker processes only vLLM's loggers have a handler
 log = logging.getLogger("vllm.rewardplane.last_token")
@@ -64,7 +65,6 @@ def engine_facts(vllm_config: Any) -> EngineFacts:
         sequence_parallel=bool(passes.enable_sp or passes.fuse_gemm_comms),
         breakable_cuda_graph=bool(envs.VLLM_USE_BREAKABLE_CUDAGRAPH),
         v2_model_runner=bool(envs.VLLM_USE_V2_MODEL_RUNNER),
-        batch_invariant=bool(envs.VLLM_BATCH_INVARIANT),
         layers=int(model.hf_config.num_hidden_layers),
     )
 
@@ -160,17 +160,24 @@ class LastTokenLlamaForSequenceClassification(as_seq_cls_model(LlamaForCausalLM)
         self, vllm_config: Any, prefix: str = "", layer_type: type[torch.nn.Module] = LlamaDecoderLayer
     ) -> LlamaModel:
         why = why_every_row(engine_facts(vllm_config))
-        if why is None:
-            log.info("final decoder layer: output projection, MLP and norm on each prompt's last token")
-            return LastTokenLlamaModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
-        log.info("final decoder layer on every row: %s", why)
-        return LlamaModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+        if why is not None:
+            log.info("final decoder layer on every row: %s", why)
+            return LlamaModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+        log.info("final decoder layer: output projection, MLP and norm on each prompt's last token")
+        model = LastTokenLlamaModel(vllm_config=vllm_config, prefix=prefix, layer_type=layer_type)
+        last = model.layers[model.end_layer - 1]
+        if any_row_count(last.self_attn.o_proj, last.mlp.gate_up_proj, last.mlp.down_proj):
+            # batch-invariant mode: the tail's few rows per step must not change the kernels
+            log.info("batch-invariant mode: the final layer's pooled rows on vLLM's Triton matmul")
+        return model
 
     def _init_pooler(self, vllm_config: Any, prefix: str = "") -> Any:
         pooler = super()._init_pooler(vllm_config, prefix)  # also builds the score head
         if isinstance(self.model, LastTokenLlamaModel):
             # token_classify reads every row, which are zero here: offer classify only
             pooler = DispatchPooler({"classify": pooler.poolers_by_task["classify"]})
+            # the head sees one row per prompt of the step: as few as one
+            any_row_count(self.score)
         return pooler
 
     def forward(
