@@ -62,6 +62,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.scoring_gpu import (  # noqa: E402
     SIZES,
+    add_engine_arguments,
+    check_engine_arguments,
+    engine_flags,
     make_prompts,
     offline_batch_limits,
     offline_scorer,
@@ -400,7 +403,7 @@ def child(
         str(args.max_len),
         "--gpu-memory-utilization",
         str(args.gpu_memory_utilization),
-        *(["--enforce-eager"] if args.enforce_eager else []),
+        *engine_flags(args),
         *(["--keep-traces"] if args.keep_traces else []),
         *extra,
     ]
@@ -536,7 +539,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-len", type=int, default=64)
     p.add_argument("--max-len", type=int, default=1024, help="longest prompt; also max_model_len")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs")
+    add_engine_arguments(p)  # as the scoring benchmark's (its vllm_kwargs reads them)
     p.add_argument("--top", type=int, default=12, help="kernels listed by difference")
     p.add_argument("--keep-traces", action="store_true", help="keep the trace files (default: deleted)")
     p.add_argument("--reuse-models", action="store_true", help="use a model built earlier in --workdir")
@@ -568,6 +571,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--rounds, --time-prompts and --profile-prompts must be >= 1")
     if not 1 <= args.min_len <= args.max_len:
         p.error("need 1 <= --min-len <= --max-len")
+    check_engine_arguments(p, args)
     return args
 
 

@@ -651,6 +651,32 @@ def judge_model_len(args: argparse.Namespace) -> int:
     return 2 * args.max_len + CHAT_ROOM + args.judge_output_tokens
 
 
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The vLLM engine settings a benchmark applies to every engine it starts (``engine_flags``,
+    ``vllm_kwargs``); check them with ``check_engine_arguments``."""
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (faster start)"
+    )
+    p.add_argument(
+        "--compilation-config",
+        default="",
+        help="vLLM's compilation config (JSON) for every vLLM engine the benchmark starts, e.g. "
+        "'{\"cudagraph_capture_sizes\": [512, 1024, 2048]}'",
+    )
+
+
+def check_engine_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a compilation config that is not a JSON object before anything starts."""
+    if not args.compilation_config:
+        return
+    try:
+        config = json.loads(args.compilation_config)
+    except json.JSONDecodeError as exc:
+        p.error(f"--compilation-config is not JSON ({exc}): {args.compilation_config!r}")
+    if not isinstance(config, dict):
+        p.error(f"--compilation-config must be a JSON object, got {args.compilation_config!r}")
+
+
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The vLLM engine settings of this run as flags, the same for every engine started as a
     process (the reward server, ``vllm serve``, the offline phase); ``vllm_kwargs`` applies them
@@ -1643,15 +1669,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--hf-batch", type=int, default=64)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    p.add_argument(
-        "--enforce-eager", action="store_true", help="no torch.compile / CUDA graphs (faster start)"
-    )
-    p.add_argument(
-        "--compilation-config",
-        default="",
-        help="vLLM's compilation config (JSON) for every vLLM engine the benchmark starts: offline, the "
-        "reward server and vllm serve, e.g. '{\"cudagraph_capture_sizes\": [512, 1024, 2048]}'",
-    )
+    add_engine_arguments(p)
     p.add_argument("--skip-hf", action="store_true", help="no transformers phase")
     p.add_argument(
         "--hf-sizes", default="0.4b,1.4b", help="sizes that get the transformers phase (default: 0.4b,1.4b)"
@@ -1707,13 +1725,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown sizes {unknown}; choose from {sorted(SIZES)}")
     if not args.phase and not args.size_list and not args.judge_size_list:
         p.error("nothing to measure: --sizes and --judge-sizes are both empty")
-    if args.compilation_config:
-        try:
-            config = json.loads(args.compilation_config)
-        except json.JSONDecodeError as exc:
-            p.error(f"--compilation-config is not JSON ({exc}): {args.compilation_config!r}")
-        if not isinstance(config, dict):
-            p.error(f"--compilation-config must be a JSON object, got {args.compilation_config!r}")
+    check_engine_arguments(p, args)
     if min(args.judge_prompts, args.judge_output_tokens, args.rounds, args.concurrency) < 1:
         p.error("--judge-prompts, --judge-output-tokens, --rounds and --concurrency must be >= 1")
     return args
