@@ -260,7 +260,9 @@ DETERMINISTIC_GEMM: Setting[str] = _register(
         "which matmul the linear layers use under --deterministic (vLLM's batch-invariant mode): "
         "auto: cuBLASLt without split-K on compute capability 9.0 and later (Hopper, Blackwell), "
         "where it is batch-invariant, and vLLM's Triton persistent matmul on older GPUs; triton: "
-        "vLLM's Triton matmul everywhere (slower, as vLLM ships it)",
+        "vLLM's Triton matmul everywhere (slower, as vLLM ships it). Either way, where the final "
+        "decoder layer runs on the pooled rows (REWARDPLANE_LAST_TOKEN_ONLY), those few rows per "
+        "step and the score head run on the Triton matmul",
         "reward server (vLLM workers)",
         _choice(*DETERMINISTIC_GEMMS),
     )
