@@ -26,12 +26,17 @@ words) are each scored alone, twice, then the eight in one batch and among 56 ot
 difference that two probes might miss by chance shows. Scores are compared with ``==`` on the
 floats the server returns (fp32 head outputs, serialized exactly).
 
+A server started first, alone, runs ``--deterministic --enforce-eager`` (``-k eager`` runs only
+it): eager, RMSNorm with a residual would be vLLM's fused CUDA kernel, whose thread block is 1024
+wide below 256 tokens per launch and 256 above (vllm#48391); the server puts it on vLLM's Triton
+norm kernel (``vllm_deterministic.residual_norm_rows_exact``).
+
 The servers run the final decoder layer on the pooled rows only (``vllm_last_token``), as by
 default: its few rows per step, and the score head's, run on vLLM's Triton matmul in this mode
 (with cuBLASLt a prompt alone in its step scored 1 ulp away from its score in larger steps).
 
 Env knobs: ``RP_VLLM_SERVER_ARGS`` (extra server flags), ``RP_VLLM_STARTUP_S`` (start timeout).
-About 3-4 minutes on one H100 (three vLLM starts of ~1 minute each, seconds of scoring).
+About 4-5 minutes on one H100 (four vLLM starts of ~1 minute each, seconds of scoring).
 """
 
 from __future__ import annotations
@@ -299,25 +304,49 @@ def servers(bi_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 # ---- tests -----------------------------------------------------------------------------------
 
 
+def test_scores_bit_identical_when_eager(
+    bi_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--deterministic --enforce-eager``: vLLM's custom ops (RMSNorm's CUDA kernels) instead of
+    compiled code. Eager, RMSNorm with a residual would be vLLM's fused CUDA kernel, whose block width
+    changes at 256 tokens per launch; the server puts it on the Triton norm kernel in this mode. Runs
+    first, its server alone on GPU 0 and stopped before the other servers start."""
+    handle = start_vllm_server(bi_model, tmp_path, gpu=0, deterministic=True, enforce_eager=True)
+    try:
+        wait_ready(handle)
+        assert "--enforce-eager" in handle.args
+        gemm = "triton" if gpu_major() < CUBLAS_MIN_MAJOR else "cublas"
+        check_bit_identical(handle, gemm, f"--deterministic --enforce-eager, linear layers on {gemm}", capsys)
+    finally:
+        stop(handle)
+
+
 @pytest.mark.parametrize("server", ["invariant", "invariant-triton"])
 def test_scores_bit_identical_in_batch_invariant_mode(
     server: str, servers: dict[str, ServerHandle], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    handle = servers[server]
+    gemm = "triton" if server == "invariant-triton" or gpu_major() < CUBLAS_MIN_MAJOR else "cublas"
+    check_bit_identical(servers[server], gemm, f"--deterministic, linear layers on {gemm}", capsys)
+
+
+def check_bit_identical(
+    handle: ServerHandle, gemm: str, what: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     runs: dict[str, ProbeRun] = {}
     distinct = 0
     for probe_id, (name, probe) in enumerate(PROBES.items()):
         runs[name], d = run_cases(handle.url, probe_id, probe)
         distinct = max(distinct, d)
     runs.update(run_more_texts(handle.url))
-    gemm = "triton" if server == "invariant-triton" or gpu_major() < CUBLAS_MIN_MAJOR else "cublas"
-    report(f"--deterministic, linear layers on {gemm}", runs, handle, capsys)
+    report(what, runs, handle, capsys)
 
     # the server ran the matmul this case is about (its vLLM worker logs the choice)
     assert f"linear layers on {gemm}" in handle.log(), f"no 'linear layers on {gemm}' in {handle.log_path}"
     # and the final decoder layer on the pooled rows, those rows on the Triton matmul
     assert "final decoder layer on the pooled rows only" in handle.log(), handle.log_path
     assert "the final layer's pooled rows on vLLM's Triton matmul" in handle.log(), handle.log_path
+    # and RMSNorm with a residual on the Triton norm kernel where it runs eagerly
+    assert "RMSNorm with a residual on vLLM's Triton norm kernel" in handle.log(), handle.log_path
 
     # the comparisons mean something: different texts get different scores
     assert runs["short"].ref != runs["long"].ref

@@ -14,6 +14,14 @@ does not trust cuBLASLt, or with ``REWARDPLANE_DETERMINISTIC_GEMM=triton``, vLLM
 ``linear_gemm`` is the decision (pure); ``route_linear_layers`` applies it in a vLLM worker process,
 before the model is built and compiled (vLLM imports the worker extension at worker start).
 
+Run eagerly (``--enforce-eager``, or RMSNorm as a custom op), vLLM 0.24's batch-invariant RMSNorm
+with a residual is not batch-invariant: it calls the fused add-and-norm CUDA kernel, whose thread
+block is 1024 wide for launches of fewer than 256 tokens and 256 wide above, so each row's sum of
+squares is reduced in another order when the step's token count crosses 256 (vllm#48391).
+``residual_norm_rows_exact`` adds the residual first and normalises with vLLM's Triton norm kernel,
+whose block does not depend on the token count. Compiled (the default), the norms are inductor
+code and never reach either kernel.
+
 cuBLASLt without split-K is row-invariant for the model's large GEMMs, not for a handful of rows: it
 picks other kernels for a few rows, with their own reduction order (on H200 a prompt alone in its
 step scored 1 fp32 ulp away from the same prompt in larger steps, once the final decoder layer ran
@@ -76,6 +84,31 @@ def _linear_layers_on_cublas() -> None:
 
     apply._rewardplane_cublas = True  # type: ignore[attr-defined]
     method.apply = apply
+
+
+def residual_norm_rows_exact() -> bool:
+    """In batch-invariant mode, make RMSNorm with a residual exact for any token count where it runs
+    as vLLM's custom op (eager); returns whether it was patched (in this mode: always)."""
+    import vllm.envs as envs
+
+    if not envs.VLLM_BATCH_INVARIANT:
+        return False
+    from vllm.model_executor.layers import layernorm
+
+    stock = layernorm.rms_norm_batch_invariant
+    if getattr(stock, "_rewardplane_rows_exact", False):
+        return True
+
+    def rms_norm(input: Any, weight: Any, eps: float = 1e-6, residual: Any = None) -> Any:
+        if residual is None:
+            return stock(input, weight, eps)  # vLLM's Triton kernel: one fixed block per row
+        added = input + residual  # as the fused kernel: the sum in the activations' dtype
+        return stock(added, weight, eps), added
+
+    rms_norm._rewardplane_rows_exact = True  # type: ignore[attr-defined]
+    layernorm.rms_norm_batch_invariant = rms_norm
+    log.info("batch-invariant mode: RMSNorm with a residual on vLLM's Triton norm kernel when eager")
+    return True
 
 
 def any_row_count(*layers: Any) -> int:

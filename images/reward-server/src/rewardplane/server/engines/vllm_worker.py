@@ -5,7 +5,7 @@ Llama classifier that finishes its final layer on the pooled rows (``vllm_last_t
 from __future__ import annotations
 
 from rewardplane.protocol import settings
-from rewardplane.server.engines.vllm_deterministic import route_linear_layers
+from rewardplane.server.engines.vllm_deterministic import residual_norm_rows_exact, route_linear_layers
 from rewardplane.server.weight_sync.worker_extension import RewardWeightSyncExtension
 
 LAST_TOKEN_MODEL = "rewardplane.server.engines.vllm_last_token:LastTokenLlamaForSequenceClassification"
@@ -23,6 +23,7 @@ def register_last_token_model() -> bool:
 
 
 LINEAR_GEMM = route_linear_layers()
+RESIDUAL_NORM_EXACT = residual_norm_rows_exact()
 LAST_TOKEN = register_last_token_model()
 
-__all__ = ["LAST_TOKEN", "LINEAR_GEMM", "RewardWeightSyncExtension"]
+__all__ = ["LAST_TOKEN", "LINEAR_GEMM", "RESIDUAL_NORM_EXACT", "RewardWeightSyncExtension"]
