@@ -1,6 +1,7 @@
 """What vLLM's worker processes import (``worker_extension_cls``), before they build the model: the
-weight-sync extension, the batch-invariant linear layers' matmul (``vllm_deterministic``) and the
-Llama classifier that finishes its final layer on the pooled rows (``vllm_last_token``)."""
+weight-sync extension, the batch-invariant linear layers' matmul and residual RMSNorm
+(``vllm_deterministic``) and the Llama classifier that finishes its final layer on the pooled rows
+(``vllm_last_token``)."""
 
 from __future__ import annotations
 
