@@ -291,6 +291,45 @@ def test_cluster_push_end_to_end(
         ]
         assert last[0] == (7, "Failed", "DeltaRefused") and last[1][:2] == (7, "Completed"), last
         every_replica_scores_like(handle, delta_model, tiny_model_dir, 7)
+
+        # A push refused at its announce while the trainer has not joined yet (deterministic here:
+        # this trainer hosts the group's store and never joins) must not leave the replicas
+        # waiting in that group's join: the next push, at once, lands within its own timeout.
+        from rewardplane.protocol import RewardModelTrainingMode
+        from rewardplane.sdk._operator_push import OperatorPush
+        from rewardplane.transport.comm import create_store
+
+        pusher = OperatorPush(handle)
+        metadata, _ = handle.prepare(delta_model.state_dict(), RewardModelTrainingMode.FULL)
+        store = create_store("127.0.0.1", 0, is_master=True, world_size=None, timeout_s=120)
+        try:
+            spec = pusher.push_spec(
+                8,
+                RewardModelTrainingMode.FULL,
+                host="127.0.0.1",
+                port=int(store.port),
+                manifest=pusher.store_manifest(metadata),
+                bucket_bytes=1 << 16,
+                timeout_s=120,  # the replicas' joins would wait this long
+                adapter=None,
+                base_version=5,
+            )
+            generation = pusher.request_push(spec)
+            refused = wait_for(
+                "the delta push refused",
+                lambda: (
+                    (s := ws_status(kube, ns, name)).get("observedGeneration") == generation
+                    and s.get("phase") == "Failed"
+                    and s
+                ),
+                30,
+                logs,
+            )
+            assert refused["reason"] == "DeltaRefused", refused
+            handle.push_weights(delta_model.state_dict(), 8, "full", **{**opts, "timeout_s": 30})
+        finally:
+            del store
+        every_replica_scores_like(handle, delta_model, tiny_model_dir, 8)
     finally:
         handle.close()
 

@@ -17,7 +17,7 @@ from rewardplane.operator.recovery import restore_plan
 from rewardplane.operator.replicas import Receiver, ReplicaError, restore_from_peer
 from rewardplane.operator.status import ProbeResult
 from rewardplane.operator.weightsync_driver import WeightSyncDriver
-from rewardplane.protocol import UPDATE_IN_PROGRESS, ParamMeta
+from rewardplane.protocol import STALE_BASE, UPDATE_IN_PROGRESS, ParamMeta
 from rewardplane.testing.kube import MemoryKube
 from rewardplane.testing.replicas import FakeReplica, FakeReplicas
 
@@ -237,6 +237,45 @@ def test_driver_replica_refusal_fails_the_push_with_the_servers_words() -> None:
     status = run_push(kube, fake)
     assert status["phase"] == "Failed" and status["reason"] == wsapi.REPLICA_REFUSED
     assert "another update" in status["message"]
+
+
+class RefusesTheDelta(FakeReplicas):
+    """Replica ``a`` refuses the announce (it does not serve the delta's base version); each
+    close records the push's phase when it was asked."""
+
+    def __init__(self, replicas: dict[str, FakeReplica], kube: MemoryKube) -> None:
+        super().__init__(replicas)
+        self.kube = kube
+        self.phase_at_close: list[str] = []
+
+    def update_param_batch(self, url: str, token: str, req: Any, timeout_s: float) -> None:
+        if url == "http://a:8001":
+            self.calls.append(("update_param_batch", url))
+            raise ReplicaError(f"{url}/update_param_batch answered 409: serves version 6, not 5", STALE_BASE)
+        super().update_param_batch(url, token, req, timeout_s)
+
+    def close_communicator(self, url: str, token: str, group_id: str) -> Any:
+        ws = self.kube.get(custom_path(NS, "rm", wsapi.WS_PLURAL)) or {}
+        self.phase_at_close.append((ws.get("status") or {}).get("phase", ""))
+        return super().close_communicator(url, token, group_id)
+
+
+def test_driver_refused_announce_frees_every_replica_it_asked_to_join_before_failing() -> None:
+    """A push refused at its announce (here a delta on a base the replica no longer serves) left
+    the other replicas' joins pending until the push's deadline, so the trainer's next push (a
+    full one, at once) was refused by them and timed out. Every replica asked to join now
+    leaves or cancels that group before the push is reported Failed."""
+    kube, _ = cluster({"a": FakeReplica(), "b": FakeReplica()})
+    fake = RefusesTheDelta({"http://a:8001": FakeReplica(), "http://b:8001": FakeReplica()}, kube)
+    status = run_push(kube, fake)
+    assert (status["phase"], status["reason"]) == ("Failed", wsapi.DELTA_REFUSED)
+    assert "not 5" in status["message"]
+    assert [c for c in fake.calls if c[0] == "close_communicator"] == [
+        ("close_communicator", "http://a:8001"),
+        ("close_communicator", "http://b:8001"),
+    ]
+    assert fake.phase_at_close == ["Rendezvous", "Rendezvous"]  # before the trainer sees Failed
+    assert all(r.group is None for r in fake.replicas.values())
 
 
 def test_driver_update_error_fails_as_replica_failed() -> None:

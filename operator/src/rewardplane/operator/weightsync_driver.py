@@ -122,8 +122,8 @@ class WeightSyncDriver:
     def _cancel_joins(self, ws: Mapping[str, Any]) -> None:
         """Replicas the dead operator asked to join the push's group wait for it until that push's
         deadline, and refuse the trainer's next push meanwhile: cancel those joins (and leave the
-        group, if it formed). Scoped to the push's group, so a replica that moved on is left alone;
-        best effort, as a replica that does not answer ends the join by itself at the deadline."""
+        group, if it formed). Best effort, as a replica that does not answer ends the join by
+        itself at the deadline."""
         status = ws.get("status") or {}
         group = status.get("groupId")
         urls = {
@@ -139,11 +139,16 @@ class WeightSyncDriver:
         except (wsm.WeightSyncRefused, KubeError) as exc:
             log.warning("could not cancel the joins of group %s: %s", group, exc)
             return
+        self._leave_group(str(group), urls, token)
+
+    def _leave_group(self, group: str, urls: Mapping[str, str], token: str) -> None:
+        """Ask each replica (pod → URL) to cancel its join of ``group`` or leave it. Scoped to that
+        group, so a replica that moved on is left alone; one busy with that group's update, or not
+        answering, is skipped: it ends by that push's deadline."""
         for pod, url in urls.items():
             try:
-                answer = self.replicas.close_communicator(url, token, str(group))
+                answer = self.replicas.close_communicator(url, token, group)
             except ReplicaError as exc:
-                # busy with that group's update, or not answering: it ends by that push's deadline
                 log.info("%s: could not close group %s (%s)", pod, group, exc)
                 continue
             if answer.cancelled_join is not None:
@@ -343,8 +348,10 @@ class WeightSyncDriver:
                 "message": note,
             },
         )
+        asked: dict[str, str] = {}
         try:
             for t in plan.targets:
+                asked[t.pod] = t.url
                 self._join(ws, t, token, req, plan.world_size, deadline, note)
             # The first announce waits (server side) until the trainer has joined the group.
             for t in plan.targets:
@@ -361,9 +368,14 @@ class WeightSyncDriver:
                 )
                 self.replicas.update_param_batch(t.url, token, announce, left + 5.0)
                 entries[t.pod] = wsm.replica_entry(t, wsapi.TRANSFERRING)
-        except ReplicaError as exc:
-            reason = wsapi.DELTA_REFUSED if exc.code == STALE_BASE else wsapi.REPLICA_REFUSED
-            raise wsm.WeightSyncRefused(reason, str(exc)) from exc
+        except BaseException as exc:
+            # Before the push is failed: a replica whose join is still pending (the trainer has not
+            # joined yet) would refuse the trainer's next push until this push's deadline.
+            self._leave_group(req.group_id, asked, token)
+            if isinstance(exc, ReplicaError):
+                reason = wsapi.DELTA_REFUSED if exc.code == STALE_BASE else wsapi.REPLICA_REFUSED
+                raise wsm.WeightSyncRefused(reason, str(exc)) from exc
+            raise
         self._patch_status(ws, {"phase": wsapi.TRANSFERRING, "replicas": list(entries.values())})
 
         transfer = wsm.Transfer(
