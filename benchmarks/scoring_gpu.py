@@ -69,7 +69,7 @@ import sys
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
-from statistics import median
+from statistics import median, pstdev
 from typing import Any, NamedTuple, TypedDict, TypeVar
 
 from rewardplane.protocol.settings import LAST_TOKEN_ONLY
@@ -1127,7 +1127,26 @@ def run_in_own_group(
 
 
 def max_abs(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+    return score_gaps(a, b)["max"]
+
+
+def score_gaps(a: list[list[float]], b: list[list[float]]) -> dict[str, float]:
+    """How far two runs' scores of the same prompts lie apart (every label): the largest gap, its
+    99th percentile and median, and the spread of ``b``'s scores for scale. One prompt's rounding
+    outlier has a large max over a small p99; a real difference moves the median too."""
+    gaps = sorted(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+    if not gaps:
+        raise ValueError("no scores to compare: both runs scored no prompt")
+    return {
+        "max": gaps[-1],
+        "p99": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))],
+        "median": median(gaps),
+        "sd": pstdev(y for rb in b for y in rb),
+    }
+
+
+def fmt_gaps(gaps: dict[str, float]) -> str:
+    return f"median {gaps['median']:.4f}, p99 {gaps['p99']:.4f}, max {gaps['max']:.4f} (sd {gaps['sd']:.3f})"
 
 
 def wait_gpu_free(timeout_s: float = 60.0, below_mib: int = 2048) -> None:
@@ -1196,6 +1215,7 @@ def pooled_rows_gain(
         "pooled_rows_vs_every_row_rounds": rounds,
         "pooled_rows_vs_every_row": median(rounds),
         "pooled_rows_vs_every_row_max_abs_diff": max_abs(offline["scores"], every_row["scores"]),
+        "pooled_rows_vs_every_row_abs_diff": score_gaps(offline["scores"], every_row["scores"]),
     }
 
 
@@ -1312,6 +1332,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
         "server_vs_offline": median(o / v for o, v in zip(off_s, srv_s, strict=True)),
         "goal_server_vs_offline": goal_vs_offline(size),
         "server_vs_offline_max_abs_diff": max_abs(primary["scores"], offline["scores"]),
+        "server_vs_offline_abs_diff": score_gaps(primary["scores"], offline["scores"]),
         "server_cpu_busy": primary["cpu_busy"],
         "server_stages": primary["stages"],
         "server_answers": primary["answers"],
@@ -1341,6 +1362,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
                 "server_vs_vllm_serve": median(v / x for v, x in zip(vs_s, srv_s, strict=True)),
                 "goal_server_vs_vllm_serve": GOAL_VS_SERVE,
                 "vllm_serve_vs_offline_max_abs_diff": max_abs(serve_run["scores"], offline["scores"]),
+                "vllm_serve_vs_offline_abs_diff": score_gaps(serve_run["scores"], offline["scores"]),
                 "vllm_serve_cpu_busy": serve_run["cpu_busy"],
                 "vllm_serve_answers": serve_run["answers"],
                 "vllm_serve_command": serve["command"],
@@ -1354,6 +1376,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
                 "server_vs_hf": hf["seconds"] / primary["seconds"],
                 "goal_server_vs_hf": GOAL_VS_HF,
                 "hf_vs_offline_max_abs_diff": max_abs(hf["scores"], offline["scores"]),
+                "hf_vs_offline_abs_diff": score_gaps(hf["scores"], offline["scores"]),
             }
         )
     return row
@@ -1567,6 +1590,16 @@ def print_scoring_table(rows: list[dict[str, Any]], args: argparse.Namespace) ->
                 end="",
             )
         print()
+        gaps = [
+            f"{who} {fmt_gaps(r[key])}"
+            for who, key in (
+                ("server", "server_vs_offline_abs_diff"),
+                ("vllm serve", "vllm_serve_vs_offline_abs_diff"),
+                ("transformers", "hf_vs_offline_abs_diff"),
+            )
+            if key in r
+        ]
+        print(f"{'':>6} |score - offline's|: " + "; ".join(gaps))
         if "pooled_rows_vs_every_row" in r:
             print(
                 f"{'':>6} offline, pooled rows ÷ every row: {r['pooled_rows_vs_every_row']:.3f} (rounds "
