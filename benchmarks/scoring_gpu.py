@@ -1126,10 +1126,6 @@ def run_in_own_group(
     return rc
 
 
-def max_abs(a: list[list[float]], b: list[list[float]]) -> float:
-    return score_gaps(a, b)["max"]
-
-
 def score_gaps(a: list[list[float]], b: list[list[float]]) -> dict[str, float]:
     """How far two runs' scores of the same prompts lie apart (every label): the largest gap, its
     99th percentile and median, and the spread of ``b``'s scores for scale. One prompt's rounding
@@ -1143,6 +1139,13 @@ def score_gaps(a: list[list[float]], b: list[list[float]]) -> dict[str, float]:
         "median": median(gaps),
         "sd": pstdev(y for rb in b for y in rb),
     }
+
+
+def gap_fields(name: str, a: list[list[float]], b: list[list[float]]) -> dict[str, Any]:
+    """A result row's fields for ``name`` (e.g. ``server_vs_offline``): the gaps, and the largest
+    alone under the key older result files have (``_max_abs_diff``), computed once."""
+    gaps = score_gaps(a, b)
+    return {f"{name}_max_abs_diff": gaps["max"], f"{name}_abs_diff": gaps}
 
 
 def fmt_gaps(gaps: dict[str, float]) -> str:
@@ -1214,8 +1217,7 @@ def pooled_rows_gain(
         "offline_every_row_tok_s": median(t / x for t, x in zip(round_tokens, every_s, strict=True)),
         "pooled_rows_vs_every_row_rounds": rounds,
         "pooled_rows_vs_every_row": median(rounds),
-        "pooled_rows_vs_every_row_max_abs_diff": max_abs(offline["scores"], every_row["scores"]),
-        "pooled_rows_vs_every_row_abs_diff": score_gaps(offline["scores"], every_row["scores"]),
+        **gap_fields("pooled_rows_vs_every_row", offline["scores"], every_row["scores"]),
     }
 
 
@@ -1331,8 +1333,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
         "concurrency": args.concurrency,
         "server_vs_offline": median(o / v for o, v in zip(off_s, srv_s, strict=True)),
         "goal_server_vs_offline": goal_vs_offline(size),
-        "server_vs_offline_max_abs_diff": max_abs(primary["scores"], offline["scores"]),
-        "server_vs_offline_abs_diff": score_gaps(primary["scores"], offline["scores"]),
+        **gap_fields("server_vs_offline", primary["scores"], offline["scores"]),
         "server_cpu_busy": primary["cpu_busy"],
         "server_stages": primary["stages"],
         "server_answers": primary["answers"],
@@ -1361,8 +1362,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
                 "vllm_serve_vs_offline": median(o / v for o, v in zip(off_s, vs_s, strict=True)),
                 "server_vs_vllm_serve": median(v / x for v, x in zip(vs_s, srv_s, strict=True)),
                 "goal_server_vs_vllm_serve": GOAL_VS_SERVE,
-                "vllm_serve_vs_offline_max_abs_diff": max_abs(serve_run["scores"], offline["scores"]),
-                "vllm_serve_vs_offline_abs_diff": score_gaps(serve_run["scores"], offline["scores"]),
+                **gap_fields("vllm_serve_vs_offline", serve_run["scores"], offline["scores"]),
                 "vllm_serve_cpu_busy": serve_run["cpu_busy"],
                 "vllm_serve_answers": serve_run["answers"],
                 "vllm_serve_command": serve["command"],
@@ -1375,8 +1375,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
                 "hf_s": hf["seconds"],
                 "server_vs_hf": hf["seconds"] / primary["seconds"],
                 "goal_server_vs_hf": GOAL_VS_HF,
-                "hf_vs_offline_max_abs_diff": max_abs(hf["scores"], offline["scores"]),
-                "hf_vs_offline_abs_diff": score_gaps(hf["scores"], offline["scores"]),
+                **gap_fields("hf_vs_offline", hf["scores"], offline["scores"]),
             }
         )
     return row
@@ -1599,7 +1598,8 @@ def print_scoring_table(rows: list[dict[str, Any]], args: argparse.Namespace) ->
             )
             if key in r
         ]
-        print(f"{'':>6} |score - offline's|: " + "; ".join(gaps))
+        if gaps:  # result files written before the gaps have none
+            print(f"{'':>6} |score - offline's|: " + "; ".join(gaps))
         if "pooled_rows_vs_every_row" in r:
             print(
                 f"{'':>6} offline, pooled rows ÷ every row: {r['pooled_rows_vs_every_row']:.3f} (rounds "

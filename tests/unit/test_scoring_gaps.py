@@ -27,7 +27,8 @@ def test_one_outlier_shows_in_the_max_only() -> None:
     assert gaps["max"] == pytest.approx(0.1)
     assert gaps["p99"] == pytest.approx(0.001) and gaps["median"] == pytest.approx(0.001)
     assert gaps["sd"] == pytest.approx(2.0, rel=0.01)  # the offline scores' spread, for scale
-    assert bench.max_abs(server, offline) == gaps["max"]
+    fields = bench.gap_fields("server_vs_offline", server, offline)
+    assert fields == {"server_vs_offline_max_abs_diff": gaps["max"], "server_vs_offline_abs_diff": gaps}
 
 
 def test_a_shift_moves_the_median() -> None:
