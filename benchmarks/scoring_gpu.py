@@ -72,8 +72,14 @@ from pathlib import Path
 from statistics import median, pstdev
 from typing import Any, NamedTuple, TypedDict, TypeVar
 
-from rewardplane.protocol.settings import LAST_TOKEN_ONLY
-from rewardplane.testing.processes import stop_process
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the repository root for benchmarks.*
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import env_diff, server_env  # noqa: E402
+from benchmarks.round_spread import MIN_ROUNDS, Spread, goal_verdict, spread  # noqa: E402
+from rewardplane.protocol.settings import LAST_TOKEN_ONLY  # noqa: E402
+from rewardplane.testing.processes import stop_process  # noqa: E402
 
 SIZES: dict[str, dict[str, int]] = {
     # ~0.39B: the model of the device README's measurement
@@ -271,6 +277,22 @@ def offline_scorer(llm: Any) -> Callable[[list[list[int]]], list[list[float]]]:
     return run
 
 
+def timed_rounds(
+    run: Callable[[list[list[int]]], list[list[float]]], prompts: Prompts
+) -> tuple[list[list[float]], list[float]]:
+    """The headline set's scores, and the seconds of each round: the headline set, then each further
+    round's fresh set (``run`` returns once its scores are in)."""
+    seconds: list[float] = []
+    scores: list[list[float]] = []
+    for i, batch in enumerate([prompts["main"], *prompts.get("rounds", [])]):
+        t0 = time.perf_counter()
+        out = run(batch)
+        seconds.append(time.perf_counter() - t0)
+        if i == 0:
+            scores = out
+    return scores, seconds
+
+
 def phase_offline(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> dict[str, Any]:
     from vllm import LLM
 
@@ -282,23 +304,18 @@ def phase_offline(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -
     run = offline_scorer(llm)
 
     run(prompts["warmup"])
-    t0 = time.perf_counter()
-    scores = run(prompts["main"])
-    seconds = time.perf_counter() - t0
-    round_seconds = [seconds]
-    for more in prompts.get("rounds", []):
-        t0 = time.perf_counter()
-        run(more)
-        round_seconds.append(time.perf_counter() - t0)
+    scores, round_seconds = timed_rounds(run, prompts)
     import vllm
 
     return {
-        "seconds": seconds,
+        "seconds": round_seconds[0],
         "round_seconds": round_seconds,
         "startup_s": startup,
         "scores": scores,
         "batch_limits": limits,
         "vllm_version": vllm.__version__,
+        # this process and its engine core, read while the engine is still up
+        "environment": server_env.describe(os.getpid(), None),
     }
 
 
@@ -330,10 +347,13 @@ def phase_hf(model_dir: Path, prompts: Prompts, args: argparse.Namespace) -> dic
 
     run(prompts["warmup"][: args.hf_batch])
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    scores = run(prompts["main"])
-    seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "scores": scores}
+    scores, round_seconds = timed_rounds(run, prompts)
+    return {
+        "seconds": round_seconds[0],
+        "round_seconds": round_seconds,
+        "scores": scores,
+        "environment": server_env.describe(os.getpid(), None),
+    }
 
 
 # ---- the server, measured from this process ---------------------------------------------------
@@ -883,6 +903,8 @@ def measured_run(
         "cpu_busy": busy,
         "answers": profile,
         "stages": stage_times(before, scrape()),
+        # right after the load: each process's last CPU is where the round ran it
+        "environment": server_env.describe(proc.pid, srv.port),
     }
 
 
@@ -931,6 +953,33 @@ def pair_order(rounds: int) -> list[tuple[str, str]]:
     return [PAIR if i % 2 == 0 else PAIR[::-1] for i in range(rounds)]
 
 
+def half_memory(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with half the memory fraction: two engines up at once on one GPU."""
+    return argparse.Namespace(**{**vars(args), "gpu_memory_utilization": args.gpu_memory_utilization / 2})
+
+
+def charged(kind: str, port: int, work: Path, call: Callable[[], T]) -> T:
+    """``call()`` against one of two servers up at once; a failure is that server's, with its log."""
+    try:
+        return call()
+    except Exception as exc:
+        raise phase_failed(kind, exc, server_log(work, kind, port)) from exc
+
+
+@contextlib.contextmanager
+def pair_serving(
+    cmds: dict[str, tuple[list[str], int]], work: Path, args: argparse.Namespace
+) -> Iterator[dict[str, tuple[subprocess.Popen[bytes], float]]]:
+    """The reward server and ``vllm serve`` (``cmds``: each one's command and port) up at once, each
+    process and its startup seconds; both are stopped on the way out."""
+    with contextlib.ExitStack() as stack:
+        live = {}
+        for kind in PAIR:  # one after the other: each engine sizes its memory with the other idle
+            cmd, port = cmds[kind]
+            live[kind] = stack.enter_context(serving(kind, cmd, port, work, args))
+        yield live
+
+
 def measure_pair(
     model_dir: Path,
     prompts: Prompts,
@@ -942,27 +991,22 @@ def measure_pair(
     memory fraction, and every prompt set scored by both, one right after the other: the two front
     ends are compared minutes apart no more, so the GPU's drift between phases stays out of the
     ratio. Returns measure_http's result for each."""
-    half = argparse.Namespace(**{**vars(args), "gpu_memory_utilization": args.gpu_memory_utilization / 2})
-    live: dict[str, tuple[HttpServer, subprocess.Popen[bytes], float]] = {}
+    half = half_memory(args)
+    servers = {
+        kind: http_server(kind, model_dir, half, limits if kind == "vllm-serve" else None) for kind in PAIR
+    }
+    with pair_serving({k: (v.cmd, v.port) for k, v in servers.items()}, work, half) as live:
 
-    def on(kind: str, call: Callable[[], T]) -> T:
-        """``call()`` against one of the two servers; a failure is that server's, with its log."""
-        try:
-            return call()
-        except Exception as exc:
-            raise phase_failed(kind, exc, server_log(work, kind, live[kind][0].port)) from exc
+        def on(kind: str, call: Callable[[], T]) -> T:
+            return charged(kind, servers[kind].port, work, call)
 
-    with contextlib.ExitStack() as stack:
-        for kind in PAIR:  # one after the other: each engine sizes its memory with the other idle
-            srv = http_server(kind, model_dir, half, limits if kind == "vllm-serve" else None)
-            proc, startup = stack.enter_context(serving(kind, srv.cmd, srv.port, work, half))
-            live[kind] = (srv, proc, startup)
+        for kind, srv in servers.items():
             on(kind, functools.partial(scored, srv, prompts["warmup"], srv.sizes[0], half))
         sets = [prompts["main"], *prompts.get("rounds", [])]
         runs: dict[str, dict[str, Any]] = {}
         for i, order in enumerate(pair_order(len(sets))):
             for kind in order:
-                srv, proc, _ = live[kind]
+                srv, (proc, _) = servers[kind], live[kind]
                 if i == 0:
                     runs[kind] = on(
                         kind, functools.partial(measured_run, srv, proc, sets[0], srv.sizes[0], half)
@@ -971,7 +1015,8 @@ def measure_pair(
                     seconds, _ = on(kind, functools.partial(scored, srv, sets[i], srv.sizes[0], half))
                     runs[kind]["round_seconds"].append(seconds)
         out = {}
-        for kind, (srv, proc, startup) in live.items():
+        for kind, (proc, startup) in live.items():
+            srv = servers[kind]
             rest = on(kind, functools.partial(other_sizes, srv, proc, prompts, half))
             out[kind] = {
                 "startup_s": startup,
@@ -988,6 +1033,48 @@ class JudgeChats(TypedDict):
     rounds: list[list[str]]
 
 
+def judge_cmd(
+    kind: str, model_dir: Path, args: argparse.Namespace, limits: dict[str, int]
+) -> tuple[list[str], int]:
+    """One judge server's command on a free port (``kind``: "server", the reward server in generate
+    mode, or "vllm-serve" with ``--runner generate``)."""
+    port = free_port()
+    if kind == "server":
+        return server_cmd(model_dir, port, args, judge=True), port
+    return vllm_serve_cmd(model_dir, port, args, limits, judge=True), port
+
+
+def judge_answers(port: int, chats_: list[str], args: argparse.Namespace) -> tuple[float, list[Answer]]:
+    """One round: every chat sent to the judge on ``port``; its seconds and the answers."""
+    bodies = judge_bodies(chats_, args.judge_output_tokens)
+    endpoint = f"http://127.0.0.1:{port}/v1/chat/completions"
+    round_ = send_all(endpoint, bodies, args.concurrency, judge_answer, stall_s=args.stall_timeout)
+    return bounded(round_, args.phase_timeout)
+
+
+def judge_round(
+    out: dict[str, Any], proc: subprocess.Popen[bytes], port: int, chats_: list[str], args: argparse.Namespace
+) -> None:
+    """One measured round added to a judge server's ``out``; the first also keeps the answers' texts,
+    the CPU busy and the environment."""
+    seconds, answers, busy = timed_with_cpu(proc, functools.partial(judge_answers, port, chats_, args))
+    k = args.judge_output_tokens
+    out["rounds"].append(
+        {
+            "seconds": seconds,
+            "requests": len(answers),
+            "output_tokens": sum(a.completion_tokens for a in answers),
+            "prompt_tokens": sum(a.prompt_tokens for a in answers),
+            # answers whose usage.completion_tokens is not the K asked for
+            "wrong_length": sum(a.completion_tokens != k for a in answers),
+        }
+    )
+    if len(out["rounds"]) == 1:
+        out.update(
+            texts=[a.text for a in answers], cpu_busy=busy, environment=server_env.describe(proc.pid, port)
+        )
+
+
 def measure_judge(
     kind: str,
     model_dir: Path,
@@ -996,39 +1083,39 @@ def measure_judge(
     work: Path,
     limits: dict[str, int],
 ) -> dict[str, Any]:
-    """Start one judge server (``kind``: "server", the reward server in generate mode, or
-    "vllm-serve" with ``--runner generate``), warm it up, and send each round's chats."""
-    port = free_port()
-    if kind == "server":
-        cmd = server_cmd(model_dir, port, args, judge=True)
-    else:
-        cmd = vllm_serve_cmd(model_dir, port, args, limits, judge=True)
-    endpoint = f"http://127.0.0.1:{port}/v1/chat/completions"
-    k = args.judge_output_tokens
-
-    def answered(chats_: list[str]) -> tuple[float, list[Answer]]:
-        bodies = judge_bodies(chats_, k)
-        round_ = send_all(endpoint, bodies, args.concurrency, judge_answer, stall_s=args.stall_timeout)
-        return bounded(round_, args.phase_timeout)
-
+    """Start one judge server, warm it up, and send each round's chats."""
+    cmd, port = judge_cmd(kind, model_dir, args, limits)
     with serving(kind, cmd, port, work, args) as (proc, startup):
-        answered(chats["warmup"])
+        judge_answers(port, chats["warmup"], args)
         out: dict[str, Any] = {"startup_s": startup, "command": cmd[1:], "rounds": []}
-        for i, round_chats in enumerate(chats["rounds"]):
-            seconds, answers, busy = timed_with_cpu(proc, functools.partial(answered, round_chats))
-            out["rounds"].append(
-                {
-                    "seconds": seconds,
-                    "requests": len(answers),
-                    "output_tokens": sum(a.completion_tokens for a in answers),
-                    "prompt_tokens": sum(a.prompt_tokens for a in answers),
-                    # answers whose usage.completion_tokens is not the K asked for
-                    "wrong_length": sum(a.completion_tokens != k for a in answers),
-                }
-            )
-            if i == 0:
-                out.update(texts=[a.text for a in answers], cpu_busy=busy)
+        for round_chats in chats["rounds"]:
+            judge_round(out, proc, port, round_chats, args)
         return out
+
+
+def measure_judge_pair(
+    model_dir: Path, chats: JudgeChats, args: argparse.Namespace, work: Path, limits: dict[str, int]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``--interleave`` for the judge: both judge servers up at once, half the memory fraction each,
+    every round's chats sent to both back to back, the order alternating by round. Returns
+    measure_judge's result for each."""
+    half = half_memory(args)
+    cmds = {kind: judge_cmd(kind, model_dir, half, limits) for kind in PAIR}
+    with pair_serving(cmds, work, half) as live:
+        out: dict[str, dict[str, Any]] = {
+            kind: {"startup_s": startup, "command": cmds[kind][0][1:], "rounds": []}
+            for kind, (_, startup) in live.items()
+        }
+        for kind, (_, port) in cmds.items():
+            charged(kind, port, work, functools.partial(judge_answers, port, chats["warmup"], half))
+        for i, order in enumerate(pair_order(len(chats["rounds"]))):
+            for kind in order:
+                port = cmds[kind][1]
+                call = functools.partial(
+                    judge_round, out[kind], live[kind][0], port, chats["rounds"][i], half
+                )
+                charged(kind, port, work, call)
+        return out["server"], out["vllm-serve"]
 
 
 # ---- orchestration -----------------------------------------------------------------------------
@@ -1246,6 +1333,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
 
     wait_gpu_free()
     offline = run_phase("offline", model_dir, work, args)
+    walls: dict[str, float | None] = {"build": built.get("wall_s"), "offline": offline["wall_s"]}
     meta.setdefault("vllm", offline.get("vllm_version"))
     print(
         f"[{size}] vLLM offline: {tokens / offline['seconds']:,.0f} tok/s (startup {offline['startup_s']:.0f}s; "
@@ -1255,9 +1343,12 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
     # per round (fresh prompts each): tokens/s of each engine and the ratios; the medians are the figures
     round_tokens = [tokens] + [sum(map(len, r)) for r in prompts["rounds"]]
     gain: dict[str, Any] | None = None
+    every_row_env = None
     if args.offline_every_row:
         wait_gpu_free()
-        gain = pooled_rows_gain(offline, run_phase(EVERY_ROW_PHASE, model_dir, work, args), round_tokens)
+        every_row = run_phase(EVERY_ROW_PHASE, model_dir, work, args)
+        walls[EVERY_ROW_PHASE], every_row_env = every_row["wall_s"], every_row.get("environment")
+        gain = pooled_rows_gain(offline, every_row, round_tokens)
         print(
             f"[{size}] vLLM offline, every row ({LAST_TOKEN_ONLY.name}=0): "
             f"{gain['offline_every_row_tok_s']:,.0f} tok/s; pooled rows ÷ every row "
@@ -1268,6 +1359,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
     wait_gpu_free()
     serve: dict[str, Any] | None = None
     serve_error = None
+    t0 = time.perf_counter()
     if args.interleave and not args.skip_vllm_serve:
         try:
             server, serve = measure_pair(model_dir, prompts, args, work, offline["batch_limits"])
@@ -1277,6 +1369,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
             wait_gpu_free()
     if serve is None:
         server = measure_http("server", model_dir, prompts, args, work)
+    walls["server" if serve is None else "server and vllm serve"] = time.perf_counter() - t0
     primary = server["runs"][args.items_per_request_list[0]]
     print(
         f"[{size}] server HTTP: {tokens / primary['seconds']:,.0f} tok/s (startup {server['startup_s']:.0f}s); "
@@ -1289,11 +1382,13 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
     serve_run: dict[str, Any] | None = None
     if not args.skip_vllm_serve and not args.interleave:
         wait_gpu_free()
+        t0 = time.perf_counter()
         try:
             serve = measure_http("vllm-serve", model_dir, prompts, args, work, limits=offline["batch_limits"])
         except Exception as exc:  # keep the offline and server figures of this size
             serve_error = error_summary(exc)
             print(f"[{size}] vllm serve FAILED: {serve_error}", flush=True)
+        walls["vllm serve"] = time.perf_counter() - t0
     if serve is not None:
         serve_run = serve["runs"][args.items_per_request_list[0]]
         print(
@@ -1309,6 +1404,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
     if not args.skip_hf and size in args.hf_sizes.split(","):
         wait_gpu_free()
         hf = run_phase("hf", model_dir, work, args)
+        walls["hf"] = hf["wall_s"]
         print(f"[{size}] transformers padded: {tokens / hf['seconds']:,.0f} tok/s", flush=True)
 
     off_s, srv_s = offline["round_seconds"], primary["round_seconds"]
@@ -1345,7 +1441,14 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
             for k, v in list(server["runs"].items())[1:]
         },
         "startup_s": {"offline": offline["startup_s"], "server": server["startup_s"]},
+        "offline_tok_s_rounds": per_second(round_tokens, off_s),
+        "server_tok_s_rounds": per_second(round_tokens, srv_s),
+        "interleaved": bool(args.interleave and serve is not None),
+        "environments": {"offline": offline.get("environment"), "server": primary.get("environment")},
+        "phase_wall_s": walls,
     }
+    if every_row_env is not None:
+        row["environments"]["offline_every_row"] = every_row_env
     if gain is not None:
         row.update(gain)
     if serve_error is not None:
@@ -1359,6 +1462,8 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
                 "server_vs_vllm_serve_rounds": [v / x for v, x in zip(vs_s, srv_s, strict=True)],
                 "vllm_serve_tok_s": median(t / x for t, x in zip(round_tokens, vs_s, strict=True)),
                 "vllm_serve_s": serve_run["seconds"],
+                "vllm_serve_tok_s_rounds": per_second(round_tokens, vs_s),
+                "vllm_serve_vs_offline_rounds": [o / v for o, v in zip(off_s, vs_s, strict=True)],
                 "vllm_serve_vs_offline": median(o / v for o, v in zip(off_s, vs_s, strict=True)),
                 "server_vs_vllm_serve": median(v / x for v, x in zip(vs_s, srv_s, strict=True)),
                 "goal_server_vs_vllm_serve": GOAL_VS_SERVE,
@@ -1368,21 +1473,33 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
                 "vllm_serve_command": serve["command"],
             }
         )
+        row["environments"]["vllm_serve"] = serve_run.get("environment")
     if hf is not None:
+        hf_s = hf.get("round_seconds", [hf["seconds"]])
+        rounds = [h / x for h, x in zip(hf_s, srv_s, strict=True)]
         row.update(
             {
-                "hf_tok_s": tokens / hf["seconds"],
+                "hf_tok_s": median(per_second(round_tokens, hf_s)),
+                "hf_tok_s_rounds": per_second(round_tokens, hf_s),
                 "hf_s": hf["seconds"],
-                "server_vs_hf": hf["seconds"] / primary["seconds"],
+                "server_vs_hf_rounds": rounds,
+                "server_vs_hf": median(rounds),
                 "goal_server_vs_hf": GOAL_VS_HF,
                 **gap_fields("hf_vs_offline", hf["scores"], offline["scores"]),
             }
         )
-    return row
+        row["environments"]["hf"] = hf.get("environment")
+    return summarised(row)
+
+
+def per_second(amounts: Sequence[float], seconds: Sequence[float]) -> list[float]:
+    """Each round's rate: tokens (or requests) over seconds, round by round."""
+    return [a / x for a, x in zip(amounts, seconds, strict=True)]
 
 
 def bench_judge(size: str, args: argparse.Namespace, root: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """The LLM judge at ``size``: the reward server in generate mode, then ``vllm serve``."""
+    """The LLM judge at ``size``: the reward server in generate mode and ``vllm serve`` (up at once,
+    taking turns, with ``--interleave``; else one after the other)."""
     label, work, k = f"[judge {size}]", root / f"judge-{size}", args.judge_output_tokens
     model_dir, built = built_model("build-judge", size, label, work, args, ["--judge-output-tokens", str(k)])
     meta.setdefault("card", built.get("card"))
@@ -1400,20 +1517,33 @@ def bench_judge(size: str, args: argparse.Namespace, root: Path, meta: dict[str,
         flush=True,
     )
     wait_gpu_free()
-    server = measure_judge("server", model_dir, chats, args, work, built["batch_limits"])
-    print_judge_run(label, "server HTTP", server)
+    limits = built["batch_limits"]
+    t0 = time.perf_counter()
+    server: dict[str, Any] | None = None
     serve: dict[str, Any] | None = None
     serve_error = None
-    if not args.skip_vllm_serve:
+    t0 = time.perf_counter()
+    if args.interleave and not args.skip_vllm_serve:
+        try:
+            server, serve = measure_judge_pair(model_dir, chats, args, work, limits)
+        except Exception as exc:  # the server's figures alone, as without --interleave
+            serve_error = f"the interleaved run failed: {error_summary(exc)}"
+            print(f"{label} {serve_error}", flush=True)
+            wait_gpu_free()
+    if server is None:
+        server = measure_judge("server", model_dir, chats, args, work, limits)
+    print_judge_run(label, "server HTTP", server)
+    if not args.skip_vllm_serve and not args.interleave:
         wait_gpu_free()
         try:
-            serve = measure_judge("vllm-serve", model_dir, chats, args, work, built["batch_limits"])
+            serve = measure_judge("vllm-serve", model_dir, chats, args, work, limits)
         except Exception as exc:  # keep the server's figures
             serve_error = error_summary(exc)
             print(f"{label} vllm serve FAILED: {serve_error}", flush=True)
-        else:
-            print_judge_run(label, "vllm serve HTTP", serve)
-    return judge_row(size, built, server, serve, serve_error, args)
+    if serve is not None:
+        print_judge_run(label, "vllm serve HTTP", serve)
+    walls = {"build": built.get("wall_s"), "servers": time.perf_counter() - t0}
+    return {**judge_row(size, built, server, serve, serve_error, args), "phase_wall_s": walls}
 
 
 def out_tok_s(run: dict[str, Any]) -> list[float]:
@@ -1478,10 +1608,15 @@ def judge_row(
         "server_cpu_busy": server["cpu_busy"],
         "server_command": server["command"],
         "startup_s": {"server": server["startup_s"]},
+        "server_out_tok_s_rounds": srv,
+        "interleaved": bool(args.interleave and serve is not None),
+        "environments": {"server": server.get("environment")},
     }
     if serve_error is not None:
         row["vllm_serve_error"] = serve_error
     if serve is not None:
+        row["environments"]["vllm_serve"] = serve.get("environment")
+        row["vllm_serve_out_tok_s_rounds"] = out_tok_s(serve)
         ratios = [x / v for x, v in zip(srv, out_tok_s(serve), strict=True)]
         same, prefix = greedy_agreement(server["texts"], serve["texts"])
         row["startup_s"]["vllm_serve"] = serve["startup_s"]
@@ -1500,12 +1635,52 @@ def judge_row(
                 "vllm_serve_command": serve["command"],
             }
         )
+    return summarised(row)
+
+
+# Each ratio of a result row and the two environments it sets against each other.
+RATIO_ENVIRONMENTS = {
+    "server_vs_offline": ("server", "offline"),
+    "server_vs_vllm_serve": ("server", "vllm_serve"),
+    "vllm_serve_vs_offline": ("vllm_serve", "offline"),
+    "server_vs_hf": ("server", "hf"),
+    "pooled_rows_vs_every_row": ("offline", "offline_every_row"),
+}
+ENVIRONMENT_NAMES = {
+    "server": "the reward server",
+    "vllm_serve": "vllm serve",
+    "offline": "vLLM offline",
+    "offline_every_row": "vLLM offline, every row",
+    "hf": "transformers",
+}
+
+
+def summarised(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with the median and spread of every per-round figure (``X_rounds`` gives
+    ``X_spread``), and each ratio between environments that differ in a way that matters taken
+    out: ``X_refused`` names the differences instead (``env_diff``)."""
+    envs = row.get("environments") or {}
+    for key, (a, b) in RATIO_ENVIRONMENTS.items():
+        if key not in row or (a not in envs and b not in envs):
+            continue  # not measured, or a result file from before the environments were recorded
+        why = env_diff.differences(envs.get(a), envs.get(b), (ENVIRONMENT_NAMES[a], ENVIRONMENT_NAMES[b]))
+        if why:
+            row[f"{key}_refused"] = why
+            for suffix in ("", "_rounds"):
+                row.pop(key + suffix, None)
+    for key, values in list(row.items()):
+        numbers = isinstance(values, list) and values and all(isinstance(v, int | float) for v in values)
+        if key.endswith("_rounds") and numbers:
+            row[key.removesuffix("_rounds") + "_spread"] = spread(values).as_dict()
     return row
 
 
 def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each goal of each size: the figure, the bound and whether it was met (a goal whose
-    measurement did not run is left out)."""
+    """Each goal of each size, judged on its rounds: met only when the lower quartile of at least
+    ``MIN_ROUNDS`` rounds meets the bound (``round_spread.goal_verdict``). Not judged: a ratio
+    refused for unlike environments (the differences are named), and server ÷ ``vllm serve``
+    from servers that ran one after the other instead of taking turns. A goal whose measurement
+    did not run is left out."""
     out: list[dict[str, Any]] = []
     for r in rows:
         if r.get("kind") == "judge":
@@ -1517,30 +1692,32 @@ def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ("server / transformers", "server_vs_hf", GOAL_VS_HF),
             ]
         for what, key, bound in checks:
-            if key in r:
-                goal = {
-                    "size": r["size"],
-                    "goal": what,
-                    "value": r[key],
-                    "bound": bound,
-                    "met": r[key] >= bound,
-                }
-                rounds = r.get(f"{key}_rounds") or []
-                if len(rounds) > 1:  # the spread tells a miss by noise from one by a margin
-                    goal["rounds"] = [min(rounds), max(rounds)]
-                out.append(goal)
+            goal: dict[str, Any] = {"size": r["size"], "goal": what, "bound": bound}
+            if f"{key}_refused" in r:
+                why = "not judged: environments differ: " + "; ".join(r[f"{key}_refused"])
+                out.append({**goal, "value": None, "judged": False, "met": False, "why": why})
+                continue
+            if key not in r:
+                continue
+            rounds = r.get(f"{key}_rounds") or [r[key]]
+            verdict = goal_verdict(rounds, bound)
+            if key == "server_vs_vllm_serve" and r.get("interleaved") is False:
+                why = "not judged: the two servers ran one after the other, not taking turns (--interleave)"
+                verdict = verdict._replace(judged=False, met=False, why=why)
+            out.append({**goal, "value": r[key], **verdict._asdict(), "spread": spread(rounds).as_dict()})
     return out
 
 
 def goal_line(g: dict[str, Any]) -> str:
-    """One goal as printed: the figure (with the digits that show a miss: 0.99999 is not 1.000),
-    the rounds' range, the bound, met or MISSED."""
-    value = f"{g['value']:.3f}"
-    if not g["met"] and float(value) >= g["bound"]:
-        value = f"{g['value']:.6f}"
-    spread = f"; rounds {g['rounds'][0]:.3f}-{g['rounds'][1]:.3f}" if "rounds" in g else ""
-    verdict = "met" if g["met"] else "MISSED"
-    return f"  {g['size']:>5} {g['goal']:<26} {value} (goal >= {g['bound']}{spread}): {verdict}"
+    """One goal as printed: the median and the spread of its rounds, the bound, and the verdict on
+    the lower quartile (with the digits that show a miss: 0.99999 is not 1.000)."""
+    head = f"  {g['size']:>5} {g['goal']:<26}"
+    if g.get("value") is None:
+        return f"{head} -: {g['why']}"
+    if "spread" not in g:  # a result file from before the spread: its median alone
+        return f"{head} {g['value']:.3f} (goal >= {g['bound']}): {'met' if g['met'] else 'MISSED'}"
+    figures = Spread(**g["spread"]).describe(bound=g["bound"])
+    return f"{head} {figures}, goal: lower quartile >= {g['bound']}: {'met' if g['met'] else g['why']}"
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -1565,7 +1742,7 @@ def print_scoring_table(rows: list[dict[str, Any]], args: argparse.Namespace) ->
         f"prompts {args.prompts}, lengths U[{args.min_len}, {args.max_len}], HTTP: {args.concurrency} in flight, "
         f"{args.items_per_request_list[0]} prompts/request; transformers: batches of {args.hf_batch}, padded"
         + (", enforce_eager" if args.enforce_eager else "")
-        + f"; medians of {args.rounds} round(s) on fresh prompts (transformers: round 1)"
+        + f"; medians of {args.rounds} round(s) on fresh prompts"
         + f"; vllm serve with {SERVE_SETTINGS[args.vllm_serve_settings]}"
         + ("; interleaved: both servers up at once, half the memory fraction each" if args.interleave else "")
     )
@@ -1577,18 +1754,11 @@ def print_scoring_table(rows: list[dict[str, Any]], args: argparse.Namespace) ->
         print(
             f"{r['size']:>6} {r['params'] / 1e9:>6.2f}B {r['offline_tok_s']:>10,.0f} {r['server_tok_s']:>10,.0f} "
             f"{fmt(r.get('vllm_serve_tok_s'), ',.0f'):>10} {fmt(r.get('hf_tok_s'), ',.0f'):>10} "
-            f"{r['server_vs_offline']:>8.3f} {fmt(r.get('server_vs_vllm_serve'), '.3f'):>9} "
+            f"{fmt(r.get('server_vs_offline'), '.3f'):>8} {fmt(r.get('server_vs_vllm_serve'), '.3f'):>9} "
             f"{fmt(r.get('vllm_serve_vs_offline'), '.3f'):>9} {fmt(r.get('server_vs_hf'), '.2f'):>7} "
             f"{r['server_vs_offline_max_abs_diff']:>9.4f} {fmt(r.get('vllm_serve_vs_offline_max_abs_diff'), '.4f'):>11}"
         )
-        rounds = " ".join(f"{x:.3f}" for x in r["server_vs_offline_rounds"])
-        print(f"{'':>6} rounds: server/offline {rounds}", end="")
-        if "server_vs_vllm_serve_rounds" in r:
-            print(
-                "; server/vllm serve " + " ".join(f"{x:.3f}" for x in r["server_vs_vllm_serve_rounds"]),
-                end="",
-            )
-        print()
+        print_spreads(r, SCORING_FIGURES)
         gaps = [
             f"{who} {fmt_gaps(r[key])}"
             for who, key in (
@@ -1615,6 +1785,56 @@ def print_scoring_table(rows: list[dict[str, Any]], args: argparse.Namespace) ->
             + (f"; vllm serve {r['vllm_serve_cpu_busy']}" if "vllm_serve_cpu_busy" in r else "")
         )
         print(f"{'':>6} server stages per request (its /metrics): {describe_stages(r['server_stages'])}")
+        print_environments(r)
+
+
+# (label, key): the per-round figures of a row whose spread is printed (``key_rounds``)
+SCORING_FIGURES = (
+    ("server / offline", "server_vs_offline"),
+    ("server / vllm serve", "server_vs_vllm_serve"),
+    ("vllm serve / offline", "vllm_serve_vs_offline"),
+    ("server / transformers", "server_vs_hf"),
+    ("offline tok/s", "offline_tok_s"),
+    ("server tok/s", "server_tok_s"),
+    ("vllm serve tok/s", "vllm_serve_tok_s"),
+    ("transformers tok/s", "hf_tok_s"),
+)
+JUDGE_FIGURES = (
+    ("server / vllm serve", "server_vs_vllm_serve"),
+    ("server out tok/s", "server_out_tok_s"),
+    ("vllm serve out tok/s", "vllm_serve_out_tok_s"),
+)
+
+
+def print_spreads(r: dict[str, Any], figures: Sequence[tuple[str, str]]) -> None:
+    """Each per-round figure of a row as its median and spread, and each ratio refused for unlike
+    environments with the differences."""
+    for label, key in figures:
+        rounds = r.get(f"{key}_rounds")
+        if rounds:
+            digits = 0 if key.endswith("tok_s") else 3
+            print(f"{'':>6} {label}: {spread(rounds).describe(digits)}")
+        if f"{key}_refused" in r:
+            print(f"{'':>6} {label}: REFUSED, environments differ: " + "; ".join(r[f"{key}_refused"]))
+
+
+def print_environments(r: dict[str, Any]) -> None:
+    """One line per recorded environment: event loop, HTTP parser, processes answering HTTP, and
+    the processes that last ran on one physical core."""
+    for name, env in (r.get("environments") or {}).items():
+        if not env or "error" in env:
+            print(f"{'':>6} environment of {name}: not read ({(env or {}).get('error', 'not recorded')})")
+            continue
+        http = (
+            f"loop {env['event_loop']}, parser {env['http_parser']}, {env['api_processes']} API process(es), "
+            if env.get("api_processes") is not None
+            else ""
+        )
+        shared = "; ".join(env.get("same_core") or []) or "none"
+        print(
+            f"{'':>6} environment of {name}: {http}{env['engine_processes']} engine core(s), CPUs "
+            f"{env.get('cpus')}; sharing a physical core: {shared}"
+        )
 
 
 def print_judge_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
@@ -1626,6 +1846,7 @@ def print_judge_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> N
         + (", enforce_eager" if args.enforce_eager else "")
         + f"; medians of {args.rounds} round(s) on fresh chats"
         + f"; vllm serve with {SERVE_SETTINGS[args.vllm_serve_settings]}"
+        + ("; interleaved: both servers up at once, half the memory fraction each" if args.interleave else "")
     )
     print(
         f"{'model':>6} {'params':>7} {'server':>10} {'srv req/s':>9} {'vllm serve':>10} {'serve req/s':>11} "
@@ -1639,11 +1860,7 @@ def print_judge_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> N
             f"{fmt(r.get('server_vs_vllm_serve'), '.3f'):>9} {wrong:>9} "
             f"{fmt(r.get('greedy_identical'), '.3f'):>11} {fmt(r.get('greedy_common_prefix'), '.3f'):>11}"
         )
-        if "server_vs_vllm_serve_rounds" in r:
-            print(
-                f"{'':>6} rounds: server/vllm serve "
-                + " ".join(f"{x:.3f}" for x in r["server_vs_vllm_serve_rounds"])
-            )
+        print_spreads(r, JUDGE_FIGURES)
         if "vllm_serve_error" in r:
             print(
                 f"{'':>6} vllm serve FAILED (its log's tail is in the JSON result): {r['vllm_serve_error'][:300]}"
@@ -1657,6 +1874,7 @@ def print_judge_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> N
             f"{'':>6} CPU busy (CPU s / wall s): server {r['server_cpu_busy']}"
             + (f"; vllm serve {r['vllm_serve_cpu_busy']}" if "vllm_serve_cpu_busy" in r else "")
         )
+        print_environments(r)
     print(
         "(wrong len: answers whose usage.completion_tokens differs from the tokens asked, server/vllm serve; "
         "same answer / same prefix: identical greedy texts, and the mean share of words before they differ)"
@@ -1697,8 +1915,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--rounds",
         type=int,
-        default=3,
-        help="the headline measurement on this many fresh prompt sets per engine (figures: medians)",
+        default=MIN_ROUNDS,
+        help="the headline measurement on this many fresh prompt sets per engine (figures: medians "
+        f"and spreads; a goal is judged on at least {MIN_ROUNDS}, on its rounds' lower quartile)",
     )
     p.add_argument("--hf-batch", type=int, default=64)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -1804,9 +2023,12 @@ def main(argv: list[str] | None = None) -> int:
         (work / f"{args.phase}.json").write_text(json.dumps(out))
         return 0
     args.workdir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     meta: dict[str, Any] = {
         "commit": os.environ.get("RP_COMMIT"),
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        # the machine: its CPUs and their load decide vLLM's CPU-bound steps (server_env.host)
+        "host": server_env.host(),
         "batch_invariant": os.environ.get("VLLM_BATCH_INVARIANT", "0"),
         # the reward server's final decoder layer on the pooled rows only (vllm_last_token)
         "last_token_only": os.environ.get(LAST_TOKEN_ONLY.name, "1"),
@@ -1820,6 +2042,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # keep the sizes measured so far
             print(f"[{name}] FAILED: {exc}", flush=True)
             meta.setdefault("failed", {})[name] = str(exc)[-2000:]
+        meta["wall_s"] = time.perf_counter() - started  # so far: the run's length, for planning
         print_table(rows, args)  # after each size, in case a later one runs out of time
         write_result(rows, meta, args)
     return 1 if meta.get("failed") else 0
