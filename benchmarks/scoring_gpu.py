@@ -18,16 +18,38 @@ does): the server ÷ ``vllm serve`` ratio compares the two HTTP front ends over 
 servers get the same requests (token ids, ``/pooling`` for the reward server, ``/classify`` for
 ``vllm serve``, raw scores) from the same client at the same concurrency. Prefix caching stays
 on (the default) but no engine sees a prompt twice: the warm-up uses other prompts, and each of
-the ``--rounds`` repeats of the headline measurement (default 3; the figures are medians) its
-own fresh prompt set, the same sets for every engine. For the headline round the reward server's
-own metrics (``rewardplane:request_stage_seconds``) give each request's mean time per stage
-(parse, engine; tokenize for texts) and the rest of its latency beside them.
+the ``--rounds`` repeats of the headline measurement (default 5) its own fresh prompt set, the
+same sets for every engine. For the headline round the reward server's own metrics
+(``rewardplane:request_stage_seconds``) give each request's mean time per stage (parse, engine;
+tokenize for texts) and the rest of its latency beside them.
+
+Rounds and goals. Every per-round figure (each engine's tokens/s, each ratio) is stored and
+printed as its median with min, quartiles and max (``round_spread.py``); ratios are taken round by
+round, on the same prompt set. A goal is met only when the lower quartile of at least 5 rounds
+meets it: a median over the bound with a quartile under it is a figure a re-run misses about as
+often as it meets it. Server ÷ ``vllm serve`` is judged only with ``--interleave`` (both up at
+once, the order alternating by round), for scoring and the judge alike.
+
+Environments. Throughput moves between hosts with the code unchanged (``vllm serve``'s judge by
+1.8x between two H200 hosts), so each measured process tree (reward server, ``vllm serve``, the offline and
+transformers phases) is read from ``/proc`` right after its first measured round
+(``server_env.py``): the event loop and HTTP parser its API processes loaded, how many processes
+answer HTTP, each process's role, start method, CPU affinity and last CPU (and which of them shared
+a physical core), the vLLM/torch/Python environment variables it was started with, and the
+versions of vllm, torch, transformers, tokenizers, uvicorn, uvloop, httptools, h11, fastapi,
+starlette, pydantic, pyzmq and msgspec as its interpreter resolves them; ``meta.host`` holds the
+CPU model, the CPUs allowed and the load. A ratio between two processes whose records differ in
+the loop, the parser, the number of API processes, a version, the CPUs a role may use or such an
+environment variable is not reported: the row holds ``<ratio>_refused`` with each difference, and
+its goal is listed as not judged (``env_diff.py``). Each phase's wall time is in
+``phase_wall_s``, the run's in ``meta.wall_s``.
 
 Usage (GPU machine, vLLM importable, ``VLLM_USE_FLASHINFER_SAMPLER=0`` is set for you;
 ``vllm serve`` also needs watchfiles, model-hosting-container-standards, jmespath, supervisor
 and prometheus-fastapi-instrumentator, which ``vllm.LLM`` does not):
 
-    python benchmarks/scoring_gpu.py                     # 0.4b, 1.4b and 7b (about 15-20 minutes)
+    python benchmarks/scoring_gpu.py --sizes 0.4b,1.4b,7b --judge-sizes 0.4b --interleave --phase-timeout 540
+                                                         # the figures' run (gpu-run.sh bench-score's default)
     python benchmarks/scoring_gpu.py --sizes 1.4b        # one size per call fits a 10-minute limit
     python benchmarks/scoring_gpu.py --quick             # 0.4b, 512 prompts, --enforce-eager
 
@@ -35,11 +57,12 @@ LLM judge (``--judge-sizes``, off by default): a random-weight ``LlamaForCausalL
 named (32000-word vocabulary, a chat template), served by the reward server in generate mode
 (``--task generate``) and by ``vllm serve --runner generate`` with the same engine settings (bf16,
 memory fraction, max length, the reward server's batch limits), each sent the same
-``/v1/chat/completions`` requests at the same concurrency: ``--judge-prompts`` chats of one user
+``/v1/chat/completions`` requests at the same concurrency (with ``--interleave`` both up at once,
+half the memory fraction each, taking turns by round): ``--judge-prompts`` chats of one user
 message of U[``--min-len``, ``--max-len``] random words (one token each), greedy, exactly
 ``--judge-output-tokens`` answer tokens each (``max_tokens``; the special tokens' rows of the LM
 head are zero, so greedy decoding never picks end-of-sequence; ``ignore_eos`` is sent too). Goal:
-server ÷ ``vllm serve`` (output tokens/s, medians of ``--rounds``) >= 1.0. Every answer's
+server ÷ ``vllm serve`` (output tokens/s, lower quartile of the rounds) >= 1.0. Every answer's
 ``usage.completion_tokens`` is checked, and the share of identical greedy answers reported.
 
     python benchmarks/scoring_gpu.py --sizes '' --judge-sizes 1.4b    # the judge only

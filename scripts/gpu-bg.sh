@@ -5,6 +5,7 @@
 # outlives the call), on the GPUs named:
 #
 #   bash scripts/gpu-bg.sh start NAME GPUS MODE [ARGS]   # e.g. start tests 0,1,2 tests
+#   bash scripts/gpu-bg.sh start score 0 bench-score      # the scoring figures' run (gpu-run.sh's default)
 #   AFTER=sync bash scripts/gpu-bg.sh start tests 0,1,2 tests   # queued behind job "sync"
 #   AFTER="a b" bash scripts/gpu-bg.sh start op 0,1,2,3 tests ...  # queued behind jobs "a" and "b"
 #   bash scripts/gpu-bg.sh wait SECONDS [NAME ...]        # wait (bounded) for jobs; logs to $OUT

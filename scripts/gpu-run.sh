@@ -6,7 +6,8 @@
 #                                                 # or the test files / options given
 #   bash scripts/gpu-run.sh bench-sync [ARGS]     # benchmarks/weight_sync.py
 #   bash scripts/gpu-run.sh bench-sharded [ARGS]  # benchmarks/sharded_push.py (4 GPUs)
-#   bash scripts/gpu-run.sh bench-score [ARGS]    # benchmarks/scoring_gpu.py
+#   bash scripts/gpu-run.sh bench-score [ARGS]    # benchmarks/scoring_gpu.py; without ARGS the figures'
+#                                                 # run: every size and the judge, interleaved, 5 rounds
 #   bash scripts/gpu-run.sh bench-pending         # benchmarks/pending_receive.py (2 GPUs)
 #   bash scripts/gpu-run.sh bench-http [ARGS]     # benchmarks/http_client.py (CPU only)
 #   bash scripts/gpu-run.sh bench-sleep [ARGS]    # benchmarks/sleep_wake.py (1 GPU, ~5 min)
@@ -46,7 +47,8 @@ case "$what" in
     python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" "$@" 2>&1 | tee "$OUT/gpu-tests.log" ;;
   bench-sync) python3 benchmarks/weight_sync.py "$@" 2>&1 | tee "$OUT/bench-sync.log" ;;
   bench-sharded) python3 benchmarks/sharded_push.py "$@" 2>&1 | tee "$OUT/bench-sharded.log" ;;
-  bench-score) python3 benchmarks/scoring_gpu.py "$@" 2>&1 | tee "$OUT/bench-score.log" ;;
+  bench-score) [ $# -gt 0 ] || set -- --sizes 0.4b,1.4b,7b --judge-sizes 0.4b --interleave --phase-timeout 540
+    python3 benchmarks/scoring_gpu.py "$@" 2>&1 | tee "$OUT/bench-score.log" ;;
   bench-pending) python3 benchmarks/pending_receive.py "$@" 2>&1 | tee "$OUT/bench-pending.log" ;;
   bench-http) python3 benchmarks/http_client.py "$@" 2>&1 | tee "$OUT/bench-http.log" ;;
   bench-sleep) [ $# -gt 0 ] || set -- --out "$OUT/sleep_wake.json"
