@@ -30,17 +30,16 @@ class Spread(NamedTuple):
     def as_dict(self) -> dict[str, float]:
         return self._asdict()
 
-    def describe(self, digits: int = 3, bound: float | None = None) -> str:
-        """``median (min, quartiles q1-q3, max; n rounds)`` as printed beside a figure; with a
-        ``bound``, a lower quartile under it that would round up to it shows more digits (0.99999
-        is not 1.000)."""
-        f = f"{{:.{digits}f}}"
+    def describe(self, spec: str = ".3f", bound: float | None = None) -> str:
+        """``median (min, quartiles q1-q3, max; n rounds)`` as printed beside a figure, each value in
+        format ``spec``; with a ``bound``, a lower quartile under it that would round up to it shows
+        more digits (0.99999 is not 1.000)."""
         if self.n == 1:
-            return f"{f.format(self.median)} (1 round)"
-        q1 = f.format(self.q1) if bound is None else shown(self.q1, bound, digits)
+            return f"{self.median:{spec}} (1 round)"
+        q1 = f"{self.q1:{spec}}" if bound is None else shown(self.q1, bound)
         return (
-            f"{f.format(self.median)} (min {f.format(self.min)}, quartiles {q1}-{f.format(self.q3)}, "
-            f"max {f.format(self.max)}; {self.n} rounds)"
+            f"{self.median:{spec}} (min {self.min:{spec}}, quartiles {q1}-{self.q3:{spec}}, "
+            f"max {self.max:{spec}}; {self.n} rounds)"
         )
 
 

@@ -1835,8 +1835,7 @@ def print_spreads(r: dict[str, Any], figures: Sequence[tuple[str, str]]) -> None
     for label, key in figures:
         rounds = r.get(f"{key}_rounds")
         if rounds:
-            digits = 0 if key.endswith("tok_s") else 3
-            print(f"{'':>6} {label}: {spread(rounds).describe(digits)}")
+            print(f"{'':>6} {label}: {spread(rounds).describe(',.0f' if key.endswith('tok_s') else '.3f')}")
         if f"{key}_refused" in r:
             print(f"{'':>6} {label}: REFUSED, environments differ: " + "; ".join(r[f"{key}_refused"]))
 
