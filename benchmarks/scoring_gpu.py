@@ -37,7 +37,9 @@ transformers phases) is read from ``/proc`` right after its first measured round
 answer HTTP, each process's role, start method, CPU affinity and last CPU (and which of them shared
 a physical core), the vLLM/torch/Python environment variables it was started with, and the
 versions of vllm, torch, transformers, tokenizers, uvicorn, uvloop, httptools, h11, fastapi,
-starlette, pydantic, pyzmq and msgspec as its interpreter resolves them; ``meta.host`` holds the
+starlette, pydantic, pyzmq, msgspec and the wheels only ``vllm serve`` loads
+(prometheus-fastapi-instrumentator, model-hosting-container-standards, watchfiles,
+prometheus-client) as its interpreter resolves them; ``meta.host`` holds the
 CPU model, the CPUs allowed and the load. A ratio between two processes whose records differ in
 the loop, the parser, the number of API processes, a version, the CPUs a role may use or such an
 environment variable is not reported: the row holds ``<ratio>_refused`` with each difference, and

@@ -53,7 +53,9 @@ ENV_PREFIXES = (
     "TRITON_",
     "REWARDPLANE_",
 )
-# The distributions on a scoring or chat request's path, in either server.
+# The distributions on a scoring or chat request's path, in either server; the last four only
+# vllm serve loads (its metrics middleware runs on every request, and vLLM 0.24 patches it for
+# FastAPI 0.137 and later, so its cost follows both versions).
 PACKAGES = (
     "vllm",
     "torch",
@@ -68,6 +70,10 @@ PACKAGES = (
     "pydantic",
     "pyzmq",
     "msgspec",
+    "prometheus-client",
+    "prometheus-fastapi-instrumentator",
+    "model-hosting-container-standards",
+    "watchfiles",
 )
 PROBE = (
     "import importlib.metadata as m, json, sys\n"
