@@ -43,8 +43,11 @@ prometheus-client) as its interpreter resolves them; ``meta.host`` holds the
 CPU model, the CPUs allowed and the load. A ratio between two processes whose records differ in
 the loop, the parser, the number of API processes, a version, the CPUs a role may use or such an
 environment variable is not reported: the row holds ``<ratio>_refused`` with each difference, and
-its goal is listed as not judged (``env_diff.py``). Each phase's wall time is in
-``phase_wall_s``, the run's in ``meta.wall_s``.
+its goal is listed as not judged (``env_diff.py``). During each server's headline round the
+physical core of each of its processes' main threads and of the client's is sampled every 50 ms:
+``<server>_same_core`` holds, per pair, the share of the round they spent on one core (two
+hyperthreads of a core slow each other; nothing pins either server's processes). Each phase's
+wall time is in ``phase_wall_s``, the run's in ``meta.wall_s``.
 
 Usage (GPU machine, vLLM importable, ``VLLM_USE_FLASHINFER_SAMPLER=0`` is set for you;
 ``vllm serve`` also needs watchfiles, model-hosting-container-standards, jmespath, supervisor
@@ -674,17 +677,26 @@ def describe_stages(stages: dict[str, dict[str, float]]) -> str:
     return "; ".join(f"{k} {v['mean_ms']:.2f} ms" for k, v in stages.items()) or "no stage metrics"
 
 
-def timed_with_cpu(
-    proc: subprocess.Popen[bytes], run: Callable[[], tuple[float, T]]
-) -> tuple[float, T, dict[str, float]]:
-    """``run()``'s seconds and result, and the busy fraction (CPU s / wall s) over it of each process
-    of the server ``proc`` and of this client: ~1.0 means that process set the pace."""
+class Timed(NamedTuple):
+    """One round timed: its seconds and result; the busy fraction (CPU s / wall s) over it of each
+    process of the server and of this client (~1.0: that process set the pace); and for each pair
+    of them the share of the round their main threads spent on one physical core."""
+
+    seconds: float
+    result: Any
+    busy: dict[str, float]
+    same_core: dict[str, float]
+
+
+def timed_with_cpu(proc: subprocess.Popen[bytes], run: Callable[[], tuple[float, Any]]) -> Timed:
+    """``run()`` against the server ``proc``, timed, with its CPU use and placement (``Timed``)."""
     before, client_before = process_cpu_s(proc.pid), time.process_time()
-    seconds, result = run()
+    with server_env.CoreSharing(proc.pid) as sharing:
+        seconds, result = run()
     after, client_after = process_cpu_s(proc.pid), time.process_time()
     busy = {name: round((after[name] - before[name]) / seconds, 3) for name in after if name in before}
-    busy["client (this process)"] = round((client_after - client_before) / seconds, 3)
-    return seconds, result, busy
+    busy[server_env.CoreSharing.CLIENT] = round((client_after - client_before) / seconds, 3)
+    return Timed(seconds, result, busy, sharing.shares())
 
 
 def judge_model_len(args: argparse.Namespace) -> int:
@@ -916,16 +928,15 @@ def measured_run(
     profile: dict[str, float] = {}
     scrape = (lambda: stage_totals(metrics_text(url))) if srv.kind == "server" else dict
     before = scrape()
-    seconds, scores, busy = timed_with_cpu(
-        proc, functools.partial(scored, srv, prompts_, per_request, args, profile)
-    )
+    timed = timed_with_cpu(proc, functools.partial(scored, srv, prompts_, per_request, args, profile))
     return {
-        "seconds": seconds,
-        "round_seconds": [seconds],
-        "scores": scores,
+        "seconds": timed.seconds,
+        "round_seconds": [timed.seconds],
+        "scores": timed.result,
         "tokens": sum(map(len, prompts_)),
         "prompts": len(prompts_),
-        "cpu_busy": busy,
+        "cpu_busy": timed.busy,
+        "same_core": timed.same_core,
         "answers": profile,
         "stages": stage_times(before, scrape()),
         # right after the load: each process's last CPU is where the round ran it
@@ -1082,11 +1093,12 @@ def judge_round(
 ) -> None:
     """One measured round added to a judge server's ``out``; the first also keeps the answers' texts,
     the CPU busy and the environment."""
-    seconds, answers, busy = timed_with_cpu(proc, functools.partial(judge_answers, port, chats_, args))
+    timed = timed_with_cpu(proc, functools.partial(judge_answers, port, chats_, args))
+    answers: list[Answer] = timed.result
     k = args.judge_output_tokens
     out["rounds"].append(
         {
-            "seconds": seconds,
+            "seconds": timed.seconds,
             "requests": len(answers),
             "output_tokens": sum(a.completion_tokens for a in answers),
             "prompt_tokens": sum(a.prompt_tokens for a in answers),
@@ -1096,7 +1108,10 @@ def judge_round(
     )
     if len(out["rounds"]) == 1:
         out.update(
-            texts=[a.text for a in answers], cpu_busy=busy, environment=server_env.describe(proc.pid, port)
+            texts=[a.text for a in answers],
+            cpu_busy=timed.busy,
+            same_core=timed.same_core,
+            environment=server_env.describe(proc.pid, port),
         )
 
 
@@ -1456,6 +1471,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
         "goal_server_vs_offline": goal_vs_offline(size),
         **gap_fields("server_vs_offline", primary["scores"], offline["scores"]),
         "server_cpu_busy": primary["cpu_busy"],
+        "server_same_core": primary.get("same_core"),
         "server_stages": primary["stages"],
         "server_answers": primary["answers"],
         "other_request_sizes": {
@@ -1494,6 +1510,7 @@ def bench_size(size: str, args: argparse.Namespace, root: Path, meta: dict[str, 
                 "goal_server_vs_vllm_serve": GOAL_VS_SERVE,
                 **gap_fields("vllm_serve_vs_offline", serve_run["scores"], offline["scores"]),
                 "vllm_serve_cpu_busy": serve_run["cpu_busy"],
+                "vllm_serve_same_core": serve_run.get("same_core"),
                 "vllm_serve_answers": serve_run["answers"],
                 "vllm_serve_command": serve["command"],
             }
@@ -1631,6 +1648,7 @@ def judge_row(
         "server_req_s": median(req_s(server)),
         "server_wrong_length": sum(r["wrong_length"] for r in server["rounds"]),
         "server_cpu_busy": server["cpu_busy"],
+        "server_same_core": server.get("same_core"),
         "server_command": server["command"],
         "startup_s": {"server": server["startup_s"]},
         "server_out_tok_s_rounds": srv,
@@ -1657,6 +1675,7 @@ def judge_row(
                 "greedy_identical": same,
                 "greedy_common_prefix": prefix,
                 "vllm_serve_cpu_busy": serve["cpu_busy"],
+                "vllm_serve_same_core": serve.get("same_core"),
                 "vllm_serve_command": serve["command"],
             }
         )
@@ -1844,7 +1863,12 @@ def print_spreads(r: dict[str, Any], figures: Sequence[tuple[str, str]]) -> None
 
 def print_environments(r: dict[str, Any]) -> None:
     """One line per recorded environment: event loop, HTTP parser, processes answering HTTP, and
-    the processes that last ran on one physical core."""
+    the processes that last ran on one physical core; then, per server, the pairs of processes
+    (this client included) that shared a physical core during the headline round, and how much."""
+    for who, key in (("server", "server_same_core"), ("vllm serve", "vllm_serve_same_core")):
+        pairs = {pair: share for pair, share in (r.get(key) or {}).items() if share > 0}
+        if key in r:
+            print(f"{'':>6} on one physical core in the headline round ({who}): {pairs or 'none'}")
     for name, env in (r.get("environments") or {}).items():
         if not env or "error" in env:
             print(f"{'':>6} environment of {name}: not read ({(env or {}).get('error', 'not recorded')})")
@@ -1854,10 +1878,10 @@ def print_environments(r: dict[str, Any]) -> None:
             if env.get("api_processes") is not None
             else ""
         )
-        shared = "; ".join(env.get("same_core") or []) or "none"
+        last = "; ".join(env.get("same_core") or []) or "none"
         print(
             f"{'':>6} environment of {name}: {http}{env['engine_processes']} engine core(s), CPUs "
-            f"{env.get('cpus')}; sharing a physical core: {shared}"
+            f"{env.get('cpus')}; last on one physical core: {last}"
         )
 
 

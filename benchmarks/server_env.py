@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -351,3 +352,60 @@ def host() -> dict[str, Any]:
         "numa_nodes": {n: _read(f"/sys/devices/system/node/{n}/cpulist").strip() for n in nodes},
         "load_average": list(os.getloadavg()),
     }
+
+
+def same_core_shares(samples: list[dict[str, str]]) -> dict[str, float]:
+    """For each pair of processes, the share of ``samples`` (each: process label -> the physical core
+    its main thread was on) in which both were on one core; pairs never seen together are left out."""
+    together: dict[str, int] = {}
+    seen: dict[str, int] = {}
+    for sample in samples:
+        labels = sorted(sample)
+        for i, a in enumerate(labels):
+            for b in labels[i + 1 :]:
+                pair = f"{a} + {b}"
+                seen[pair] = seen.get(pair, 0) + 1
+                together[pair] = together.get(pair, 0) + (sample[a] == sample[b])
+    return {pair: round(together[pair] / n, 3) for pair, n in seen.items()}
+
+
+class CoreSharing:
+    """While a round runs, the physical core of the main thread of each process under ``root`` and of
+    this process (the benchmark's client), sampled every ``interval_s`` from ``/proc``; ``shares()``:
+    for each pair, the share of samples on one core. Two busy threads on the hyperthreads of one
+    core run slower each; where the scheduler puts them is fixed for neither server."""
+
+    CLIENT = "client (this process)"
+
+    def __init__(self, root: int, interval_s: float = 0.05) -> None:
+        self.root, self.interval_s = root, interval_s
+        self.samples: list[dict[str, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="core-sharing", daemon=True)
+
+    def _sample(self, pids: list[int]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for pid in pids:
+            try:
+                name, fields = _stat(pid)
+            except (OSError, ValueError):
+                continue  # ended meanwhile
+            label = self.CLIENT if pid == os.getpid() else f"{pid}:{name}"
+            out[label] = core_of(int(fields[36]))
+        return out
+
+    def _run(self) -> None:
+        pids = [*tree(self.root), os.getpid()]
+        while not self._stop.wait(self.interval_s):
+            self.samples.append(self._sample(pids))
+
+    def __enter__(self) -> CoreSharing:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def shares(self) -> dict[str, float]:
+        return same_core_shares(self.samples)

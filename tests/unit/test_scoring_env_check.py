@@ -200,3 +200,34 @@ def test_the_host_is_described() -> None:
     assert host["logical_cpus"] >= 1 and host["cpus_allowed"]
     assert server_env.parse_cpu_list(host["cpus_allowed"]) == set(server_env.os.sched_getaffinity(0))
     assert server_env.cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+
+
+def test_core_sharing_is_the_share_of_samples_on_one_core() -> None:
+    samples = [
+        {"1:api": "0:1", "2:engine": "0:1", "client": "0:2"},
+        {"1:api": "0:1", "2:engine": "0:3", "client": "0:3"},
+        {"1:api": "0:4", "2:engine": "0:4"},  # the client not seen in this sample
+        {"1:api": "0:5", "2:engine": "0:6"},
+    ]
+    assert server_env.same_core_shares(samples) == {
+        "1:api + 2:engine": 0.5,
+        "1:api + client": 0.0,
+        "2:engine + client": 0.5,
+    }
+
+
+def test_core_sharing_samples_a_real_process_tree_and_this_client() -> None:
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 3: pass"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        with server_env.CoreSharing(child.pid, interval_s=0.02) as sharing:
+            time.sleep(0.5)
+        assert len(sharing.samples) >= 5
+        for sample in sharing.samples:  # the child's main thread and this client's, by core
+            [label] = set(sample) - {server_env.CoreSharing.CLIENT}
+            assert label.startswith(f"{child.pid}:") and server_env.CoreSharing.CLIENT in sample
+        [(pair, share)] = sharing.shares().items()
+        assert server_env.CoreSharing.CLIENT in pair and 0.0 <= share <= 1.0
+    finally:
+        child.kill()
+        child.wait(timeout=30)
