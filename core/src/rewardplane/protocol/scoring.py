@@ -92,6 +92,18 @@ class ScoringRequest(BaseModel):
             )
         return self
 
+    def items(self) -> int:
+        """How many texts or solutions the request scores."""
+        return len(self.steps) if self.steps is not None else len(self.inputs)
+
+    def wire_rows(self, start: int, stop: int) -> dict[str, Any]:
+        """The wire body of items ``start..stop`` alone (a client splits a batch over servers)."""
+        body = self.wire()
+        for key in ("input", "steps", "prompts"):
+            if body.get(key) is not None:
+                body[key] = body[key][start:stop]
+        return body
+
     def wire(self) -> dict[str, Any]:
         body = self.model_dump(mode="json", by_alias=True, exclude_defaults=False)
         # the process-model fields only when used: a server that predates them forbids unknown fields
