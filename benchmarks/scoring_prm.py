@@ -87,6 +87,7 @@ def token_ids(model_dir: Path, solutions: list[dict[str, Any]]) -> list[dict[str
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     tag_id = tok.convert_tokens_to_ids(TAG)
+    assert isinstance(tag_id, int)  # one token: the tokenizer was built with it
     out = []
     for i, s in enumerate(solutions):
         sol = build_solution(
@@ -294,7 +295,9 @@ def phase_hf(args: argparse.Namespace) -> dict[str, Any]:
     from rewardplane.server.engines.prm_model import Qwen2ForProcessRewardModel
 
     data = json.loads((args.workdir / "solutions.json").read_text())
-    model = Qwen2ForProcessRewardModel.from_pretrained(args.model_dir, dtype=torch.bfloat16).to("cuda").eval()
+    # transformers wraps .to with functools.wraps, whose stub is not a method: self is not bound
+    model = Qwen2ForProcessRewardModel.from_pretrained(args.model_dir, dtype=torch.bfloat16).to("cuda")  # type: ignore[arg-type]
+    model.eval()
     model.score.to(torch.float32)  # as both engines hold it
     scores = []
     with torch.inference_mode():

@@ -110,28 +110,30 @@ def build_tiny_process_reward_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [PRM_STEP_TAG]})
-    heads = num_heads
-    config = Qwen2Config(
-        vocab_size=max(vocab_size or 0, len(tokenizer)),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=num_kv_heads or max(1, heads // 2),
-        max_position_embeddings=max_position_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-        num_labels=2,
-        architectures=["Qwen2ForProcessRewardModel"],
-    )
+    # num_labels and architectures: PretrainedConfig arguments that the typed __init__ omits
+    fields: dict[str, Any] = {
+        "vocab_size": max(vocab_size or 0, len(tokenizer)),
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size or hidden_size * 2,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads or max(1, num_heads // 2),
+        "max_position_embeddings": max_position_embeddings,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "tie_word_embeddings": False,
+        "num_labels": 2,
+        "architectures": ["Qwen2ForProcessRewardModel"],
+    }
+    config = Qwen2Config(**fields)
     torch.manual_seed(seed)
     model = Qwen2ForProcessRewardModel(config)
     with torch.no_grad():
-        for layer in (model.score[0], model.score[2]):
-            layer.weight.normal_(0.0, head_std * hidden_size**-0.5)
-            layer.bias.normal_(0.0, 0.1)
+        for layer in model.score:
+            if isinstance(layer, torch.nn.Linear):
+                layer.weight.normal_(0.0, head_std * hidden_size**-0.5)
+                layer.bias.normal_(0.0, 0.1)
     return _save(model, tokenizer, out, dtype)
 
 

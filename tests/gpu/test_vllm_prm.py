@@ -21,9 +21,10 @@ from typing import Any
 
 import pytest
 
-from rewardplane.testing.servers import ServerHandle
+from rewardplane.testing.servers import ServerHandle, free_port
 from tests.gpu.vllm_support import (
     MAX_ABS,
+    TOKEN,
     assert_close,
     device_count,
     direct_sync,
@@ -201,6 +202,28 @@ def _push_possible() -> str | None:
     )
 
 
+def _pusher(url: str, device: Any) -> Any:
+    """The trainer's pusher; where the SDK picks a transport (``backend``), ``auto``: CUDA IPC when
+    the trainer shares the server's GPU, NCCL from another one."""
+    import inspect
+
+    from rewardplane.sdk.direct_sync import WeightPusher
+
+    if "backend" not in inspect.signature(WeightPusher).parameters:
+        return direct_sync([url], device)
+    return WeightPusher(
+        [url],
+        group_port=free_port(),
+        token=TOKEN,
+        trainer_host="127.0.0.1",
+        device=device,
+        backend="auto",  # type: ignore[call-arg]
+        bucket_bytes=1 << 20,
+        timeout_s=300,
+        connect_timeout_s=120,
+    )
+
+
 def test_full_push_into_prm_follows_the_trainer(
     prm_servers: dict[str, ServerHandle], prm_dir: Path, reference: Any
 ) -> None:
@@ -219,7 +242,7 @@ def test_full_push_into_prm_follows_the_trainer(
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    sync = direct_sync([url], device)
+    sync = _pusher(url, device)
     try:
         assert sync.sync(model.state_dict(), version=1, training_mode=Mode.FULL) == 1
     finally:

@@ -29,7 +29,7 @@ class Qwen2ForProcessRewardModel(Qwen2PreTrainedModel):
         self.score = nn.Sequential(
             nn.Linear(config.hidden_size, config.hidden_size),
             nn.ReLU(),
-            nn.Linear(config.hidden_size, config.num_labels),
+            nn.Linear(config.hidden_size, int(config.num_labels or 2)),
         )
         self.post_init()
 
@@ -40,7 +40,8 @@ class Qwen2ForProcessRewardModel(Qwen2PreTrainedModel):
         **kwargs: Any,
     ) -> TokenClassifierOutput:
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-        head_dtype = self.score[0].weight.dtype  # the head may run in its own dtype (fp32, like vLLM)
+        # the head may run in its own dtype (fp32, like vLLM); a PEFT wrapper of it is no Sequential
+        head_dtype = next(self.score.parameters()).dtype
         return TokenClassifierOutput(logits=self.score(hidden.to(head_dtype)))
 
 

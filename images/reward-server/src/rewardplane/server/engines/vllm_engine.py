@@ -159,7 +159,12 @@ def _pooler_config(cfg: ServerConfig, tag_id: int | None) -> PoolerConfig:
     """A sequence model pools by ``--pooling``. A process reward model classifies tokens: with
     ``--prm-pooling step`` vLLM's STEP pooler keeps the rows at the step tag (``step_tag_id``; vLLM
     then turns prefix caching off: its STEP pooler cannot read cached rows); with ``token`` every
-    computed token's row comes back (ALL) and the server selects, which keeps prefix caching on."""
+    computed token's row comes back (ALL) and the server selects, which keeps prefix caching on.
+
+    vLLM 0.24 applies STEP to ``Qwen2ForProcessRewardModel`` (its pooler is built from this config),
+    but not to a model pooled by ``DispatchPooler.for_seq_cls``, whose token_classify pooler is
+    fixed to ALL (fixed after 0.24: vllm-project/vllm#55307); ``rows_at_tags`` refuses a row count
+    that is not one per tag, naming ``--prm-pooling token``."""
     if cfg.model_kind != ModelKind.PROCESS:
         return PoolerConfig(pooling_type=cfg.pooling.value.upper())  # type: ignore[arg-type, unused-ignore]
     if cfg.prm_pooling == "step":
