@@ -11,7 +11,14 @@ import pytest
 from pydantic import ValidationError
 
 from rewardplane.protocol import ScoringRequest, StepAggregation
-from rewardplane.protocol.steps import aggregate, good_log_odds, log_odds, probability, split_steps, step_spans
+from rewardplane.protocol.steps import (
+    aggregate,
+    good_log_odds,
+    log_odds,
+    probability,
+    split_steps,
+    step_spans,
+)
 from rewardplane.server.engines.step_tag import step_tag_id
 from rewardplane.server.engines.vllm_steps import rows_at_tags
 from rewardplane.server.errors import BadRequest
@@ -75,7 +82,9 @@ def test_the_server_inserts_a_tag_after_each_step(tokenizer: Any) -> None:
     assert [i for i, t in enumerate(sol.ids) if t == tag_id] == sol.tags
     (a0, b0), (a1, b1) = sol.token_spans
     assert b0 - 1 == sol.tags[0] and a1 == b0 and b1 == len(sol.ids)
-    assert tokenizer.decode(sol.ids[a0 : b0 - 1]).strip() == steps[0]  # the first step's tokens, not the prompt's
+    assert (
+        tokenizer.decode(sol.ids[a0 : b0 - 1]).strip() == steps[0]
+    )  # the first step's tokens, not the prompt's
     assert tokenizer.decode(sol.ids[:a0]) == prompt
 
 
