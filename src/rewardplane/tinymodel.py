@@ -83,24 +83,15 @@ PRM_STEP_TAG = "<extra_0>"  # Qwen2.5-Math-PRM's step tag
 
 
 def build_tiny_process_reward_model(
-    out_dir: str | Path,
-    *,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int | None = None,
-    intermediate_size: int | None = None,
-    vocab_size: int | None = None,
-    max_position_embeddings: int = 512,
-    head_std: float = 1.0,
-    dtype: str = "float32",
-    seed: int = 0,
+    out_dir: str | Path, *, head_std: float = 1.0, dtype: str = "float32", seed: int = 0, **sizes: Any
 ) -> Path:
     """Save a random-weight process reward model of the Qwen2.5-Math-PRM shape and its tokenizer
     (with the step tag ``<extra_0>`` as a special token) to ``out_dir``: a Qwen2 backbone and the
     two-layer head giving two logits per token (``Qwen2ForProcessRewardModel``), which the
-    transformers engine and vLLM's class of that name both load. ``head_std``: the head's init in
-    units of ``hidden_size ** -0.5`` (1: step log-odds of order 1, which differ between steps)."""
+    transformers engine and vLLM's class of that name both load. ``sizes``: as for
+    :func:`build_tiny_reward_model` (``hidden_size``, ``num_layers``, ``num_heads``, ...).
+    ``head_std``: the head's init in units of ``hidden_size ** -0.5`` (1: step log-odds of order 1,
+    which differ between steps)."""
     import torch
     from transformers import Qwen2Config
 
@@ -111,22 +102,9 @@ def build_tiny_process_reward_model(
     tokenizer = train_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [PRM_STEP_TAG]})
     # num_labels and architectures: PretrainedConfig arguments that the typed __init__ omits
-    fields: dict[str, Any] = {
-        "vocab_size": max(vocab_size or 0, len(tokenizer)),
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size or hidden_size * 2,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads or max(1, num_heads // 2),
-        "max_position_embeddings": max_position_embeddings,
-        "pad_token_id": tokenizer.pad_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "tie_word_embeddings": False,
-        "num_labels": 2,
-        "architectures": ["Qwen2ForProcessRewardModel"],
-    }
-    config = Qwen2Config(**fields)
+    fields = _config_fields(tokenizer, **sizes)
+    config = Qwen2Config(**{**fields, "num_labels": 2, "architectures": ["Qwen2ForProcessRewardModel"]})
+    hidden_size = int(fields["hidden_size"])
     torch.manual_seed(seed)
     model = Qwen2ForProcessRewardModel(config)
     with torch.no_grad():
@@ -175,7 +153,13 @@ def build_tiny_causal_lm(
     return _save(LlamaForCausalLM(_llama_config(tokenizer, **config)), tokenizer, out, dtype)
 
 
-def _llama_config(
+def _llama_config(tokenizer: Any, **sizes: Any) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_config_fields(tokenizer, **sizes))
+
+
+def _config_fields(
     tokenizer: Any,
     *,
     hidden_size: int = 64,
@@ -186,23 +170,22 @@ def _llama_config(
     intermediate_size: int | None = None,
     vocab_size: int | None = None,
     **extra: Any,
-) -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=max(vocab_size or 0, len(tokenizer)),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads or max(1, num_heads // 2),
-        max_position_embeddings=max_position_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+) -> dict[str, Any]:
+    """A decoder's config fields: its sizes, ``tokenizer``'s special ids, an untied head."""
+    return {
+        "vocab_size": max(vocab_size or 0, len(tokenizer)),
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size or hidden_size * 2,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads or max(1, num_heads // 2),
+        "max_position_embeddings": max_position_embeddings,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "tie_word_embeddings": False,
         **extra,
-    )
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

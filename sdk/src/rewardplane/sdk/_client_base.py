@@ -248,7 +248,12 @@ class BaseRewardClient:
         normalize: bool,
         first_step: int,
     ) -> ScoringRequest:
-        """A process reward model's request: solutions as texts with separators, or as step lists."""
+        """A process reward model's request (``score_steps``): ``solutions`` each a text with the
+        server's step separator, or a list of steps. Every result has ``steps`` (each step's score,
+        character span and token offsets) and, as ``score``, their aggregate (``aggregation``, else
+        the server's; without either, the list of step scores). ``prompts``: the text before each
+        solution's first step. ``first_step`` k scores steps k... only, the earlier ones read as
+        context (reused from the server's prefix cache where it has one)."""
         texts = [s for s in solutions if isinstance(s, str)]
         if texts and len(texts) != len(solutions):
             raise ValueError("send every solution as a text with separators, or every one as a list of steps")

@@ -141,13 +141,8 @@ class AsyncRewardClient(BaseRewardClient):
         normalize: bool = True,
         first_step: int = 0,
     ) -> list[ScoringResult]:
-        """A process reward model's scores of ``solutions`` (each a text with the server's step
-        separator, or a list of steps), in order, from one pass each: every result has ``steps``
-        (each step's score, character span and token offsets) and, as ``score``, their aggregate
-        (``aggregation``, else the server's; without either, the list of step scores).
-        ``prompts``: the text before each solution's first step. ``first_step`` k scores steps k...
-        only, the earlier ones read as context (reused from the server's prefix cache where it has
-        one)."""
+        """A process reward model's scores of ``solutions``, in order, one pass each (see
+        ``BaseRewardClient._steps_request`` for the fields)."""
         self._check_open()
         if len(solutions) == 0:
             return []

@@ -564,9 +564,10 @@ class VLLMEngine:
         ]
         return answers * options.n if options.greedy else answers
 
-    async def _encode(self, llm: AsyncLLM, request_id: str, ids: list[int]) -> list[float]:
-        # A fresh PoolingParams per request: vLLM fills defaults into it during validation.
-        params = PoolingParams(task="classify", use_activation=False)
+    async def _pooled(
+        self, llm: AsyncLLM, request_id: str, ids: list[int], params: PoolingParams
+    ) -> torch.Tensor:
+        """vLLM's pooled output of one token-id prompt, on the CPU in fp32."""
         final = None
         async for out in llm.encode(
             _token_prompt(ids, self.cache_epoch.salt()), params, request_id, lora_request=self.lora_request
@@ -574,7 +575,13 @@ class VLLMEngine:
             final = out
         if final is None:
             raise ServerError(f"vLLM returned no output for request {request_id}")
-        return [float(v) for v in final.outputs.data.float().reshape(-1).tolist()]
+        return final.outputs.data.float().cpu()
+
+    async def _encode(self, llm: AsyncLLM, request_id: str, ids: list[int]) -> list[float]:
+        # A fresh PoolingParams per request: vLLM fills defaults into it during validation.
+        params = PoolingParams(task="classify", use_activation=False)
+        data = await self._pooled(llm, request_id, ids, params)
+        return [float(v) for v in data.reshape(-1).tolist()]
 
     async def _encode_steps(
         self, llm: AsyncLLM, request_id: str, ids: list[int], tags: list[int], *, reuse_prefix: bool = False
@@ -588,14 +595,7 @@ class VLLMEngine:
         params = PoolingParams(
             task="token_classify", use_activation=False, skip_reading_prefix_cache=not read_cache
         )
-        final = None
-        async for out in llm.encode(
-            _token_prompt(ids, self.cache_epoch.salt()), params, request_id, lora_request=self.lora_request
-        ):
-            final = out
-        if final is None:
-            raise ServerError(f"vLLM returned no output for request {request_id}")
-        data = final.outputs.data.float().cpu()
+        data = await self._pooled(llm, request_id, ids, params)
         assert self.step_tag_id is not None  # score_steps checked
         rows = rows_at_tags(data.tolist(), ids, tags, tag_id=self.step_tag_id, selected=step_pooler)
         if rows is None:  # a wanted tag was in the cached prefix: compute the whole prompt
