@@ -473,22 +473,26 @@ def main(argv: list[str] | None = None) -> int:
         result = PHASES[args.phase](args)
         (args.workdir / f"{tag}.json").write_text(json.dumps(result))
         return 0
-    rows = []
-    for size in [s for s in args.sizes.split(",") if s]:
-        try:
-            rows.append(bench_size(size, args))
-        except RuntimeError as exc:
-            print(f"[{size}] failed:\n{error_summary(exc)}", flush=True)
-    if rows:
-        print_table(rows)
+    rows: list[dict[str, Any]] = []
     meta = {
         "commit": os.environ.get("RP_COMMIT"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "argv": sys.argv[1:],
     }
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "scoring_prm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    for size in [s for s in args.sizes.split(",") if s]:
+        try:
+            rows.append(bench_size(size, args))
+        except RuntimeError as exc:
+            print(f"[{size}] failed:\n{error_summary(exc)}", flush=True)
+            continue
+        print_table(rows[-1:])
+        if args.out:  # after each size: a run stopped at a time limit keeps the sizes it finished
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "scoring_prm.json").write_text(
+                json.dumps({"meta": meta, "rows": rows}, indent=2)
+            )
+    if len(rows) > 1:
+        print_table(rows)
     return 0 if rows else 1
 
 
