@@ -135,3 +135,22 @@ def test_vllm_step_rows_are_read_at_the_tags() -> None:
     tail = every[4:]
     assert rows_at_tags(tail, ids, [5], tag_id=9, selected=False) == [[5.0]]
     assert rows_at_tags(tail, ids, [3, 5], tag_id=9, selected=False) is None  # step 2 was cached
+
+
+def test_the_operators_prm_flags_are_the_servers() -> None:
+    """What the operator renders for a PRM RewardModel parses into the server's process config."""
+    from rewardplane.operator.planning import ClusterView, plan_reward_model
+    from rewardplane.operator.render import server_args
+    from rewardplane.server.config import parse_args
+    from tests.unit.test_planning import NODES, cpu_rm
+
+    model = {
+        "source": "/models/prm",
+        "kind": "process",
+        "process": {"stepTag": TAG, "aggregation": "product"},
+    }
+    plan = plan_reward_model(cpu_rm(model=model), ClusterView(nodes=NODES))
+    cfg = parse_args(server_args(plan, plan.replicas[0]))
+    assert cfg.process is not None
+    assert (cfg.process.step_tag, cfg.process.step_separator, cfg.process.good_label) == (TAG, "\n\n", 1)
+    assert cfg.process.aggregation is StepAggregation.PRODUCT
