@@ -11,15 +11,16 @@ steps of U[``--min-words``, ``--max-words``] words each, after a question of 40 
 inserts the step tags itself (``<extra_0>`` after each step); the offline engine gets the very token
 ids the server scores (the server's own ``rewardplane.server.http.steps.build_solution``).
 
-Phases, each in a fresh process with the GPU to itself, one after the other: build, vLLM offline
-(STEP pooling), the reward server with ``--prm-pooling step`` and with ``--prm-pooling token``
-(every token's row, the server selects), incremental scoring on the token server (prefix caching
-on: vLLM turns it off for STEP pooling), then transformers on a subset. Engine settings as
-the server's (bf16, fp32 head, no chunked prefill, same memory fraction and max length).
+Phases, each in a fresh process with the GPU to itself, one after the other: build (the model,
+once per size: a warm machine keeps it; the token ids; transformers' scores of a subset, bf16 with
+an fp32 head), vLLM offline (STEP pooling), the reward server with ``--prm-pooling step`` and with
+``--prm-pooling token`` (every token's row, the server selects), and incremental scoring on the
+token server (prefix caching on: vLLM turns it off for STEP pooling). Engine settings as the
+server's (bf16, fp32 head, no chunked prefill, same memory fraction and max length).
 
-    python benchmarks/scoring_prm.py                 # 1.5b and 7b (about 15 minutes on an H200)
-    python benchmarks/scoring_prm.py --sizes 1.5b    # one size per call fits a 10-minute limit
-    python benchmarks/scoring_prm.py --quick         # a tiny PRM, 64 solutions, --enforce-eager
+    python benchmarks/scoring_prm.py --enforce-eager   # 1.5b and 7b; eager engines start faster
+    python benchmarks/scoring_prm.py --sizes 7b        # one size per call
+    python benchmarks/scoring_prm.py --quick           # a tiny PRM, 64 solutions, --enforce-eager
 
 Prints a table and the goal met or missed; writes ``scoring_prm.json`` to ``$OUT`` (or ``--out``)
 with the card, vLLM's version, ``$RP_COMMIT`` and the date.
@@ -107,31 +108,53 @@ def log_odds(rows: list[list[float]]) -> list[float]:
 
 
 def phase_build(args: argparse.Namespace) -> dict[str, Any]:
+    """The model (built once per size: a warm machine keeps it), the token ids of the solutions, and
+    transformers' step scores of the first ``--hf-solutions`` (one process: the reference needs no
+    start of its own)."""
     import torch
 
     from rewardplane.tinymodel import build_tiny_process_reward_model
 
-    s = SIZES[args.size]
-    with torch.device("cuda"):  # random init on the GPU: seconds instead of minutes at 7B
-        build_tiny_process_reward_model(
-            args.model_dir,
-            hidden_size=s["hidden"],
-            num_layers=s["layers"],
-            num_heads=s["heads"],
-            num_kv_heads=s["kv_heads"],
-            intermediate_size=s["intermediate"],
-            vocab_size=s["vocab"],
-            max_position_embeddings=max(args.max_len, 4096),
-            dtype="bfloat16",
-            seed=0,
-        )
+    built = Path(args.model_dir) / "built.json"
+    if not built.exists():
+        s = SIZES[args.size]
+        with torch.device("cuda"):  # random init on the GPU: seconds instead of minutes at 7B
+            build_tiny_process_reward_model(
+                args.model_dir,
+                hidden_size=s["hidden"],
+                num_layers=s["layers"],
+                num_heads=s["heads"],
+                num_kv_heads=s["kv_heads"],
+                intermediate_size=s["intermediate"],
+                vocab_size=s["vocab"],
+                max_position_embeddings=max(args.max_len, 4096),
+                dtype="bfloat16",
+                seed=0,
+            )
+        built.write_text(json.dumps({"params": _params(Path(args.model_dir))}))
+    path = args.workdir / "solutions.json"
+    data = json.loads(path.read_text())
+    data["main"] = token_ids(args.model_dir, data["solutions"])
+    data["warmup"] = token_ids(args.model_dir, data["warmup_solutions"])
+    from transformers import AutoTokenizer
+
+    data["tag_id"] = AutoTokenizer.from_pretrained(args.model_dir).convert_tokens_to_ids(TAG)
+    path.write_text(json.dumps(data))
+    return {
+        **json.loads(built.read_text()),
+        "card": torch.cuda.get_device_name(0),
+        "hf_scores": hf_scores(args, data["main"][: args.hf_solutions]),
+    }
+
+
+def _params(model_dir: Path) -> int:
     from safetensors import safe_open
 
     params = 0
-    for f in Path(args.model_dir).glob("*.safetensors"):
+    for f in model_dir.glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as st:
             params += sum(_numel(st, k) for k in st.keys())  # noqa: SIM118 - safe_open is not a mapping
-    return {"params": params, "card": torch.cuda.get_device_name(0)}
+    return params
 
 
 def _numel(st: Any, key: str) -> int:
@@ -289,25 +312,28 @@ def incremental(url: str, solutions: list[dict[str, Any]], args: argparse.Namesp
     }
 
 
-def phase_hf(args: argparse.Namespace) -> dict[str, Any]:
+def hf_scores(args: argparse.Namespace, items: list[dict[str, list[int]]]) -> list[list[float]]:
+    """transformers' step log-odds of ``items``, the model held as both engines hold it (bf16
+    backbone, fp32 head), one solution at a time."""
     import torch
 
     from rewardplane.server.engines.prm_model import Qwen2ForProcessRewardModel
 
-    data = json.loads((args.workdir / "solutions.json").read_text())
     # transformers wraps .to with functools.wraps, whose stub is not a method: self is not bound
     model = Qwen2ForProcessRewardModel.from_pretrained(args.model_dir, dtype=torch.bfloat16).to("cuda")  # type: ignore[arg-type]
     model.eval()
-    model.score.to(torch.float32)  # as both engines hold it
+    model.score.to(torch.float32)
     scores = []
     with torch.inference_mode():
-        for x in data["main"][: args.hf_solutions]:
+        for x in items:
             logits = model(input_ids=torch.tensor([x["ids"]], device="cuda")).logits[0].float().cpu()
             scores.append(log_odds(logits[x["tags"]].tolist()))
-    return {"scores": scores}
+    del model
+    torch.cuda.empty_cache()
+    return scores
 
 
-PHASES = {"build": phase_build, "offline": phase_offline, "server": phase_server, "hf": phase_hf}
+PHASES = {"build": phase_build, "offline": phase_offline, "server": phase_server}
 
 
 # ---- the driver ------------------------------------------------------------------------------
@@ -360,10 +386,6 @@ def bench_size(size: str, args: argparse.Namespace) -> dict[str, Any]:
     args.workdir = Path(args.root) / size
     args.workdir.mkdir(parents=True, exist_ok=True)
     args.model_dir = args.workdir / "model"
-    # the build phase's result, written once the model is saved: a warm machine keeps both
-    built = args.workdir / "build.json"
-    info = json.loads(built.read_text()) if built.exists() else run_phase("build", args)
-    row: dict[str, Any] = {"size": size, **info}
     solutions = make_solutions(args, seed=1)
     warmup = make_solutions(argparse.Namespace(**{**vars(args), "solutions": 16}), seed=2)
     # every incremental solution has --max-steps steps: each round k scores all of them
@@ -373,22 +395,13 @@ def bench_size(size: str, args: argparse.Namespace) -> dict[str, Any]:
         ),
         seed=3,
     )
-    from transformers import AutoTokenizer
-
-    tag_id = AutoTokenizer.from_pretrained(args.model_dir).convert_tokens_to_ids(TAG)
-    main_ids = token_ids(args.model_dir, solutions)
     (args.workdir / "solutions.json").write_text(
-        json.dumps(
-            {
-                "tag_id": tag_id,
-                "solutions": solutions,
-                "warmup_solutions": warmup,
-                "incremental_solutions": inc,
-                "main": main_ids,
-                "warmup": token_ids(args.model_dir, warmup),
-            }
-        )
+        json.dumps({"solutions": solutions, "warmup_solutions": warmup, "incremental_solutions": inc})
     )
+    info = run_phase("build", args)  # adds the token ids to solutions.json
+    hf = info.pop("hf_scores")
+    row: dict[str, Any] = {"size": size, **info}
+    main_ids = json.loads((args.workdir / "solutions.json").read_text())["main"]
     tokens = sum(len(x["ids"]) for x in main_ids)
     steps = sum(len(x["tags"]) for x in main_ids)
     row.update(solutions=len(solutions), steps=steps, tokens=tokens)
@@ -406,9 +419,7 @@ def bench_size(size: str, args: argparse.Namespace) -> dict[str, Any]:
         row[f"server_{pooling}_vs_offline_gaps"] = score_gaps(flat(srv["scores"]), flat(offline["scores"]))
         if "incremental" in srv:
             row["incremental"] = srv["incremental"]
-    hf = run_phase("hf", args)
-    n = len(hf["scores"])
-    row["offline_vs_hf_gaps"] = score_gaps(flat(offline["scores"][:n]), flat(hf["scores"]))
+    row["offline_vs_hf_gaps"] = score_gaps(flat(offline["scores"][: len(hf)]), flat(hf))
     return row
 
 
@@ -438,7 +449,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1.5b,7b")
     p.add_argument("--quick", action="store_true", help="the tiny PRM, 64 solutions, --enforce-eager")
-    p.add_argument("--solutions", type=int, default=1024)
+    p.add_argument("--solutions", type=int, default=512)
     p.add_argument("--min-steps", type=int, default=4)
     p.add_argument("--max-steps", type=int, default=12)
     p.add_argument("--min-words", type=int, default=15)
