@@ -53,6 +53,7 @@ SIZES: dict[str, dict[str, int]] = {
     "7b": {"hidden": 3584, "layers": 28, "heads": 28, "kv_heads": 4, "intermediate": 18944, "vocab": 151936},
 }
 QUESTION_WORDS = 40
+DEVICE = "cuda"  # where the build and the transformers reference run
 
 
 # ---- solutions -------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ def phase_build(args: argparse.Namespace) -> dict[str, Any]:
     built = Path(args.model_dir) / "built.json"
     if not built.exists():
         s = SIZES[args.size]
-        with torch.device("cuda"):  # random init on the GPU: seconds instead of minutes at 7B
+        with torch.device(DEVICE):  # random init on the GPU: seconds instead of minutes at 7B
             build_tiny_process_reward_model(
                 args.model_dir,
                 hidden_size=s["hidden"],
@@ -142,7 +143,7 @@ def phase_build(args: argparse.Namespace) -> dict[str, Any]:
     path.write_text(json.dumps(data))
     return {
         **json.loads(built.read_text()),
-        "card": torch.cuda.get_device_name(0),
+        "card": torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE,
         "hf_scores": hf_scores(args, data["main"][: args.hf_solutions]),
     }
 
@@ -320,16 +321,17 @@ def hf_scores(args: argparse.Namespace, items: list[dict[str, list[int]]]) -> li
     from rewardplane.server.engines.prm_model import Qwen2ForProcessRewardModel
 
     # transformers wraps .to with functools.wraps, whose stub is not a method: self is not bound
-    model = Qwen2ForProcessRewardModel.from_pretrained(args.model_dir, dtype=torch.bfloat16).to("cuda")  # type: ignore[arg-type]
+    model = Qwen2ForProcessRewardModel.from_pretrained(args.model_dir, dtype=torch.bfloat16).to(DEVICE)  # type: ignore[arg-type]
     model.eval()
     model.score.to(torch.float32)
     scores = []
     with torch.inference_mode():
         for x in items:
-            logits = model(input_ids=torch.tensor([x["ids"]], device="cuda")).logits[0].float().cpu()
+            logits = model(input_ids=torch.tensor([x["ids"]], device=DEVICE)).logits[0].float().cpu()
             scores.append(log_odds(logits[x["tags"]].tolist()))
     del model
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return scores
 
 
