@@ -79,6 +79,42 @@ def build_tiny_reward_model(
     return _save(model, tokenizer, out, dtype)
 
 
+PRM_STEP_TAG = "<extra_0>"  # Qwen2.5-Math-PRM's step tag
+
+
+def build_tiny_process_reward_model(
+    out_dir: str | Path, *, head_std: float = 1.0, dtype: str = "float32", seed: int = 0, **sizes: Any
+) -> Path:
+    """Save a random-weight process reward model of the Qwen2.5-Math-PRM shape and its tokenizer
+    (with the step tag ``<extra_0>`` as a special token) to ``out_dir``: a Qwen2 backbone and the
+    two-layer head giving two logits per token (``Qwen2ForProcessRewardModel``), which the
+    transformers engine and vLLM's class of that name both load. ``sizes``: as for
+    :func:`build_tiny_reward_model` (``hidden_size``, ``num_layers``, ``num_heads``, ...).
+    ``head_std``: the head's init in units of ``hidden_size ** -0.5`` (1: step log-odds of order 1,
+    which differ between steps)."""
+    import torch
+    from transformers import Qwen2Config
+
+    from rewardplane.server.engines.prm_model import Qwen2ForProcessRewardModel
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": [PRM_STEP_TAG]})
+    # num_labels and architectures: PretrainedConfig arguments that the typed __init__ omits
+    fields = _config_fields(tokenizer, **sizes)
+    config = Qwen2Config(**{**fields, "num_labels": 2, "architectures": ["Qwen2ForProcessRewardModel"]})
+    hidden_size = int(fields["hidden_size"])
+    torch.manual_seed(seed)
+    model = Qwen2ForProcessRewardModel(config)
+    with torch.no_grad():
+        for layer in model.score:
+            if isinstance(layer, torch.nn.Linear):
+                layer.weight.normal_(0.0, head_std * hidden_size**-0.5)
+                layer.bias.normal_(0.0, 0.1)
+    return _save(model, tokenizer, out, dtype)
+
+
 # A plain chat template for the tiny causal LM: each turn as ``<s>role\ncontent</s>``, and the
 # assistant's opening when a generation prompt is asked for (what a judge request renders).
 CHAT_TEMPLATE = (
@@ -117,7 +153,13 @@ def build_tiny_causal_lm(
     return _save(LlamaForCausalLM(_llama_config(tokenizer, **config)), tokenizer, out, dtype)
 
 
-def _llama_config(
+def _llama_config(tokenizer: Any, **sizes: Any) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_config_fields(tokenizer, **sizes))
+
+
+def _config_fields(
     tokenizer: Any,
     *,
     hidden_size: int = 64,
@@ -128,23 +170,22 @@ def _llama_config(
     intermediate_size: int | None = None,
     vocab_size: int | None = None,
     **extra: Any,
-) -> Any:
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=max(vocab_size or 0, len(tokenizer)),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads or max(1, num_heads // 2),
-        max_position_embeddings=max_position_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+) -> dict[str, Any]:
+    """A decoder's config fields: its sizes, ``tokenizer``'s special ids, an untied head."""
+    return {
+        "vocab_size": max(vocab_size or 0, len(tokenizer)),
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size or hidden_size * 2,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads or max(1, num_heads // 2),
+        "max_position_embeddings": max_position_embeddings,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "tie_word_embeddings": False,
         **extra,
-    )
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,9 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--causal-lm", action="store_true", help="a tiny causal LM with a chat template (a generative judge)"
     )
+    p.add_argument(
+        "--process",
+        action="store_true",
+        help=f"a tiny process reward model (Qwen2.5-Math-PRM shape, step tag {PRM_STEP_TAG})",
+    )
     args = p.parse_args(argv)
     if args.causal_lm:
         path = build_tiny_causal_lm(args.out, seed=args.seed)
+    elif args.process:
+        path = build_tiny_process_reward_model(args.out, seed=args.seed)
     else:
         path = build_tiny_reward_model(args.out, num_labels=args.num_labels, seed=args.seed)
     print(path)

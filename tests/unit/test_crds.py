@@ -136,7 +136,7 @@ RM_SCALE = {
             RM_CRD,
             "RewardModel",
             "rm",
-            ["Ready", "Phase", "Reason", "Model", "Version", "GPU-Frac", "Age"],
+            ["Ready", "Phase", "Reason", "Model", "Kind", "Version", "GPU-Frac", "Age"],
             {"status": {}, "scale": RM_SCALE},
         ),
         (

@@ -203,6 +203,47 @@ def test_a_generative_model_gets_task_generate_and_no_head_flags() -> None:
     )
 
 
+def test_a_process_reward_model_gets_its_step_flags_and_no_pooling() -> None:
+    model = {
+        "source": "x",
+        "kind": "process",
+        "process": {"stepTag": "<extra_0>", "aggregation": "min", "vllmPooling": "token"},
+    }
+    plan = plan_reward_model(rm(model=model, engine={"kind": "vllm"}), ClusterView(nodes=NODES))
+    args = server_args(plan, plan.replicas[0])
+    flags = dict(zip(args, args[1:], strict=False))
+    assert (flags["--model-kind"], flags["--step-tag"], flags["--step-aggregation"]) == (
+        "process",
+        "<extra_0>",
+        "min",
+    )
+    assert (flags["--step-separator"], flags["--good-label"], flags["--prm-pooling"]) == (
+        "\n\n",
+        "1",
+        "token",
+    )
+    assert "--pooling" not in args and "--num-labels" not in args
+    hf = plan_reward_model(
+        rm(model=model, engine={"kind": "hf"}, gpu={"mode": "none"}), ClusterView(nodes=NODES)
+    )
+    assert "--prm-pooling" not in server_args(hf, hf.replicas[0])  # a vLLM flag only
+    no_agg = plan_reward_model(rm(model={**model, "process": {"stepTag": "<s1>"}}), ClusterView(nodes=NODES))
+    assert "--step-aggregation" not in server_args(no_agg, no_agg.replicas[0])
+    # its saved weights never restore onto the same source served as a sequence model
+    seq = plan_reward_model(rm(model={"source": "x"}, engine={"kind": "vllm"}), ClusterView(nodes=NODES))
+    assert weights_dir("/w", "uid", plan, plan.replicas[0]) != weights_dir("/w", "uid", seq, seq.replicas[0])
+
+
+def test_a_process_reward_model_without_its_tag_is_refused_by_name() -> None:
+    errors = validate_spec({"model": {"source": "x", "kind": "process", "pooling": "mean"}})
+    assert len(errors) == 2
+    assert "spec.model.process.stepTag" in errors[0] and "<extra_0>" in errors[0]
+    assert "spec.model.pooling" in errors[1]
+    assert validate_spec({"model": {"source": "x", "kind": "process", "process": {"stepTag": "<t>"}}}) == []
+    bad = validate_spec({"model": {"source": "x", "kind": "process", "process": {"aggregation": "median"}}})
+    assert any("spec.model.process.aggregation" in e for e in bad)
+
+
 def test_head_fields_on_a_generative_model_are_refused_by_name() -> None:
     errors = validate_spec({"model": {"source": "x", "task": "generate", "numLabels": 3, "pooling": "mean"}})
     assert len(errors) == 2

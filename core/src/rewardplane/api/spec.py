@@ -16,7 +16,10 @@ from rewardplane.protocol import (
     DEFAULT_POLICY_GROUP_PORT,
     DEFAULT_POLICY_HTTP_PORT,
     DEFAULT_PORT_OFFSET,
+    DEFAULT_STEP_SEPARATOR,
+    ModelKind,
     ModelTask,
+    StepAggregation,
 )
 
 DEFAULT_MEMORY_FRACTION = 0.9
@@ -39,6 +42,17 @@ class EngineKind(str, Enum):
     HF = "hf"
 
 
+class ProcessSpec(_Spec):
+    """A process reward model's step marking (``spec.model.process``; the server's step flags)."""
+
+    step_tag: str | None = Field(default=None, min_length=1, alias="stepTag")
+    step_separator: str = Field(default=DEFAULT_STEP_SEPARATOR, min_length=1, alias="stepSeparator")
+    good_label: int = Field(default=1, ge=0, alias="goodLabel")
+    aggregation: StepAggregation | None = None
+    # vLLM: step (vLLM's STEP pooler) or token (every token's row, selected by the server)
+    vllm_pooling: str = Field(default="step", pattern="^(step|token)$", alias="vllmPooling")
+
+
 class ModelSpec(_Spec):
     source: str = Field(min_length=1)
     revision: str | None = None
@@ -56,6 +70,9 @@ class ModelSpec(_Spec):
     normalize: bool = False
     # score: a score head (the scoring endpoints); generate: a causal LM answering chats (an LLM judge)
     task: ModelTask = ModelTask.SCORE
+    # sequence: one score per text; process: a process reward model scoring each step (``process``)
+    kind: ModelKind = ModelKind.SEQUENCE
+    process: ProcessSpec = Field(default_factory=ProcessSpec)
 
 
 class EngineSpec(_Spec):

@@ -4,7 +4,7 @@ Imported by the server, the SDK and the operator. It depends only on pydantic, s
 client needs neither torch nor the server's dependencies. Submodules: ``modes`` (training modes,
 pooling), ``endpoints`` (paths, headers, token variables), ``ports`` (port derivation), ``scoring``
 (scoring requests and answers), ``compat`` (the vLLM, OpenAI and OpenRLHF shapes), ``weights`` (the weight-sync control plane and bucket layout),
-``joins`` (bounds on joining a trainer's group, cancelling a join), ``push_phases`` (a push's phases on one server), ``sleep`` (sleep and wake), ``admission`` (when an operator-run replica takes traffic), ``auth`` (control-plane token), ``naming`` (parameter-name normalisation),
+``joins`` (bounds on joining a trainer's group, cancelling a join), ``push_phases`` (a push's phases on one server), ``sleep`` (sleep and wake), ``steps`` (process reward models: step marking, scores, aggregates), ``admission`` (when an operator-run replica takes traffic), ``auth`` (control-plane token), ``naming`` (parameter-name normalisation),
 ``settings`` (every ``REWARDPLANE_*`` environment variable, ``docs/settings.md``).
 """
 
@@ -96,6 +96,13 @@ from .sleep import (
     SleepState,
     WakeRequest,
 )
+from .steps import (
+    DEFAULT_STEP_SEPARATOR,
+    ModelKind,
+    ProcessRewardConfig,
+    StepAggregation,
+    StepScore,
+)
 from .weights import (
     BUCKET_ALIGN,
     DEFAULT_BUCKET_BYTES,
@@ -132,6 +139,11 @@ from .weights import (
 )
 
 __all__ = [
+    "DEFAULT_STEP_SEPARATOR",
+    "ModelKind",
+    "ProcessRewardConfig",
+    "StepAggregation",
+    "StepScore",
     "JOIN_GRACE_S",
     "CancelledJoin",
     "CloseCommunicatorRequest",

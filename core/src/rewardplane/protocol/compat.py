@@ -145,9 +145,12 @@ class ClassifyResponse(ListResponse[ClassificationData]):
 
 
 class PoolingData(BaseModel):
+    """``data``: one row per input; a process reward model gives one row per step tag (vLLM's STEP
+    pooling)."""
+
     index: int
     object: str = "pooling"
-    data: list[float] | str
+    data: list[float] | list[list[float]] | str
 
 
 class PoolingResponse(ListResponse[PoolingData]):

@@ -13,9 +13,11 @@ from pydantic import (
     WithJsonSchema,
     computed_field,
     field_validator,
+    model_validator,
 )
 
 from .modes import ModelTask, PoolingType
+from .steps import ModelKind, ProcessRewardConfig, StepAggregation, StepScore
 
 Score = float | list[float]
 
@@ -29,6 +31,14 @@ class ScoringRequest(BaseModel):
 
     ``normalize``: True applies the head's activation — sigmoid for one label, softmax over the
     labels for several. False returns the raw head output (what reward-model training uses).
+
+    A process reward model (``ModelInfo.kind`` process) takes solutions: ``input`` texts with the
+    server's step separator, or ``steps`` (each solution a list of steps), with ``prompts`` (the text
+    before each solution's first step, e.g. the question) optional. Each answer carries its steps'
+    scores (``ScoringResult.steps``) and, as ``score``, their aggregate (``aggregation``, else the
+    server's); with neither, ``score`` is the list of step scores. A step's score is the probability
+    of the good label, or its log-odds with ``normalize`` false. ``first_step`` k scores steps k...
+    only (the aggregate is theirs), the earlier steps read as context.
     """
 
     model_config = ConfigDict(populate_by_name=True, frozen=True, extra="forbid")
@@ -38,7 +48,22 @@ class ScoringRequest(BaseModel):
         list[str],
         # one string is taken as a list of one (the validator below)
         WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}),
-    ] = Field(alias="input")
+    ] = Field(default_factory=list, alias="input")
+    steps: list[list[str]] | None = Field(
+        default=None, description="Process reward models: each solution as its list of steps."
+    )
+    prompts: list[str] | None = Field(
+        default=None, description="Process reward models: the text before each solution's first step."
+    )
+    aggregation: StepAggregation | None = Field(
+        default=None, description="Process reward models: how step scores become `score`."
+    )
+    first_step: StrictInt = Field(
+        default=0,
+        ge=0,
+        description="Process reward models: score the steps from this index on; the earlier ones are "
+        "context (a server with prefix caching reuses their KV cache: incremental scoring).",
+    )
     pooling_type: PoolingType = PoolingType.LAST
     normalize: StrictBool = True
     n_labels: StrictInt | None = Field(
@@ -54,14 +79,49 @@ class ScoringRequest(BaseModel):
     def _one_string_is_a_list(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else v
 
+    @model_validator(mode="after")
+    def _steps_or_texts(self) -> ScoringRequest:
+        if self.steps is not None and self.inputs:
+            raise ValueError(
+                "send a solution either as `input` texts with separators or as `steps`, not both"
+            )
+        n = len(self.steps) if self.steps is not None else len(self.inputs)
+        if self.prompts is not None and len(self.prompts) != n:
+            raise ValueError(
+                f"prompts has {len(self.prompts)} items for {n} solutions: send one per solution"
+            )
+        return self
+
+    def items(self) -> int:
+        """How many texts or solutions the request scores."""
+        return len(self.steps) if self.steps is not None else len(self.inputs)
+
+    def wire_rows(self, start: int, stop: int) -> dict[str, Any]:
+        """The wire body of items ``start..stop`` alone (a client splits a batch over servers)."""
+        body = self.wire()
+        for key in ("input", "steps", "prompts"):
+            if body.get(key) is not None:
+                body[key] = body[key][start:stop]
+        return body
+
     def wire(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", by_alias=True, exclude_defaults=False)
+        body = self.model_dump(mode="json", by_alias=True, exclude_defaults=False)
+        # the process-model fields only when used: a server that predates them forbids unknown fields
+        for key, unused in _PROCESS_FIELDS.items():
+            if body[key] == unused:
+                del body[key]
+        return body
+
+
+_PROCESS_FIELDS: dict[str, Any] = {"steps": None, "prompts": None, "aggregation": None, "first_step": 0}
 
 
 class ScoringResult(BaseModel):
     index: int
     score: Score
     num_tokens: int = 0
+    # process reward models: each step's score, spans and token offsets (None from a sequence model)
+    steps: list[StepScore] | None = None
 
 
 class Usage(BaseModel):
@@ -132,6 +192,9 @@ class ModelInfo(BaseModel):
     # The most inputs one scoring request may carry (--max-items-per-request): clients split larger
     # batches to it. None from a server that does not say.
     max_items_per_request: int | None = None
+    kind: ModelKind = ModelKind.SEQUENCE
+    # how a process reward model marks and combines steps (None for a sequence model)
+    process: ProcessRewardConfig | None = None
 
 
 class ErrorResponse(BaseModel):

@@ -25,7 +25,7 @@ from rewardplane.api.spec import (
     RewardModelSpec,
     parse_spec,
 )
-from rewardplane.protocol import ModelTask, RewardModelPorts, derive_ports
+from rewardplane.protocol import ModelKind, ModelTask, RewardModelPorts, derive_ports
 from rewardplane.protocol.settings import SERVER_IMAGE
 
 from .storage import InvalidSourceError, ModelCache, parse_model_source
@@ -280,6 +280,7 @@ def validate_spec(spec: Mapping[str, Any], name: str | None = None) -> list[str]
         + _check_source(parsed)
         + _check_lora(parsed)
         + _check_task(parsed)
+        + _check_kind(parsed)
         + _check_transport(parsed)
     )
 
@@ -337,6 +338,29 @@ def _check_lora(spec: RewardModelSpec) -> list[str]:
             "(at least the adapters' rank)"
         ]
     return []
+
+
+def _check_kind(spec: RewardModelSpec) -> list[str]:
+    """A process reward model needs its step tag and scores with it: no pooling, no generation."""
+    model = spec.model
+    if model.kind is not ModelKind.PROCESS:
+        return []
+    errors = []
+    if model.process.step_tag is None:
+        errors.append(
+            "spec.model.kind is process but spec.model.process.stepTag is not set; give the token the model "
+            "reads after each step (Qwen2.5-Math-PRM: <extra_0>)"
+        )
+    if model.task is not ModelTask.SCORE:
+        errors.append(
+            "spec.model.kind process scores steps: set spec.model.task to score (or kind: sequence)"
+        )
+    if model.pooling != "last":
+        errors.append(
+            f"spec.model.pooling is {model.pooling!r}, but a process reward model reads its step tags; remove "
+            "spec.model.pooling"
+        )
+    return errors
 
 
 def _check_task(spec: RewardModelSpec) -> list[str]:

@@ -29,8 +29,8 @@ from rewardplane.api.names import (
     token_secret_name,
 )
 from rewardplane.api.names import RM_KIND as KIND
-from rewardplane.api.spec import INTERFACE_VARIABLES, EngineKind, GpuMode
-from rewardplane.protocol import TOKEN_FILE_ENV, Endpoints, ModelTask
+from rewardplane.api.spec import INTERFACE_VARIABLES, EngineKind, GpuMode, ProcessSpec
+from rewardplane.protocol import TOKEN_FILE_ENV, Endpoints, ModelKind, ModelTask
 
 from .planning import GPU_RESOURCE, Plan, ReplicaPlan
 from .storage import ModelDelivery, delivery
@@ -116,9 +116,31 @@ def weights_dir(persist_dir: str, owner_uid: str, plan: Plan, replica: ReplicaPl
     key: list[object] = [model.source, model.revision, model.num_labels]
     if model.task is not ModelTask.SCORE:  # scorers keep the keys they had before tasks existed
         key.append(model.task.value)
+    if model.kind is not ModelKind.SEQUENCE:  # a PRM's head reads other rows: another model's weights
+        key.append(model.kind.value)
     base = json.dumps(key, separators=(",", ":"))
     base_key = hashlib.sha256(base.encode()).hexdigest()[:12]
     return f"{persist_dir.rstrip('/')}/{owner_uid}/{base_key}/{replica.pod_name}"
+
+
+def process_args(process: ProcessSpec, engine: EngineKind) -> list[str]:
+    """The server flags of a process reward model (``spec.model.process``)."""
+    assert process.step_tag is not None  # validate_spec refuses a PRM without one
+    args = [
+        "--model-kind",
+        ModelKind.PROCESS.value,
+        "--step-tag",
+        process.step_tag,
+        "--step-separator",
+        process.step_separator,
+        "--good-label",
+        str(process.good_label),
+    ]
+    if process.aggregation is not None:
+        args += ["--step-aggregation", process.aggregation.value]
+    if engine is EngineKind.VLLM:
+        args += ["--prm-pooling", process.vllm_pooling]
+    return args
 
 
 def server_args(plan: Plan, replica: ReplicaPlan, owner_uid: str = "") -> list[str]:
@@ -148,7 +170,9 @@ def server_args(plan: Plan, replica: ReplicaPlan, owner_uid: str = "") -> list[s
         # container comes back on its base weights)
         "--require-admission",
     ]
-    if spec.model.task is ModelTask.SCORE:  # the score head's options; a generative model has none
+    if spec.model.kind is ModelKind.PROCESS:  # step scores at the step tags: no pooling, two labels
+        args += process_args(spec.model.process, spec.engine.kind)
+    elif spec.model.task is ModelTask.SCORE:  # the score head's options; a generative model has none
         args += ["--pooling", spec.model.pooling, "--num-labels", str(spec.model.num_labels)]
     # Requests may name the model by its source; the server loads a mounted or downloaded
     # directory instead, so the source itself becomes an alias.

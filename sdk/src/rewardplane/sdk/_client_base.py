@@ -48,6 +48,7 @@ from rewardplane.protocol import (
     ScoringResponse,
     SleepRequest,
     SleepResponse,
+    StepAggregation,
     WakeRequest,
 )
 from rewardplane.protocol.auth import auth_headers, resolve_token
@@ -239,21 +240,46 @@ class BaseRewardClient:
             truncate=truncate,
         )
 
+    def _steps_request(
+        self,
+        solutions: Sequence[str | Sequence[str]],
+        prompts: Sequence[str] | None,
+        aggregation: StepAggregation | str | None,
+        normalize: bool,
+        first_step: int,
+    ) -> ScoringRequest:
+        """A process reward model's request (``score_steps``): ``solutions`` each a text with the
+        server's step separator, or a list of steps. Every result has ``steps`` (each step's score,
+        character span and token offsets) and, as ``score``, their aggregate (``aggregation``, else
+        the server's; without either, the list of step scores). ``prompts``: the text before each
+        solution's first step. ``first_step`` k scores steps k... only, the earlier ones read as
+        context (reused from the server's prefix cache where it has one)."""
+        texts = [s for s in solutions if isinstance(s, str)]
+        if texts and len(texts) != len(solutions):
+            raise ValueError("send every solution as a text with separators, or every one as a list of steps")
+        return ScoringRequest(
+            model=self.model_name,
+            inputs=texts,
+            steps=None if texts or not solutions else [list(s) for s in solutions],
+            prompts=None if prompts is None else list(prompts),
+            aggregation=None if aggregation is None else StepAggregation(aggregation),
+            normalize=normalize,
+            first_step=first_step,
+        )
+
     # -- the requests each method makes (sent by the clients' I/O layers) ----------------------
 
     def _score_calls(self, request: ScoringRequest, item_limit: int | None) -> list[_Call[Piece]]:
         """One ``/score`` request per piece of the plan, each with its share of the inputs."""
-        base = request.wire()
-        inputs = list(request.inputs)
         return [
             _Call(
                 "POST",
                 i,
                 Endpoints.SCORE,
                 functools.partial(parse_piece, rows=rows),
-                json={**base, "input": inputs[rows.start : rows.stop]},
+                json=request.wire_rows(rows.start, rows.stop),
             )
-            for i, rows in self._plan(len(inputs), item_limit)
+            for i, rows in self._plan(request.items(), item_limit)
         ]
 
     def _scored(
@@ -263,7 +289,7 @@ class BaseRewardClient:
         base = request.wire()
         if not pieces:
             return empty_answer(request, base)
-        return assemble(pieces, len(request.inputs), base, start)
+        return assemble(pieces, request.items(), base, start)
 
     def _chat_score_calls(
         self, chats: Sequence[Sequence[Mapping[str, Any]]], normalize: bool

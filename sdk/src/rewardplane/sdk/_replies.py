@@ -78,7 +78,10 @@ def assemble(
         )
     except ValueError as exc:
         raise RewardClientError(f"reward server reply does not match the request: {exc}") from exc
-    data = [ScoringResult(index=i, score=d.score, num_tokens=d.num_tokens) for i, d in enumerate(ordered)]
+    data = [
+        ScoringResult(index=i, score=d.score, num_tokens=d.num_tokens, steps=d.steps)
+        for i, d in enumerate(ordered)
+    ]
     versions = [p.response.version for p in pieces]
     chunks = [
         {

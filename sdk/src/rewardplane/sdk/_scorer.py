@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, get_args
+from typing import Any, Literal, Protocol
 
-from rewardplane.protocol import Score
+from rewardplane.protocol import Score, ScoringResult
 
 from ._credit import ScoreLevel
 from ._exceptions import RewardClientError
+from ._process_rewards import rollout_solution, write_process_scores
 from ._rollout import Rollout, Step
+
+ScorerLevel = ScoreLevel | Literal["process"]
 
 
 class AsyncScoringClient(Protocol):
@@ -24,6 +27,18 @@ class AsyncScoringClient(Protocol):
     (``AsyncRewardClient`` and ``GenerativeJudge`` have it)."""
 
     async def score_batch(self, inputs: Sequence[str], *, normalize: bool = True) -> list[Score]: ...
+
+
+class AsyncStepScoringClient(Protocol):
+    """What process-level scoring needs: ``score_steps`` (``AsyncRewardClient`` has it)."""
+
+    async def score_steps(
+        self,
+        solutions: Sequence[str | Sequence[str]],
+        *,
+        prompts: Sequence[str] | None = ...,
+        normalize: bool = ...,
+    ) -> list[ScoringResult]: ...
 
 
 def check_async_client(client: object, who: str) -> None:
@@ -95,8 +110,10 @@ class RewardModelScorer:
             ``async score_batch(inputs, normalize=...)``).
         score_key: sequence level writes ``rollout.meta[score_key]``; step level writes
             ``step.info[score_key]`` for every step.
-        score_level: ``sequence`` (one text per rollout, :func:`rollout_text`) or ``step`` (one
-            text per step, :func:`step_text`).
+        score_level: ``sequence`` (one text per rollout, :func:`rollout_text`), ``step`` (one
+            text per step, :func:`step_text`) or ``process``: a process reward model scores each
+            rollout in one pass, its steps as the solution's steps (``_process_rewards``), writing
+            every ``step.info[score_key]`` and the aggregate into ``rollout.meta[score_key]``.
         batch_size: texts per ``score_batch`` call; batches are sent one after another, in order.
         text_fn: the text of a rollout at sequence level (default :func:`rollout_text`; e.g.
             :func:`chat_template_text`).
@@ -112,21 +129,26 @@ class RewardModelScorer:
         self,
         client: AsyncScoringClient,
         score_key: str = "rm_score",
-        score_level: ScoreLevel = "sequence",
+        score_level: ScorerLevel = "sequence",
         batch_size: int = 64,
         *,
         text_fn: Callable[[Rollout], str] = rollout_text,
         step_text_fn: Callable[[Rollout, Step], str] = step_text,
         normalize: bool = True,
     ) -> None:
-        if score_level not in get_args(ScoreLevel):
-            raise ValueError(f"score_level must be 'sequence' or 'step', got {score_level!r}")
+        if score_level not in ("sequence", "step", "process"):
+            raise ValueError(f"score_level must be 'sequence', 'step' or 'process', got {score_level!r}")
+        if score_level == "process" and not callable(getattr(client, "score_steps", None)):
+            raise TypeError(
+                f"score_level='process' needs a client with score_steps (an AsyncRewardClient); "
+                f"{type(client).__name__} has none"
+            )
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         check_async_client(client, "RewardModelScorer")
         self.client = client
         self.score_key = score_key
-        self.score_level: ScoreLevel = score_level
+        self.score_level: ScorerLevel = score_level
         self.batch_size = batch_size
         self.text_fn = text_fn
         self.step_text_fn = step_text_fn
@@ -140,6 +162,9 @@ class RewardModelScorer:
 
     async def score(self, rollouts: Sequence[Rollout]) -> None:
         """Score ``rollouts`` and write the scores into them (all or nothing)."""
+        if self.score_level == "process":
+            await self._score_process(rollouts)
+            return
         texts = self.texts(rollouts)
         scores: list[Score] = []
         for start in range(0, len(texts), self.batch_size):
@@ -151,4 +176,14 @@ class RewardModelScorer:
                     "nothing was written"
                 )
             scores.extend(got)
-        write_scores(rollouts, scores, self.score_key, self.score_level)
+        write_scores(rollouts, scores, self.score_key, "step" if self.score_level == "step" else "sequence")
+
+    async def _score_process(self, rollouts: Sequence[Rollout]) -> None:
+        client: AsyncStepScoringClient = self.client  # type: ignore[assignment]  # checked in __init__
+        results: list[ScoringResult] = []
+        for start in range(0, len(rollouts), self.batch_size):
+            batch = [rollout_solution(r) for r in rollouts[start : start + self.batch_size]]
+            results += await client.score_steps(
+                [steps for _, steps in batch], prompts=[p for p, _ in batch], normalize=self.normalize
+            )
+        write_process_scores(rollouts, results, self.score_key)

@@ -23,7 +23,9 @@ from rewardplane.protocol import (
     Score,
     ScoringRequest,
     ScoringResponse,
+    ScoringResult,
     SleepResponse,
+    StepAggregation,
 )
 
 from ._aio import gather_or_cancel
@@ -106,7 +108,7 @@ class AsyncRewardClient(BaseRewardClient):
         An empty ``inputs`` makes no request and returns an empty response (version 0).
         """
         self._check_open()
-        calls = self._score_calls(request, await self._item_limit(len(request.inputs)))
+        calls = self._score_calls(request, await self._item_limit(request.items()))
         start = time.monotonic()
         return self._scored(request, await self._send_all(calls), start)
 
@@ -129,6 +131,24 @@ class AsyncRewardClient(BaseRewardClient):
             return []
         response, _ = await self.score(self._batch_request(inputs, normalize, n_labels, truncate))
         return response.scores
+
+    async def score_steps(
+        self,
+        solutions: Sequence[str | Sequence[str]],
+        *,
+        prompts: Sequence[str] | None = None,
+        aggregation: StepAggregation | str | None = None,
+        normalize: bool = True,
+        first_step: int = 0,
+    ) -> list[ScoringResult]:
+        """A process reward model's scores of ``solutions``, in order, one pass each (see
+        ``BaseRewardClient._steps_request`` for the fields)."""
+        self._check_open()
+        if len(solutions) == 0:
+            return []
+        request = self._steps_request(solutions, prompts, aggregation, normalize, first_step)
+        response, _ = await self.score(request)
+        return sorted(response.data, key=lambda d: d.index)
 
     async def score_chats(
         self, chats: Sequence[Sequence[Mapping[str, Any]]], *, normalize: bool = True

@@ -24,7 +24,9 @@ from rewardplane.protocol import (
     Score,
     ScoringRequest,
     ScoringResponse,
+    ScoringResult,
     SleepResponse,
+    StepAggregation,
 )
 
 from ._client_base import ITEM_LIMIT_PROBE_TIMEOUT_S, BaseRewardClient, _Call
@@ -113,7 +115,7 @@ class RewardClient(BaseRewardClient):
     def score(self, request: ScoringRequest) -> tuple[ScoringResponse, ScoreInfo]:
         """Score ``request.inputs``; returns ``(response, info)`` (as :meth:`AsyncRewardClient.score`)."""
         self._check_open()
-        calls = self._score_calls(request, self._item_limit(len(request.inputs)))
+        calls = self._score_calls(request, self._item_limit(request.items()))
         start = time.monotonic()
         return self._scored(request, self._send_all(calls), start)
 
@@ -131,6 +133,24 @@ class RewardClient(BaseRewardClient):
             return []
         response, _ = self.score(self._batch_request(inputs, normalize, n_labels, truncate))
         return response.scores
+
+    def score_steps(
+        self,
+        solutions: Sequence[str | Sequence[str]],
+        *,
+        prompts: Sequence[str] | None = None,
+        aggregation: StepAggregation | str | None = None,
+        normalize: bool = True,
+        first_step: int = 0,
+    ) -> list[ScoringResult]:
+        """A process reward model's scores of ``solutions``, in order, one pass each (see
+        ``BaseRewardClient._steps_request`` for the fields)."""
+        self._check_open()
+        if len(solutions) == 0:
+            return []
+        request = self._steps_request(solutions, prompts, aggregation, normalize, first_step)
+        response, _ = self.score(request)
+        return sorted(response.data, key=lambda d: d.index)
 
     def score_chats(
         self, chats: Sequence[Sequence[Mapping[str, Any]]], *, normalize: bool = True

@@ -9,7 +9,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from rewardplane.protocol import DEFAULT_HTTP_PORT, ModelTask, PoolingType, settings
+from rewardplane.protocol import (
+    DEFAULT_HTTP_PORT,
+    DEFAULT_STEP_SEPARATOR,
+    ModelKind,
+    ModelTask,
+    PoolingType,
+    ProcessRewardConfig,
+    StepAggregation,
+    settings,
+)
 
 # ServerConfig fields whose flag falls back to a setting's environment variable.
 SETTING_FLAGS: dict[str, settings.Setting[Any]] = {
@@ -26,6 +35,16 @@ class ServerConfig(BaseModel):
     model: str
     engine: Literal["hf", "vllm"] = "hf"
     task: ModelTask = ModelTask.SCORE
+    # A process reward model (kind process): the step tag placed after each step, the separator of a
+    # solution sent as one text, the head's good label and the default aggregate of the steps.
+    model_kind: ModelKind = ModelKind.SEQUENCE
+    step_tag: str | None = None
+    step_separator: str = DEFAULT_STEP_SEPARATOR
+    good_label: int = Field(default=1, ge=0)
+    step_aggregation: StepAggregation | None = None
+    # vLLM: select the step rows in vLLM's STEP pooler ("step") or take every token's row and select
+    # on the server ("token"), for a vLLM whose STEP pooling does not apply to the model's head.
+    prm_pooling: Literal["step", "token"] = "step"
     host: str = "127.0.0.1"
     port: int = Field(default=DEFAULT_HTTP_PORT, ge=1, le=65535)
     served_model_name: str | None = None
@@ -81,6 +100,19 @@ class ServerConfig(BaseModel):
             os.environ[VLLM_BATCH_INVARIANT] = "1"
 
     @property
+    def process(self) -> ProcessRewardConfig | None:
+        """How this server marks and combines steps; None unless it serves a process reward model."""
+        if self.model_kind != ModelKind.PROCESS:
+            return None
+        assert self.step_tag is not None  # parse_args requires it with --model-kind process
+        return ProcessRewardConfig(
+            step_tag=self.step_tag,
+            step_separator=self.step_separator,
+            good_label=self.good_label,
+            aggregation=self.step_aggregation,
+        )
+
+    @property
     def name(self) -> str:
         return self.served_model_name or "reward-model"
 
@@ -112,6 +144,43 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         default=ModelTask.SCORE.value,
         help="score: a score head (the scoring endpoints); generate: a causal LM answering "
         "/v1/chat/completions (an LLM judge)",
+    )
+    p.add_argument(
+        "--model-kind",
+        choices=[k.value for k in ModelKind],
+        default=ModelKind.SEQUENCE.value,
+        help="sequence: one score per text; process: a process reward model scoring each step of a "
+        "solution (needs --step-tag)",
+    )
+    p.add_argument(
+        "--step-tag",
+        default=None,
+        help="process models: the token after each step (Qwen2.5-Math-PRM: <extra_0>)",
+    )
+    p.add_argument(
+        "--step-separator",
+        default=None,
+        help="process models: what separates the steps of a solution sent as one text (default: a blank line)",
+    )
+    p.add_argument(
+        "--good-label",
+        type=int,
+        default=None,
+        help="process models: the head's label of a good step (default 1)",
+    )
+    p.add_argument(
+        "--step-aggregation",
+        choices=[a.value for a in StepAggregation],
+        default=None,
+        help="process models: how step scores become one score per solution (default none: /score answers "
+        "the step scores, and one-number routes such as /get_reward are refused)",
+    )
+    p.add_argument(
+        "--prm-pooling",
+        choices=["step", "token"],
+        default=None,
+        help="process models on vLLM: step = vLLM's STEP pooler selects the tag rows (default); token = "
+        "every token's row comes back and the server selects",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT)
@@ -301,6 +370,21 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                 f"{' and '.join(given)} apply to score heads only; a generative model (--task generate) "
                 "has none: drop them (RewardModel spec.model.numLabels / pooling)"
             )
+    process_flags = [
+        f"--{name.replace('_', '-')}"
+        for name in ("step_tag", "step_separator", "good_label", "step_aggregation", "prm_pooling")
+        if getattr(args, name) is not None
+    ]
+    if args.model_kind == ModelKind.PROCESS.value:
+        if args.step_tag is None:
+            p.error(
+                "--model-kind process needs --step-tag, the token placed after each step (Qwen2.5-Math-PRM: "
+                "<extra_0>; RewardModel spec.model.process.stepTag)"
+            )
+        if args.task != ModelTask.SCORE.value or args.pooling is not None:
+            p.error("--model-kind process scores with its step tags: drop --task generate and --pooling")
+    elif process_flags:
+        p.error(f"{', '.join(process_flags)} apply to process reward models only: add --model-kind process")
     served = args.served_model_name or []
     if any(not n.strip() for n in [*served, *(args.model_aliases or [])]):
         p.error("--served-model-name and --model-alias take non-empty names")

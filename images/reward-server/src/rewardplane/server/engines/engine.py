@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rewardplane.protocol import ModelTask, ParamMeta, PoolingType
+from rewardplane.protocol import ModelKind, ModelTask, ParamMeta, PoolingType, ProcessRewardConfig
 from rewardplane.protocol.compat import FinishReason
 from rewardplane.server.locking import WeightsGuard
 
@@ -27,6 +27,10 @@ class EngineInfo:
     # 0: adapter-only pushes are refused; else the largest LoRA rank served (--enable-lora)
     max_lora_rank: int = 0
     task: ModelTask = ModelTask.SCORE
+    kind: ModelKind = ModelKind.SEQUENCE
+    # a process reward model's step marking and aggregation, and its step tag's token id
+    process: ProcessRewardConfig | None = None
+    step_tag_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,15 @@ class RewardEngine(Protocol):
     async def score(self, prompts: list[list[int]], pooling: PoolingType) -> tuple[list[list[float]], int]:
         """Raw head outputs (one row of ``num_labels`` per prompt) and the weights version that made
         them. All rows of one call come from one version."""
+        ...
+
+    async def score_steps(
+        self, prompts: list[list[int]], tags: list[list[int]], *, reuse_prefix: bool = False
+    ) -> tuple[list[list[list[float]]], int]:
+        """A process reward model's raw head rows at the step-tag positions ``tags`` of each prompt
+        (one row of ``num_labels`` per tag), and the weights version that made all of them.
+        ``reuse_prefix``: only later steps are asked for, so an engine with a prefix cache may start
+        from the cached blocks of the earlier ones."""
         ...
 
     def sleep_problem(self) -> str | None:

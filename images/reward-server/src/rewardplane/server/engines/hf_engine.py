@@ -1,5 +1,6 @@
-"""The transformers engine: ``AutoModelForSequenceClassification`` on CPU or CUDA, with dynamic
-batching of concurrent requests (length-sorted micro-batches under a padded-token budget)."""
+"""The transformers engine: ``AutoModelForSequenceClassification`` (a process reward model: token
+classification, ``prm_model``) on CPU or CUDA, with dynamic batching of concurrent requests
+(length-sorted micro-batches under a padded-token budget)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from typing import Any
 
 import torch
 
-from rewardplane.protocol import ParamMeta, PoolingType
+from rewardplane.protocol import ModelKind, ParamMeta, PoolingType
 from rewardplane.server.config import ServerConfig
 from rewardplane.server.engines.batching import plan_micro_batches
 from rewardplane.server.engines.engine import Completion, EngineInfo, SamplingOptions, ServedAdapter
 from rewardplane.server.engines.generation import wrong_task
+from rewardplane.server.engines.prm_model import process_model_class
+from rewardplane.server.engines.step_tag import check_good_label
+from rewardplane.server.engines.step_tag import step_tag_id as tag_id_of
 from rewardplane.server.errors import BadRequest
 from rewardplane.server.locking import WeightsGuard
 from rewardplane.server.metrics import RequestTimer, ServerMetrics
@@ -67,9 +71,10 @@ def load_model(auto_cls: Any, cfg: ServerConfig, device: torch.device, dtype: to
 @dataclass
 class _Pending:
     prompts: list[list[int]]
-    pooling: PoolingType
-    future: asyncio.Future[tuple[list[list[float]], int]]
+    pooling: PoolingType  # STEP: rows at the step tags ``tags`` of each prompt
+    future: asyncio.Future[tuple[list[Any], int]]
     timer: RequestTimer
+    tags: list[list[int]] | None = None
 
 
 class HFEngineBase:
@@ -147,9 +152,15 @@ class HFEngine(HFEngineBase):
     """
 
     def __init__(self, cfg: ServerConfig, metrics: ServerMetrics | None = None) -> None:
-        from transformers import AutoModelForSequenceClassification
+        from transformers import AutoConfig, AutoModelForSequenceClassification
 
-        super().__init__(cfg, metrics, AutoModelForSequenceClassification, "rp-forward")
+        process = cfg.process
+        auto_cls = (
+            AutoModelForSequenceClassification
+            if process is None
+            else process_model_class(AutoConfig.from_pretrained(cfg.model))
+        )
+        super().__init__(cfg, metrics, auto_cls, "rp-forward")
         model, dtype = self.model, self.dtype
         num_labels = int(model.config.num_labels)
         if cfg.num_labels is not None and cfg.num_labels != num_labels:
@@ -178,6 +189,15 @@ class HFEngine(HFEngineBase):
             if self.head is not None
             else (PoolingType.LAST,)
         )
+        step_tag_id = None
+        if process is not None:
+            step_tag_id = tag_id_of(self.tokenizer, process.step_tag, cfg.model)
+            check_good_label(process, num_labels, cfg.model)
+            pooling_types = (PoolingType.STEP,)
+            prm_head = getattr(model, "score", None) or getattr(model, "classifier", None)
+            if isinstance(prm_head, torch.nn.Module) and cfg.head_dtype != "auto":
+                head_dtype = _DTYPES[cfg.head_dtype]  # the head in its own dtype, as vLLM holds it
+                prm_head.to(head_dtype)
         id2label = {int(k): str(v) for k, v in (getattr(model.config, "id2label", None) or {}).items()}
         self.info = EngineInfo(
             served_model_name=cfg.name,
@@ -190,6 +210,9 @@ class HFEngine(HFEngineBase):
             pooling_types=pooling_types,
             id2label=id2label,
             max_lora_rank=cfg.max_lora_rank if cfg.enable_lora else 0,
+            kind=ModelKind.PROCESS if process is not None else ModelKind.SEQUENCE,
+            process=process,
+            step_tag_id=step_tag_id,
         )
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._worker: asyncio.Task[None] | None = None
@@ -211,16 +234,27 @@ class HFEngine(HFEngineBase):
 
     # ---- scoring ---------------------------------------------------------------------------
     async def score(self, prompts: list[list[int]], pooling: PoolingType) -> tuple[list[list[float]], int]:
-        if pooling not in self.info.pooling_types:
+        if pooling not in self.info.pooling_types or pooling == PoolingType.STEP:
             raise BadRequest(
                 f"pooling {pooling.value!r} is not available for this model; "
                 f"use one of {[p.value for p in self.info.pooling_types]}"
             )
+        return await self._submit(prompts, pooling, None)
+
+    async def score_steps(
+        self, prompts: list[list[int]], tags: list[list[int]], *, reuse_prefix: bool = False
+    ) -> tuple[list[list[list[float]]], int]:
+        # no prefix cache here: every forward computes the whole prompt
+        return await self._submit(prompts, PoolingType.STEP, tags)
+
+    async def _submit(
+        self, prompts: list[list[int]], pooling: PoolingType, tags: list[list[int]] | None
+    ) -> tuple[list[Any], int]:
         if not prompts:
             return [], self.guard.version
-        fut: asyncio.Future[tuple[list[list[float]], int]] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[tuple[list[Any], int]] = asyncio.get_running_loop().create_future()
         with RequestTimer(self.metrics) as timer:  # finished however it ends: answered, failed, cancelled
-            await self._queue.put(_Pending(prompts, pooling, fut, timer))
+            await self._queue.put(_Pending(prompts, pooling, fut, timer, tags))
             return await fut
 
     async def _run(self) -> None:
@@ -248,34 +282,37 @@ class HFEngine(HFEngineBase):
                 if not p.future.done():
                     p.future.set_result((rows, version))
 
-    async def _score_round(self, round_: list[_Pending]) -> list[list[list[float]]]:
+    async def _score_round(self, round_: list[_Pending]) -> list[list[Any]]:
         loop = asyncio.get_running_loop()
-        out: list[list[list[float]]] = [[[] for _ in p.prompts] for p in round_]
-        by_pooling: dict[PoolingType, list[tuple[int, int, list[int]]]] = {}
+        out: list[list[Any]] = [[[] for _ in p.prompts] for p in round_]
+        by_pooling: dict[PoolingType, list[tuple[int, int, list[int], list[int]]]] = {}
         for ri, p in enumerate(round_):
             for ii, ids in enumerate(p.prompts):
-                by_pooling.setdefault(p.pooling, []).append((ri, ii, ids))
+                tags = p.tags[ii] if p.tags is not None else []
+                by_pooling.setdefault(p.pooling, []).append((ri, ii, ids, tags))
         for pooling, items in by_pooling.items():
             plan = plan_micro_batches(
-                [len(ids) for _, _, ids in items],
+                [len(ids) for _, _, ids, _ in items],
                 max_tokens=self.cfg.max_batch_tokens,
                 max_items=self.cfg.max_batch_items,
             )
             for batch in plan:
                 ids_list = [items[i][2] for i in batch]
-                rows = await loop.run_in_executor(self._pool, self.forward, ids_list, pooling)
+                rows: list[Any]
+                if pooling == PoolingType.STEP:
+                    tags_list = [items[i][3] for i in batch]
+                    rows = await loop.run_in_executor(self._pool, self.forward_steps, ids_list, tags_list)
+                else:
+                    rows = await loop.run_in_executor(self._pool, self.forward, ids_list, pooling)
                 self.metrics.batch_items.observe(len(batch))
                 self.metrics.batch_tokens.observe(len(batch) * max(len(x) for x in ids_list))
                 for i, row in zip(batch, rows, strict=True):
-                    ri, ii, _ = items[i]
+                    ri, ii, _, _ = items[i]
                     out[ri][ii] = row
         return out
 
-    @torch.inference_mode()
-    def forward(
-        self, ids_list: list[list[int]], pooling: PoolingType = PoolingType.LAST
-    ) -> list[list[float]]:
-        """Raw head outputs for token-id prompts (right-padded batch)."""
+    def _padded(self, ids_list: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A right-padded batch: input ids, attention mask, lengths (on the device)."""
         lengths = torch.tensor([len(x) for x in ids_list], device=self.device)
         width = int(lengths.max())
         input_ids = torch.full((len(ids_list), width), self.pad_id, dtype=torch.long)
@@ -283,7 +320,21 @@ class HFEngine(HFEngineBase):
         for row, ids in enumerate(ids_list):
             input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             mask[row, : len(ids)] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        return input_ids.to(self.device), mask.to(self.device), lengths
+
+    @torch.inference_mode()
+    def forward_steps(self, ids_list: list[list[int]], tags_list: list[list[int]]) -> list[list[list[float]]]:
+        """A process reward model's raw head rows at each prompt's step tags (token classification)."""
+        input_ids, mask, _ = self._padded(ids_list)
+        logits = self.model(input_ids=input_ids, attention_mask=mask).logits.float().cpu()
+        return [logits[row, tags].tolist() for row, tags in enumerate(tags_list)]
+
+    @torch.inference_mode()
+    def forward(
+        self, ids_list: list[list[int]], pooling: PoolingType = PoolingType.LAST
+    ) -> list[list[float]]:
+        """Raw head outputs for token-id prompts (right-padded batch)."""
+        input_ids, mask, lengths = self._padded(ids_list)
         if self.head is None or self.base is None:  # both set or neither (__init__)
             logits = self.model(input_ids=input_ids, attention_mask=mask).logits
         else:

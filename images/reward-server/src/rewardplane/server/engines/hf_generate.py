@@ -56,6 +56,11 @@ class HFGenerativeEngine(HFEngineBase):
     async def score(self, prompts: list[list[int]], pooling: PoolingType) -> tuple[list[list[float]], int]:
         raise wrong_task(self.info)
 
+    async def score_steps(
+        self, prompts: list[list[int]], tags: list[list[int]], *, reuse_prefix: bool = False
+    ) -> tuple[list[list[list[float]]], int]:
+        raise wrong_task(self.info)
+
     async def generate(self, prompt: list[int], options: SamplingOptions) -> tuple[list[Completion], int]:
         loop = asyncio.get_running_loop()
         with RequestTimer(self.metrics) as timer:

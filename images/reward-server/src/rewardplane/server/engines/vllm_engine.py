@@ -63,7 +63,7 @@ except ImportError as _exc:  # pragma: no cover - exercised where vllm is absent
 
 import torch
 
-from rewardplane.protocol import ModelTask, ParamMeta, PoolingType, settings
+from rewardplane.protocol import ModelKind, ModelTask, ParamMeta, PoolingType, settings
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, is_head_key
 from rewardplane.server.config import ServerConfig
 from rewardplane.server.engines.checkpoint import checkpoint_files
@@ -71,7 +71,9 @@ from rewardplane.server.engines.eager_tasks import start_now
 from rewardplane.server.engines.engine import Completion, EngineInfo, SamplingOptions, ServedAdapter
 from rewardplane.server.engines.generation import wrong_task
 from rewardplane.server.engines.prefix_cache import CacheEpoch
+from rewardplane.server.engines.step_tag import check_good_label, step_tag_id
 from rewardplane.server.engines.vllm_lora import IN_MEMORY_PATH
+from rewardplane.server.engines.vllm_steps import rows_at_tags
 from rewardplane.server.errors import BadRequest, ServerError, Unavailable
 from rewardplane.server.locking import WeightsGuard
 from rewardplane.server.metrics import RequestTimer, ServerMetrics
@@ -153,7 +155,26 @@ def parse_extra_engine_args(extra: list[str]) -> dict[str, Any]:
     return {k: v for k, v in given.items() if k in fields and v != defaults.get(k)}
 
 
-def build_engine_args(cfg: ServerConfig, max_model_len: int) -> AsyncEngineArgs:
+def _pooler_config(cfg: ServerConfig, tag_id: int | None) -> PoolerConfig:
+    """A sequence model pools by ``--pooling``. A process reward model classifies tokens: with
+    ``--prm-pooling step`` vLLM's STEP pooler keeps the rows at the step tag (``step_tag_id``; vLLM
+    then turns prefix caching off: its STEP pooler cannot read cached rows); with ``token`` every
+    computed token's row comes back (ALL) and the server selects, which keeps prefix caching on.
+
+    vLLM 0.24 applies STEP to ``Qwen2ForProcessRewardModel`` (its pooler is built from this config),
+    but not to a model pooled by ``DispatchPooler.for_seq_cls``, whose token_classify pooler is
+    fixed to ALL (fixed after 0.24: vllm-project/vllm#55307); ``rows_at_tags`` refuses a row count
+    that is not one per tag, naming ``--prm-pooling token``."""
+    if cfg.model_kind != ModelKind.PROCESS:
+        return PoolerConfig(pooling_type=cfg.pooling.value.upper())  # type: ignore[arg-type, unused-ignore]
+    if cfg.prm_pooling == "step":
+        return PoolerConfig(pooling_type="STEP", step_tag_id=tag_id)  # type: ignore[arg-type, unused-ignore]
+    return PoolerConfig(pooling_type="ALL")  # type: ignore[arg-type, unused-ignore]
+
+
+def build_engine_args(
+    cfg: ServerConfig, max_model_len: int, step_tag_id: int | None = None
+) -> AsyncEngineArgs:
     """``AsyncEngineArgs`` from the server's options plus the user's extra vLLM flags."""
     generate = cfg.task == ModelTask.GENERATE
     base: dict[str, Any] = {
@@ -172,7 +193,7 @@ def build_engine_args(cfg: ServerConfig, max_model_len: int) -> AsyncEngineArgs:
         # vLLM then allocates weights and KV cache through its CuMem allocator (see ServerConfig)
         base["enable_sleep_mode"] = True
     if not generate:
-        base["pooler_config"] = PoolerConfig(pooling_type=cfg.pooling.value.upper())  # type: ignore[arg-type, unused-ignore]
+        base["pooler_config"] = _pooler_config(cfg, step_tag_id)
     owned = dict(_OWNED_ARGS)
     if getattr(cfg, "deterministic", False):
         base["enable_prefix_caching"] = False
@@ -323,7 +344,14 @@ class VLLMEngine:
                 f"--task generate needs a causal LM, but {cfg.model} is {archs}: serve it with --task score, "
                 "or point --model at a *ForCausalLM checkpoint"
             )
-        if not generate and archs and not any(a.endswith("ForSequenceClassification") for a in archs):
+        process = cfg.process
+        if process is not None and "Qwen2ForProcessRewardModel" not in archs:
+            log.warning(
+                "architectures %s are not Qwen2ForProcessRewardModel; vLLM serves process reward models of "
+                "that class (a Qwen2 backbone and a two-layer token-classification head)",
+                archs,
+            )
+        elif not generate and archs and not any(a.endswith("ForSequenceClassification") for a in archs):
             log.warning(
                 "architectures %s are not *ForSequenceClassification; vLLM will convert the model "
                 "to a classifier (--convert classify) and the head may be untrained",
@@ -332,7 +360,12 @@ class VLLMEngine:
         # The same tokenizer as the transformers engine, so /score tokenizes texts identically.
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         max_len = cfg.model_len(config)
-        self.engine_args = build_engine_args(cfg, max_len)
+        self.step_tag_id = (
+            None if process is None else step_tag_id(self.tokenizer, process.step_tag, cfg.model)
+        )
+        if process is not None:
+            check_good_label(process, num_labels, cfg.model)
+        self.engine_args = build_engine_args(cfg, max_len, self.step_tag_id)
         dtype = _vllm_dtype(cfg.dtype)
         # What vLLM will hold: the hf_overrides head_dtype (ours, or the user's --hf-overrides).
         override = (self.engine_args.hf_overrides or {}).get("head_dtype")  # type: ignore[union-attr, unused-ignore]
@@ -348,11 +381,15 @@ class VLLMEngine:
             head_dtype=head_dtype,
             max_model_len=max_len,
             vocab_size=int(config.vocab_size),
-            pooling_types=(cfg.pooling,),  # vLLM fixes the pooling method at start
+            # vLLM fixes the pooling method at start
+            pooling_types=(PoolingType.STEP,) if process is not None else (cfg.pooling,),
             id2label={} if generate else id2label,
             world_size=cfg.tensor_parallel_size,
             max_lora_rank=cfg.max_lora_rank if cfg.enable_lora else 0,
             task=cfg.task,
+            kind=ModelKind.PROCESS if process is not None else ModelKind.SEQUENCE,
+            process=process,
+            step_tag_id=self.step_tag_id,
         )
         self.manifest = read_manifest(cfg.model, config, dtype=dtype, head_dtype=head_dtype, task=cfg.task)
         if not self.manifest:
@@ -386,6 +423,8 @@ class VLLMEngine:
                 warmup: Awaitable[Any] = self._generate(
                     self.llm, "rp-warmup", warmup_ids, SamplingOptions(max_tokens=2, temperature=0.0)
                 )
+            elif self.step_tag_id is not None:
+                warmup = self._encode_steps(self.llm, "rp-warmup", [*warmup_ids, self.step_tag_id], [16])
             else:
                 warmup = self._encode(self.llm, "rp-warmup", warmup_ids)
             await asyncio.wait_for(warmup, SHORT_RPC_TIMEOUT_S)
@@ -439,6 +478,28 @@ class VLLMEngine:
             )
 
         rows, version = await self._guarded(work, f"scoring {len(prompts)} input(s)")
+        return list(rows), version
+
+    async def score_steps(
+        self, prompts: list[list[int]], tags: list[list[int]], *, reuse_prefix: bool = False
+    ) -> tuple[list[list[list[float]]], int]:
+        if self.step_tag_id is None:
+            raise BadRequest(
+                "this server runs a sequence reward model: step scores need --model-kind process"
+            )
+        if not prompts:
+            return [], self.guard.version
+        base_id = uuid.uuid4().hex
+
+        def work(llm: AsyncLLM) -> Awaitable[list[list[list[float]]]]:
+            return asyncio.gather(
+                *start_now(
+                    self._encode_steps(llm, f"rp-{base_id}-{i}", ids, t, reuse_prefix=reuse_prefix)
+                    for i, (ids, t) in enumerate(zip(prompts, tags, strict=True))
+                )
+            )
+
+        rows, version = await self._guarded(work, f"scoring the steps of {len(prompts)} solution(s)")
         return list(rows), version
 
     async def generate(self, prompt: list[int], options: SamplingOptions) -> tuple[list[Completion], int]:
@@ -503,9 +564,10 @@ class VLLMEngine:
         ]
         return answers * options.n if options.greedy else answers
 
-    async def _encode(self, llm: AsyncLLM, request_id: str, ids: list[int]) -> list[float]:
-        # A fresh PoolingParams per request: vLLM fills defaults into it during validation.
-        params = PoolingParams(task="classify", use_activation=False)
+    async def _pooled(
+        self, llm: AsyncLLM, request_id: str, ids: list[int], params: PoolingParams
+    ) -> torch.Tensor:
+        """vLLM's pooled output of one token-id prompt, on the CPU in fp32."""
         final = None
         async for out in llm.encode(
             _token_prompt(ids, self.cache_epoch.salt()), params, request_id, lora_request=self.lora_request
@@ -513,7 +575,32 @@ class VLLMEngine:
             final = out
         if final is None:
             raise ServerError(f"vLLM returned no output for request {request_id}")
-        return [float(v) for v in final.outputs.data.float().reshape(-1).tolist()]
+        return final.outputs.data.float().cpu()
+
+    async def _encode(self, llm: AsyncLLM, request_id: str, ids: list[int]) -> list[float]:
+        # A fresh PoolingParams per request: vLLM fills defaults into it during validation.
+        params = PoolingParams(task="classify", use_activation=False)
+        data = await self._pooled(llm, request_id, ids, params)
+        return [float(v) for v in data.reshape(-1).tolist()]
+
+    async def _encode_steps(
+        self, llm: AsyncLLM, request_id: str, ids: list[int], tags: list[int], *, reuse_prefix: bool = False
+    ) -> list[list[float]]:
+        """The raw head rows at ``tags`` (token classification). With ``--prm-pooling token`` and
+        ``reuse_prefix``, the prompt may start from cached KV blocks: vLLM then returns rows only for
+        the tokens it computed (the prompt's tail); when a wanted tag lies in the cached part, the
+        prompt is scored again without reading the cache."""
+        step_pooler = self.cfg.prm_pooling == "step"
+        read_cache = reuse_prefix and not step_pooler  # vLLM's STEP pooler cannot read cached rows
+        params = PoolingParams(
+            task="token_classify", use_activation=False, skip_reading_prefix_cache=not read_cache
+        )
+        data = await self._pooled(llm, request_id, ids, params)
+        assert self.step_tag_id is not None  # score_steps checked
+        rows = rows_at_tags(data.tolist(), ids, tags, tag_id=self.step_tag_id, selected=step_pooler)
+        if rows is None:  # a wanted tag was in the cached prefix: compute the whole prompt
+            return await self._encode_steps(llm, f"{request_id}-full", ids, tags)
+        return rows
 
     # ---- sleep and wake (vLLM's sleep mode) ----------------------------------------------------
     def sleep_problem(self) -> str | None:

@@ -37,6 +37,7 @@ from rewardplane.protocol import (
     GetRewardRequest,
     GetRewardResponse,
     ModelCard,
+    ModelKind,
     ModelList,
     ModelTask,
     PooledRequest,
@@ -53,6 +54,7 @@ from rewardplane.server.http.inputs import check_items, check_token_ids, render_
 from rewardplane.server.http.routes import OPENAI_SCORING_ERRORS, SCORING_ERRORS, JSONRoute
 from rewardplane.server.http.scoring import activation, to_score
 from rewardplane.server.http.service import ScoringService
+from rewardplane.server.http.steps import Solution, require_aggregation, step_result
 
 _STARTED = int(time.time())
 
@@ -109,6 +111,7 @@ def compat_router(service: ScoringService) -> APIRouter:
         return rows, version, Usage(prompt_tokens=ntok, total_tokens=ntok)
 
     async def classify(req: ClassifyRequest, response: Response) -> ClassifyResponse:
+        service.require_sequence_model("/classify")
         rows, version, usage = await pooled(req, response)
         data = [
             ClassificationData(
@@ -131,7 +134,41 @@ def compat_router(service: ScoringService) -> APIRouter:
     def encoded(row: list[float], encoding: str) -> list[float] | str:
         return encode_base64_floats(row) if encoding == "base64" else row
 
+    async def step_pooling(req: PoolingRequest, response: Response) -> PoolingResponse:
+        """vLLM's shape for a process reward model: the input carries its own step tags, and each
+        input's data is the head's rows at them (vLLM's STEP pooling with ``step_tag_id``)."""
+        service.check_model(req.model)
+        prompts, truncate = await prompts_of(req)
+        if truncate:
+            raise BadRequest("truncate_prompt_tokens would cut step tags: send whole solutions")
+        tag = info.step_tag_id
+        solutions = [
+            Solution(ids=p, tags=[i for i, t in enumerate(p) if t == tag], spans=[], token_spans=[])
+            for p in prompts
+        ]
+        for i, sol in enumerate(solutions):
+            if len(sol.ids) > service.limits.max_tokens:
+                raise BadRequest(
+                    f"input {i} has {len(sol.ids)} tokens; the limit is {service.limits.max_tokens} "
+                    "(--max-model-len): send fewer or shorter steps"
+                )
+        rows, version = await service.run_steps(solutions)
+        if req.activation_requested():
+            rows = [[activation(r) for r in solution_rows] for solution_rows in rows]
+        response.headers[VERSION_HEADER] = str(version)
+        ntok = sum(len(p) for p in prompts)
+        return PoolingResponse(
+            id=f"pool-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=info.served_model_name,
+            data=[PoolingData(index=i, data=r) for i, r in enumerate(rows)],
+            usage=Usage(prompt_tokens=ntok, total_tokens=ntok),
+            version=version,
+        )
+
     async def pooling(req: PoolingRequest, response: Response) -> PoolingResponse:
+        if info.kind == ModelKind.PROCESS:
+            return await step_pooling(req, response)
         rows, version, usage = await pooled(req, response)
         return PoolingResponse(
             id=f"pool-{uuid.uuid4().hex}",
@@ -143,6 +180,7 @@ def compat_router(service: ScoringService) -> APIRouter:
         )
 
     async def embeddings(req: EmbeddingRequest, response: Response) -> EmbeddingResponse:
+        service.require_sequence_model("/embeddings")
         rows, version, usage = await pooled(req, response)
         return EmbeddingResponse(
             id=f"embd-{uuid.uuid4().hex}",
@@ -193,12 +231,29 @@ def compat_router(service: ScoringService) -> APIRouter:
         for name, extra in (("prompts", req.prompts), ("labels", req.labels)):
             if extra is not None and len(extra) != n:
                 raise BadRequest(f"{name} has {len(extra)} items but query has {n}: send one per query")
-        prompts = await service.tokenize(
-            req.query, truncate=req.truncate, add_special_tokens=req.add_special_tokens
-        )
-        rows, version, _ = await service.run(prompts, info.pooling_types[0], req.truncate)
+        if info.kind == ModelKind.PROCESS:  # each query a solution with separators; its aggregate
+            process = service.process_config("/get_reward")
+            how = require_aggregation(None, process, "/get_reward")
+            # OpenRLHF's query is prompt + response: with the prompts sent, only the response has steps
+            heads = [
+                p if isinstance(p, str) and q.startswith(p) else ""
+                for q, p in zip(req.query, req.prompts or [""] * n, strict=True)
+            ]
+            tails = [q[len(h) :] for q, h in zip(req.query, heads, strict=True)]
+            solutions = await service.solutions(tails, None, heads)
+            step_rows, version = await service.run_steps(solutions)
+            results = [
+                step_result(i, r, s, process, how, normalize=False)
+                for i, (r, s) in enumerate(zip(step_rows, solutions, strict=True))
+            ]
+            rewards = [r.score for r in results]
+        else:
+            prompts = await service.tokenize(
+                req.query, truncate=req.truncate, add_special_tokens=req.add_special_tokens
+            )
+            rows, version, _ = await service.run(prompts, info.pooling_types[0], req.truncate)
+            rewards = [to_score(r, normalize=False) for r in rows]
         response.headers[VERSION_HEADER] = str(version)
-        rewards = [to_score(r, normalize=False) for r in rows]
         return GetRewardResponse(
             rewards=rewards,
             scores=rewards,

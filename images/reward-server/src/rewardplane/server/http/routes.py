@@ -31,6 +31,7 @@ from rewardplane.protocol import (
     HealthResponse,
     InitCommunicatorRequest,
     ModelInfo,
+    ModelKind,
     ModelTask,
     OpenAIErrorResponse,
     ParamChecksumsResponse,
@@ -57,6 +58,7 @@ from rewardplane.server.http.body_parse import BodyParser, check_body_shape
 from rewardplane.server.http.inputs import Limits
 from rewardplane.server.http.scoring import to_score
 from rewardplane.server.http.service import ScoringService
+from rewardplane.server.http.steps import resolve_aggregation, step_result
 from rewardplane.server.metrics import ServerMetrics
 from rewardplane.server.weight_sync.control_plane import WeightSyncService
 from rewardplane.server.weight_sync.peer import send_weights
@@ -226,6 +228,8 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
             max_lora_rank=info.max_lora_rank,
             task=info.task,
             max_items_per_request=scoring.limits.max_items,
+            kind=info.kind,
+            process=info.process,
         )
 
     @router.get(
@@ -250,6 +254,13 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
             )
         if req.return_hidden_states:
             raise BadRequest("return_hidden_states is not supported by this server; send false")
+        if (
+            info.kind == ModelKind.PROCESS
+            or req.steps is not None
+            or req.prompts is not None
+            or req.aggregation
+        ):
+            return await score_steps(req, response)
         if req.pooling_type not in info.pooling_types:
             raise BadRequest(
                 f"pooling_type {req.pooling_type.value!r} is not available for this model; "
@@ -264,6 +275,25 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
             data=[
                 ScoringResult(index=i, score=to_score(row, normalize=req.normalize), num_tokens=len(p))
                 for i, (row, p) in enumerate(zip(rows, prompts, strict=True))
+            ],
+            usage=Usage(prompt_tokens=ntok, total_tokens=ntok),
+            version=version,
+            metadata={"version": version},
+        )
+
+    async def score_steps(req: ScoringRequest, response: Response) -> ScoringResponse:
+        """A process reward model's ``/score``: every step's score and their aggregate, one pass each."""
+        process = scoring.process_config("steps, prompts and aggregation")
+        solutions = await scoring.solutions(list(req.inputs), req.steps, req.prompts, req.first_step)
+        rows, version = await scoring.run_steps(solutions)
+        response.headers[VERSION_HEADER] = str(version)
+        how = resolve_aggregation(req.aggregation, process)
+        ntok = sum(len(s.ids) for s in solutions)
+        return ScoringResponse(
+            model=info.served_model_name,
+            data=[
+                step_result(i, r, s, process, how, normalize=req.normalize)
+                for i, (r, s) in enumerate(zip(rows, solutions, strict=True))
             ],
             usage=Usage(prompt_tokens=ntok, total_tokens=ntok),
             version=version,

@@ -12,7 +12,7 @@ import asyncio
 from concurrent.futures import Executor
 from typing import Any
 
-from rewardplane.protocol import ChatCompletionRequest, ModelTask, PoolingType
+from rewardplane.protocol import ChatCompletionRequest, ModelKind, ModelTask, PoolingType, ProcessRewardConfig
 from rewardplane.server.engines.engine import Completion, EngineInfo, RewardEngine
 from rewardplane.server.engines.generation import sampling_options, wrong_task
 from rewardplane.server.errors import BadRequest
@@ -27,6 +27,7 @@ from rewardplane.server.http.inputs import (
     tokenize_texts,
 )
 from rewardplane.server.http.model_names import ModelNames
+from rewardplane.server.http.steps import Solution, build_solution, check_length, solution_steps
 from rewardplane.server.metrics import ServerMetrics
 
 
@@ -83,6 +84,73 @@ class ScoringService:
         """A 400 naming the right endpoints when the served model is not of ``task``."""
         if self.info.task != task:
             raise wrong_task(self.info)
+
+    def require_sequence_model(self, route: str) -> None:
+        """A 400 for a route that reads one head row per text, asked of a process reward model."""
+        if self.info.kind == ModelKind.PROCESS:
+            raise BadRequest(
+                f"{route} reads one score per text, but this server runs a process reward model (kind "
+                "process), which scores the steps of a solution: use POST /score (the steps as a list or "
+                "as text with the step separator) or vLLM's POST /pooling (the text with the step tags)"
+            )
+
+    def process_config(self, what: str) -> ProcessRewardConfig:
+        """The served PRM's configuration; a 400 for a step request to a sequence model."""
+        process = self.info.process
+        if self.info.kind != ModelKind.PROCESS or process is None:
+            raise BadRequest(
+                f"{what} are for process reward models, and this server runs a sequence reward model (kind "
+                "sequence) with one score per text: drop them and send `input` texts, or send the request to "
+                "a RewardModel of kind process (--model-kind process)"
+            )
+        return process
+
+    async def solutions(
+        self, texts: list[str], steps: list[list[str]] | None, prompts: list[str] | None, first_step: int = 0
+    ) -> list[Solution]:
+        """Each solution as scored (tags inserted after its steps), limits checked before any work."""
+        process = self.process_config("steps")
+        n = len(steps) if steps is not None else len(texts)
+        check_items(n, self.limits)
+        # every step and prompt counts towards the byte limit of its solution's text
+        joined = [process.step_separator.join(s) for s in steps] if steps is not None else texts
+        bound_texts(
+            [(prompts[i] if prompts else "") + t for i, t in enumerate(joined)], self.limits, truncate=False
+        )
+        tag_id = self.info.step_tag_id
+        assert tag_id is not None  # set by every engine serving kind process
+
+        def build() -> list[Solution]:
+            out = []
+            for i, (ss, spans) in enumerate(solution_steps(texts, steps, process.step_separator)):
+                sol = build_solution(
+                    self.engine.tokenizer,
+                    prompts[i] if prompts else "",
+                    ss,
+                    spans,
+                    tag_id=tag_id,
+                    tag=process.step_tag,
+                    index=i,
+                )
+                check_length(sol, self.limits.max_tokens, i)
+                out.append(sol.from_step(first_step, i))
+            return out
+
+        with self.metrics.tokenize_stage.time():
+            return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, build)
+
+    async def run_steps(self, solutions: list[Solution]) -> tuple[list[list[list[float]]], int]:
+        """Raw head rows at each solution's step tags and the weights version that made all of them."""
+        self.admission.check_scoring()
+        if not solutions:
+            return [], self.engine.guard.version
+        with self.metrics.engine_stage.time():
+            rows, version = await self.engine.score_steps(
+                [s.ids for s in solutions], [s.tags for s in solutions]
+            )
+        self.metrics.items.inc(len(solutions))
+        self.metrics.tokens.inc(sum(len(s.ids) for s in solutions))
+        return rows, version
 
     async def run(
         self, prompts: list[list[int]], pooling: PoolingType, truncate: bool
