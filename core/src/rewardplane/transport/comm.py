@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-Backend = Literal["auto", "nccl", "gloo"]
+# "ipc": the same-host transport (``same_host``), which ``group.open_group`` builds
+Backend = Literal["auto", "nccl", "gloo", "ipc"]
 # How long a wait for the GPU polls without sleeping (seconds): a push's waits are short, and a
 # sleep costs at least ~60 us (the kernel's timer slack) plus a wake-up on a host whose idle CPUs
 # wake slowly. 2 ms covers the short waits inside a push (docs/weight-sync.md, "Where a push's
@@ -60,6 +61,10 @@ def group_store(store: dist.Store, group_id: str) -> dist.Store:
 def resolve_backend(backend: Backend, device: torch.device) -> Literal["nccl", "gloo"]:
     if backend == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "ipc":
+        raise CommunicatorError(
+            "backend ipc is the same-host transport: form the group with group.open_group"
+        )
     if backend == "nccl" and device.type != "cuda":
         raise CommunicatorError("backend nccl needs a CUDA device; use backend gloo (or auto) on CPU")
     return backend
@@ -112,7 +117,7 @@ class Communicator:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
-        self.backend = resolve_backend(backend, device)
+        self.backend: str = resolve_backend(backend, device)
         prefixed = group_store(store, group_id)
         # the group's namespace in the store: pushes started from the data plane signal through it
         self.store = prefixed

@@ -25,6 +25,7 @@ from rewardplane.transport.comm import Backend, Communicator, default_device
 
 from ._exceptions import DeltaRefused, WeightSyncError
 from ._sharded_push import ShardedPusher
+from ._slicing import slicing_of
 from .data_plane import DataPlaneStarter
 from .delta import Acknowledged, delta_names, fingerprints, warn_refused
 from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards, open_trainer_group
@@ -232,7 +233,7 @@ class WeightPusher:
             )
             src = comm.world_size - 1
         starter = (
-            DataPlaneStarter(comm.store, self.control.rank_offsets(), comm.first_sender)
+            DataPlaneStarter(comm.store, self.control.rank_offsets(), comm.first_sender, slicing_of(comm))
             if self.data_plane and isinstance(comm, Communicator)
             else None
         )
