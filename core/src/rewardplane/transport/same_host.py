@@ -26,9 +26,9 @@ every server reaches, otherwise).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import json
 import tempfile
 import time
 import uuid
