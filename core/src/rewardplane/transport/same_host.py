@@ -59,7 +59,6 @@ class _Export:
     key: str
     storage: weakref.ref[torch.UntypedStorage]
     source: tuple[Any, ...]  # what a receiver needs to open it (``_open``)
-    used: bool = True
 
 
 @dataclass
@@ -89,7 +88,7 @@ class _Side:
     seen: dict[int, weakref.ref[torch.UntypedStorage]] = field(default_factory=dict)
     ring: list[_Slot | None] = field(default_factory=lambda: [None, None])
     opened: dict[str, torch.Tensor] = field(default_factory=dict)  # by key, flat uint8
-    used: set[str] = field(default_factory=set)
+    released: list[str] = field(default_factory=list)  # sender: keys the receivers are to close
 
 
 class SameHostCommunicator(Communicator):
@@ -249,7 +248,6 @@ class SameHostCommunicator(Communicator):
         side = self._side
         export = side.exports.get(ptr)
         if export is not None and export.storage() is storage:
-            export.used = True
             return export
         before = side.known.get(ptr)
         if before is None or before() is not storage:
@@ -280,7 +278,6 @@ class SameHostCommunicator(Communicator):
                 self._drop_slot(i)
             slot = side.ring[i] = self._new_slot(nbytes)
         slot.busy_seq = seq
-        slot.export.used = True
         return slot
 
     def _new_slot(self, nbytes: int) -> _Slot:
@@ -296,7 +293,10 @@ class SameHostCommunicator(Communicator):
     def _drop_slot(self, i: int) -> None:
         slot = self._side.ring[i]
         self._side.ring[i] = None
-        if slot is not None and slot.path is not None:
+        if slot is None:
+            return
+        self._side.released.append(slot.export.key)
+        if slot.path is not None:
             _unlink(slot.path)
 
     def _await_acks(self, upto: int | None = None) -> None:
@@ -348,7 +348,6 @@ class SameHostCommunicator(Communicator):
 
     def _open(self, key: str, source: tuple[Any, ...], root: int) -> torch.Tensor:
         side = self._side
-        side.used.add(key)
         opened = side.opened.get(key)
         if opened is not None:
             return opened
@@ -359,6 +358,8 @@ class SameHostCommunicator(Communicator):
                 opened = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
             else:
                 _, path, nbytes = source
+                if not os.path.isfile(path):  # never create it: it must be the trainer's
+                    raise FileNotFoundError(f"{path} does not exist here")
                 opened = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         except Exception as exc:
             raise CommunicatorError(
@@ -412,39 +413,43 @@ class SameHostCommunicator(Communicator):
             self._end_push()
         n, self._flags = self._flags, self._flags + 1
         self.flag_calling = time.monotonic()
-        self.store.set(f"f/{n}/{self.rank}", str(value))
+        released, self._side.released = self._side.released, []
+        # what the receivers are to close rides on this sender's flag: no extra round trip
+        self.store.set(f"f/{n}/{self.rank}", f"{value}|{json.dumps(released)}" if released else str(value))
         self.flag_enqueued = time.monotonic()
         keys = [f"f/{n}/{r}" for r in range(self.world_size)]
         others = [r for r in range(self.world_size) if r != self.rank]
         self._poll(lambda: bool(self.store.check(keys)), "status reduction", others)
         try:
-            values = [int(v) for v in self.store.multi_get(keys)]
+            raw = [bytes(v).decode() for v in self.store.multi_get(keys)]
         except dist.DistNetworkError as exc:
             self.abort()
             raise CommunicatorError(
                 f"status reduction failed on rank {self.rank}: the trainer's store is gone ({exc})"
             ) from exc
+        values = []
+        for v in raw:
+            flag, _, closing = v.partition("|")
+            values.append(int(flag))
+            if closing and self.rank < self.first_sender:
+                for key in json.loads(closing):
+                    self._side.opened.pop(key, None)  # closes the handle (or unmaps the file)
         if n >= 2:  # every rank read round n-2 before it wrote round n-1, which this one read
             self.store.delete_key(f"f/{n - 2}/{self.rank}")
         return max(values)
 
     def _end_push(self) -> None:
+        """Sender: exports of storages the trainer freed are released (the receivers close them
+        at this reduction; until then the driver keeps their memory), and the storages staged in
+        this push that are still alive at the next are read in place from then on."""
         self._moved = False
         side = self._side
-        for ptr in [p for p, e in side.exports.items() if not e.used]:
-            del side.exports[ptr]
-        for e in side.exports.values():
-            e.used = False
-        for i, slot in enumerate(side.ring):
-            if slot is not None and not slot.export.used:
-                self._drop_slot(i)
-            elif slot is not None:
-                slot.export.used = False
+        if self.rank < self.first_sender:
+            return
+        for ptr in [p for p, e in side.exports.items() if e.storage() is None]:
+            side.released.append(side.exports.pop(ptr).key)
         side.known, side.seen = {p: r for p, r in side.seen.items() if r() is not None}, {}
-        for key in [k for k in side.opened if k not in side.used]:
-            del side.opened[key]  # closes the handle (or unmaps the file) once no view is left
-        side.used.clear()
-        if self.device.type == "cuda" and self.rank >= self.first_sender:
+        if self.device.type == "cuda":
             torch.cuda.ipc_collect()  # storages freed by the trainer that the receivers released
 
     def exchange(
