@@ -355,7 +355,7 @@ class SameHostCommunicator(Communicator):
             if source[0] == "cuda":
                 # the sender's device index is in its own numbering (CUDA_VISIBLE_DEVICES may differ)
                 storage = torch.UntypedStorage._new_shared_cuda(self._local_index(root), *source[2:])
-                opened = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+                opened = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
             else:
                 _, path, nbytes = source
                 if not os.path.isfile(path):  # never create it: it must be the trainer's
