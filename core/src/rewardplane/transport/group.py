@@ -5,6 +5,7 @@ the same-host transport (``SameHostCommunicator``)."""
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,24 +51,14 @@ def open_group(
         transport = choose_transport(backend, places)
     except PlacementError as exc:
         raise CommunicatorError(str(exc)) from exc
+    common: dict[str, Any] = {
+        "rank": rank,
+        "world_size": world_size,
+        "device": device,
+        "timeout_s": timeout_s,
+        "group_id": group_id,
+        "senders": senders,
+    }
     if transport == "ipc":
-        return SameHostCommunicator(
-            store,
-            rank=rank,
-            world_size=world_size,
-            device=device,
-            places=places,
-            timeout_s=timeout_s,
-            group_id=group_id,
-            senders=senders,
-        )
-    return Communicator(
-        store,
-        rank=rank,
-        world_size=world_size,
-        device=device,
-        backend=transport,
-        timeout_s=timeout_s,
-        group_id=group_id,
-        senders=senders,
-    )
+        return SameHostCommunicator(store, places=places, **common)
+    return Communicator(store, backend=transport, **common)

@@ -35,14 +35,13 @@ import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .buckets import as_bytes
-from .comm import SPIN_S, Communicator, CommunicatorError, group_store
+from .comm import SPIN_S, Communicator, CommunicatorError
 from .placement import POD_FIELD_HINT, Place
 
 log = logging.getLogger(__name__)
@@ -108,23 +107,9 @@ class SameHostCommunicator(Communicator):
         group_id: str = "default",
         senders: int = 1,
     ) -> None:
-        if not 1 <= senders < world_size:
-            raise CommunicatorError(f"{senders} sending rank(s) do not fit a group of {world_size}")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.rank = rank
-        self.world_size = world_size
-        self.senders = senders
-        self.first_sender = world_size - senders
-        self.device = device
-        self.timeout = timedelta(seconds=timeout_s)
+        self._join(store, rank, world_size, device, timeout_s, group_id, senders)
         self.backend = "ipc"
-        self.store = group_store(store, group_id)
         self.group_id = group_id
-        self._closed = False
-        self._flag = None
-        self.flag_calling = None
-        self.flag_enqueued = None
         self._places = list(places)
         me = places[rank]
         # peers whose pid this process can look at (one pid namespace)
