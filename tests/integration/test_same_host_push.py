@@ -202,3 +202,48 @@ def test_auto_on_cpu_keeps_gloo():
     t.join(timeout=20)
     assert comm.backend == out["rank0"] == "gloo"
     comm.close()
+
+
+# ---- the colocated cycle --------------------------------------------------------------------------
+
+
+def test_colocated_cycle_reads_no_checkpoint_after_a_level_2_sleep(server_factory, tiny_model_dir, tmp_path):
+    """sleep (level 2) → train → wake without reload → full push over shared memory → score →
+    sleep, twice, in one ``with pusher.awake(2, reload=False)`` block each. The checkpoint is gone
+    from disk before the first wake: the server never needs it. A wake that does reload says so."""
+    import shutil
+
+    from tests.fixtures.trainer import logits, perturbed
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_model_dir, ckpt)
+    server = server_factory(ckpt, token=TOKEN)
+    url, auth = server.url, {"Authorization": f"Bearer {TOKEN}"}
+    sync = push_suite.sync_for(server, backend="ipc")
+    try:
+        model = perturbed(tiny_model_dir, seed=3)
+        sync.sync(model.state_dict(), version=1)  # the group forms while awake
+        assert httpx.post(f"{url}/sleep", json={"level": 2}, headers=auth, timeout=60).status_code == 200
+        shutil.rmtree(ckpt)  # nothing on disk to reload from
+        for version in (2, 3):
+            with torch.no_grad():  # the training step, while the server sleeps
+                for p in model.parameters():
+                    p.mul_(1.0 + 0.05 * torch.randn_like(p))
+            with sync.awake(2, reload=False) as awake:
+                woke = next(iter(awake.woken.values()))
+                assert (woke.state, woke.weights) == ("awake", "broken") and "reload false" in (
+                    woke.detail or ""
+                )
+                assert httpx.post(f"{url}/score", json={"input": TEXTS[:1]}, timeout=30).status_code == 503
+                sync.sync(model.state_dict(), version=version)
+                got, served_version = push_suite.served(server)
+                assert served_version == version and push_suite.close(
+                    got, logits(model, tiny_model_dir, TEXTS)
+                )
+            health = httpx.get(f"{url}/health", timeout=10).json()
+            assert (health["state"], health["sleep_level"]) == ("sleeping", 2)
+        assert sync.open().comm.backend == "ipc"
+        woke = httpx.post(f"{url}/wake", headers=auth, timeout=60).json()  # reload: the checkpoint is gone
+        assert woke["weights"] == "broken" and "push the full weights" in woke["detail"], woke
+    finally:
+        sync.close()
