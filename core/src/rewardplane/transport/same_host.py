@@ -55,9 +55,14 @@ LIVENESS_S = 0.05
 class _Export:
     """A sender's storage shared with the receivers: the handle they open it by."""
 
-    key: str
+    key: str  # short: it travels with every tensor read from here
     storage: weakref.ref[torch.UntypedStorage]
-    source: tuple[Any, ...]  # what a receiver needs to open it (``_open``)
+    source: tuple[Any, ...]  # what a receiver needs to open it (``_open``): sent the first time only
+    sent: bool = False
+
+    def entry(self, offset: int, nbytes: int) -> tuple[str, tuple[Any, ...], int, int]:
+        source, self.sent = (() if self.sent else self.source), True
+        return self.key, source, offset, nbytes
 
 
 @dataclass
@@ -121,6 +126,7 @@ class SameHostCommunicator(Communicator):
         self._unacked: list[int] = []  # sender: broadcasts whose acknowledgements are due
         self._side = _Side()
         self._token = uuid.uuid4().hex[:8]
+        self._keys = 0  # exports made: each gets a key of its own
 
     # ---- waiting ------------------------------------------------------------------------------
 
@@ -209,13 +215,13 @@ class SameHostCommunicator(Communicator):
                 staged.append((pos, t))
                 entries.append(("", (), 0, t.numel()))
                 continue
-            entries.append((export.key, export.source, int(t.storage_offset()), t.numel()))
+            entries.append(export.entry(int(t.storage_offset()), t.numel()))
         if staged:
             slot = self._slot(seq, sum(_aligned(t.numel()) for _, t in staged))
             at = 0
             for pos, t in staged:
                 slot.buf[at : at + t.numel()].copy_(t, non_blocking=True)
-                entries[pos] = (slot.export.key, slot.export.source, at, t.numel())
+                entries[pos] = slot.export.entry(at, t.numel())
                 at += _aligned(t.numel())
         if self.device.type == "cuda":
             # the receivers read this memory from another process: what wrote it (the trainer's
@@ -245,10 +251,13 @@ class SameHostCommunicator(Communicator):
     def _export(self, storage: torch.UntypedStorage) -> _Export:
         if storage.device.type == "cuda":
             source: tuple[Any, ...] = ("cuda", *storage._share_cuda_())
-            key = f"cuda/{source[2].hex()}/{source[4]}"  # the block's handle and the storage's offset in it
         else:
             raise AssertionError("CPU storages are staged, never exported")
-        return _Export(key=key, storage=weakref.ref(storage), source=source)
+        return _Export(key=self._new_key(), storage=weakref.ref(storage), source=source)
+
+    def _new_key(self) -> str:
+        self._keys += 1
+        return f"{self.rank}.{self._keys}"
 
     def _slot(self, seq: int, nbytes: int) -> _Slot:
         """The staging buffer for broadcast ``seq``: the one two broadcasts back, once its
@@ -272,7 +281,7 @@ class SameHostCommunicator(Communicator):
         path = os.path.join(SHM_DIR, f"rewardplane-{self.group_id}-{self._token}-{uuid.uuid4().hex[:8]}")
         buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         source = ("shm", path, nbytes)
-        export = _Export(key=f"shm/{path}", storage=weakref.ref(buf.untyped_storage()), source=source)
+        export = _Export(key=self._new_key(), storage=weakref.ref(buf.untyped_storage()), source=source)
         return _Slot(buf=buf, export=export, path=path)
 
     def _drop_slot(self, i: int) -> None:
@@ -336,6 +345,11 @@ class SameHostCommunicator(Communicator):
         opened = side.opened.get(key)
         if opened is not None:
             return opened
+        if not source:
+            raise CommunicatorError(
+                f"rank {root} read from memory {key} that rank {self.rank} never opened: the two sides "
+                "disagree on what is shared; form a new group"
+            )
         try:
             if source[0] == "cuda":
                 # the sender's device index is in its own numbering (CUDA_VISIBLE_DEVICES may differ)
