@@ -190,9 +190,13 @@ def pusher(url: str, args: argparse.Namespace) -> WeightPusher:
 
 def checksums_match(url: str, state: dict[str, torch.Tensor], what: str) -> dict[str, Any]:
     """``/param_checksums`` of the server against the trainer's tensors, as vLLM fuses them."""
-    from tests.gpu.vllm_support import server_checksums, vllm_llama_checksums
+    from tests.gpu.vllm_support import vllm_llama_checksums
 
-    version, got = server_checksums(url)
+    r = httpx.get(f"{url}/param_checksums", headers=AUTH, timeout=900)
+    r.raise_for_status()
+    body = r.json()
+    version = body["version"]
+    got = {w["rank"]: {n: tuple(v) for n, v in w["checksums"].items()} for w in body["workers"]}
     want = vllm_llama_checksums(state)
     differ = [
         n for n, v in want[0].items() if not n.startswith("lm_head.") and tuple(got[0].get(n, ())) != tuple(v)
