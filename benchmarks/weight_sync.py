@@ -74,7 +74,17 @@ SIZES: dict[str, LlamaShape] = {
         num_key_value_heads=2,
         vocab_size=32000,
     ),
+    # the GPU tests' 1.4B shape (tests/gpu/conftest.py)
+    "1.4b": LlamaShape(
+        hidden_size=2048,
+        intermediate_size=6656,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    ),
 }
+SIZES["0.4b"] = SIZES["small"]
 TOKEN = "bench"
 
 RAW_PEER = r"""

@@ -11,6 +11,7 @@
 #   bash scripts/gpu-run.sh bench-pending         # benchmarks/pending_receive.py (2 GPUs)
 #   bash scripts/gpu-run.sh bench-http [ARGS]     # benchmarks/http_client.py (CPU only)
 #   bash scripts/gpu-run.sh bench-sleep [ARGS]    # benchmarks/sleep_wake.py (1 GPU, ~5 min)
+#   bash scripts/gpu-run.sh bench-colocated [ARGS] # benchmarks/colocated_push.py (1 GPU; --quick: 0.4B)
 #   bash scripts/gpu-run.sh bench NAME [ARGS]     # benchmarks/NAME.py, log in $OUT/bench-NAME.log
 #   bash scripts/gpu-run.sh all
 #
@@ -53,10 +54,11 @@ case "$what" in
   bench-http) python3 benchmarks/http_client.py "$@" 2>&1 | tee "$OUT/bench-http.log" ;;
   bench-sleep) [ $# -gt 0 ] || set -- --out "$OUT/sleep_wake.json"
     python3 benchmarks/sleep_wake.py "$@" 2>&1 | tee "$OUT/bench-sleep.log" ;;
+  bench-colocated) python3 benchmarks/colocated_push.py "$@" 2>&1 | tee "$OUT/bench-colocated.log" ;;
   bench) name=${1:?usage: gpu-run.sh bench NAME [ARGS]}; shift
     python3 "benchmarks/$name.py" "$@" 2>&1 | tee "$OUT/bench-$name.log" ;;
   all)
     python3 -m pytest -q -rs -p no:cacheprovider -o addopts="" tests/gpu 2>&1 | tee "$OUT/gpu-tests.log"
     python3 benchmarks/weight_sync.py 2>&1 | tee "$OUT/bench-sync.log" ;;
-  *) echo "usage: gpu-run.sh tests|bench-sync|bench-sharded|bench-score|bench-pending|bench-http|bench-sleep|bench NAME|all [args]"; exit 2 ;;
+  *) echo "usage: gpu-run.sh tests|bench-sync|bench-sharded|bench-score|bench-pending|bench-http|bench-sleep|bench-colocated|bench NAME|all [args]"; exit 2 ;;
 esac

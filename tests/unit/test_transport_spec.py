@@ -121,3 +121,24 @@ def test_nccl_address_survives_a_malformed_network_status() -> None:
         "status": {"podIP": "10.0.0.3"},
     }
     assert nccl_address(pod, "net1") == "10.0.0.3"
+
+
+def test_host_ipc_puts_the_servers_in_the_nodes_ipc_namespace() -> None:
+    """A trainer in its own Pod on the reward model's node and GPUs pushes over CUDA IPC (shared
+    memory on CPU) only across one IPC namespace: spec.transport.hostIPC renders it."""
+    body = rm(transport={"hostIPC": True})
+    pod = pod_of(body)
+    assert pod["spec"]["hostIPC"] is True
+    assert "hostNetwork" not in pod["spec"]  # the IPC namespace only: the Pod network stays
+    assert pod["spec"]["containers"][0]["securityContext"]["runAsNonRoot"] is True
+    assert "hostIPC" not in pod_of(rm())["spec"]
+    assert validate_spec(body["spec"]) == []
+
+
+def test_host_ipc_changes_the_pods_spec_hash() -> None:
+    """Turning hostIPC on replaces the running Pods (their namespaces are fixed at creation)."""
+    from rewardplane.operator.render import ANNOTATION_SPEC_HASH
+
+    before = pod_of(rm())["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+    after = pod_of(rm(transport={"hostIPC": True}))["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+    assert before != after

@@ -24,3 +24,26 @@ def visible_gpus(devices: int | str) -> str:
             f"({len(ids)} visible): give the job more GPUs"
         )
     return ",".join(ids[d] for d in wanted)
+
+
+def gpu_memory_used_mib(device: int = 0) -> int | None:
+    """Memory in use on this process's GPU ``device``, as the driver reports it for every process
+    (``nvidia-smi``): what a colocated trainer and server take together. None without nvidia-smi."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    gpu = visible_gpus(device)
+    flag = f"--id={gpu}"
+    out = subprocess.run(
+        ["nvidia-smi", flag, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    try:
+        return int(out.stdout.strip().splitlines()[0])
+    except (IndexError, ValueError):
+        return None

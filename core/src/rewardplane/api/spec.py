@@ -142,6 +142,9 @@ class TransportSpec(_Spec):
     host_network: bool = Field(default=False, alias="hostNetwork")
     # CAP_IPC_LOCK: RDMA verbs register (lock) the buffers they send from, beyond RLIMIT_MEMLOCK.
     ipc_lock: bool = Field(default=False, alias="ipcLock")
+    # The node's IPC namespace (and /dev/shm): a trainer in another Pod on the same node and GPUs
+    # pushes through CUDA IPC (shared memory on CPU) only when both Pods share it.
+    host_ipc: bool = Field(default=False, alias="hostIPC")
 
 
 class ResourcesSpec(_Spec):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat
 
 SleepLevel = Literal[1, 2]
 SleepState = Literal["awake", "sleeping"]
@@ -52,6 +52,12 @@ class WakeRequest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     timeout_s: StrictFloat = Field(default=DEFAULT_SLEEP_TIMEOUT_S, gt=0, le=3600)
+    reload: StrictBool = Field(
+        default=True,
+        description="After a level-2 sleep: rebuild the served weights (the checkpoint read from disk, then "
+        "saved pushes). False: take the memory back only; the server answers 503 until the next full push "
+        "fills it (a colocated trainer that pushes right after the wake).",
+    )
 
 
 class SleepResponse(BaseModel):

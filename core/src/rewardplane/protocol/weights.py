@@ -345,7 +345,9 @@ class InitCommunicatorRequest(BaseModel):
     senders: StrictInt = Field(
         default=1, ge=1, description="How many trainer ranks send parts of each push (the last ranks)."
     )
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    # "ipc": the same-host transport (CUDA IPC on one GPU, shared memory on CPU); "auto" picks it
+    # where ranks share a GPU
+    backend: Literal["auto", "nccl", "gloo", "ipc"] = "auto"
     # A server waits on one join at a time: until this passes, a second join is answered 409.
     timeout_s: StrictFloat = Field(default=120.0, gt=0)
     group_id: str | None = Field(default=None, description="Names the group; echoed in errors and logs.")

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-Backend = Literal["auto", "nccl", "gloo"]
+# "ipc": the same-host transport (``same_host``), which ``group.open_group`` builds
+Backend = Literal["auto", "nccl", "gloo", "ipc"]
 # How long a wait for the GPU polls without sleeping (seconds): a push's waits are short, and a
 # sleep costs at least ~60 us (the kernel's timer slack) plus a wake-up on a host whose idle CPUs
 # wake slowly. 2 ms covers the short waits inside a push (docs/weight-sync.md, "Where a push's
@@ -60,6 +61,10 @@ def group_store(store: dist.Store, group_id: str) -> dist.Store:
 def resolve_backend(backend: Backend, device: torch.device) -> Literal["nccl", "gloo"]:
     if backend == "auto":
         return "nccl" if device.type == "cuda" else "gloo"
+    if backend == "ipc":
+        raise CommunicatorError(
+            "backend ipc is the same-host transport: form the group with group.open_group"
+        )
     if backend == "nccl" and device.type != "cuda":
         raise CommunicatorError("backend nccl needs a CUDA device; use backend gloo (or auto) on CPU")
     return backend
@@ -101,21 +106,9 @@ class Communicator:
         group_id: str = "default",
         senders: int = 1,
     ) -> None:
-        if not 1 <= senders < world_size:
-            raise CommunicatorError(f"{senders} sending rank(s) do not fit a group of {world_size}")
-        self.rank = rank
-        self.world_size = world_size
-        # the trainer's sending ranks are the last ones: sender i is rank first_sender + i
-        self.senders = senders
-        self.first_sender = world_size - senders
-        if device.type == "cuda" and device.index is None:  # NCCL needs a concrete device
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
-        self.timeout = timedelta(seconds=timeout_s)
-        self.backend = resolve_backend(backend, device)
-        prefixed = group_store(store, group_id)
-        # the group's namespace in the store: pushes started from the data plane signal through it
-        self.store = prefixed
+        prefixed = self._join(store, rank, world_size, device, timeout_s, group_id, senders)
+        device = self.device
+        self.backend: str = resolve_backend(backend, device)
         if self.backend == "nccl":
             # On a collective timeout, abort the communicators but keep the process: a reward
             # server must survive a trainer that died mid-push (the default tears it down).
@@ -129,12 +122,39 @@ class Communicator:
             self.pg: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         else:
             self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, self.timeout)
+
+    def _join(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        timeout_s: float,
+        group_id: str,
+        senders: int,
+    ) -> dist.Store:
+        """What every transport's group holds: ranks, device, timeout, the group's namespace in the
+        store (returned), the flag state."""
+        if not 1 <= senders < world_size:
+            raise CommunicatorError(f"{senders} sending rank(s) do not fit a group of {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        # the trainer's sending ranks are the last ones: sender i is rank first_sender + i
+        self.senders = senders
+        self.first_sender = world_size - senders
+        if device.type == "cuda" and device.index is None:  # NCCL (and CUDA IPC) need a concrete device
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        # the group's namespace in the store: pushes started from the data plane signal through it
+        self.store = group_store(store, group_id)
         self._closed = False
         # the status reductions' flag (device), its pinned read-back and their stream: made once
         self._flag: tuple[torch.Tensor, torch.Tensor, torch.cuda.Stream] | None = None
         # time.monotonic() the last reduction's call began and returned (enqueued): a push's timeline
         self.flag_calling: float | None = None
         self.flag_enqueued: float | None = None
+        return self.store
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:

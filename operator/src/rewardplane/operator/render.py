@@ -375,6 +375,9 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
     if plan.spec.transport.host_network:
         # the host's NICs and addresses for NCCL; the cluster's DNS stays reachable
         pod["spec"] |= {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
+    if plan.spec.transport.host_ipc:
+        # a colocated trainer's CUDA IPC handles and /dev/shm buffers open only within one IPC namespace
+        pod["spec"]["hostIPC"] = True
     pod["metadata"]["annotations"][ANNOTATION_SPEC_HASH] = spec_hash(pod, plan.spec.gpu.node)
     return pod
 

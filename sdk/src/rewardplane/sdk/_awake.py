@@ -31,6 +31,9 @@ class AwakeReplicas:
         token: the control-plane token.
         level: the sleep level they return to on exit (1: weights kept in host memory; 2: discarded).
         timeout_s: bound on each server's sleep or wake (including the wait for scoring in flight).
+        reload: after a level-2 sleep, rebuild the served weights on wake (from the checkpoint and
+            saved pushes). False for a colocated trainer that pushes its full weights first thing in
+            the block: nothing is read from disk, and scoring waits for that push (503 until then).
 
     ``woken`` holds each server's answer to the wake (state, seconds, weights) once entered.
     """
@@ -42,10 +45,11 @@ class AwakeReplicas:
         *,
         level: int = 1,
         timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S,
+        reload: bool = True,
     ) -> None:
         sleep_body(level, timeout_s)  # a bad level fails here, before anything moves
         self._urls, self._token = urls, token
-        self.level, self.timeout_s = level, timeout_s
+        self.level, self.timeout_s, self.reload = level, timeout_s, reload
         self.woken: dict[str, SleepResponse] = {}
 
     def _endpoints(self) -> list[str]:
@@ -61,7 +65,7 @@ class AwakeReplicas:
     async def __aenter__(self) -> AwakeReplicas:
         self._aclient = AsyncRewardClient(self._endpoints(), **self._options())
         try:
-            self.woken = await self._aclient.wake(timeout_s=self.timeout_s)
+            self.woken = await self._aclient.wake(timeout_s=self.timeout_s, reload=self.reload)
         except BaseException:
             await self._asleep_after_error()
             raise
@@ -91,7 +95,7 @@ class AwakeReplicas:
     def __enter__(self) -> AwakeReplicas:
         self._client = RewardClient(self._endpoints(), **self._options())
         try:
-            self.woken = self._client.wake(timeout_s=self.timeout_s)
+            self.woken = self._client.wake(timeout_s=self.timeout_s, reload=self.reload)
         except BaseException:
             self._sleep_after_error()
             raise

@@ -344,8 +344,9 @@ class BaseRewardClient:
     def _sleep_calls(self, level: int, timeout_s: float) -> list[_Call[tuple[str, SleepResponse]]]:
         return self._control_calls(Endpoints.SLEEP, sleep_body(level, timeout_s))
 
-    def _wake_calls(self, timeout_s: float) -> list[_Call[tuple[str, SleepResponse]]]:
-        return self._control_calls(Endpoints.WAKE, WakeRequest(timeout_s=float(timeout_s)).model_dump())
+    def _wake_calls(self, timeout_s: float, reload: bool = True) -> list[_Call[tuple[str, SleepResponse]]]:
+        body = WakeRequest(timeout_s=float(timeout_s), reload=reload)
+        return self._control_calls(Endpoints.WAKE, body.model_dump())
 
     def _control_calls(self, path: str, body: dict[str, Any]) -> list[_Call[tuple[str, SleepResponse]]]:
         """``POST /sleep`` or ``/wake`` to every endpoint (no failover: each must change itself)."""

@@ -366,13 +366,13 @@ class OperatorPush:
     ) -> Communicator:
         """Join the replicas' group at ``rank``, watching the operator meanwhile: a failed
         rendezvous must not leave the trainer waiting until the deadline."""
-        from rewardplane.transport.comm import Communicator
+        from rewardplane.transport.group import open_group
 
         box: dict[str, Any] = {}
 
         def join() -> None:
             try:
-                box["comm"] = Communicator(
+                box["comm"] = open_group(
                     store,
                     rank=rank,
                     world_size=int(status["worldSize"]),

@@ -37,10 +37,11 @@ from rewardplane.protocol import (
 )
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, WeightValidationError
 from rewardplane.transport.comm import Backend, Communicator, create_store
+from rewardplane.transport.group import open_group
 from rewardplane.transport.signals import StoreClosed
 
 from ._exceptions import DeltaRefused, WeightSyncError
-from ._slicing import SliceBook
+from ._slicing import SliceBook, slicing_of
 from ._trainer_ranks import (
     RankSends,
     SenderStep,
@@ -199,7 +200,7 @@ class ShardedPusher:
                 world_size=invite.world_size,
                 timeout_s=self.connect_timeout_s,
             )
-        self.comm = Communicator(
+        self.comm = open_group(
             store,
             rank=invite.world_size - self.senders + self.rank,
             world_size=invite.world_size,
@@ -217,7 +218,12 @@ class ShardedPusher:
         if self.rank == 0:
             assert self.control is not None
             starter = (
-                DataPlaneStarter(self.comm.store, self.control.rank_offsets(), self.comm.first_sender)
+                DataPlaneStarter(
+                    self.comm.store,
+                    self.control.rank_offsets(),
+                    self.comm.first_sender,
+                    slicing_of(self.comm),
+                )
                 if self.data_plane
                 else None
             )
@@ -437,7 +443,7 @@ class ShardedPusher:
     def _slices(self, comm: Communicator) -> SliceBook:
         """A following rank's view of what the receivers published (the leader decided to slice)."""
         if self._slice_book is None or self._slice_book.store is not comm.store:
-            self._slice_book = SliceBook(comm.store, comm.first_sender, "always")
+            self._slice_book = SliceBook(comm.store, comm.first_sender, slicing_of(comm, "always"))
         return self._slice_book
 
     # ---- upkeep -------------------------------------------------------------------------------

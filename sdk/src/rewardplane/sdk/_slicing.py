@@ -24,6 +24,12 @@ Slicing = Literal["auto", "always", "never"]
 SLICED_SHARE = 0.75
 
 
+def slicing_of(comm: Communicator, default: Slicing | None = None) -> Slicing | None:
+    """The slicing a group allows: none over the same-host transport (it broadcasts only; each
+    receiver copies what it needs straight from the trainer's memory)."""
+    return "never" if comm.backend == "ipc" else default
+
+
 class SliceBook:
     """Per layout: the schedule of a sliced push, or None (broadcast); made once every receiving
     rank published. A sliced layout's places are checked in the store on every push (a worker whose
@@ -72,6 +78,6 @@ def agree_on_slices(
     applies ``REWARDPLANE_PUSH_SLICING`` (rank 0); the others agree to whatever the published
     places allow. A worker that no longer holds its places, or lacks room to stage its share,
     makes it a broadcast."""
-    book = SliceBook(comm.store, comm.first_sender, None if decides else "always")
+    book = SliceBook(comm.store, comm.first_sender, slicing_of(comm, None if decides else "always"))
     schedule = book.schedule(layout, metadata, plan)
     return schedule if comm.max_flag(0 if schedule is not None else 1) == 0 else None

@@ -199,11 +199,15 @@ class AsyncRewardClient(BaseRewardClient):
         self._check_open()
         return dict(await self._send_all(self._sleep_calls(level, timeout_s)))
 
-    async def wake(self, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> dict[str, SleepResponse]:
+    async def wake(
+        self, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S, reload: bool = True
+    ) -> dict[str, SleepResponse]:
         """Wake every server (``POST /wake``), concurrently; idempotent. A server whose level-2 weights
-        could not be rebuilt answers ``weights="broken"`` with the reason in ``detail``."""
+        could not be rebuilt answers ``weights="broken"`` with the reason in ``detail``. ``reload``
+        False: after a level-2 sleep the weights are not rebuilt (nothing is read from disk); the
+        servers answer 503 until the next full push (``weights="broken"``, ``detail`` says so)."""
         self._check_open()
-        return dict(await self._send_all(self._wake_calls(timeout_s)))
+        return dict(await self._send_all(self._wake_calls(timeout_s, reload)))
 
     async def get_model_versions(self) -> dict[str, int]:
         """Weights version per endpoint."""

@@ -192,10 +192,12 @@ class RewardClient(BaseRewardClient):
         self._check_open()
         return dict(self._send_all(calls))
 
-    def wake(self, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> dict[str, SleepResponse]:
+    def wake(
+        self, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S, reload: bool = True
+    ) -> dict[str, SleepResponse]:
         """Wake every server (see :meth:`AsyncRewardClient.wake`)."""
         self._check_open()
-        return dict(self._send_all(self._wake_calls(timeout_s)))
+        return dict(self._send_all(self._wake_calls(timeout_s, reload)))
 
     def get_model_versions(self) -> dict[str, int]:
         """Weights version per endpoint."""

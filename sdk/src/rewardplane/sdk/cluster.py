@@ -207,11 +207,14 @@ class RewardModelHandle:
             )
         return {m["name"]: ParamMeta(**m) for m in resp.json()}
 
-    def awake(self, level: int = 1, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> AwakeReplicas:
+    def awake(
+        self, level: int = 1, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S, reload: bool = True
+    ) -> AwakeReplicas:
         """``async with handle.awake():`` (or ``with``) — every replica awake for the block: woken on
         enter, back to sleep at ``level`` on exit, also when the block raised. Score and push inside
-        it; a push to a sleeping replica is refused (409). Needs the control-plane token."""
-        return AwakeReplicas(self._push_urls, self.token, level=level, timeout_s=timeout_s)
+        it; a push to a sleeping replica is refused (409). Needs the control-plane token. ``reload``
+        False (with ``level=2``): a wake reads nothing from disk; push the full weights first."""
+        return AwakeReplicas(self._push_urls, self.token, level=level, timeout_s=timeout_s, reload=reload)
 
     def sleep(self, level: int = 1, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S) -> None:
         """Put every replica to sleep now (``awake()`` is the block form)."""

@@ -20,11 +20,15 @@ from rewardplane.protocol import (
     RewardModelTrainingMode,
     replica_group_ports,
 )
+from rewardplane.protocol.auth import resolve_token
 from rewardplane.protocol.naming import WeightValidationError
+from rewardplane.protocol.sleep import DEFAULT_SLEEP_TIMEOUT_S
 from rewardplane.transport.comm import Backend, Communicator, default_device
 
+from ._awake import AwakeReplicas
 from ._exceptions import DeltaRefused, WeightSyncError
 from ._sharded_push import ShardedPusher
+from ._slicing import slicing_of
 from .data_plane import DataPlaneStarter
 from .delta import Acknowledged, delta_names, fingerprints, warn_refused
 from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards, open_trainer_group
@@ -232,7 +236,7 @@ class WeightPusher:
             )
             src = comm.world_size - 1
         starter = (
-            DataPlaneStarter(comm.store, self.control.rank_offsets(), comm.first_sender)
+            DataPlaneStarter(comm.store, self.control.rank_offsets(), comm.first_sender, slicing_of(comm))
             if self.data_plane and isinstance(comm, Communicator)
             else None
         )
@@ -247,6 +251,18 @@ class WeightPusher:
             timeout_s=self.timeout_s,
         )
         return self._publisher
+
+    def awake(
+        self, level: int = 1, *, timeout_s: float = DEFAULT_SLEEP_TIMEOUT_S, reload: bool = True
+    ) -> AwakeReplicas:
+        """The colocated cycle without the operator: ``with pusher.awake(2, reload=False):`` wakes
+        every server, then push and score inside the block; on exit they sleep at ``level`` again
+        (``AwakeReplicas``; ``reload`` False: a level-2 wake reads nothing from disk, the block's
+        first push must be a full one)."""
+        token = resolve_token(self.token, self.token_file)
+        return AwakeReplicas(
+            lambda: self.urls, lambda: token, level=level, timeout_s=timeout_s, reload=reload
+        )
 
     def open_group(self) -> None:
         """Form the push group ahead of the first push (a collective with a multi-rank

@@ -40,6 +40,7 @@ from rewardplane.protocol.naming import (
 )
 from rewardplane.transport.buckets import meta_of
 from rewardplane.transport.comm import Backend, Communicator, TensorCommunicator, create_store
+from rewardplane.transport.group import open_group
 from rewardplane.transport.sliced import send_slices
 from rewardplane.transport.transfer import send_buckets
 
@@ -355,7 +356,7 @@ def open_trainer_group(
     store = create_store(bind_host or host, port, is_master=True, world_size=world, timeout_s=timeout_s)
     group_id = uuid.uuid4().hex[:12]
     control.init_communicator(host, port, backend=backend, timeout_s=timeout_s, group_id=group_id)
-    return Communicator(
+    return open_group(
         store,
         rank=world - 1,
         world_size=world,

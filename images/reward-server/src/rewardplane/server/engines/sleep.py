@@ -34,6 +34,12 @@ from rewardplane.server.weight_sync.control_plane import WeightSyncService
 
 log = logging.getLogger(__name__)
 
+# A level-2 wake told not to reload: the memory is back, the weights are the next full push's.
+UNLOADED = (
+    "woke from a level-2 sleep without reloading the weights (reload false): push the full weights; "
+    "scoring answers 503 until then"
+)
+
 
 class SleepService:
     def __init__(self, engine: RewardEngine, weights: WeightSyncService, metrics: ServerMetrics) -> None:
@@ -110,7 +116,7 @@ class SleepService:
         log.info("asleep at level %d after %.3fs (device bytes freed: %s)", level, seconds, freed)
         return self.answer(changed=True, seconds=seconds, freed=freed)
 
-    async def wake(self, timeout_s: float) -> SleepResponse:
+    async def wake(self, timeout_s: float, reload: bool = True) -> SleepResponse:
         guard = self.engine.guard
         async with self._one_at_a_time(timeout_s):
             if guard.state != "sleeping":
@@ -124,7 +130,9 @@ class SleepService:
                 except Exception as exc:
                     guard.mark_broken(f"waking from sleep level {level} failed: {exc}; restart this replica")
                     raise ServerError(f"waking from sleep level {level} failed: {exc}") from exc
-                problem = await self._reload() if level == 2 else None
+                problem = None
+                if level == 2:
+                    problem = await self._reload() if reload else UNLOADED
                 if problem is None:
                     if level == 1:
                         await self.weights.port.reset_cache()
@@ -133,7 +141,9 @@ class SleepService:
                     guard.mark_broken(problem, needs_full_push=True)
             seconds = time.monotonic() - start
         self.metrics.set_sleep_level(0)
-        if problem is not None:
+        if problem is UNLOADED:
+            log.info("awake after %.3fs (level 2, not reloaded): waiting for a full push", seconds)
+        elif problem is not None:
             log.error(problem)
         else:
             log.info("awake after %.3fs (slept at level %d)", seconds, level)

@@ -392,7 +392,8 @@ def sleep_router(service: SleepService, token: str | None) -> APIRouter:
     @router.post(Endpoints.WAKE, response_model=SleepResponse, responses=errors(413, 422, 503))
     async def wake(req: WakeRequest | None = Body(default=None)) -> SleepResponse:
         """Take the memory back and serve the same weights (after level 2: reloaded, else broken)."""
-        return await service.wake((req or WakeRequest()).timeout_s)
+        req = req or WakeRequest()
+        return await service.wake(req.timeout_s, reload=req.reload)
 
     return router
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from rewardplane.protocol import Bucket, ParamMeta, plan_buckets, remember_layout
 from rewardplane.server.weight_sync.worker.slicing import SlicingPart
-from rewardplane.transport.comm import Communicator, create_store, group_store
+from rewardplane.transport.comm import create_store, group_store
+from rewardplane.transport.group import open_group
 from rewardplane.transport.transfer import Received, receive_buckets
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ class ReceivePart(SlicingPart):
         store = create_store(host, port, is_master=False, world_size=world_size, timeout_s=timeout_s)
         # before the group forms: a trainer that joined it finds every worker's places
         published = self._rp_publish_places(group_store(store, group_id), rank)
-        self._rp_comm = Communicator(
+        # NCCL or gloo, or the same-host transport where the trainer shares this worker's GPU or host
+        self._rp_comm = open_group(
             store,
             rank=rank,
             world_size=world_size,

@@ -1,0 +1,62 @@
+"""Which transport a push group's places call for (``transport.placement.choose_transport``), and
+the refusals a user of a colocated trainer meets before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from rewardplane.transport.placement import Place, PlacementError, choose_transport
+
+HOST_A, HOST_B = "boot-a/ipc:1", "boot-b/ipc:1"
+
+
+def at(host: str = HOST_A, gpu: str | None = None, name: str = "node-a") -> Place:
+    return Place(host=host, name=name, gpu=gpu, pid=1, pid_ns=1)
+
+
+def test_auto_picks_the_same_gpu_transport_where_ranks_share_a_gpu() -> None:
+    assert choose_transport("auto", [at(gpu="GPU-0"), at(gpu="GPU-0")]) == "ipc"
+    # a TP=2 replica on the trainer's two GPUs: rank i beside sender i
+    assert (
+        choose_transport("auto", [at(gpu="GPU-0"), at(gpu="GPU-1"), at(gpu="GPU-0"), at(gpu="GPU-1")])
+        == "ipc"
+    )
+
+
+def test_auto_keeps_nccl_between_gpus_and_gloo_on_cpu() -> None:
+    assert choose_transport("auto", [at(gpu="GPU-0"), at(gpu="GPU-1")]) == "nccl"
+    assert choose_transport("auto", [at(HOST_A, "GPU-0"), at(HOST_B, "GPU-9", "node-b")]) == "nccl"
+    assert choose_transport("auto", [at(), at()]) == "gloo"
+
+
+def test_ipc_on_one_host_is_granted_on_gpu_and_cpu() -> None:
+    assert choose_transport("ipc", [at(), at()]) == "ipc"
+    assert choose_transport("ipc", [at(gpu="GPU-0"), at(gpu="GPU-1")]) == "ipc"
+
+
+def test_nccl_with_two_ranks_on_one_gpu_is_refused_naming_the_same_gpu_transport() -> None:
+    with pytest.raises(PlacementError) as err:
+        choose_transport("nccl", [at(gpu="GPU-0"), at(gpu="GPU-1"), at(gpu="GPU-0")])
+    text = str(err.value)
+    assert "ranks 0 and 2" in text and "GPU-0" in text and "backend ipc" in text and "same-GPU" in text
+
+
+def test_ipc_across_hosts_is_refused_naming_nccl() -> None:
+    with pytest.raises(PlacementError) as err:
+        choose_transport("ipc", [at(HOST_A, "GPU-0"), at(HOST_B, "GPU-1", "node-b")])
+    text = str(err.value)
+    assert "backend nccl" in text and "node-a" in text and "node-b" in text
+
+
+def test_one_gpu_in_two_ipc_namespaces_names_the_pod_field() -> None:
+    """Two Pods on one node and GPU without hostIPC: neither NCCL nor CUDA IPC can join them."""
+    pods = [at("boot-a/ipc:1", "GPU-0", "trainer-pod"), at("boot-a/ipc:2", "GPU-0", "reward-pod")]
+    for backend in ("auto", "nccl", "ipc"):
+        with pytest.raises(PlacementError) as err:
+            choose_transport(backend, pods)  # type: ignore[arg-type]
+        assert "hostIPC: true" in str(err.value) and "one Pod" in str(err.value), backend
+
+
+def test_nccl_on_cpu_is_refused() -> None:
+    with pytest.raises(PlacementError, match="gloo"):
+        choose_transport("nccl", [at(), at()])
