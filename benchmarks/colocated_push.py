@@ -95,6 +95,19 @@ while True:
 """
 
 
+# vLLM's IPC engine imports ray at the top for its ray send mode, which the callable mode used here
+# never calls; where ray is not installed (its wheel is too large to carry to the device) this
+# stands in for the import: ray reported as not running, anything else absent.
+RAY_PLACEHOLDER = """
+def is_initialized():
+    return False
+
+
+def __getattr__(name):
+    raise AttributeError(f"ray is a placeholder here (not installed): ray.{name}")
+"""
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -244,6 +257,11 @@ def rewardplane_pushes(
             f"   full push ({out['transport']}): {1000 * full:.2f} ms median; first (opens the handles) "
             f"{1000 * out['first_push_s']:.1f} ms; head-only {out['head_only_ms_median']:.3f} ms median"
         )
+        # where a push's time goes: trainer and server stamps on one clock, ms after the call
+        log(f"   full push timeline (ms): {json.dumps(out['timeline_ms'])}")
+        log(f"   head-only timeline (ms): {json.dumps(out['head_only_timeline_ms'])}")
+        last = out["breakdown"][-1] if out["breakdown"] else {}
+        log(f"   trainer's breakdown of the last full push: {json.dumps(last)}")
         out["checksums_full"] = checksums_match(url, params, "full pushes")
         perturb(model)
         out["score_after_push"] = {"trainer": trainer_score(model, ckpt)}
@@ -356,13 +374,24 @@ def colocated_cycle(
 
 
 def vllm_native(ckpt: Path, params: dict[str, torch.Tensor], args: argparse.Namespace) -> dict[str, Any]:
-    """vLLM 0.24's own IPC engine, per tensor and packed, into a vllm.LLM on this GPU."""
+    """vLLM 0.24's own IPC engine, per tensor and packed, into a vllm.LLM on this GPU. Its module
+    imports ray at the top for its ray send mode; the callable send mode used here does not touch
+    it, so where ray is not installed an empty placeholder module stands in (recorded)."""
+    import importlib.util
+
+    placeholder = importlib.util.find_spec("ray") is None
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible_gpus(0), VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    if placeholder:  # here and in vLLM's processes (they may be spawned): a folder on the path
+        stub = Path(tempfile.mkdtemp(prefix="ray-placeholder-"))
+        (stub / "ray").mkdir()
+        (stub / "ray" / "__init__.py").write_text(RAY_PLACEHOLDER)
+        sys.path.insert(0, str(stub))
+        env["PYTHONPATH"] = os.pathsep.join([str(stub), env.get("PYTHONPATH", "")])
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
     key = secrets.token_bytes(16)
     listener = Listener(("127.0.0.1", 0), authkey=key)
     port = listener.address[1]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible_gpus(0), VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     child = subprocess.Popen(
         [sys.executable, "-c", VLLM_PEER, str(ckpt), str(port), key.hex(), str(args.gpu_memory_utilization)],
         env=env,
@@ -395,7 +424,7 @@ def vllm_native(ckpt: Path, params: dict[str, torch.Tensor], args: argparse.Name
                 fields["tensor_sizes"] = info.tensor_sizes
             call("update", fields)
 
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"ray_placeholder": placeholder}
         for packed in (False, True):
             times = []
             for rep in range(args.reps + 1):

@@ -92,6 +92,7 @@ class _Side:
     seen: dict[int, weakref.ref[torch.UntypedStorage]] = field(default_factory=dict)
     ring: list[_Slot | None] = field(default_factory=lambda: [None, None])
     opened: dict[str, torch.Tensor] = field(default_factory=dict)  # by key, flat uint8
+    views: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # (key, offset, bytes)
     released: list[str] = field(default_factory=list)  # sender: keys the receivers are to close
 
 
@@ -206,7 +207,9 @@ class SameHostCommunicator(Communicator):
         entries: list[tuple[str, tuple[Any, ...], int, int]] = []
         staged: list[tuple[int, torch.Tensor]] = []  # (position, tensor) copied into the ring
         for pos, typed in enumerate(tensors):
-            t = as_bytes(typed)
+            # the wire hands flat bytes already: no view to make per tensor (a push's CPU time
+            # is per tensor, and here it is not hidden behind a link)
+            t = typed if typed.dtype is torch.uint8 and typed.dim() == 1 else as_bytes(typed)
             if t.numel() == 0:
                 entries.append(("", (), 0, 0))
                 continue
@@ -322,15 +325,26 @@ class SameHostCommunicator(Communicator):
                     f"rank {root} sent {len(entries)} tensors where rank {self.rank} expected {len(targets)}: "
                     "the two sides disagree on the layout"
                 )
+            views = self._side.views
             for target, (key_, source, offset, nbytes) in zip(targets, entries, strict=True):
-                dst = target.view(-1).view(torch.uint8)
+                dst = (
+                    target
+                    if target.dtype is torch.uint8 and target.dim() == 1
+                    else target.view(-1).view(torch.uint8)
+                )
                 if dst.numel() != nbytes:
                     raise CommunicatorError(
                         f"rank {root} sent {nbytes} bytes for a {dst.numel()}-byte tensor: the two sides "
                         "disagree on the layout"
                     )
-                if nbytes:
-                    dst.copy_(self._open(key_, source, root)[offset : offset + nbytes], non_blocking=True)
+                if not nbytes:
+                    continue
+                src = views.get((key_, offset, nbytes))
+                if src is None:  # made once per tensor of a layout, not on every push
+                    src = views[(key_, offset, nbytes)] = self._open(key_, source, root)[
+                        offset : offset + nbytes
+                    ]
+                dst.copy_(src, non_blocking=True)
         pending = _Pending(seq, senders)
         if self.device.type == "cuda":
             pending.done = torch.cuda.Event()
@@ -431,8 +445,10 @@ class SameHostCommunicator(Communicator):
             flag, _, closing = v.partition("|")
             values.append(int(flag))
             if closing and self.rank < self.first_sender:
-                for key in json.loads(closing):
+                closed = set(json.loads(closing))
+                for key in closed:
                     self._side.opened.pop(key, None)  # closes the handle (or unmaps the file)
+                self._side.views = {k: v for k, v in self._side.views.items() if k[0] not in closed}
         if n >= 2:  # every rank read round n-2 before it wrote round n-1, which this one read
             self.store.delete_key(f"f/{n - 2}/{self.rank}")
         return max(values)
