@@ -83,7 +83,6 @@ TRAINER_THAT_FREEZES = textwrap.dedent(
     """
     import os, signal, sys
     from datetime import timedelta
-from pathlib import Path
     import httpx, torch
     import torch.distributed as dist
     from rewardplane.transport.comm import Communicator
@@ -92,7 +91,7 @@ from pathlib import Path
     store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=True,
                           timeout=timedelta(seconds=60), wait_for_workers=False)
     join = {"host": "127.0.0.1", "port": port, "world_size": 2, "timeout_s": 60, "group_id": "frozen"}
-    r = httpx.post(url + "/init_communicator", json=join, headers={"Authorization": "Bearer " + token})
+    r = httpx.post(url + "/init_communicator", json=join, headers={"Authorization": "Bearer " + token}, timeout=60)
     r.raise_for_status()
     Communicator(store, rank=1, world_size=2, device=torch.device("cpu"), timeout_s=60, group_id="frozen")
     print("formed", flush=True)
@@ -106,10 +105,13 @@ def test_sigterm_after_the_trainer_froze_right_after_forming_its_group(server_fa
     trainer = subprocess.Popen(
         [sys.executable, "-c", TRAINER_THAT_FREEZES, server.url, str(free_port()), TOKEN],
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        assert trainer.stdout is not None and trainer.stdout.readline().strip() == "formed"
+        assert trainer.stdout is not None and trainer.stderr is not None
+        if trainer.stdout.readline().strip() != "formed":
+            pytest.fail(f"the trainer did not form its group:\n{trainer.stderr.read()[-4000:]}")
         time.sleep(1.0)  # the server now waits on the frozen trainer's store
         _assert_clean_stop(server)
     finally:
