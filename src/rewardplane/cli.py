@@ -22,15 +22,29 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def usage() -> str:
-    lines = ["usage: rewardplane COMMAND [ARGS...]", "", "commands:"]
+    lines = ["usage: rewardplane [--version] COMMAND [ARGS...]", "", "commands:"]
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "rewardplane COMMAND --help describes a command."]
     return "\n".join(lines)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("rewardplane")
+    except PackageNotFoundError:  # run from the source tree (PYTHONPATH), not installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if args[0] in ("-V", "--version"):
+        print(f"rewardplane {version()}")
         return 0
     name, rest = args[0], args[1:]
     if name not in COMMANDS:

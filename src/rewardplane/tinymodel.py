@@ -189,10 +189,14 @@ def _config_fields(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Build a tiny random-weight reward model (no downloads).")
-    p.add_argument("--out", type=Path, default=DEFAULT_DIR)
-    p.add_argument("--num-labels", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p = argparse.ArgumentParser(
+        prog="rewardplane tiny-model",
+        description="Build a tiny random-weight reward model (no downloads) and print its folder.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--out", type=Path, default=DEFAULT_DIR, help="the folder to write the checkpoint into")
+    p.add_argument("--num-labels", type=int, default=1, help="outputs of the score head")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument(
         "--causal-lm", action="store_true", help="a tiny causal LM with a chat template (a generative judge)"
     )

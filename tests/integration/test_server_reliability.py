@@ -83,7 +83,8 @@ def test_pending_join_never_delays_scoring_and_sigterm_still_ends_the_server(ser
 
 
 def test_sigterm_lets_a_request_in_flight_finish(server_factory, tiny_model_dir):
-    server = server_factory(tiny_model_dir)
+    server = server_factory(tiny_model_dir)  # without a token: its log says pushes are refused
+    assert "the control plane is off, so every weight push, sleep and restore is refused" in server.log()
     answers: list[httpx.Response] = []
     poll = threading.Thread(
         target=lambda: answers.append(

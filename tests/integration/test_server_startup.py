@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -81,3 +82,58 @@ def test_unreadable_model_files_are_named_with_mode_owner_and_fix() -> None:
     for needle in (str(model / "config.json"), "-rw-------", "owner uid 0", "(uid 65532", "chmod -R a+rX"):
         assert needle in problem, (needle, problem)
     assert folder.startswith("model files unreadable: ") and f"{model} (mode drwx------" in folder, folder
+
+
+def test_a_checkpoint_folder_without_weights_is_named_with_the_fix(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    for f in tiny_model_dir.iterdir():
+        if not f.name.endswith((".safetensors", ".bin")):
+            shutil.copy(f, tmp_path / f.name)
+    result = _start(str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "has a config.json but no weights" in last and "save_pretrained" in last, last
+
+
+def _unreachable_hub(tmp_path: Path) -> dict[str, str]:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens once this closes: the hub is unreachable
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HOME": str(tmp_path / "hf")}
+    env.pop("HF_HUB_OFFLINE", None)
+    return env
+
+
+def test_a_hub_id_without_network_is_refused_naming_the_ways_out(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "rewardplane.server", "--model", "org/name", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_unreachable_hub(tmp_path),
+    )
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "HF_HUB_OFFLINE=1" in last and "--model" in last and "did not answer" in last, last
+
+
+PROBE = """
+import time
+from rewardplane.server.cli import hub_problem
+start = time.monotonic()
+problem = hub_problem("org/name")
+print(time.monotonic() - start, problem is not None)
+"""
+
+
+def test_the_hub_check_takes_seconds_where_the_hub_client_took_50(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_unreachable_hub(tmp_path),
+    )
+    took, found = done.stdout.split()
+    assert found == "True" and float(took) < 10, done  # the import of the server not counted

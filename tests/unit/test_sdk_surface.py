@@ -236,3 +236,25 @@ def test_a_failed_push_holds_nothing_of_its_group_while_its_exception_lives(
         assert opened and opened[0]() is None
     finally:
         gc.enable()
+
+
+def test_every_scoring_entry_point_returns_raw_scores_by_default() -> None:
+    """One rule for ``normalize`` (docs/sdk.md): raw head outputs unless asked, as RL uses them."""
+    from rewardplane.sdk import integrations
+    from rewardplane.sdk._scorer import AsyncScoringClient
+
+    entry_points = [
+        sdk.RewardClient.score_batch,
+        sdk.RewardClient.score_chats,
+        sdk.AsyncRewardClient.score_batch,
+        sdk.AsyncRewardClient.score_chats,
+        sdk.GenerativeJudge.score_batch,
+        AsyncScoringClient.score_batch,
+        sdk.RewardModelScorer.__init__,
+        sdk.RewardLoop.add_reward_model,
+        sdk.make_reward_rl,
+        integrations.TRLRewardFunction.__init__,
+        integrations.verl_compute_score,
+    ]
+    defaults = {f.__qualname__: inspect.signature(f).parameters["normalize"].default for f in entry_points}
+    assert defaults == dict.fromkeys(defaults, False)

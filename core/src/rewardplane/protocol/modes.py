@@ -18,6 +18,12 @@ class RewardModelTrainingMode(str, Enum):
     """Only the LoRA A/B tensors (plus trained non-LoRA parameters such as the head), applied by the
     server as a LoRA adapter over untouched base weights (``protocol.adapters``)."""
 
+    @classmethod
+    def _missing_(cls, value: object) -> RewardModelTrainingMode:
+        # Enum's own error ("'headonly' is not a valid RewardModelTrainingMode") names no choice
+        modes = ", ".join(m.value for m in cls)
+        raise ValueError(f"training mode {value!r} is not one of {modes}")
+
 
 class PoolingType(str, Enum):
     """How a sequence's hidden states become one vector for the head."""

@@ -109,7 +109,7 @@ def validate_for_mode(
         if backbone:
             raise WeightValidationError(
                 f"head_only got {len(backbone)} backbone parameter(s) (e.g. {backbone[0]!r}); pass only the head "
-                "(rewardplane.protocol.naming.select_head(state_dict)) or push with training_mode=full"
+                "(rewardplane.sdk.select_head(state_dict)) or push with training_mode=full"
             )
         return
     if not backbone:

@@ -192,7 +192,7 @@ class GenerativeJudge:
         scores = await self._judge(self._items(rollouts))
         write_scores(rollouts, scores, self.score_key, self.score_level)
 
-    async def score_batch(self, inputs: Sequence[str], *, normalize: bool = True) -> list[float]:
+    async def score_batch(self, inputs: Sequence[str], *, normalize: bool = False) -> list[float]:
         """Scores of plain texts, in order: each text is one rollout with one step whose action is
         the text (``{text}`` and ``{response}`` are the text, ``{prompt}`` is empty). Lets the judge
         stand in for a scoring client; ``normalize`` is accepted for that and ignored."""

@@ -40,7 +40,7 @@ def make_reward_rl(
     rm_score_key: str = "rm_score",
     score_level: ScoreLevel = "sequence",
     batch_size: int = 64,
-    normalize: bool = True,
+    normalize: bool = False,
     reduce: Reduction | None = None,
 ) -> RewardRL:
     """Plain (non-GRPO) RL on reward-model scores.

@@ -166,7 +166,7 @@ class RewardLoop:
         name: str = "rm",
         text_fn: Callable[[RewardSample], str] = sample_text,
         batch_size: int = 64,
-        normalize: bool = True,
+        normalize: bool = False,
         reduce: Reduction | None = None,
     ) -> None:
         """Add the reward model's score of each sample as a component (batched requests)."""

@@ -26,7 +26,7 @@ class AsyncScoringClient(Protocol):
     """What the scorer and the reward loop need from a client: ``score_batch`` in input order
     (``AsyncRewardClient`` and ``GenerativeJudge`` have it)."""
 
-    async def score_batch(self, inputs: Sequence[str], *, normalize: bool = True) -> list[Score]: ...
+    async def score_batch(self, inputs: Sequence[str], *, normalize: bool = False) -> list[Score]: ...
 
 
 class AsyncStepScoringClient(Protocol):
@@ -134,7 +134,7 @@ class RewardModelScorer:
         *,
         text_fn: Callable[[Rollout], str] = rollout_text,
         step_text_fn: Callable[[Rollout, Step], str] = step_text,
-        normalize: bool = True,
+        normalize: bool = False,
     ) -> None:
         if score_level not in ("sequence", "step", "process"):
             raise ValueError(f"score_level must be 'sequence', 'step' or 'process', got {score_level!r}")

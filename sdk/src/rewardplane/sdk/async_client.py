@@ -116,7 +116,7 @@ class AsyncRewardClient(BaseRewardClient):
         self,
         inputs: Sequence[str],
         *,
-        normalize: bool = True,
+        normalize: bool = False,
         n_labels: int | None = None,
         truncate: bool = False,
     ) -> list[Score]:
@@ -151,7 +151,7 @@ class AsyncRewardClient(BaseRewardClient):
         return sorted(response.data, key=lambda d: d.index)
 
     async def score_chats(
-        self, chats: Sequence[Sequence[Mapping[str, Any]]], *, normalize: bool = True
+        self, chats: Sequence[Sequence[Mapping[str, Any]]], *, normalize: bool = False
     ) -> list[Score]:
         """Scores of chats (lists of ``{"role", "content"}`` messages, the answer last), each
         rendered through the model's chat template by the server: one ``/classify`` request per

@@ -1,12 +1,16 @@
 """``rewardplane status | score | push``: a RewardModel from the command line, without writing Python.
 
-    rewardplane status NAME [-n NS]
+    rewardplane status NAME [-n NS]              rewardplane status --url URL [--url URL ...]
     rewardplane score NAME TEXT... [-n NS] [--raw | --normalize]
-    rewardplane push NAME --from CHECKPOINT --version N [--mode {head_only,lora,full}] [-n NS]
-                     [--timeline PUSH.png]
+    rewardplane score --url URL TEXT... [--normalize]
+    rewardplane push NAME --from CHECKPOINT --version N [--mode MODE] [-n NS] [--timeline PUSH.png]
+    rewardplane push --url URL --from CHECKPOINT --version N [--mode MODE] [--token-file FILE]
 
-Credentials: ``--kubeconfig``, else in-cluster, else ``$KUBECONFIG`` / ``~/.kube/config``. Pushing
-reads the control-plane token from ``REWARDPLANE_TOKEN`` or the model's Secret.
+With NAME, through the cluster: credentials from ``--kubeconfig``, else in-cluster, else
+``$KUBECONFIG`` / ``~/.kube/config``; pushing reads the control-plane token from
+``REWARDPLANE_TOKEN`` or the model's Secret. With ``--url`` (direct mode, no cluster): the servers
+themselves; pushing reads the token from ``--token-file``, ``REWARDPLANE_TOKEN_FILE`` or
+``REWARDPLANE_TOKEN``.
 """
 
 from __future__ import annotations
@@ -18,14 +22,23 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rewardplane.protocol import RewardModelTrainingMode
+from rewardplane.protocol import DEFAULT_GROUP_PORT, RewardModelTrainingMode
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", help="the RewardModel")
-    p.add_argument("-n", "--namespace", default="default")
+def _common(p: argparse.ArgumentParser, name_nargs: str | None = "?") -> None:
+    p.add_argument("name", nargs=name_nargs, help="the RewardModel (leave out with --url)")
+    p.add_argument(
+        "-n", "--namespace", default="default", help="the RewardModel's namespace (default: default)"
+    )
     p.add_argument(
         "--kubeconfig", default=None, help="kubeconfig (default: in-cluster, $KUBECONFIG, ~/.kube/config)"
+    )
+    p.add_argument(
+        "--url",
+        dest="urls",
+        action="append",
+        metavar="URL",
+        help="direct mode, no cluster: a reward server's address, e.g. http://10.0.0.5:8001 (repeat for each)",
     )
 
 
@@ -49,9 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         "text (score, tab, text) and the weights version that scored them.",
     )
     _common(score)
-    score.add_argument("texts", nargs="+", metavar="TEXT")
+    score.add_argument("texts", nargs="*", metavar="TEXT")
     how = score.add_mutually_exclusive_group()
-    how.add_argument("--raw", action="store_true", help="raw head outputs (no sigmoid/softmax)")
+    how.add_argument(
+        "--raw",
+        action="store_true",
+        help="raw head outputs (the default with --url and where the model's spec says so)",
+    )
     how.add_argument("--normalize", action="store_true", help="sigmoid/softmax of the head outputs")
     push = sub.add_parser(
         "push",
@@ -76,7 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     push.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole push (default 600)")
     push.add_argument("--trainer-host", default=None, help="this machine's address as the replicas reach it")
-    push.add_argument("--bucket-bytes", type=int, default=None)
+    push.add_argument(
+        "--bucket-bytes", type=int, default=None, help="bytes per transfer bucket (default 1 GiB)"
+    )
+    push.add_argument(
+        "--token-file",
+        default=None,
+        help="with --url: the servers' control-plane token (else $REWARDPLANE_TOKEN...)",
+    )
+    push.add_argument(
+        "--group-port",
+        type=int,
+        default=DEFAULT_GROUP_PORT,
+        help=f"with --url: the port this machine hosts the push's rendezvous on (default {DEFAULT_GROUP_PORT})",
+    )
     push.add_argument(
         "--timeline",
         type=Path,
@@ -94,9 +124,22 @@ def _handle(args: argparse.Namespace) -> Any:
     return RewardModelHandle(args.name, args.namespace, kubeconfig=args.kubeconfig)
 
 
+def check_target(args: argparse.Namespace) -> None:
+    """Exactly one of NAME (the cluster) and ``--url`` (direct mode)."""
+    if args.urls and args.name is not None and args.command != "score":
+        raise UsageError(f"give the RewardModel's name or --url, not both (got {args.name!r} and --url)")
+    if not args.urls and args.name is None:
+        raise UsageError(
+            f"name the RewardModel (rewardplane {args.command} NAME), or give a server's address without a "
+            f"cluster (rewardplane {args.command} --url http://HOST:8001)"
+        )
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from rewardplane.api.status import RewardModelStatus
 
+    if args.urls:
+        return direct_status(args.urls)
     with _handle(args) as handle:
         rm = handle.get()
         raw = rm.get("status") or {}
@@ -137,23 +180,64 @@ def score_normalize(spec: Mapping[str, Any], raw: bool, normalize: bool) -> bool
     return bool(((spec.get("model") or {}).get("normalize")) or False)
 
 
+def direct_status(urls: list[str]) -> int:
+    """Each server's health, weights version and model (direct mode)."""
+    import httpx
+
+    from .retry import RewardClientError
+
+    for url in urls:
+        try:
+            health = httpx.get(f"{url.rstrip('/')}/health", timeout=10).json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise RewardClientError(
+                f"reward server {url} did not answer /health ({type(exc).__name__}: {exc}); check that it runs, "
+                "listens on an address this machine reaches (--host 0.0.0.0) and that no firewall blocks the port"
+            ) from exc
+        print(
+            f"{url}: {health.get('status')}  state {health.get('state')}  weights version {health.get('version')}"
+            f"  admitted {health.get('admitted')}"
+        )
+    return 0
+
+
 def cmd_score(args: argparse.Namespace) -> int:
     from rewardplane.protocol import ScoringRequest
 
-    empty = [i + 1 for i, t in enumerate(args.texts) if not t.strip()]
+    texts = [args.name, *args.texts] if args.urls and args.name is not None else list(args.texts)
+    target = "--url URL" if args.urls else args.name
+    if not texts:
+        raise UsageError(f'give the text to score, e.g. rewardplane score {target} "a prompt and its answer"')
+    empty = [i + 1 for i, t in enumerate(texts) if not t.strip()]
     if empty:
         raise UsageError(
             f"text {', '.join(map(str, empty))} is empty: give the text to score, e.g. "
-            f'rewardplane score {args.name} "a prompt and its answer"'
+            f'rewardplane score {target} "a prompt and its answer"'
         )
-    with _handle(args) as handle:
-        normalize = score_normalize(handle.get().get("spec") or {}, args.raw, args.normalize)
-        client = handle.client()
-        response, _ = client.score(ScoringRequest(inputs=list(args.texts), normalize=normalize))
-        for text, score in zip(args.texts, response.scores, strict=True):
-            print(f"{json.dumps(score)}\t{text}")
-        print(f"(weights version {response.version})", file=sys.stderr)
+    if args.urls:
+        from .client import RewardClient
+
+        with RewardClient(args.urls) as client:
+            response, _ = client.score(ScoringRequest(inputs=texts, normalize=args.normalize))
+    else:
+        with _handle(args) as handle:
+            normalize = score_normalize(handle.get().get("spec") or {}, args.raw, args.normalize)
+            response, _ = handle.client().score(ScoringRequest(inputs=texts, normalize=normalize))
+    for text, score in zip(texts, response.scores, strict=True):
+        print(f"{json.dumps(score)}\t{text}")
+    print(f"(weights version {response.version})", file=sys.stderr)
     return 0
+
+
+def check_checkpoint(path: Path) -> None:
+    """Before anything is contacted: ``--from`` names a saved checkpoint folder."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {path} is not a folder; pass what save_pretrained() wrote")
+    if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
+        raise FileNotFoundError(
+            f"checkpoint {path} has no config.json (nor adapter_config.json): pass the folder "
+            "save_pretrained() wrote"
+        )
 
 
 def load_checkpoint(path: Path, mode: RewardModelTrainingMode) -> dict[str, Any]:
@@ -162,8 +246,7 @@ def load_checkpoint(path: Path, mode: RewardModelTrainingMode) -> dict[str, Any]
 
     from rewardplane.protocol.naming import select_head
 
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint {path} is not a folder; pass what save_pretrained() wrote")
+    check_checkpoint(path)
     if (path / "adapter_config.json").exists():
         from peft import AutoPeftModelForSequenceClassification
 
@@ -187,6 +270,13 @@ def push_mode(spec: Mapping[str, Any], given: str | None) -> RewardModelTraining
 
 
 def cmd_push(args: argparse.Namespace) -> int:
+    check_checkpoint(args.checkpoint)
+    if args.urls:
+        return direct_push(args)
+    if args.token_file is not None:
+        raise UsageError(
+            "--token-file goes with --url; through the cluster the token comes from the model's Secret"
+        )
     kwargs: dict[str, Any] = {"timeout_s": args.timeout, "trainer_host": args.trainer_host}
     if args.bucket_bytes:
         kwargs["bucket_bytes"] = args.bucket_bytes
@@ -200,6 +290,30 @@ def cmd_push(args: argparse.Namespace) -> int:
         )
         if args.timeline is not None:
             write_timeline(handle, result, args.timeline)
+    return 0
+
+
+def direct_push(args: argparse.Namespace) -> int:
+    """``push --url``: this process hosts the group and pushes into the servers (direct mode)."""
+    import time
+
+    from .direct_sync import WeightPusher
+
+    if args.timeline is not None:
+        raise UsageError(
+            "--timeline reads the operator's WeightSync: use it with a RewardModel's name, not --url"
+        )
+    mode = RewardModelTrainingMode(args.mode or RewardModelTrainingMode.FULL.value)
+    params = load_checkpoint(args.checkpoint, mode)
+    options: dict[str, Any] = {"timeout_s": args.timeout, "trainer_host": args.trainer_host}
+    if args.bucket_bytes:
+        options["bucket_bytes"] = args.bucket_bytes
+    start = time.monotonic()
+    with WeightPusher(args.urls, group_port=args.group_port, token_file=args.token_file, **options) as pusher:
+        version = pusher.push(params, version=args.version, training_mode=mode)
+    print(
+        f"pushed version {version} ({mode.value}) to {len(args.urls)} server(s) in {time.monotonic() - start:.2f}s"
+    )
     return 0
 
 
@@ -233,14 +347,40 @@ def main(argv: list[str] | None = None) -> int:
     """``argv[0]`` is the subcommand (``status``, ``score`` or ``push``)."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        check_target(args)
         return COMMANDS[args.command](args)
     except Exception as exc:  # one clear line, not a traceback, for expected failures
-        from rewardplane.protocol.errors import RewardplaneError
+        message = user_error(exc, args)
+        if message is None:
+            raise
+        print(f"rewardplane {args.command}: {message}", file=sys.stderr)
+        return 1
 
-        if isinstance(exc, (RewardplaneError, UsageError, FileNotFoundError, TimeoutError)):
-            print(f"rewardplane {args.command}: {exc}", file=sys.stderr)
-            return 1
-        raise
+
+def user_error(exc: Exception, args: argparse.Namespace) -> str | None:
+    """The one line for a failure the user can fix (None: a bug, shown with its traceback)."""
+    from rewardplane.protocol.errors import RewardplaneError
+
+    if isinstance(exc, (RewardplaneError, UsageError, FileNotFoundError, TimeoutError, ValueError)):
+        return str(exc)
+    kind = f"{type(exc).__module__}.{type(exc).__name__}"
+    if kind == "kubernetes.config.config_exception.ConfigException":
+        return (
+            f"no cluster credentials ({exc}): set KUBECONFIG or pass --kubeconfig; without a cluster, "
+            f"give the server's address: rewardplane {args.command} --url http://HOST:8001"
+        )
+    if kind.startswith("httpx.") and isinstance(exc, OSError | _httpx_error()):
+        return (
+            f"cannot reach the Kubernetes API server ({type(exc).__name__}: {exc}): check that the cluster "
+            "runs and that KUBECONFIG (or --kubeconfig) points at it; without a cluster, use --url"
+        )
+    return None
+
+
+def _httpx_error() -> type[Exception]:
+    import httpx
+
+    return httpx.HTTPError
 
 
 if __name__ == "__main__":

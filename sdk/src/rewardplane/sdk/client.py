@@ -123,7 +123,7 @@ class RewardClient(BaseRewardClient):
         self,
         inputs: Sequence[str],
         *,
-        normalize: bool = True,
+        normalize: bool = False,
         n_labels: int | None = None,
         truncate: bool = False,
     ) -> list[Score]:
@@ -153,7 +153,7 @@ class RewardClient(BaseRewardClient):
         return sorted(response.data, key=lambda d: d.index)
 
     def score_chats(
-        self, chats: Sequence[Sequence[Mapping[str, Any]]], *, normalize: bool = True
+        self, chats: Sequence[Sequence[Mapping[str, Any]]], *, normalize: bool = False
     ) -> list[Score]:
         """Scores of chats in order (as :meth:`AsyncRewardClient.score_chats`), sent concurrently
         from the client's thread pool."""

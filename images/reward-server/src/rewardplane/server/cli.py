@@ -35,9 +35,9 @@ def create_engine(cfg: ServerConfig, metrics: ServerMetrics) -> RewardEngine:
             VLLMEngine,  # import-guarded: needs the `vllm` extra
         )
 
-        check_model_source(cfg.model)
+        check_model_source(cfg.model, needs_weights=cfg.load_format != "dummy")
         return VLLMEngine(cfg, metrics)
-    check_model_source(cfg.model)
+    check_model_source(cfg.model, needs_weights=cfg.load_format != "dummy")
     if cfg.task == ModelTask.GENERATE:
         from rewardplane.server.engines.hf_generate import HFGenerativeEngine
 
@@ -47,10 +47,39 @@ def create_engine(cfg: ServerConfig, metrics: ServerMetrics) -> RewardEngine:
     return HFEngine(cfg, metrics)
 
 
-def check_model_source(source: str) -> None:
-    problem = model_source_problem(source)
+def check_model_source(source: str, needs_weights: bool = True) -> None:
+    problem = model_source_problem(source, needs_weights) or hub_problem(source)
     if problem is not None:
         raise ValueError(problem)
+
+
+# Weight files transformers and vLLM load (a sharded checkpoint names its shards in an index).
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "*.pt", "*.pth")
+HUB_PROBE_TIMEOUT_S = 5.0
+
+
+def hub_problem(source: str) -> str | None:
+    """Why a hub id cannot be fetched, told within seconds: the hub does not answer and the id is
+    not in the local Hugging Face cache (the hub client retries for about a minute before it
+    says so). None for a local path, an offline hub (``HF_HUB_OFFLINE``), a cached or reachable one."""
+    if Path(source).expanduser().exists():
+        return None
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(source, "config.json"), str):
+        return None
+    import httpx
+
+    try:
+        httpx.head(constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        return (
+            f"model {source!r} is not a local path, so it is a Hugging Face hub id, and the hub at "
+            f"{constants.ENDPOINT} did not answer within {HUB_PROBE_TIMEOUT_S:g}s ({type(exc).__name__}) and "
+            "the id is not in the local Hugging Face cache: pass the checkpoint's folder as --model, "
+            "or set HF_HUB_OFFLINE=1 to load a copy from the cache (HF_HOME)"
+        )
+    return None
 
 
 def build_server_app(cfg: ServerConfig) -> FastAPI:
@@ -58,6 +87,14 @@ def build_server_app(cfg: ServerConfig) -> FastAPI:
     from rewardplane.server.http.model_names import ModelNames
 
     token = resolve_token(cfg.token, cfg.token_file)  # before the model loads: a bad token file fails fast
+    if token is None:
+        logging.getLogger(__name__).warning(
+            "no control-plane token (--token-file, $%s or $%s): the control plane is off, so every "
+            "weight push, sleep and restore is refused (403); scoring is open. Start with --token-file "
+            "to take pushes",
+            settings.TOKEN_FILE.name,
+            settings.TOKEN.name,
+        )
     metrics = ServerMetrics()
     engine = create_engine(cfg, metrics)
     limits = limits_for(cfg.max_items_per_request, engine.info.max_model_len, cfg.max_input_bytes)
@@ -110,7 +147,7 @@ def unreadable_message(path: Path, files: list[Path]) -> str:
     )
 
 
-def model_source_problem(source: str) -> str | None:
+def model_source_problem(source: str, needs_weights: bool = True) -> str | None:
     """Why ``--model`` cannot be loaded, when that is clear before loading anything: a path that
     does not exist, or a folder that is not a checkpoint. (A hub id is left to the loader; without
     this check a missing path shows up as a Hugging Face hub error about an invalid repo id.)"""
@@ -125,6 +162,12 @@ def model_source_problem(source: str) -> str | None:
             return (
                 f"model not found at {source}: the folder has no config.json (not a Hugging Face "
                 "checkpoint); point --model (RewardModel spec.model.source) at the checkpoint folder"
+            )
+        if needs_weights and path.is_dir() and not any(any(path.glob(g)) for g in WEIGHT_FILES):
+            return (
+                f"model at {source} has a config.json but no weights (*.safetensors or pytorch_model*.bin): "
+                "save the whole checkpoint there (model.save_pretrained(folder) writes both), or copy its "
+                "weight files in; --load-format dummy starts on random weights instead"
             )
         return None
     if looks_like_path:

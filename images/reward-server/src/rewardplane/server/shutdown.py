@@ -11,11 +11,13 @@ that needs no GIL, dumps the stacks and exits instead.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -58,10 +60,21 @@ def exit_deadline(seconds: float) -> threading.Timer:
 
 def bounded_shutdown_server(config: uvicorn.Config, graceful_shutdown_s: float) -> uvicorn.Server:
     """A uvicorn server whose first stop signal also arms ``exit_deadline`` (drain time plus
-    ``ENGINE_STOP_ALLOWANCE_S``)."""
+    ``ENGINE_STOP_ALLOWANCE_S``), and that returns normally once it has stopped."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    # uvicorn raises the stop signal again once it has drained, which ends the
+                    # process with 143 (130 and a KeyboardInterrupt traceback for Ctrl-C); a
+                    # drained stop is a clean one: exit 0.
+                    self._captured_signals.clear()
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if not self.should_exit:
                 deadline = graceful_shutdown_s + ENGINE_STOP_ALLOWANCE_S

@@ -16,6 +16,7 @@ from rewardplane.protocol import (
     PushLoaded,
     PushVerdict,
 )
+from rewardplane.server.threads import run_in_daemon_thread
 from rewardplane.server.weight_sync.control_state import ControlPlaneState, DataPush, _merge, _outcome
 from rewardplane.server.weight_sync.data_push import PushListener
 from rewardplane.server.weight_sync.push_channel import ChannelHub
@@ -38,13 +39,18 @@ class DataPlanePushes(ControlPlaneState):
                 channel.close()
                 return
             ranks = [req.rank_offset + i for i in range(len(listening))]
-            await asyncio.to_thread(channel.accept, ranks, CHANNEL_CONNECT_TIMEOUT_S)
+            # Daemon threads, not asyncio's executor (joined at exit): the trainer's store may
+            # accept and never answer (a trainer stopped in a debugger), and a stopping server must
+            # not wait out the store's timeout for it.
+            await run_in_daemon_thread(
+                channel.accept, ranks, CHANNEL_CONNECT_TIMEOUT_S, name="rp-channel-accept"
+            )
             group = (req.host, req.port, group_id, req.timeout_s)
             loop = asyncio.get_running_loop()
-            listener = await asyncio.to_thread(
-                PushListener, self, loop, group, req.rank_offset, ranks, channel
+            listener = await run_in_daemon_thread(
+                PushListener, self, loop, group, req.rank_offset, ranks, channel, name="rp-push-store"
             )
-            await asyncio.to_thread(listener.start)
+            await run_in_daemon_thread(listener.start, name="rp-push-listen")
             self._listener = listener
         except Exception as exc:
             channel.close()  # the workers' listeners end: pushes go over HTTP
