@@ -50,7 +50,8 @@ from rewardplane.protocol import (
 )
 from rewardplane.server.errors import BadRequest
 from rewardplane.server.http.inputs import check_items, check_token_ids, render_chat
-from rewardplane.server.http.routes import OPENAI_SCORING_ERRORS, SCORING_ERRORS, JSONRoute
+from rewardplane.server.http.json_route import JSONRoute
+from rewardplane.server.http.routes import OPENAI_SCORING_ERRORS, SCORING_ERRORS
 from rewardplane.server.http.scoring import activation, to_score
 from rewardplane.server.http.service import ScoringService
 
