@@ -109,6 +109,17 @@ def test_a_control_body_over_its_route_cap_is_413_naming_the_cap(server: ServerH
     assert "/sleep" in message and "at most" in message, message
 
 
+def test_an_announce_within_its_byte_cap_but_of_many_arrays_is_400(server: ServerHandle) -> None:
+    """90 KB of empty arrays: within the announce's bytes for this model, but costly to parse, so
+    the parsing helper counts its arrays off the event loop and refuses it before validation."""
+    body = json.dumps({"metadata": [[]] * 30_000}, separators=(",", ":")).encode()
+    # the first such body starts the helper process (a Python start: seconds on a loaded machine)
+    r = httpx.post(f"{server.url}/update_param_batch", content=body, headers={**JSON, **AUTH}, timeout=60)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]
+    assert "JSON arrays and objects" in message and "/update_param_batch" in message, message
+
+
 # Each control route's body with one field misspelled (or unknown): a typo must not be ignored.
 TYPOS = {
     "/init_communicator": {"host": "127.0.0.1", "port": 29500, "world_size": 2, "timeout": 5},
