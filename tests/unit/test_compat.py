@@ -47,6 +47,13 @@ def test_other_names_are_refused_naming_what_is_served(name: str) -> None:
     assert "spec.model.aliases" in problem and "--model-alias" in problem
 
 
+@pytest.mark.parametrize("source", ["models/rm", "./models/rm", "models/rm/"])
+@pytest.mark.parametrize("name", ["models/rm", "./models/rm", "./models/rm/", "models/rm/", ".//models/rm"])
+def test_a_relative_path_names_the_same_model_with_or_without_dot_slash(source: str, name: str) -> None:
+    assert ModelNames.of("rm", source).problem(name) is None
+    assert ModelNames.of("rm", source).problem("./models/other") is not None
+
+
 def test_listed_names_are_served_name_then_aliases() -> None:
     assert ModelNames.of("a", "/p", ["b", "a", "", "b"]).listed() == ["a", "b"]
 

@@ -73,6 +73,17 @@ RULES: list[tuple[str, re.Pattern[str], bool]] = [
     ),
     ("lease of a machine", re.compile(r"\blease\s+\d+\b", re.I), False),
     ("to-do list", re.compile(r"\bto-do\b|\btodo\s+lists?\b|\bwhat is waiting\b", re.I), False),
+    # run stories: what became of a run, and what the code does differently since
+    (
+        "story of a run",
+        re.compile(r"\b(?:in|on|of|from|for|by|since|than)\s+that\s+run\b|\b(?-i:That)\s+run\b", re.I),
+        False,
+    ),
+    ("story of a run", re.compile(r"\bnow\s+prints?\b", re.I), False),
+    ("story of a run", re.compile(r"\bmoved\s+from\b", re.I), False),
+    # in prose only: code says a bounded wait "ran out" and a place was "taken back"
+    ("story of a run", re.compile(r"\bran\s+out\b", re.I), True),
+    ("story of a run", re.compile(r"\btaken\s+back\b", re.I), True),
     ("history heading", re.compile(r"^\s{0,3}#{1,6}\s.*\b(?:latest|earlier|previous|history)\b", re.I), True),
     ("history heading", re.compile(r"\*\*(?:latest|earlier|previous)\b", re.I), True),
 ]
@@ -156,6 +167,12 @@ def test_result_files_are_named_by_benchmark_date_and_commit() -> None:
         ("| 2 | the defaults | lease 2 |", "lease of a machine"),
         ("The to-do list below.", "to-do list"),
         ("measured by the testers", "testers"),
+        ("That run stored only the largest gap.", "story of a run"),
+        ("the gap to raw in that run", "story of a run"),
+        ("the benchmark now prints each gap", "story of a run"),
+        ("vllm serve moved from 0.992 to 0.938", "story of a run"),
+        ("the device time ran out before it", "story of a run"),
+        ("the machine was taken back during its 6.6B phase", "story of a run"),
     ],
 )
 def test_the_checker_flags_history_wording(text: str, rule: str) -> None:
@@ -180,6 +197,8 @@ def test_the_checker_flags_history_wording(text: str, rule: str) -> None:
         "the latest value per name; generate_latest(registry)",
         "restore_plan returns what to do: todo.from_disk",
         "a baseline measured in the same run",
+        "tests that run against a real API server",
+        "the engines that run the model",
     ],
 )
 def test_the_checker_leaves_technical_wording_alone(text: str) -> None:
@@ -190,6 +209,27 @@ def test_the_checker_leaves_technical_wording_alone(text: str) -> None:
 def test_headings_are_checked_in_markdown_only() -> None:
     assert check_text("merged = {**previous, **patch}  # latest", "sample.py") == []
     assert check_text("# Latest figures", "sample.md") != []
+
+
+def _cited_results() -> set[str]:
+    """Result files the docs name (``results/<file>.json``; ``{a,b}`` spells several)."""
+    cited: set[str] = set()
+    for path in [ROOT / "README.md", ROOT / "benchmarks/README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for match in re.finditer(r"results/([A-Za-z0-9._{},-]+\.json)", path.read_text(encoding="utf-8")):
+            name = match[1]
+            brace = re.search(r"\{([^}]*)\}", name)
+            options = brace[1].split(",") if brace else [""]
+            cited |= {name.replace(brace[0], o) if brace else name for o in options}
+    return cited
+
+
+def test_every_result_file_is_cited_and_every_cited_file_exists() -> None:
+    """CONTRIBUTING: a result file no current table cites is deleted; a table cites no file that
+    is not there."""
+    files = {p.name for p in (ROOT / RESULTS_DIR).iterdir() if p.is_file()}
+    cited = _cited_results()
+    assert not files - cited, f"result files no doc cites (delete them): {sorted(files - cited)}"
+    assert not cited - files, f"result files cited but not in {RESULTS_DIR}: {sorted(cited - files)}"
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ replica's weight sync (not its scoring) until it forms or is given up:
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 # The ``detail.code`` of a join refused (409) because a weight update is running: a caller that then
 # finds no update running asks again at once (the update ended between the two calls).
@@ -42,6 +42,8 @@ class CancelledJoin(BaseModel):
 class CloseCommunicatorRequest(BaseModel):
     """Body of ``POST /close_communicator`` (optional: no body, or no ``group_id``, closes whatever
     group the server is in or joining)."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is a 422, not a default
 
     group_id: str | None = Field(
         default=None,

@@ -338,6 +338,8 @@ class InitCommunicatorRequest(BaseModel):
     ``senders`` ranks take the last ranks (sender i is rank ``world_size - senders + i``); this
     server's workers take ranks ``rank_offset .. rank_offset + world_size_local - 1``."""
 
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is a 422, not a default
+
     host: str
     port: StrictInt = Field(ge=1, le=65535)
     world_size: StrictInt = Field(ge=2)
@@ -399,6 +401,8 @@ class UpdateParamBatchRequest(BaseModel):
 
     ``layout_id`` without ``metadata`` refers to a layout this server validated before (409 if it
     does not know it: announce the metadata again)."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is a 422, not a default
 
     metadata: list[ParamMeta] = Field(default_factory=list)
     layout_id: str | None = Field(
@@ -477,6 +481,8 @@ class BackgroundTasksResponse(BaseModel):
 class RestoreWeightsRequest(BaseModel):
     """Ask a restarted replica to load the weights it saved for ``version`` (the operator sends it)."""
 
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is a 422, not a default
+
     version: StrictInt = Field(ge=1)
     timeout_s: StrictFloat = Field(default=300.0, gt=0)
 
@@ -503,6 +509,8 @@ class SendWeightsRequest(BaseModel):
     ``world_size``; the receivers join it with ``/init_communicator`` (host: the sender) and
     accept a full push of the sender's parameter manifest with ``/update_param_batch``.
     """
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is a 422, not a default
 
     port: int = Field(ge=1, le=65535)
     world_size: int = Field(ge=2)

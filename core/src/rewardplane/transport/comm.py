@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -70,24 +71,49 @@ def resolve_backend(backend: Backend, device: torch.device) -> Literal["nccl", "
     return backend
 
 
+def first_line(exc: BaseException) -> str:
+    """An error's message without the C++ frames torch appends to c10d's ("Exception raised
+    from ...", "frame #0: ..."): what went wrong, on one line."""
+    text = str(exc).split("\nException raised from", 1)[0]
+    return " ".join(text.split()) or type(exc).__name__
+
+
+def _wait_reachable(host: str, port: int, timeout_s: float) -> None:
+    """Connect to the rendezvous until it accepts or ``timeout_s`` passes. Only then does c10d try:
+    its client logs each failed attempt, with about 20 lines of C++ frames, straight to stderr."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            socket.create_connection((host, port), timeout=max(0.05, min(1.0, left))).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"nothing accepted a connection there ({exc})") from exc
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
 def create_store(
     host: str, port: int, *, is_master: bool, world_size: int | None, timeout_s: float
 ) -> dist.TCPStore:
     """A TCPStore; ``world_size`` None when the host does not know yet how many will join."""
     try:
+        if not is_master:
+            _wait_reachable(host, port, timeout_s)
         return dist.TCPStore(
             host,
             port,
             world_size=world_size,
             is_master=is_master,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=timeout_s),  # also the bound of every later wait on the store
             wait_for_workers=False,
         )
     except Exception as exc:  # the C++ errors say little; say what to check
+        log.debug("the store at %s:%d failed", host, port, exc_info=True)
         role = "host the rendezvous on" if is_master else "reach the trainer's rendezvous at"
         raise CommunicatorError(
-            f"could not {role} {host}:{port} within {timeout_s:.0f}s ({exc}); check that the address is "
-            "reachable from every server, the port is free on the trainer, and no firewall blocks it"
+            f"could not {role} {host}:{port} within {timeout_s:.0f}s ({first_line(exc)}); check that the "
+            "address is reachable from every server, the port is free on the trainer, and no firewall blocks it"
         ) from exc
 
 

@@ -164,35 +164,62 @@ def receive_buckets(
     ``place`` (loading only): where to receive a tensor in place, skipping ``load``.
     """
     metas = list(metadata)
+    receiver = _BucketReceiver(
+        comm,
+        metas,
+        src,
+        load,
+        out if out is not None else Received(),
+        place if load is not None else None,  # staging never writes in place
+    )
     plan = plan if plan is not None else plan_buckets(metas, bucket_bytes)
-    device = comm.device
-    out = out if out is not None else Received()
-    place = place if load is not None else None  # staging never writes in place
+    if load is None or comm.device.type != "cuda":
+        return _receive_in_turn(receiver, plan)
+    return _receive_pipelined(receiver, plan)
 
-    def post(bucket: Bucket, buffer: Callable[[], torch.Tensor]) -> Bucket:
+
+@dataclass
+class _BucketReceiver:
+    """One receive's copy: where each bucket's bytes land (in place, in the bucket buffer, or
+    received contiguous and copied into a strided piece), and loading what landed in the buffer."""
+
+    comm: Communicator
+    metas: list[ParamMeta]
+    src: int
+    load: Loader | None
+    out: Received
+    place: Placer | None
+
+    def _landing(self, meta: ParamMeta, nbytes: int) -> torch.Tensor | None:
+        """The tensor's own bytes where it can be received in place, else None (the bucket buffer)."""
+        target = self.place(meta) if self.place is not None else None
+        if (  # only an exact fit: a cast or a reshape is the loader's, a wrong buffer corrupts
+            target is not None
+            and target.is_contiguous()
+            and target.dtype == torch_dtype(meta.dtype)
+            and tuple(target.shape) == tuple(meta.shape)
+            and target.device == self.comm.device
+        ):
+            self.out.in_place_bytes += nbytes
+            return target.view(-1).view(torch.uint8)
+        return None
+
+    def post(self, bucket: Bucket, buffer: Callable[[], torch.Tensor]) -> Bucket:
         """Post the bucket's receive (on the current stream); returns what of it lands in the
         bucket buffer (``buffer()``, asked for only when something does)."""
+        device, out = self.comm.device, self.out
         targets: list[torch.Tensor] = []
         roots: list[int] = []
         scattered: list[tuple[torch.Tensor, torch.Tensor]] = []  # (piece received, its place)
         left = []
         for slot in bucket.slots:
-            meta = metas[slot.index]
-            target = place(meta) if place is not None else None
-            if (  # only an exact fit: a cast or a reshape is the loader's, a wrong buffer corrupts
-                target is not None
-                and target.is_contiguous()
-                and target.dtype == torch_dtype(meta.dtype)
-                and tuple(target.shape) == tuple(meta.shape)
-                and target.device == device
-            ):
-                whole = target.view(-1).view(torch.uint8)
-                out.in_place_bytes += slot.nbytes
-            else:
+            meta = self.metas[slot.index]
+            whole = self._landing(meta, slot.nbytes)
+            if whole is None:
                 whole = buffer()[slot.offset : slot.offset + slot.nbytes]
                 left.append(slot)
             for owner, piece, nbytes in meta.wire_parts():
-                roots.append(src + owner)
+                roots.append(self.src + owner)
                 if piece is None:
                     targets.append(whole)
                     continue
@@ -209,7 +236,7 @@ def receive_buckets(
             bucket = bucket.model_copy(update={"slots": tuple(left)})
         if out.posting_at is None:
             out.posting_at = time.monotonic()
-        comm.broadcast_group(targets, roots)
+        self.comm.broadcast_group(targets, roots)
         for received, dst in scattered:  # stream-ordered after the receive (gloo: it is done)
             dst.copy_(received.view(dst.dtype).view(dst.shape))
         out.bytes += bucket.nbytes
@@ -217,52 +244,52 @@ def receive_buckets(
             out.posted_at = time.monotonic()
         return bucket
 
-    def apply(bucket: Bucket, buf: torch.Tensor) -> None:
-        if out.error is not None or load is None:
+    def apply(self, bucket: Bucket, buf: torch.Tensor) -> None:
+        """Load what landed in the bucket buffer; a failure is kept, and the receive goes on."""
+        if self.out.error is not None or self.load is None:
             return
-        out.applied_any = True
+        self.out.applied_any = True
         try:
-            load(list(unpack_bucket(bucket, metas, buf)))
+            self.load(list(unpack_bucket(bucket, self.metas, buf)))
         except Exception as exc:  # keep receiving; the caller reports it in the status reduction
-            out.error = f"loading parameters failed: {type(exc).__name__}: {exc}"
+            self.out.error = f"loading parameters failed: {type(exc).__name__}: {exc}"
 
-    if load is None or device.type != "cuda":
-        # staging on CUDA runs on the transfer stream: scoring kernels (an atomic update keeps
-        # serving) must never queue behind a receive that waits for the trainer
-        side = torch.cuda.stream(_streams(device)[0]) if device.type == "cuda" else contextlib.nullcontext()
-        with side:
-            reuse: torch.Tensor | None = None
-            for bucket in plan:
-                if load is None or reuse is None or reuse.numel() < bucket.nbytes:
-                    reuse = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-                buf = reuse[: bucket.nbytes]
-                rest = post(bucket, functools.partial(_same, buf))
-                if load is None:
-                    out.staged.append((bucket, buf))
-                elif rest.slots:
-                    apply(rest, buf)
-            comm.synchronize()
-        return out
 
+def _receive_in_turn(rx: _BucketReceiver, plan: list[Bucket]) -> Received:
+    """Staging (every bucket kept in ``out.staged``), or loading on CPU: one bucket after the other."""
+    device = rx.comm.device
+    # staging on CUDA runs on the transfer stream: scoring kernels (an atomic update keeps
+    # serving) must never queue behind a receive that waits for the trainer
+    side = torch.cuda.stream(_streams(device)[0]) if device.type == "cuda" else contextlib.nullcontext()
+    with side:
+        reuse: torch.Tensor | None = None
+        for bucket in plan:
+            if rx.load is None or reuse is None or reuse.numel() < bucket.nbytes:
+                reuse = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+            buf = reuse[: bucket.nbytes]
+            rest = rx.post(bucket, functools.partial(_same, buf))
+            if rx.load is None:
+                rx.out.staged.append((bucket, buf))
+            elif rest.slots:
+                rx.apply(rest, buf)
+        rx.comm.synchronize()
+    return rx.out
+
+
+def _receive_pipelined(rx: _BucketReceiver, plan: list[Bucket]) -> Received:
+    """Loading on CUDA: bucket k+1 arrives on the transfer stream while bucket k loads on the load
+    stream, through two buffers; the CPU waits (bounded, ``comm.wait_event``) when it runs more
+    than ``RECEIVE_LOOKAHEAD`` buckets ahead, so a dead trainer is noticed within one bucket."""
+    device, comm = rx.comm.device, rx.comm
     caller = torch.cuda.current_stream(device)
     main, load_stream = _streams(device)  # a wedged transfer must not block the stream scoring uses
     main.wait_stream(caller)
     load_stream.wait_stream(caller)
-    largest = max(b.nbytes for b in plan)
-    # two bucket buffers, made when first needed: with the per-tensor wire, once every tensor is
-    # received in place, none is (a fresh 1 GiB allocation can cost a cudaMalloc on the critical path)
-    bufs: list[torch.Tensor | None] = [None] * min(2, len(plan))
-    loaded: list[torch.cuda.Event | None] = [None] * len(bufs)
+    buffers = _BucketBuffers(max(b.nbytes for b in plan), min(2, len(plan)), device)
+    loaded: list[torch.cuda.Event | None] = [None] * buffers.count
     history: list[torch.cuda.Event] = []
-
-    def buffer(i: int, nbytes: int) -> torch.Tensor:
-        made = bufs[i]
-        if made is None:
-            made = bufs[i] = torch.empty(largest, dtype=torch.uint8, device=device)
-        return made[:nbytes]
-
     for k, bucket in enumerate(plan):
-        i = k % len(bufs)
+        i = k % buffers.count
         if k >= RECEIVE_LOOKAHEAD:
             # the CPU stays a few buckets ahead, no more: each bucket is bounded by the timeout
             # (a dead trainer is noticed within it), not only the whole transfer
@@ -271,13 +298,13 @@ def receive_buckets(
             reused = loaded[i]
             if reused is not None:
                 main.wait_event(reused)  # the buffer's previous bucket is loaded: on the GPU, not here
-            rest = post(bucket, functools.partial(buffer, i, bucket.nbytes))
+            rest = rx.post(bucket, functools.partial(buffers.get, i, bucket.nbytes))
             arrived = torch.cuda.Event()
             arrived.record(main)
         if rest.slots:
             with torch.cuda.stream(load_stream):
                 load_stream.wait_event(arrived)
-                apply(rest, buffer(i, bucket.nbytes))  # enqueues the copies out of it on this stream
+                rx.apply(rest, buffers.get(i, bucket.nbytes))  # enqueues the copies out of it on this stream
                 done = torch.cuda.Event()
                 done.record(load_stream)
         else:  # everything landed in place: nothing to load, the buffer is free once it arrived
@@ -288,4 +315,20 @@ def receive_buckets(
         main.wait_stream(load_stream)
         comm.synchronize()  # bounded: a dead trainer is noticed here, and the group aborted
     caller.wait_stream(main)
-    return out
+    return rx.out
+
+
+class _BucketBuffers:
+    """``count`` bucket buffers of ``largest`` bytes, made when first needed: with the per-tensor
+    wire, once every tensor is received in place, none is (a fresh 1 GiB allocation can cost a
+    cudaMalloc on the critical path)."""
+
+    def __init__(self, largest: int, count: int, device: torch.device) -> None:
+        self.largest, self.count, self.device = largest, count, device
+        self._made: list[torch.Tensor | None] = [None] * count
+
+    def get(self, i: int, nbytes: int) -> torch.Tensor:
+        made = self._made[i]
+        if made is None:
+            made = self._made[i] = torch.empty(self.largest, dtype=torch.uint8, device=self.device)
+        return made[:nbytes]

@@ -50,6 +50,8 @@ UNMATCHED = "<unmatched>"  # the endpoint label of requests to paths the server 
 def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors()[:10]:
+        if err.get("type") == "json_invalid":  # json_route.not_json's message says where it breaks
+            return f"invalid request: {err.get('ctx', {}).get('error') or err.get('msg')}"
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         parts.append(f"{loc or 'body'}: {err.get('msg')}")
     more = len(exc.errors()) - len(parts)
@@ -144,7 +146,7 @@ def build_app(
     app = FastAPI(title="rewardplane reward server", lifespan=lifespan)
     app.state.limits = limits  # checked on the parsed body before validation (body_parse.check_body_shape)
     app.state.body_parser = BodyParser()
-    app.state.metrics = metrics  # the parse stage's timing (routes._JSONRequest)
+    app.state.metrics = metrics  # the parse stage's timing (json_route.JSONRequest)
 
     @app.exception_handler(ServerError)
     async def _server_error(request: Request, exc: ServerError) -> JSONResponse:

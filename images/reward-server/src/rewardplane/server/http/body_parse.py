@@ -7,9 +7,10 @@ thread stalled a 1 ms sleep on the main thread for 290 ms. So:
 - a body whose parse is cheap (small, or with few arrays, objects and commas, counted in C on the
   raw bytes: ~1 ms per MB) is parsed on the loop, as before;
 - any other body is parsed first by a helper process (``python -m rewardplane.server.http.body_parse``,
-  started on first need, one body at a time) that applies the limits a request must meet
-  (``check_body_shape``) and answers the 400's message or nothing. Only a body that passes is parsed
-  on the loop, and its cost is bounded by the server's limits (inputs, tokens, arrays and objects).
+  started on first need, one body at a time) that applies the rules of its route (``BodyRules``:
+  scoring's limits, ``check_body_shape``, and a cap on JSON arrays and objects) and answers the
+  400's message or nothing. Only a body that passes is parsed on the loop, and its cost is bounded
+  by those rules.
 
 If the helper cannot run, bodies are parsed on the loop as before (logged once)."""
 
@@ -19,6 +20,7 @@ import asyncio
 import logging
 import struct
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import pydantic_core
@@ -36,14 +38,38 @@ LARGE_BODY_BYTES = 4 * 1024 * 1024
 LOOP_PARSE_COST = 100_000
 # How long the helper may take for one body (a 4 MiB body parses in well under a second).
 HELPER_TIMEOUT_S = 30.0
-_HEADER = struct.Struct("!QQQQ")  # max_items, max_tokens, max_input_bytes, body length
-_REPLY = struct.Struct("!I")
+# scoring's limits apply (0/1), max_items, max_tokens, max_input_bytes, max_containers, body length
+_HEADER = struct.Struct("!BQQQQQ")
+_REPLY = struct.Struct("!BI")  # what was wrong (_FITS, _SHAPE, _CONTAINERS), the message's length
+_FITS, _SHAPE, _CONTAINERS = 0, 1, 2
 
 
 def container_budget(limits: Limits) -> int:
     """The arrays and objects a request within the limits can need, generously: a few per input
     (a token-id list, a chat message and its parts) and per token (a message per token at most)."""
     return 4 * (limits.max_items + limits.max_tokens) + 1024
+
+
+@dataclass(frozen=True)
+class BodyRules:
+    """What a route's JSON body must meet before it is parsed on the loop: scoring's ``limits``
+    (None on the control plane), at most ``max_containers`` arrays and objects, and the message of
+    the 400 for a body over that cap."""
+
+    limits: Limits | None
+    max_containers: int
+    too_many: str
+
+    @classmethod
+    def scoring(cls, limits: Limits) -> BodyRules:
+        budget = container_budget(limits)
+        return cls(
+            limits,
+            budget,
+            f"the request body holds more than {budget} JSON arrays and objects; a request this server takes "
+            f"needs fewer (it takes at most {limits.max_items} inputs of at most {limits.max_tokens} tokens: "
+            "--max-items-per-request, --max-model-len): send fewer or smaller inputs, and no other arrays",
+        )
 
 
 def check_body_shape(body: Any, limits: Limits) -> None:
@@ -81,25 +107,22 @@ def _count_containers(body: Any, stop_at: int) -> int:
     return n
 
 
-def body_problem(raw: bytes, limits: Limits) -> str | None:
-    """What the helper decides: the 400's message for a body over the limits, else None (a body
-    that is not JSON included: the loop's parse answers it, with FastAPI's 422)."""
+def body_problem(raw: bytes, limits: Limits | None, max_containers: int) -> tuple[int, str]:
+    """What the helper decides: ``(_SHAPE, message)`` for a body over scoring's limits,
+    ``(_CONTAINERS, "")`` for one over the cap on arrays and objects, else ``(_FITS, "")`` (a body
+    that is not JSON included: the loop's parse answers it, with its 422)."""
     try:
         body = pydantic_core.from_json(raw)
     except ValueError:
-        return None
-    try:
-        check_body_shape(body, limits)
-    except BadRequest as exc:
-        return exc.message
-    budget = container_budget(limits)
-    if _count_containers(body, budget) > budget:
-        return (
-            f"the request body holds more than {budget} JSON arrays and objects; a request this server takes "
-            f"needs fewer (it takes at most {limits.max_items} inputs of at most {limits.max_tokens} tokens: "
-            "--max-items-per-request, --max-model-len): send fewer or smaller inputs, and no other arrays"
-        )
-    return None
+        return _FITS, ""
+    if limits is not None:
+        try:
+            check_body_shape(body, limits)
+        except BadRequest as exc:
+            return _SHAPE, exc.message
+    if _count_containers(body, max_containers) > max_containers:
+        return _CONTAINERS, ""
+    return _FITS, ""
 
 
 def _parse_cost(raw: bytes) -> int:
@@ -117,14 +140,10 @@ class BodyParser:
         self._lock = asyncio.Lock()
         self._broken = False
 
-    async def parse(self, raw: bytes, limits: Limits | None) -> Any:
-        if limits is not None and self._costly(raw):
-            problem = await self._ask(raw, limits)
-            if problem:
-                raise BadRequest(problem)
+    async def parse(self, raw: bytes, rules: BodyRules) -> Any:
+        counted = self._costly(raw) and await self._ask(raw, rules)
         body = pydantic_core.from_json(raw)  # ValueError: the caller answers FastAPI's 422
-        if limits is not None:
-            check_body_shape(body, limits)
+        check_parsed(body, rules, count=not counted)
         return body
 
     def _costly(self, raw: bytes) -> bool:
@@ -132,18 +151,28 @@ class BodyParser:
             return False
         return len(raw) > LARGE_BODY_BYTES or _parse_cost(raw) > LOOP_PARSE_COST
 
-    async def _ask(self, raw: bytes, limits: Limits) -> str | None:
+    async def _ask(self, raw: bytes, rules: BodyRules) -> bool:
+        """``BadRequest`` if the helper finds the body breaks ``rules``; False if no helper could
+        tell (the rules are then checked on the loop)."""
+        limits = rules.limits or Limits(0, 0, 0)
         async with self._lock:  # one body at a time: a flood queues here, not on the loop
             for attempt in (1, 2):
                 try:
                     proc = await self._helper()
                     assert proc.stdin is not None and proc.stdout is not None
                     proc.stdin.write(
-                        _HEADER.pack(limits.max_items, limits.max_tokens, limits.max_input_bytes, len(raw))
+                        _HEADER.pack(
+                            rules.limits is not None,
+                            limits.max_items,
+                            limits.max_tokens,
+                            limits.max_input_bytes,
+                            rules.max_containers,
+                            len(raw),
+                        )
                     )
                     proc.stdin.write(raw)
                     # a wedged helper is replaced, like a dead one
-                    return await asyncio.wait_for(_answer(proc), HELPER_TIMEOUT_S)
+                    verdict, message = await asyncio.wait_for(_answer(proc), HELPER_TIMEOUT_S)
                 except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
                     self._stop_helper()
                     if attempt == 2:
@@ -151,7 +180,11 @@ class BodyParser:
                         log.error(
                             "the body-parsing helper failed (%s); large bodies are parsed on the loop", exc
                         )
-        return None
+                    continue
+                if verdict != _FITS:
+                    raise BadRequest(message if verdict == _SHAPE else rules.too_many)
+                return True
+        return False
 
     async def _helper(self) -> asyncio.subprocess.Process:
         if self._proc is None or self._proc.returncode is not None:
@@ -177,25 +210,35 @@ class BodyParser:
             await proc.wait()
 
 
-async def _answer(proc: asyncio.subprocess.Process) -> str | None:
+def check_parsed(body: Any, rules: BodyRules, *, count: bool = True) -> None:
+    """The rules, on a body parsed on the loop (cheap: counting stops at the cap); ``count``
+    False where the helper counted already."""
+    if rules.limits is not None:
+        check_body_shape(body, rules.limits)
+    if count and _count_containers(body, rules.max_containers) > rules.max_containers:
+        raise BadRequest(rules.too_many)
+
+
+async def _answer(proc: asyncio.subprocess.Process) -> tuple[int, str]:
     assert proc.stdin is not None and proc.stdout is not None
     await proc.stdin.drain()
-    (size,) = _REPLY.unpack(await proc.stdout.readexactly(_REPLY.size))
-    return (await proc.stdout.readexactly(size)).decode() if size else None
+    verdict, size = _REPLY.unpack(await proc.stdout.readexactly(_REPLY.size))
+    return verdict, (await proc.stdout.readexactly(size)).decode() if size else ""
 
 
 def _serve() -> None:
-    """The helper: read (limits, body) from stdin, answer the problem's message (empty: none)."""
+    """The helper: read (rules, body) from stdin, answer the verdict and its message."""
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while True:
         header = stdin.read(_HEADER.size)
         if len(header) < _HEADER.size:
             return  # the server closed the pipe
-        max_items, max_tokens, max_input_bytes, size = _HEADER.unpack(header)
+        scoring, max_items, max_tokens, max_input_bytes, max_containers, size = _HEADER.unpack(header)
         raw = stdin.read(size)
-        problem = body_problem(raw, Limits(max_items, max_tokens, max_input_bytes)) or ""
+        limits = Limits(max_items, max_tokens, max_input_bytes) if scoring else None
+        verdict, problem = body_problem(raw, limits, max_containers)
         reply = problem.encode()
-        stdout.write(_REPLY.pack(len(reply)) + reply)
+        stdout.write(_REPLY.pack(verdict, len(reply)) + reply)
         stdout.flush()
 
 

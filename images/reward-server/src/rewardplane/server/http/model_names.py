@@ -16,10 +16,16 @@ from dataclasses import dataclass
 GENERIC_NAME = "reward-model"
 
 
+def _plain(name: str) -> str:
+    """A path's plain spelling: ``./models/rm/`` and ``models/rm`` name the same checkpoint."""
+    while name.startswith("./"):
+        name = name[2:].lstrip("/")
+    return name.rstrip("/")
+
+
 def _variants(name: str) -> set[str]:
-    # A path given with or without its trailing slash names the same checkpoint.
-    stripped = name.rstrip("/")
-    return {name, stripped} if stripped else {name}
+    plain = _plain(name)
+    return {name, plain} if plain else {name}
 
 
 @dataclass(frozen=True)
@@ -56,7 +62,7 @@ class ModelNames:
 
     def problem(self, name: str | None) -> str | None:
         """None if ``name`` is served here, else the message of the 400."""
-        if not name or name in self.accepted or name.rstrip("/") in self.accepted:
+        if not name or name in self.accepted or _plain(name) in self.accepted:
             return None
         shown = [self.served, *([self.source] if self.source else []), *self.aliases]
         return (

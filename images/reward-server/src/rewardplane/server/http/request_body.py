@@ -88,20 +88,25 @@ class BodyLimitMiddleware:
             turn.release()
 
     def _counted(self, receive: Receive) -> Receive:
-        seen = 0
+        return capped_receive(receive, self.max_bytes, self._message(f"more than {self.max_bytes}"))
 
-        async def counted_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    # An HTTPException reaches the app's handler as it is (FastAPI turns other
-                    # errors while reading the body into a 400).
-                    raise HTTPException(413, self._message(f"more than {self.max_bytes}"))
-            return message
 
-        return counted_receive
+def capped_receive(receive: Receive, max_bytes: int, message: str) -> Receive:
+    """``receive``, refusing (413, ``message``) a body that streams in past ``max_bytes``."""
+    seen = 0
+
+    async def counted_receive() -> Message:
+        nonlocal seen
+        message_in = await receive()
+        if message_in["type"] == "http.request":
+            seen += len(message_in.get("body", b""))
+            if seen > max_bytes:
+                # An HTTPException reaches the app's handler as it is (FastAPI turns other
+                # errors while reading the body into a 400).
+                raise HTTPException(413, message)
+        return message_in
+
+    return counted_receive
 
 
 class _Turn:

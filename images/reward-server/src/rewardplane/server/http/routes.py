@@ -1,25 +1,21 @@
 """The server's endpoints, as routers ``app.build_app`` includes: scoring (open), the weight-sync
-control plane and persistence (both behind the bearer token, a router dependency).
+control plane, persistence, admission and sleep (behind the bearer token, checked by their route
+class before the body is read: ``control_route``).
 
 Each route lists the error answers it really gives (``errors(...)``), so the OpenAPI document is a
 contract clients and conformance checks can rely on; every error body is ``ErrorResponse``."""
 
 from __future__ import annotations
 
-import hmac
-import json
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
-import pydantic_core
-from fastapi import APIRouter, Body, Depends, HTTPException, Query, Request, Response
-from fastapi.routing import APIRoute
+from fastapi import APIRouter, Body, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from rewardplane.protocol import (
-    CONTROL_PLANE_PATHS,
     VERSION_HEADER,
     AdmissionRequest,
     AdmissionResponse,
@@ -52,14 +48,13 @@ from rewardplane.protocol import (
     WorldSizeResponse,
 )
 from rewardplane.server.engines.sleep import SleepService
-from rewardplane.server.errors import BadRequest, Forbidden, Unauthorized
+from rewardplane.server.errors import BadRequest
 from rewardplane.server.http.admission import Admission
-from rewardplane.server.http.body_parse import BodyParser, check_body_shape
-from rewardplane.server.http.inputs import Limits
+from rewardplane.server.http.control_route import control_route
+from rewardplane.server.http.json_route import JSONRoute
 from rewardplane.server.http.scoring import to_score
 from rewardplane.server.http.service import ScoringService
 from rewardplane.server.http.steps import resolve_aggregation, step_result
-from rewardplane.server.metrics import ServerMetrics
 from rewardplane.server.weight_sync.control_plane import WeightSyncService
 from rewardplane.server.weight_sync.peer import send_weights
 
@@ -76,49 +71,6 @@ _ERROR_DESCRIPTIONS = {
 }
 
 
-class _JSONRequest(Request):
-    """A request whose JSON body is parsed by pydantic's Rust parser: ~1 ms for a 10 MB text where
-    ``json.loads`` holds the event loop for 15-40 ms. The body stays Starlette's joined ``bytes``:
-    the parser takes a ``bytearray`` too, but 7-15x slower (a preallocated one cost 15 ms a 10 MB
-    body on the loop, where the join costs about 1). A body that would be costly to parse is checked
-    against the limits by a helper process first (``body_parse``)."""
-
-    async def json(self) -> Any:
-        if not hasattr(self, "_json"):
-            started = time.perf_counter()
-            body = await self.body()
-            state = self.scope["app"].state
-            parser: BodyParser | None = getattr(state, "body_parser", None)
-            limits: Limits | None = getattr(state, "limits", None)
-            if self.scope["path"] in CONTROL_PLANE_PATHS:  # token-protected, and not bound by scoring's
-                parser, limits = None, None  # limits: an announce of a large model has many entries
-            try:
-                if parser is None:
-                    self._json = pydantic_core.from_json(body)
-                    if limits is not None:
-                        check_body_shape(self._json, limits)
-                else:
-                    self._json = await parser.parse(body, limits)
-            except ValueError as exc:  # FastAPI answers a JSONDecodeError with its 422 json_invalid
-                raise json.JSONDecodeError(str(exc), body.decode("utf-8", "replace")[:200], 0) from exc
-            except BadRequest as exc:  # FastAPI turns any other error while reading a body into
-                raise HTTPException(400, exc.message) from exc  # "error parsing the body"
-            metrics: ServerMetrics | None = getattr(state, "metrics", None)
-            if metrics is not None and limits is not None:  # a scoring request's first stage
-                metrics.parse_stage.observe(time.perf_counter() - started)
-        return self._json
-
-
-class JSONRoute(APIRoute):
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def handle(request: Request) -> Response:
-            return await handler(_JSONRequest(request.scope, request.receive))
-
-        return handle
-
-
 def errors(*codes: int, shape: type[BaseModel] = ErrorResponse) -> dict[int | str, dict[str, Any]]:
     """OpenAPI ``responses`` for the error answers a route gives, all in the one error shape
     (``OpenAIErrorResponse`` under /v1/, see ``errors.speaks_openai``)."""
@@ -128,26 +80,6 @@ def errors(*codes: int, shape: type[BaseModel] = ErrorResponse) -> dict[int | st
 # What every scoring route can answer besides 200 (bad request, too large, schema, replica not serving).
 SCORING_ERRORS = errors(400, 413, 422, 503)
 OPENAI_SCORING_ERRORS = errors(400, 413, 422, 503, shape=OpenAIErrorResponse)
-
-
-def require_token(token: str | None) -> Callable[[Request], None]:
-    """The control plane's router dependency: ``Authorization: Bearer <token>``."""
-
-    def check(request: Request) -> None:
-        if token is None:
-            raise Forbidden(
-                "the weight-sync control plane is disabled: start the server with REWARDPLANE_TOKEN or --token-file"
-            )
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise Unauthorized(
-                "missing bearer token: send 'Authorization: Bearer <token>' (REWARDPLANE_TOKEN)"
-            )
-        if not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise Unauthorized("wrong bearer token: use the token this server was started with")
-
-    return check
 
 
 def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]) -> APIRouter:
@@ -303,15 +235,14 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
     return router
 
 
-def _token_router(token: str | None) -> APIRouter:
-    return APIRouter(
-        dependencies=[Depends(require_token(token))], responses=errors(401, 403), route_class=JSONRoute
-    )
+def _token_router(token: str | None, parameters: Callable[[], int] = lambda: 0) -> APIRouter:
+    """A router whose routes check the token before they read a body (``control_route``)."""
+    return APIRouter(responses=errors(401, 403), route_class=control_route(token, parameters))
 
 
 def control_router(service: WeightSyncService, token: str | None) -> APIRouter:
     """The weight-sync control plane (``control_plane.WeightSyncService``), token-protected."""
-    router = _token_router(token)
+    router = _token_router(token, lambda: len(service.manifest))
 
     @router.post(
         Endpoints.INIT_COMMUNICATOR, response_model=StatusResponse, responses=errors(400, 409, 413, 422)

@@ -30,10 +30,19 @@ from rewardplane.server.engines.engine import ServedAdapter
 from rewardplane.server.errors import BadRequest, Conflict
 from rewardplane.server.weight_sync.control_data_plane import CHANNEL_CONNECT_TIMEOUT_S, DataPlanePushes
 from rewardplane.server.weight_sync.control_state import Layout, PendingJoin, _merge, _slowest
+from rewardplane.transport.comm import first_line
 
 log = logging.getLogger(__name__)
 # How often a pending join asks the workers whether their rendezvous is done (a short worker call).
 JOIN_POLL_S = 0.05
+
+
+def _join_failed(req: InitCommunicatorRequest, exc: Exception) -> str:
+    """Log a failed join as one line naming its cause (the C++ frames at debug); that line."""
+    message = f"joining the trainer's group at {req.host}:{req.port} failed: {first_line(exc)}"
+    log.error("%s", message)
+    log.debug("the join of %s:%d failed", req.host, req.port, exc_info=exc)
+    return message
 
 
 class JoinCancelled(Exception):
@@ -81,8 +90,7 @@ class AnnouncedPushes(DataPlanePushes):
                 log.info("%s", exc)
             except Exception as exc:
                 self._has_comm = False
-                self.last_error = f"joining the trainer's group at {req.host}:{req.port} failed: {exc}"
-                log.error(self.last_error)
+                self.last_error = _join_failed(req, exc)
 
         self._has_comm = False
         # an announce may arrive while the join waits for the trainer (the operator's does)
