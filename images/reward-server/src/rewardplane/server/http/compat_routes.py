@@ -278,7 +278,7 @@ class CompatEndpoints:
             version=version,
         )
 
-    async def _process_rewards(self, req: GetRewardRequest, n: int) -> tuple[list[float], int]:
+    async def _process_rewards(self, req: GetRewardRequest, n: int) -> tuple[list[float | list[float]], int]:
         """Each query a solution with separators; its reward the aggregate of its steps."""
         process = self.service.process_config("/get_reward")
         how = require_aggregation(None, process, "/get_reward")
