@@ -168,7 +168,7 @@ for version in range(3):
     reference.load_weights(weights)
     for (name, a), (_, b) in zip(served.named_parameters(), reference.named_parameters()):
         assert torch.equal(a, b), (version, name)
-assert worker._rp_copy_plan.direct_names == {n for n, _ in shapes}
+assert worker.rp_parts.state.host.copy_plan.direct_names == {n for n, _ in shapes}
 print("OK")
 """
 

@@ -179,7 +179,7 @@ def test_hf_hooks_compute_peft_lora_and_swap_whole() -> None:
 def test_plain_parameter_names_under_lora_wrappers() -> None:
     """vLLM's LoRA layers hold the original as ``base_layer``; the models' loaders and the
     checksums look parameters up under the plain names."""
-    from rewardplane.server.weight_sync.worker.base import _plain_parameter_names
+    from rewardplane.server.weight_sync.worker.vllm_host import _plain_parameter_names
 
     class Wrapper(torch.nn.Module):
         def __init__(self, base: torch.nn.Module) -> None:

@@ -114,9 +114,9 @@ def _stage_sliced(joined: Joined, weights: dict[str, torch.Tensor]) -> Received:
         send_slices(comm, metas, weights, slice_schedule(metas, plan, {0: regions}))
 
     worker = joined.worker
-    comm = worker._rp_comm
+    comm = worker.rp_parts.state.comm
     assert comm is not None
-    _both(joined, send, lambda: worker._rp_receive_sliced(comm, LAYOUT, metas, got, stage=True))
+    _both(joined, send, lambda: worker.rp_parts.slicing.receive(comm, LAYOUT, metas, got, stage=True))
     return got
 
 
@@ -140,7 +140,7 @@ def test_a_staged_sliced_push_is_refused_once_the_parameters_moved(joined: Joine
     worker, first = joined.worker, _weights(1)
     _atomic_push_applied(joined, first)
     _stage_sliced(joined, _weights(3))
-    worker._rp_forget_places()  # what reloading the weights (a level-2 wake) does
+    worker.rp_parts.slicing.forget_places()  # what reloading the weights (a level-2 wake) does
     with pytest.raises(RuntimeError, match="reloaded after the atomic push was received"):
         worker.rp_apply_staged([m.model_dump() for m in _metas(first)])
     assert all(torch.equal(_params(worker)[k], first[k]) for k in first)
@@ -151,12 +151,12 @@ def test_a_sliced_push_without_room_to_stage_is_refused_with_the_way_out(
 ) -> None:
     worker = joined.worker
     _atomic_push_applied(joined, _weights(1))  # the worker publishes: 3x4 + 3 floats, 60 bytes
-    assert worker._rp_sliced_staging_problem(LAYOUT, atomic=True) is None
+    assert worker.rp_parts.slicing.staging_problem(LAYOUT, atomic=True) is None
     # one bucket of 60 bytes: streamed, two in flight (120 bytes) fit; atomic, 120 + 60 do not
     monkeypatch.setenv("REWARDPLANE_STAGING_MAX_BYTES", "150")
-    assert worker._rp_sliced_staging_problem(LAYOUT, atomic=False) is None
-    problem = worker._rp_sliced_staging_problem(LAYOUT, atomic=True)
+    assert worker.rp_parts.slicing.staging_problem(LAYOUT, atomic=False) is None
+    problem = worker.rp_parts.slicing.staging_problem(LAYOUT, atomic=True)
     assert problem is not None and "until the swap" in problem and "bucket_bytes" in problem, problem
     monkeypatch.setenv("REWARDPLANE_STAGING_MAX_BYTES", "100")
-    problem = worker._rp_sliced_staging_problem(LAYOUT, atomic=False)
+    problem = worker.rp_parts.slicing.staging_problem(LAYOUT, atomic=False)
     assert problem is not None and "REWARDPLANE_PUSH_SLICING=never" in problem, problem

@@ -94,8 +94,8 @@ def _pushed_through_the_loader(
     workers: list[ShardWorker], weights: dict[str, torch.Tensor], version: int
 ) -> None:
     for w in workers:
-        w._rp_kept = {}
-        w._rp_load_kept(list(weights.items()))
+        w.rp_parts.state.kept = {}
+        w.rp_parts.persistence.load_kept(list(weights.items()))
         _persisted(w, version)
 
 

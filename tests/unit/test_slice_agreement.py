@@ -83,7 +83,7 @@ def test_reloaded_weights_leave_nothing_to_publish_in_the_next_group() -> None:
     _push(first, _weights(1))
     worker = first.worker
     first.close()
-    worker._rp_forget_places()  # what reloading the weights (a level-2 wake) does
+    worker.rp_parts.slicing.forget_places()  # what reloading the weights (a level-2 wake) does
     second = Joined(worker)
     try:
         out, sliced = _push(second, _weights(3))

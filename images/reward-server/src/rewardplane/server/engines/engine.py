@@ -76,9 +76,9 @@ class Completion:
 
 
 class WeightSyncPort(Protocol):
-    """How the control plane reaches the weights: the worker extension's ``rp_*`` methods
-    (``worker_extension.RewardWeightSyncExtension``) on every worker, the engine's cache, and the
-    served parameters.
+    """How the control plane reaches the weights: the worker extension's methods
+    (``worker_extension.RewardWeightSyncExtension``) on every worker, called through
+    ``weight_sync.worker_calls.WorkerCalls``; the engine's cache; and the served parameters.
 
     ``call_workers`` must not share threads with scoring: a join that waits out its rendezvous
     timeout must not delay a single forward (the transformers engine runs these calls on threads

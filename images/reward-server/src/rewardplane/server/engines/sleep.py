@@ -25,12 +25,14 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol
 
-from rewardplane.protocol import SleepResponse
-from rewardplane.server.engines.engine import RewardEngine
+from rewardplane.protocol import ParamMeta, SleepResponse
+from rewardplane.server.engines.engine import RewardEngine, WeightSyncPort
 from rewardplane.server.errors import Conflict, ServerError, Unavailable
 from rewardplane.server.metrics import ServerMetrics
-from rewardplane.server.weight_sync.control_plane import WeightSyncService
+from rewardplane.server.weight_sync.persistence import WeightsStore
+from rewardplane.server.weight_sync.worker_calls import WorkerCalls
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +43,31 @@ UNLOADED = (
 )
 
 
+class SavedWeights(Protocol):
+    """What sleeping and waking need of the control plane (``weight_sync.control_plane``'s
+    ``WeightSyncService``; engines do not import it)."""
+
+    @property
+    def port(self) -> WeightSyncPort: ...
+
+    @property
+    def manifest(self) -> dict[str, ParamMeta]: ...
+
+    def busy(self) -> bool:
+        """A weight update or peer send is running."""
+        ...
+
+    async def restorable(self, version: int) -> WeightsStore:
+        """The store, once it is sure to hold ``version`` (else ``Conflict`` saying what to do)."""
+        ...
+
+    async def load_saved(self, version: int) -> int:
+        """Inside the exclusive lock: load the saved ``version`` in every worker."""
+        ...
+
+
 class SleepService:
-    def __init__(self, engine: RewardEngine, weights: WeightSyncService, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: RewardEngine, weights: SavedWeights, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.weights = weights
         self.metrics = metrics
@@ -173,7 +198,7 @@ class SleepService:
                     "push the full weights again"
                 )
             try:
-                loaded = await port.call_workers("rp_load_checkpoint", base)
+                loaded = await WorkerCalls(port).load_checkpoint(base)
             except Exception as exc:
                 return f"{lost}; reloading the base checkpoint {base} failed ({exc}): push the full weights again"
             missing = manifest - set(loaded[0]) - saved

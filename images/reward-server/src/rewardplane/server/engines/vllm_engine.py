@@ -77,6 +77,7 @@ from rewardplane.server.engines.vllm_steps import rows_at_tags
 from rewardplane.server.errors import BadRequest, ServerError, Unavailable
 from rewardplane.server.locking import WeightsGuard
 from rewardplane.server.metrics import RequestTimer, ServerMetrics
+from rewardplane.server.weight_sync.worker_calls import WorkerCalls, rpc_timeout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -611,22 +612,23 @@ class VLLMEngine:
             )
         return None
 
-    async def _free_bytes(self, llm: AsyncLLM) -> int | None:
+    async def _free_bytes(self) -> int | None:
         """Free GPU memory summed over the workers' devices (None when a worker cannot tell)."""
         try:
-            free = await asyncio.wait_for(llm.collective_rpc("rp_cuda_free_bytes"), SHORT_RPC_TIMEOUT_S)
+            free = await WorkerCalls(self.weight_port()).cuda_free_bytes()
         except Exception:
             log.warning("could not read the workers' free GPU memory", exc_info=True)
             return None
-        return None if any(f is None for f in free) else sum(int(f) for f in free)
+        known = [f for f in free if f is not None]
+        return sum(known) if len(known) == len(free) else None
 
     async def sleep(self, level: int) -> int | None:
         llm = self._require_llm()
-        before = await self._free_bytes(llm)
+        before = await self._free_bytes()
         # Called under the exclusive weights lock: none of our requests runs, so vLLM's default
         # pause mode (abort what runs) aborts nothing.
         await asyncio.wait_for(llm.sleep(level), settings.VLLM_SLEEP_TIMEOUT_S.get())  # copies the weights
-        after = await self._free_bytes(llm)
+        after = await self._free_bytes()
         return after - before if before is not None and after is not None else None
 
     async def wake(self, level: int) -> None:
@@ -651,7 +653,7 @@ class VLLMWeightPort:
 
     async def call_workers(self, method: str, *args: Any) -> list[Any]:
         llm = self.engine._require_llm()
-        timeout = _rpc_timeout(method, args)
+        timeout = rpc_timeout(method, args, SHORT_RPC_TIMEOUT_S)
         try:
             results = await asyncio.wait_for(llm.collective_rpc(method, args=tuple(args)), timeout)
         except TimeoutError as exc:
@@ -690,12 +692,3 @@ def _token_prompt(ids: list[int], cache_salt: str | None) -> Any:
             prompt["cache_salt"] = cache_salt
         return prompt
     return tokens_input(list(ids), cache_salt=cache_salt)
-
-
-def _rpc_timeout(method: str, args: tuple[Any, ...]) -> float:
-    if method == "rp_init_communicator" and len(args) > 5:
-        return float(args[5]) + 60.0  # the worker's own rendezvous timeout, plus slack
-    if method in ("rp_receive", "rp_apply_staged", "rp_apply_adapter"):
-        # the worker's communicator bounds each collective; this is a backstop
-        return settings.VLLM_RPC_TIMEOUT_S.get()
-    return SHORT_RPC_TIMEOUT_S

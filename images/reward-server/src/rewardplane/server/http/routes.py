@@ -56,7 +56,6 @@ from rewardplane.server.http.scoring import to_score
 from rewardplane.server.http.service import ScoringService
 from rewardplane.server.http.steps import resolve_aggregation, step_result
 from rewardplane.server.weight_sync.control_plane import WeightSyncService
-from rewardplane.server.weight_sync.peer import send_weights
 
 _ERROR_DESCRIPTIONS = {
     400: "The request is well-formed but cannot be served as asked (the message says what to change).",
@@ -344,7 +343,7 @@ def persistence_router(service: WeightSyncService, token: str | None) -> APIRout
     @router.post(Endpoints.SEND_WEIGHTS, response_model=StatusResponse, responses=errors(409, 413, 422))
     async def send(req: SendWeightsRequest) -> StatusResponse:
         """Peer restore: send this replica's weights to joining peers (peer.py)."""
-        await send_weights(service, req)
+        await service.send_weights(req)
         return StatusResponse(detail={"version": req.version, "rank": req.world_size - 1})
 
     return router

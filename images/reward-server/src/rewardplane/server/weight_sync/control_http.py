@@ -29,7 +29,14 @@ from rewardplane.protocol import (
 from rewardplane.server.engines.engine import ServedAdapter
 from rewardplane.server.errors import BadRequest, Conflict
 from rewardplane.server.weight_sync.control_data_plane import CHANNEL_CONNECT_TIMEOUT_S, DataPlanePushes
-from rewardplane.server.weight_sync.control_state import Layout, PendingJoin, _merge, _slowest
+from rewardplane.server.weight_sync.control_state import (
+    ControlPlaneState,
+    Layout,
+    PendingJoin,
+    merge,
+    slowest,
+)
+from rewardplane.server.weight_sync.worker_calls import WorkerReceived
 from rewardplane.transport.comm import first_line
 
 log = logging.getLogger(__name__)
@@ -49,10 +56,13 @@ class JoinCancelled(Exception):
     """A pending join was cancelled (``POST /close_communicator``)."""
 
 
-class AnnouncedPushes(DataPlanePushes):
-    """The group, and pushes announced with ``/update_param_batch``."""
+class GroupMembership:
+    """Joining the trainer's group (``/init_communicator``) and leaving it (``/close_communicator``)."""
 
-    # ---- init / close -----------------------------------------------------------------------
+    def __init__(self, state: ControlPlaneState, data_plane: DataPlanePushes) -> None:
+        self.state = state
+        self.data_plane = data_plane  # listens for the group's pushes once it is formed
+
     async def init_communicator(self, req: InitCommunicatorRequest) -> None:
         limit = settings.MAX_JOIN_TIMEOUT_S.get()
         if req.timeout_s > limit:
@@ -60,21 +70,21 @@ class AnnouncedPushes(DataPlanePushes):
                 f"timeout_s={req.timeout_s:g} is over this server's maximum of {limit:g}s for a join "
                 f"(--max-join-timeout-s, {settings.MAX_JOIN_TIMEOUT_S.name}): ask for at most {limit:g}s"
             )
-        if self.busy():
+        if self.state.busy():
             raise Conflict(
                 "a weight update is in progress; wait for it (GET /get_num_background_tasks) and retry",
                 detail={"code": UPDATE_IN_PROGRESS},
             )
         # One join at a time: the rendezvous cannot be interrupted, only given up on, so joins are
         # not queued; a pending one ends by forming, by its deadline or by POST /close_communicator.
-        pending = self._joining()
+        pending = self.state.joining()
         if pending is not None:
             raise Conflict(
                 f"{pending.describe()}: one join at a time — create the trainer's side of that group, wait "
                 "until it is given up (GET /get_num_background_tasks shows its outcome), or cancel it"
             )
         group_id = req.group_id or uuid.uuid4().hex[:12]
-        self._stop_listening()
+        self.data_plane.stop_listening()
         pending = PendingJoin(
             req.host, req.port, group_id, time.monotonic(), req.timeout_s, attempt=uuid.uuid4().hex
         )
@@ -82,27 +92,26 @@ class AnnouncedPushes(DataPlanePushes):
         async def join() -> None:
             try:
                 await self._form_group(req, pending)
-                self._has_comm = True
-                self.last_error = None
-                await self._listen(req, group_id)
+                self.state.has_comm = True
+                self.state.last_error = None
+                await self.data_plane.listen(req, group_id)
             except JoinCancelled as exc:
-                self._has_comm = False
+                self.state.has_comm = False
                 log.info("%s", exc)
             except Exception as exc:
-                self._has_comm = False
-                self.last_error = _join_failed(req, exc)
+                self.state.has_comm = False
+                self.state.last_error = _join_failed(req, exc)
 
-        self._has_comm = False
+        self.state.has_comm = False
         # an announce may arrive while the join waits for the trainer (the operator's does)
-        self._senders = req.senders
-        self._pending_join = pending
-        self._init_task = self._spawn(join(), "init-communicator")
+        self.state.senders = req.senders
+        self.state.pending_join = pending
+        self.state.init_task = self.state.spawn(join(), "init-communicator")
 
     async def _form_group(self, req: InitCommunicatorRequest, pending: PendingJoin) -> None:
         """The workers' rendezvous, polled until every worker is in the group, one fails, the
         deadline passes or the join is cancelled; in the last three cases the attempt is abandoned."""
-        await self.port.call_workers(
-            "rp_join_start",
+        await self.state.calls.join_start(
             pending.attempt,
             req.host,
             req.port,
@@ -115,11 +124,11 @@ class AnnouncedPushes(DataPlanePushes):
         )
         try:
             while True:
-                polls = await self.port.call_workers("rp_join_poll", pending.attempt)
-                errors = [str(p["error"]) for p in polls if p["done"] and p["error"]]
+                polls = await self.state.calls.join_poll(pending.attempt)
+                errors = [str(p.error) for p in polls if p.done and p.error]
                 if errors:
                     raise RuntimeError("; ".join(errors))
-                if all(p["done"] for p in polls):
+                if all(p.done for p in polls):
                     return
                 if pending.cancelled.is_set():
                     raise JoinCancelled(
@@ -136,16 +145,18 @@ class AnnouncedPushes(DataPlanePushes):
                     await asyncio.wait_for(pending.cancelled.wait(), JOIN_POLL_S)
         except BaseException:
             try:
-                await self.port.call_workers("rp_join_abandon", pending.attempt)
+                await self.state.calls.join_abandon(pending.attempt)
             except Exception:
                 log.warning("abandoning join %s in the workers failed", pending.group_id, exc_info=True)
             raise
 
     def in_group(self, group_id: str) -> bool:
         """Whether this server is joining, or in, the group named ``group_id``."""
-        last = self._pending_join  # the last join: pending, formed (then its group), or over
+        last = self.state.pending_join  # the last join: pending, formed (then its group), or over
         return (
-            last is not None and last.group_id == group_id and (self._joining() is not None or self._has_comm)
+            last is not None
+            and last.group_id == group_id
+            and (self.state.joining() is not None or self.state.has_comm)
         )
 
     async def close(self, group_id: str | None = None) -> tuple[bool, CancelledJoin | None]:
@@ -154,10 +165,10 @@ class AnnouncedPushes(DataPlanePushes):
         neither joining nor in it."""
         if group_id is not None and not self.in_group(group_id):
             return False, None
-        if self.busy():
+        if self.state.busy():
             raise Conflict("a weight update is in progress; close the communicator after it finishes")
         cancelled = None
-        pending, task = self._joining(), self._init_task
+        pending, task = self.state.joining(), self.state.init_task
         if pending is not None and task is not None:
             pending.cancelled.set()
             cancelled = CancelledJoin(
@@ -170,16 +181,22 @@ class AnnouncedPushes(DataPlanePushes):
             # push channel) ends within that step's own bound
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(task), CHANNEL_CONNECT_TIMEOUT_S + JOIN_POLL_S)
-        self._stop_listening()
-        await self.port.call_workers("rp_close_communicator")
-        self._has_comm = False
+        self.data_plane.stop_listening()
+        await self.state.calls.close_communicator()
+        self.state.has_comm = False
         return True, cancelled
 
-    # ---- update -----------------------------------------------------------------------------
+
+class AnnouncedPushes:
+    """Pushes announced with ``/update_param_batch``."""
+
+    def __init__(self, state: ControlPlaneState) -> None:
+        self.state = state
+
     def _layout_of(self, req: UpdateParamBatchRequest) -> Layout:
         """The announced layout, validated against the served model (once per layout)."""
         adapter = req.training_mode == RewardModelTrainingMode.ADAPTER
-        if adapter and self.max_lora_rank == 0:
+        if adapter and self.state.max_lora_rank == 0:
             raise Conflict(
                 "this server does not serve LoRA adapters, so it refuses adapter-only pushes: enable LoRA on the "
                 "RewardModel (spec.lora.enabled; server flag --enable-lora), or push merged weights (sync mode "
@@ -187,26 +204,26 @@ class AnnouncedPushes(DataPlanePushes):
             )
         if not req.metadata:
             assert req.layout_id is not None  # the request model guarantees one or the other
-            known = self._layouts.get(req.layout_id)
+            known = self.state.layouts.get(req.layout_id)
             if known is None or known.bucket_bytes != req.bucket_bytes or known.adapter != adapter:
                 raise Conflict(
                     f"unknown layout_id {req.layout_id!r} (this server restarted or forgot it); announce the "
                     "metadata again — the SDK does so by itself on the next push"
                 )
-            self._layouts.move_to_end(req.layout_id)
+            self.state.layouts.move_to_end(req.layout_id)
             return known
         if adapter:
             assert req.adapter is not None  # the request model guarantees it
             problems = check_adapter_metadata(
-                req.metadata, self.manifest, req.adapter, max_rank=self.max_lora_rank
+                req.metadata, self.state.manifest, req.adapter, max_rank=self.state.max_lora_rank
             )
         else:
-            problems = check_metadata(req.metadata, self.manifest)
+            problems = check_metadata(req.metadata, self.state.manifest)
         problems += [
             f"parameter {m.name!r} names sender {max(m.senders)}, but the trainer's group has "
-            f"{self._senders} sending rank(s); join with senders={max(m.senders) + 1} or more"
+            f"{self.state.senders} sending rank(s); join with senders={max(m.senders) + 1} or more"
             for m in req.metadata
-            if max(m.senders) >= self._senders
+            if max(m.senders) >= self.state.senders
         ]
         if problems:
             raise BadRequest(
@@ -224,59 +241,61 @@ class AnnouncedPushes(DataPlanePushes):
             sum(b.nbytes for b in plan_buckets(req.metadata, req.bucket_bytes)),
             adapter,
         )
-        self._layouts[layout.id] = layout
-        self._layouts.move_to_end(layout.id)
-        while len(self._layouts) > MAX_LAYOUTS:
-            self._layouts.popitem(last=False)
+        self.state.layouts[layout.id] = layout
+        self.state.layouts.move_to_end(layout.id)
+        while len(self.state.layouts) > MAX_LAYOUTS:
+            self.state.layouts.popitem(last=False)
         return layout
 
     async def update(self, req: UpdateParamBatchRequest) -> int:
         arrived = time.monotonic()
         layout = self._layout_of(req)
-        guard = self.guard
+        guard = self.state.guard
         if (refusal := guard.write_refusal()) is not None:
             raise Conflict(refusal)
-        if guard.needs_full_push and set(layout.names) != set(self.manifest):
+        if guard.needs_full_push and set(layout.names) != set(self.state.manifest):
             raise Conflict(
                 f"this replica's weights are gone ({guard.broken_reason}); only a push of every parameter "
-                f"({len(self.manifest)}, training mode full) or a restore repairs it, not {len(layout.names)}"
+                f"({len(self.state.manifest)}, training mode full) or a restore repairs it, not {len(layout.names)}"
             )
         version = req.version if req.version is not None else guard.version + 1
         if version <= guard.version and guard.state != "broken":
             raise Conflict(
                 f"version {version} is not newer than the served version {guard.version}; versions must increase"
             )
-        if (refusal := self._delta_refusal(req.base_version)) is not None:
+        if (refusal := self.state.delta_refusal(req.base_version)) is not None:
             raise Conflict(refusal, detail={"code": STALE_BASE})
-        await self._let_committed_update_finish(req.timeout_s)
-        if self.busy():
+        await self.state.let_committed_update_finish(req.timeout_s)
+        if self.state.busy():
             raise Conflict("another weight update is in progress; wait for it to finish")
-        if self._init_task is not None and not self._init_task.done():
+        if self.state.init_task is not None and not self.state.init_task.done():
             try:  # the trainer forms the group right after /init_communicator; give it that long
-                await asyncio.wait_for(asyncio.shield(self._init_task), timeout=req.timeout_s)
+                await asyncio.wait_for(asyncio.shield(self.state.init_task), timeout=req.timeout_s)
             except TimeoutError as exc:
                 raise Conflict(
                     "the communicator is still forming; the trainer must create its side of the group"
                 ) from exc
-        if not self._has_comm:
+        if not self.state.has_comm:
             raise Conflict(
                 "no communicator: call /init_communicator (and create the trainer's side of the group) first"
-                + (f"; the last attempt failed: {self.last_error}" if self.last_error else "")
+                + (f"; the last attempt failed: {self.state.last_error}" if self.state.last_error else "")
             )
         if req.atomic and not layout.adapter:  # refused now, while nothing moves, not mid-receive
-            problems = [p for p in await self.port.call_workers("rp_staging_problem", layout.nbytes) if p]
+            problems = await self.state.calls.staging_problems(layout.nbytes)
             if problems:
                 raise Conflict(problems[0])
-        self._update_task = self._spawn(self._run_update(req, layout, version, arrived), f"update-v{version}")
+        self.state.update_task = self.state.spawn(
+            self._run_update(req, layout, version, arrived), f"update-v{version}"
+        )
         # once the outcome is known (the task is done), wake trainers waiting on /runtime_version
-        self._update_task.add_done_callback(lambda _: guard.signal_change())
+        self.state.update_task.add_done_callback(lambda _: guard.signal_change())
         return version
 
     async def _run_update(
         self, req: UpdateParamBatchRequest, layout: Layout, version: int, arrived: float
     ) -> None:
-        guard = self.guard
-        self._update_committed = False
+        guard = self.state.guard
+        self.state.update_committed = False
         metadata = layout.metadata
         mode = req.training_mode.value
         start = time.monotonic()
@@ -284,11 +303,13 @@ class AnnouncedPushes(DataPlanePushes):
         result: dict[str, Any] = {"ok": False, "error": "not started", "partial": False, "bytes": 0}
         adapter = req.training_mode == RewardModelTrainingMode.ADAPTER
         try:
-            await self._prepare_workers()  # once: the workers keep what they load when --weights-dir is set
+            await (
+                self.state.prepare_workers()
+            )  # once: the workers keep what they load when --weights-dir is set
             if req.atomic or adapter:
                 # Stage while the old weights keep serving, then swap under the exclusive lock. An
                 # adapter is always staged: it is small, and vLLM builds it from the whole set.
-                result = _merge(await self._receive(layout, False, req.agree_slicing))
+                result = merge(await self._receive(layout, False, req.agree_slicing))
                 stamps.update(result.pop("times"), returned=time.monotonic())
                 if result["ok"]:
                     async with guard.updating(timeout_s=req.timeout_s):
@@ -296,24 +317,24 @@ class AnnouncedPushes(DataPlanePushes):
                         if adapter:
                             stamps.update(await self._apply_adapter(layout, req))
                         else:
-                            await self.port.call_workers("rp_apply_staged", metadata)
-                            await self._drop_adapter_under(req.training_mode)
-                        await self.port.reset_cache()
+                            await self.state.calls.apply_staged(metadata)
+                            await self.state.drop_adapter_under(req.training_mode)
+                        await self.state.port.reset_cache()
                         # a delta push never builds on an adapter: a full push drops it
                         guard.commit(version, pushed=not adapter)
-                        self._update_committed = True
+                        self.state.update_committed = True
                         stamps["committed"] = time.monotonic()
                         if adapter:
-                            if self.store is not None:
+                            if self.state.store is not None:
                                 log.warning(
                                     "version %d is an adapter push: adapters are not persisted, so a restart "
                                     "cannot be restored to it (push again after a restart)",
                                     version,
                                 )
                         else:
-                            await self._persist(version)
+                            await self.state.persist(version)
                 else:
-                    await self.port.call_workers("rp_drop_staged")
+                    await self.state.calls.drop_staged()
             else:
                 async with guard.updating(timeout_s=req.timeout_s):
                     stamps["locked"] = locked = time.monotonic()
@@ -322,35 +343,35 @@ class AnnouncedPushes(DataPlanePushes):
                     # cache after it, and its round trip to the engine leaves the critical path.
                     # Both finish before the lock is released, whatever happens to either.
                     reset, received = await asyncio.gather(
-                        self.port.reset_cache(),
+                        self.state.port.reset_cache(),
                         self._receive(layout, True, req.agree_slicing),
                         return_exceptions=True,
                     )
                     stamps["returned"] = time.monotonic()
                     if isinstance(received, BaseException):
                         raise received
-                    result = _merge(received)
+                    result = merge(received)
                     stamps.update(result.pop("times"))
                     if isinstance(reset, BaseException) and result["ok"]:
                         raise reset  # new weights, but cached blocks of the old ones: refuse to serve
                     result["lock_s"], result["receive_s"] = locked - start, time.monotonic() - locked
                     if result["ok"]:
-                        await self._drop_adapter_under(req.training_mode)
+                        await self.state.drop_adapter_under(req.training_mode)
                         guard.commit(version)
-                        self._update_committed = True
+                        self.state.update_committed = True
                         stamps["committed"] = time.monotonic()
-                        await self._persist(version)
+                        await self.state.persist(version)
                     elif result["partial"]:
                         guard.mark_broken(f"update to version {version} failed part-way: {result['error']}")
         except Exception as exc:
             result = {"ok": False, "partial": False, "bytes": 0, "error": f"{type(exc).__name__}: {exc}"}
             if guard.state == "updating":
                 guard.mark_broken(f"update to version {version} failed: {exc}")
-        self._record(version, mode, result, stamps, arrived, start)
+        self.state.record(version, mode, result, stamps, arrived, start)
         if not result["ok"]:
-            self._has_comm = False  # a failed transfer leaves the group unusable; the trainer re-inits
+            self.state.has_comm = False  # a failed transfer leaves the group unusable; the trainer re-inits
             try:
-                await self.port.call_workers("rp_close_communicator")
+                await self.state.calls.close_communicator()
             except Exception:
                 log.debug("closing the communicator after a failure failed", exc_info=True)
 
@@ -360,44 +381,43 @@ class AnnouncedPushes(DataPlanePushes):
         and the caller marks the replica broken until the next push. Returns the slowest worker's
         steps (the update's timeline)."""
         assert req.adapter is not None
-        self._adapter_ids += 1
-        adapter_id = self._adapter_ids
+        self.state.adapter_ids += 1
+        adapter_id = self.state.adapter_ids
         try:
-            applied = await self.port.call_workers(
-                "rp_apply_adapter", layout.metadata, req.adapter.model_dump(mode="json"), adapter_id
+            applied = await self.state.calls.apply_adapter(
+                layout.metadata, req.adapter.model_dump(mode="json"), adapter_id
             )
         except Exception:
-            self.adapter = None
-            self.port.use_adapter(None)
+            self.state.adapter = None
+            self.state.port.use_adapter(None)
             try:
-                await self.port.call_workers("rp_clear_adapter")
+                await self.state.calls.clear_adapter()
             except Exception:
                 log.exception("dropping the adapters after a failed adapter update failed")
             raise
-        self.adapter = ServedAdapter(adapter_id, applied[0]["path"] if applied else None)
-        self.port.use_adapter(self.adapter)
-        return _slowest(applied)
+        self.state.adapter = ServedAdapter(adapter_id, applied[0].path if applied else None)
+        self.state.port.use_adapter(self.state.adapter)
+        return slowest(a.times for a in applied)
 
     async def _receive(
         self, layout: Layout, apply: bool, agree_slicing: bool = False
-    ) -> list[dict[str, Any]]:
-        """``rp_receive`` on every worker; the metadata only travels when the workers lack it.
+    ) -> list[WorkerReceived]:
+        """The receive on every worker; the metadata only travels when the workers lack it.
         ``agree_slicing``: the workers and the trainer agree whether the push is sliced first."""
-        known = layout.id in self._worker_layouts
-        results = await self.port.call_workers(
-            "rp_receive",
+        known = layout.id in self.state.worker_layouts
+        results = await self.state.calls.receive(
             None if known else layout.metadata,
             layout.bucket_bytes,
             apply,
             layout.id,
             agree_slicing,
         )
-        if known and any(r.get("unknown_layout") for r in results):
+        if known and any(r.unknown_layout for r in results):
             # nothing was posted: the trainer's broadcast waits for the second call
             log.warning("the workers no longer hold layout %s; sending its metadata", layout.id)
-            self._worker_layouts.pop(layout.id, None)
-            results = await self.port.call_workers(
-                "rp_receive", layout.metadata, layout.bucket_bytes, apply, layout.id, agree_slicing
+            self.state.worker_layouts.pop(layout.id, None)
+            results = await self.state.calls.receive(
+                layout.metadata, layout.bucket_bytes, apply, layout.id, agree_slicing
             )
-        remember_layout(self._worker_layouts, layout.id, None)  # the workers cached it
+        remember_layout(self.state.worker_layouts, layout.id, None)  # the workers cached it
         return results

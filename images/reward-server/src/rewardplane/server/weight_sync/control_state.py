@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from rewardplane.server.locking import WeightsGuard
 from rewardplane.server.metrics import ServerMetrics
 from rewardplane.server.weight_sync.data_push import PushListener
 from rewardplane.server.weight_sync.persistence import PERSIST_WAIT_S, WeightsStore, base_fingerprint
+from rewardplane.server.weight_sync.worker_calls import WorkerCalls, WorkerReceived
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +100,11 @@ class ControlPlaneState:
     ) -> None:
         self.guard = guard
         self.port = port
+        self.calls = WorkerCalls(port)  # the worker-extension calls, typed
         self.manifest: dict[str, ParamMeta] = port.manifest()
         self.max_lora_rank = max_lora_rank  # 0: adapter pushes are refused
         self.adapter: ServedAdapter | None = None  # the adapter scoring uses
-        self._adapter_ids = 0  # a fresh id per adapter version
+        self.adapter_ids = 0  # a fresh id per adapter version
         self.metrics = metrics
         self.store = store  # --weights-dir: every committed push is saved there (persistence.py)
         self._persistence_ready = False
@@ -110,51 +112,51 @@ class ControlPlaneState:
         self.last_error: str | None = None
         # The last finished update's timeline (GET /get_num_background_tasks → last_update).
         self.last_update: dict[str, Any] | None = None
-        self._init_task: asyncio.Task[None] | None = None
-        self._pending_join: PendingJoin | None = None
-        self._update_task: asyncio.Task[None] | None = None
+        self.init_task: asyncio.Task[None] | None = None
+        self.pending_join: PendingJoin | None = None
+        self.update_task: asyncio.Task[None] | None = None
         # the running HTTP-started update has committed and only hands its host copies to the
         # persisting thread: a push right behind it waits for that moment instead of a 409
-        self._update_committed = False
-        self._has_comm = False
-        self._senders = 1  # the trainer's sending ranks in the group joined last
+        self.update_committed = False
+        self.has_comm = False
+        self.senders = 1  # the trainer's sending ranks in the group joined last
         # Validated push layouts by layout_id (most recent last): later pushes name them by id.
-        self._layouts: OrderedDict[str, Layout] = OrderedDict()
+        self.layouts: OrderedDict[str, Layout] = OrderedDict()
         # Layouts the workers hold (their cache, mirrored with the same remember_layout): the
         # receive call then carries the id only — ~290 entries cost ~0.4 ms per vLLM RPC.
-        self._worker_layouts: dict[str, None] = {}
+        self.worker_layouts: dict[str, None] = {}
         # Pushes started from the data plane: the thread waiting for the group's headers, and the
         # push it admitted (an update is running while it is set).
-        self._listener: PushListener | None = None
-        self._data_push: DataPush | None = None
+        self.listener: PushListener | None = None
+        self.data_push: DataPush | None = None
 
-    def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
+    def spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
         task.set_name(name)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
         return task
 
-    async def _let_committed_update_finish(self, timeout_s: float) -> None:
-        task = self._update_task
-        if task is not None and not task.done() and self._update_committed:
+    async def let_committed_update_finish(self, timeout_s: float) -> None:
+        task = self.update_task
+        if task is not None and not task.done() and self.update_committed:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(task), timeout_s)
 
     def background_count(self) -> int:
         """Work of this control plane still running: its tasks, and a push started from the data
         plane (its receive may wait on a dead trainer until the group's timeout)."""
-        return len(self.tasks) + (self._data_push is not None)
+        return len(self.tasks) + (self.data_push is not None)
 
     def busy(self) -> bool:
         """A weight update (receive, apply, commit) is running."""
-        return self._data_push is not None or (self._update_task is not None and not self._update_task.done())
+        return self.data_push is not None or (self.update_task is not None and not self.update_task.done())
 
     def failed_idle(self) -> bool:
         """The last update failed and none is running: waiting for a newer version is pointless."""
         return not self.busy() and self.last_error is not None
 
-    def _delta_refusal(self, base_version: int | None) -> str | None:
+    def delta_refusal(self, base_version: int | None) -> str | None:
         """Why a delta push on ``base_version`` cannot land here (None: it can, or it is no delta).
         Both push paths ask before any byte moves."""
         if base_version is None:
@@ -162,10 +164,10 @@ class ControlPlaneState:
         g = self.guard
         return delta_refusal(base_version, served=g.version, state=g.state, delta_base=g.delta_base)
 
-    def _joining(self) -> PendingJoin | None:
-        return self._pending_join if self._init_task is not None and not self._init_task.done() else None
+    def joining(self) -> PendingJoin | None:
+        return self.pending_join if self.init_task is not None and not self.init_task.done() else None
 
-    def _record(
+    def record(
         self,
         version: int,
         mode: str,
@@ -217,17 +219,17 @@ class ControlPlaneState:
             self.last_error = f"update to version {version} failed: {result['error']}"
             log.error(self.last_error)
 
-    async def _drop_adapter_under(self, mode: RewardModelTrainingMode) -> None:
+    async def drop_adapter_under(self, mode: RewardModelTrainingMode) -> None:
         """A full or merged (lora) push carries the whole model, the adapter's effect included: the
         adapter goes. A head_only push keeps it (it adapts the backbone, the head is separate)."""
         if self.adapter is None or mode not in (RewardModelTrainingMode.FULL, RewardModelTrainingMode.LORA):
             return
-        await self.port.call_workers("rp_clear_adapter")
+        await self.calls.clear_adapter()
         self.adapter = None
         self.port.use_adapter(None)
 
     # ---- persistence (--weights-dir) ---------------------------------------------------------
-    async def _prepare_workers(self) -> None:
+    async def prepare_workers(self) -> None:
         """Once, before anything is loaded: fingerprint the base model (saved weights carry it and
         are never restored onto another base) and tell the workers where to persist, so each keeps
         host copies (HF names) of what it loads (vLLM's workers exist only after start)."""
@@ -235,20 +237,20 @@ class ControlPlaneState:
         if store is None or self._persistence_ready:
             return
         if not store.base:
-            params = await self.port.call_workers("rp_named_parameters")
+            params = await self.calls.named_parameters()
             store.base = base_fingerprint(self.manifest, params[0] if params else None)
         # every worker saves its own part: the replica's version is the one all of them saved
-        store.ranks = max(1, len(await self.port.call_workers("rp_local_rank")))
-        await self.port.call_workers("rp_persist_to", str(store.dir), store.base, store.ranks)
+        store.ranks = max(1, len(await self.calls.local_ranks()))
+        await self.calls.persist_to(str(store.dir), store.base, store.ranks)
         self._persistence_ready = True
 
-    async def _persist(self, version: int) -> None:
+    async def persist(self, version: int) -> None:
         """After ``guard.commit(version)``: the workers hold host copies of what this update loaded;
         each merges its own into its saved union in a background thread. A tracked
         task waits for that write, so ``/get_num_background_tasks`` counts it (bounded)."""
         if self.store is None:
             return
-        writes = await self.port.call_workers("rp_persist", version)
+        writes = await self.calls.persist(version)
         if not any(writes):
             log.warning("version %d: no worker kept the pushed weights; it is not persisted", version)
             return
@@ -256,7 +258,7 @@ class ControlPlaneState:
         async def wait_written() -> None:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + PERSIST_WAIT_S
-            while any(await self.port.call_workers("rp_persist_pending")):
+            while any(await self.calls.persist_pending()):
                 if loop.time() > deadline:
                     log.error(
                         "persisting version %d took over %.0fs; still running in the workers",
@@ -266,10 +268,10 @@ class ControlPlaneState:
                     return
                 await asyncio.sleep(0.05)
 
-        self._spawn(wait_written(), f"persist-v{version}")
+        self.spawn(wait_written(), f"persist-v{version}")
 
 
-async def _outcome(task: asyncio.Task[None]) -> str | None:
+async def task_error(task: asyncio.Task[None]) -> str | None:
     """None when ``task`` succeeded, else its error."""
     try:
         await task
@@ -278,25 +280,25 @@ async def _outcome(task: asyncio.Task[None]) -> str | None:
     return None
 
 
-def _slowest(results: list[dict[str, Any]]) -> dict[str, float]:
-    """Each step's latest stamp over the workers' results (``times``): when every worker was past it."""
+def slowest(steps: Iterable[Mapping[str, float | None]]) -> dict[str, float]:
+    """Each step's latest stamp over the workers' stamps (their ``times``): when every worker was past it."""
     times: dict[str, float] = {}
-    for r in results:
-        for key, t in (r.get("times") or {}).items():
+    for r in steps:
+        for key, t in r.items():
             if t is not None:
                 times[key] = max(t, times.get(key, t))
     return times
 
 
-def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+def merge(results: Sequence[WorkerReceived]) -> dict[str, Any]:
     """One verdict from every worker's result."""
-    errors = [r["error"] for r in results if not r["ok"]]
+    errors = [str(r.error) for r in results if not r.ok]
     return {
-        "times": _slowest(results),
+        "times": slowest(r.times for r in results),
         "ok": not errors,
-        "partial": any(r["partial"] for r in results),
-        "bytes": max((r["bytes"] for r in results), default=0),
-        "in_place_bytes": min((r.get("in_place_bytes", 0) for r in results), default=0),
+        "partial": any(r.partial for r in results),
+        "bytes": max((r.bytes for r in results), default=0),
+        "in_place_bytes": min((r.in_place_bytes for r in results), default=0),
         "error": "; ".join(errors) if errors else None,
-        "sliced": any(r.get("sliced") for r in results),  # the workers agreed on it, all alike
+        "sliced": any(r.sliced for r in results),  # the workers agreed on it, all alike
     }

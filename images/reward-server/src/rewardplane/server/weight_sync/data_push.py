@@ -32,7 +32,7 @@ STOP_TIMEOUT_S = 5.0
 
 
 class PushHost(Protocol):
-    """The service's side (``control_plane.WeightSyncService``), run on the event loop."""
+    """The control plane's side (``control_data_plane.DataPlanePushes``), run on the event loop."""
 
     async def admit_data_push(self, header: PushHeader, arrived: float) -> Any:
         """A ``control_state.DataPush``: ``error`` (refused, with ``code``) or admitted, ``apply``."""

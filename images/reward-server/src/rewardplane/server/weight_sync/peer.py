@@ -23,14 +23,14 @@ import time
 
 from rewardplane.protocol import SendWeightsRequest
 from rewardplane.server.errors import Conflict
-from rewardplane.server.weight_sync.control_plane import WeightSyncService
+from rewardplane.server.weight_sync.control_state import ControlPlaneState
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often the end of a send is asked for (a worker call each)
 
 
-async def send_weights(service: WeightSyncService, req: SendWeightsRequest) -> None:
+async def send_weights(service: ControlPlaneState, req: SendWeightsRequest) -> None:
     """Check that this server can send ``req.version`` now, then send it in the background."""
     guard = service.guard
     if guard.state != "serving" or guard.version != req.version:
@@ -46,7 +46,7 @@ async def send_weights(service: WeightSyncService, req: SendWeightsRequest) -> N
             "sent to peers: push again (the adapter, or merged weights) to bring the replica up"
         )
     names = list(service.manifest)
-    problems = await service.port.call_workers("rp_peer_send_problem", names)
+    problems = await service.calls.peer_send_problems(names)
     if len(problems) != 1:
         raise Conflict(
             f"this replica is tensor-parallel ({len(problems)} workers, each holding a shard): it cannot send its "
@@ -66,8 +66,7 @@ async def send_weights(service: WeightSyncService, req: SendWeightsRequest) -> N
 
     async def send() -> None:
         try:
-            await service.port.call_workers(
-                "rp_peer_send_start",
+            await service.calls.peer_send_start(
                 metadata,
                 req.port,
                 req.world_size,
@@ -84,7 +83,7 @@ async def send_weights(service: WeightSyncService, req: SendWeightsRequest) -> N
         deadline = time.monotonic() + limit_s
         try:
             while time.monotonic() < deadline:
-                outcome = (await service.port.call_workers("rp_peer_send_outcome"))[0]
+                outcome = (await service.calls.peer_send_outcomes())[0]
                 if outcome is not None:
                     ok, detail = outcome
                     if ok:
@@ -100,5 +99,5 @@ async def send_weights(service: WeightSyncService, req: SendWeightsRequest) -> N
 
     # Counted as the running update from here on, with no await between the check above and this:
     # a push or restore arriving meanwhile is refused (409), so the weights cannot change under the send.
-    service._update_task = service._spawn(send(), f"send-v{req.version}")
+    service.update_task = service.spawn(send(), f"send-v{req.version}")
     await started  # a send the worker could not start fails this request

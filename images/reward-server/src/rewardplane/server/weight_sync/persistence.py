@@ -25,7 +25,7 @@ parameter, within vLLM's memory fraction. Weights saved by a replica of another 
 size (the RewardModel's size changed; the directory stays the Pod's) are put together into whole
 tensors from all of that replica's workers and saved again at this size by the restore.
 
-This module is the store; ``control_plane.WeightSyncService`` drives it (``_persist``, ``restore``)
+This module is the store; the control plane drives it (``control_state.ControlPlaneState.persist``, ``control_restore``)
 and ``routes.persistence_router`` serves ``POST /restore_weights``.
 """
 

@@ -1,2 +1,2 @@
-"""The parts of the weight-sync worker extension, one concern each; ``worker_extension``
-composes them into the class vLLM loads."""
+"""The parts of the weight-sync worker extension, one concern each, over the engine's
+``WorkerHost`` (``state.py``); ``parts.py`` builds them and ``worker_extension`` owns them."""

@@ -1,4 +1,5 @@
-"""Adapter-only sync: serving pushed LoRA tensors as the adapter every request scores with."""
+"""Adapter-only sync: serving pushed LoRA tensors as the adapter every request scores with (vLLM's
+LoRA manager here; the transformers engine's is ``engines/lora_hooks.py``)."""
 
 from __future__ import annotations
 
@@ -23,21 +24,20 @@ from rewardplane.server.engines.vllm_lora import (
     lora_model_from_tensors,
     peft_adapter_config,
 )
-from rewardplane.server.weight_sync.worker.base import WorkerBase
+from rewardplane.server.weight_sync.worker.state import WorkerState
 from rewardplane.transport.buckets import unpack_bucket
 
 log = logging.getLogger(__name__)
 
 
-class AdapterPart(WorkerBase):
-    """The adapter this worker serves, and how it is built (in memory, or from a PEFT directory)."""
+class Adapters:
+    """Serving a staged adapter push: the LoRA tensors through the engine's adapter support, the
+    plain parameters (e.g. the head) loaded in place."""
 
-    # The adapter this worker serves (adapter-only sync): its id and where it was written (None:
-    # built in memory). Whether adapters are built in memory: off once vLLM's internals differ.
-    _rp_adapter: tuple[int, Path | None] | None = None
-    _rp_lora_from_memory = True
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
 
-    def rp_apply_adapter(
+    def apply(
         self, metadata: list[dict[str, Any]], adapter: dict[str, Any], adapter_id: int
     ) -> dict[str, Any]:
         """Serve the staged LoRA tensors as adapter ``adapter_id`` (replacing the current one), and load
@@ -45,8 +45,9 @@ class AdapterPart(WorkerBase):
         anything changes: a bad one leaves the old adapter serving. Returns where it was written
         (``path``, None when built in memory) and when each step ended (``times``, monotonic: the
         update's timeline)."""
+        state = self.state
         metas = [ParamMeta(**m) for m in metadata]
-        staged, self._rp_staged = self._rp_staged or [], None
+        staged, state.staged = state.staged or [], None
         lora: dict[str, torch.Tensor] = {}
         plain: list[tuple[str, torch.Tensor]] = []
         for bucket, buf in staged:
@@ -56,21 +57,33 @@ class AdapterPart(WorkerBase):
                 else:
                     plain.append((name, tensor))
         times = {"adapter_unpacked": time.monotonic()}
-        path = self.rp_set_adapter(lora, AdapterConfig(**adapter), adapter_id, times)
-        self._rp_kept = None  # adapters are not persisted (docs/weight-sync.md)
+        path = state.host.set_adapter(lora, AdapterConfig(**adapter), adapter_id, times)
+        state.kept = None  # adapters are not persisted (docs/weight-sync.md)
         if plain:
-            self.rp_load(plain)
+            state.host.load(plain)
         times["adapter_plain_loaded"] = time.monotonic()
         return {"path": path, "times": times}
 
-    def rp_set_adapter(
+
+class VLLMAdapters:
+    """The adapter a vLLM worker serves, through its LoRA manager (``add_lora``/``remove_lora``)."""
+
+    # Whether adapters are built in memory (every worker of the process): off once vLLM's internals differ.
+    lora_from_memory = True
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        # The adapter served: its id and where it was written (None: built in memory).
+        self.served: tuple[int, Path | None] | None = None
+
+    def set(
         self,
         tensors: dict[str, torch.Tensor],
         adapter: AdapterConfig,
         adapter_id: int,
         times: dict[str, float],
     ) -> str | None:
-        """vLLM: serve ``tensors`` as adapter ``adapter_id`` through the worker's LoRA manager, then
+        """Serve ``tensors`` as adapter ``adapter_id`` through the worker's LoRA manager, then
         drop the previous adapter. Scoring requests name it (``ServedAdapter``). The adapter is
         built from the tensors where they are (``vllm_lora.py``); where this vLLM's LoRA manager is
         not shaped for that, it is written in PEFT's format to a tmpfs directory and loaded from
@@ -79,47 +92,45 @@ class AdapterPart(WorkerBase):
         from vllm.lora.request import LoRARequest
 
         name = f"rp-adapter-{adapter_id}"
-        if AdapterPart._rp_lora_from_memory:
+        worker = self.worker
+        if VLLMAdapters.lora_from_memory:
             try:
-                manager = self.model_runner.lora_manager  # type: ignore[attr-defined]
+                manager = worker.model_runner.lora_manager
                 lora = lora_model_from_tensors(manager, adapter_id, tensors, adapter)
                 times["adapter_built"] = time.monotonic()
                 with loading_from_memory(manager, adapter_id, lora):
-                    loaded = self.add_lora(LoRARequest(name, adapter_id, IN_MEMORY_PATH))  # type: ignore[attr-defined]
+                    loaded = worker.add_lora(LoRARequest(name, adapter_id, IN_MEMORY_PATH))
             except VLLMInternalsChanged as e:
                 log.warning("adapters are loaded from a directory from now on (slower): %s", e)
-                AdapterPart._rp_lora_from_memory = False
+                VLLMAdapters.lora_from_memory = False
             else:
                 if not loaded:
                     raise RuntimeError(f"vLLM did not load adapter {adapter_id}")
                 times["adapter_added"] = time.monotonic()
-                self._rp_drop_adapter()
-                self._rp_adapter = (adapter_id, None)
+                self.drop()
+                self.served = (adapter_id, None)
                 times["adapter_previous_dropped"] = time.monotonic()
                 return None
         path = _adapter_root() / str(adapter_id)
         write_peft_adapter(path, tensors, adapter)
         times["adapter_written"] = time.monotonic()
         try:
-            if not self.add_lora(LoRARequest(name, adapter_id, str(path))):  # type: ignore[attr-defined]
+            if not worker.add_lora(LoRARequest(name, adapter_id, str(path))):
                 raise RuntimeError(f"vLLM did not load adapter {adapter_id}")
         except Exception:
             shutil.rmtree(path, ignore_errors=True)
             raise
         times["adapter_added"] = time.monotonic()
-        self._rp_drop_adapter()
-        self._rp_adapter = (adapter_id, path)
+        self.drop()
+        self.served = (adapter_id, path)
         times["adapter_previous_dropped"] = time.monotonic()
         return str(path)
 
-    def rp_clear_adapter(self) -> None:
+    def drop(self) -> None:
         """Back to the base weights alone (a full or merged push replaces what the adapter adapted)."""
-        self._rp_drop_adapter()
-
-    def _rp_drop_adapter(self) -> None:
-        old, self._rp_adapter = self._rp_adapter, None
+        old, self.served = self.served, None
         if old is not None:
-            self.remove_lora(old[0])  # type: ignore[attr-defined]
+            self.worker.remove_lora(old[0])
             if old[1] is not None:
                 shutil.rmtree(old[1], ignore_errors=True)
 

@@ -12,39 +12,48 @@ import torch
 
 from rewardplane.protocol import PushGo, PushLoaded, PushVerdict
 from rewardplane.server.weight_sync.push_channel import COMING, SPIN_S, ChannelClosed, WorkerChannel
-from rewardplane.server.weight_sync.worker.receive import ReceivePart
+from rewardplane.server.weight_sync.worker.receive import Receiver
+from rewardplane.server.weight_sync.worker.state import WorkerState
 from rewardplane.transport.comm import Communicator
 from rewardplane.transport.transfer import Received, receive_buckets
 
 log = logging.getLogger(__name__)
 
 
-class DataPushListener(ReceivePart):
+class DataPushListener:
     """The listener thread and one data-plane push at a time."""
 
-    def rp_listen(self, address: str, authkey: bytes) -> bool:
+    def __init__(self, state: WorkerState, receiver: Receiver) -> None:
+        self.state = state
+        self.receiver = receiver
+        self.slicing = receiver.slicing
+        self.persistence = receiver.persistence
+        self.staging = receiver.slicing.staging
+        self._thread: threading.Thread | None = None
+        self._outcome: tuple[int, PushLoaded] | None = None  # the last push's seq and what was reported
+
+    def listen(self, address: str, authkey: bytes) -> bool:
         """Wait, on a thread of this worker, for pushes the control plane lets through (its
         ``PushGo`` over the push channel at ``address``, ``push_channel``); False without a
         communicator. Between pushes the thread is blocked on a socket: no GPU work is pending and
         the GIL is free, so scoring runs as without it."""
-        comm = self._rp_comm
+        state = self.state
+        comm = state.comm
         if comm is None:
             return False
-        self._rp_stop_listening()
+        state.stop_listening()
         stop = threading.Event()
         thread = threading.Thread(
-            target=self._rp_listen_loop,
+            target=self._loop,
             args=(comm, address, authkey, stop),
             name="rp-push-listener",
             daemon=True,
         )
-        self._rp_listener, self._rp_listen_stop = thread, stop
+        self._thread, state.listen_stop = thread, stop
         thread.start()
         return True
 
-    def _rp_listen_loop(
-        self, comm: Communicator, address: str, authkey: bytes, stop: threading.Event
-    ) -> None:
+    def _loop(self, comm: Communicator, address: str, authkey: bytes, stop: threading.Event) -> None:
         if comm.device.type == "cuda":
             torch.cuda.set_device(comm.device)  # the device is per thread
         try:
@@ -60,7 +69,7 @@ class DataPushListener(ReceivePart):
                 if raw is None:
                     return
                 go = PushGo.model_validate_json(raw)
-                if self._rp_comm is not comm or not self._rp_data_push(comm, channel, go):
+                if self.state.comm is not comm or not self._push(comm, channel, go):
                     return
         except ChannelClosed as exc:
             log.info("stopped waiting for pushes: %s", exc)
@@ -69,18 +78,19 @@ class DataPushListener(ReceivePart):
         finally:
             channel.close()
 
-    def _rp_data_push(self, comm: Communicator, channel: WorkerChannel, go: PushGo) -> bool:
+    def _push(self, comm: Communicator, channel: WorkerChannel, go: PushGo) -> bool:
         """One push: the ready reduction, the transfer, the report, the commit reduction. Returns
         whether to wait for the next one (False once the group is unusable)."""
         entered = time.monotonic()
-        layout = None if go.error else self._rp_layout(None, go.bucket_bytes, go.layout_id)
+        state, slicing = self.state, self.slicing
+        layout = None if go.error else self.receiver.layout(None, go.bucket_bytes, go.layout_id)
         refusal = go.error or (None if layout else f"layout {go.layout_id} is not cached in this worker")
         if refusal is None and go.sliced:  # the places it was published for still valid, and room to stage
-            refusal = self._rp_sliced_problem(comm, go.layout_id) or self._rp_sliced_staging_problem(
+            refusal = slicing.problem(comm, go.layout_id) or slicing.staging_problem(
                 go.layout_id, atomic=not go.apply
             )
         elif refusal is None and layout is not None and not go.apply:  # atomic: is there room to stage it?
-            refusal = self.rp_staging_problem(sum(b.nbytes for b in layout[1]))
+            refusal = self.staging.problem(sum(b.nbytes for b in layout[1]))
         got = Received()
 
         agreed: float | None = None
@@ -107,14 +117,14 @@ class DataPushListener(ReceivePart):
                 error=error,
                 times=times,
             )
-            self._rp_push_outcome = (go.seq, msg)
+            self._outcome = (go.seq, msg)
             channel.send(msg.model_dump_json().encode())
 
         try:
             agreement = comm.max_flag(1 if refusal else 0)
         except Exception as exc:  # communication failed: the trainer died or timed out
-            if self._rp_comm is comm:
-                self.rp_close_communicator()
+            if state.comm is comm:
+                self.receiver.close()
             report(False, error=str(exc))
             return False
         ready_posting, ready_posted = comm.flag_calling, comm.flag_enqueued
@@ -124,11 +134,11 @@ class DataPushListener(ReceivePart):
         agreed = time.monotonic()  # the ready reduction is done: every rank accepted
         assert layout is not None
         metas, plan = layout
-        self._rp_kept = {} if go.apply and self._rp_keeps() else None
-        load = self._rp_load_kept if go.apply else None
+        self.persistence.start_keeping(go.apply)
+        load = self.persistence.load_kept if go.apply else None
         try:
             if go.sliced:
-                self._rp_receive_sliced(comm, go.layout_id, metas, got, stage=not go.apply)
+                slicing.receive(comm, go.layout_id, metas, got, stage=not go.apply)
             else:
                 receive_buckets(
                     comm,
@@ -138,21 +148,22 @@ class DataPushListener(ReceivePart):
                     load,
                     out=got,
                     plan=plan,
-                    place=self.rp_place,
+                    place=state.place,
                 )
         except Exception as exc:  # communication failed: the trainer died or timed out
-            if self._rp_comm is comm:
-                self.rp_close_communicator()
+            if state.comm is comm:
+                self.receiver.close()
             report(False, error=str(exc))
             return False
         if got.error is not None:
             report(False, error=got.error)
         else:
-            self._rp_staged = None if go.apply else got.staged
-            self._rp_staged_layout = None if go.apply or go.sliced else (comm, go.layout_id, metas, plan)
+            # before the report: the control plane may apply what was staged as soon as it has it
+            state.staged = None if go.apply else got.staged
+            slicing.staged_layout = None if go.apply or go.sliced else (comm, go.layout_id, metas, plan)
             report(True)
             if go.apply and not go.sliced:
-                self._rp_publish_slices(comm, go.layout_id, metas, plan)
+                slicing.publish(comm, go.layout_id, metas, plan)
         # the control plane commits (or not) and says so; the trainer learns it in one reduction
         try:
             raw = channel.recv(comm.timeout.total_seconds(), spin_s=SPIN_S)
@@ -162,15 +173,15 @@ class DataPushListener(ReceivePart):
         # False when some replica failed: the trainer forms a new group
         return comm.max_flag(0 if committed else 1) == 0
 
-    def rp_push_outcome(self, seq: int, timeout_s: float) -> dict[str, Any]:
+    def outcome(self, seq: int, timeout_s: float) -> dict[str, Any]:
         """What the listener reported for push ``seq`` (for the control plane when the store is gone);
         waits for it, bounded. Unknown → a failure that may have overwritten weights."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            outcome = self._rp_push_outcome
+            outcome = self._outcome
             if outcome is not None and outcome[0] == seq:
                 return outcome[1].model_dump()
-            if self._rp_listener is None or not self._rp_listener.is_alive():
+            if self._thread is None or not self._thread.is_alive():
                 break
             time.sleep(0.01)
         return PushLoaded(

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from rewardplane.protocol import ParamMeta
-from rewardplane.server.weight_sync.worker.base import WorkerBase
+from rewardplane.server.weight_sync.worker.state import WorkerHost
 from rewardplane.transport.buckets import torch_dtype
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.transfer import send_buckets
@@ -17,31 +17,24 @@ from rewardplane.transport.transfer import send_buckets
 log = logging.getLogger(__name__)
 
 
-class PeerSendPart(WorkerBase):
-    """Reading the live weights back under their pushed names, and sending them on a thread."""
+class PeerSender:
+    """Reading the live weights back under their pushed names (``WorkerHost.peer_view``), and
+    sending them on a thread."""
 
-    def rp_named_parameters(self) -> dict[str, torch.Tensor] | None:
-        """The live parameters under their pushed names, for the base fingerprint; None where they
-        are not (vLLM fuses q/k/v and gate/up, shards for TP, and its tensors cannot travel back over
-        its RPC). A peer send reads them in the worker instead (``rp_peer_send_start``)."""
-        return None
+    def __init__(self, host: WorkerHost) -> None:
+        self.host = host
+        self._thread: threading.Thread | None = None
+        self._outcome: tuple[bool, str] | None = None  # (succeeded, detail) of the last send
 
-    def _rp_peer_view(self, name: str) -> torch.Tensor | None:
-        """The live tensor that holds ``name``'s values under its pushed shape, read in place. vLLM:
-        the parameter slice a push copied it into (the copy plan), where it has been pushed since
-        the replica started and the loader only copied it (tensor parallelism shards instead)."""
-        plan = self._rp_copy_plan
-        return None if plan is None else plan.held(name)
-
-    def rp_peer_send_problem(self, names: list[str]) -> str | None:
+    def problem(self, names: list[str]) -> str | None:
         """Why this worker cannot send ``names`` to a peer now, or None."""
-        missing = [n for n in names if self._rp_peer_view(n) is None]
+        missing = [n for n in names if self.host.peer_view(n) is None]
         if not missing:
             return None
         why = "they were not pushed to this replica since it started, or its loader transforms them"
         return f"{len(missing)} of {len(names)} parameters cannot be read back under their pushed names ({why}): e.g. {missing[:3]}"
 
-    def rp_peer_send_start(
+    def start(
         self,
         metadata: list[dict[str, Any]],
         port: int,
@@ -52,22 +45,22 @@ class PeerSendPart(WorkerBase):
     ) -> None:
         """Host the group's rendezvous, take its last rank and broadcast ``metadata``'s tensors as a
         full push, on a thread of its own (vLLM's engine loop, and scoring, go on meanwhile);
-        ``rp_peer_send_outcome`` tells how it ended."""
-        if self._rp_sender is not None and self._rp_sender.is_alive():
+        ``outcome`` tells how it ended."""
+        if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("this worker is sending its weights to peers already")
         metas = [ParamMeta(**m) for m in metadata]
-        device = self.rp_device()
+        device = self.host.device()
         tensors: dict[str, torch.Tensor] = {}
         for meta in metas:
-            view = self._rp_peer_view(meta.name)
+            view = self.host.peer_view(meta.name)
             if view is None:
-                raise LookupError(f"{meta.name} cannot be read back (rp_peer_send_problem says why)")
+                raise LookupError(f"{meta.name} cannot be read back (the send problem says why)")
             # the wire carries the manifest's dtype (an fp32 head pushed as bf16 goes back as bf16)
             want = torch_dtype(meta.dtype)
             tensors[meta.name] = (
                 view if view.dtype == want and view.is_contiguous() else view.to(want).contiguous()
             )
-        self._rp_send_outcome = None
+        self._outcome = None
 
         def send() -> None:
             if device.type == "cuda":
@@ -93,20 +86,20 @@ class PeerSendPart(WorkerBase):
                     comm.abort()  # the receivers see the group fail at once instead of waiting it out
                     raise
                 comm.close()
-                self._rp_send_outcome = (
+                self._outcome = (
                     (False, "a receiver reported a failure")
                     if failed
                     else (True, f"{sent} bytes to {rank} rank(s)")
                 )
-            except Exception as e:  # reported through rp_peer_send_outcome; this replica only read
+            except Exception as e:  # reported through outcome(); this replica only read
                 log.exception("sending the weights to peers failed")
-                self._rp_send_outcome = (False, f"{type(e).__name__}: {e}")
+                self._outcome = (False, f"{type(e).__name__}: {e}")
 
-        self._rp_sender = threading.Thread(target=send, name="rp-peer-send", daemon=True)
-        self._rp_sender.start()
+        self._thread = threading.Thread(target=send, name="rp-peer-send", daemon=True)
+        self._thread.start()
 
-    def rp_peer_send_outcome(self) -> tuple[bool, str] | None:
+    def outcome(self) -> tuple[bool, str] | None:
         """(succeeded, what happened) once the send started last has ended; None while it runs."""
-        if self._rp_sender is not None and self._rp_sender.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             return None
-        return self._rp_send_outcome or (False, "no send was started")
+        return self._outcome or (False, "no send was started")

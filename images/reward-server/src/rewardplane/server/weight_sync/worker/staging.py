@@ -9,36 +9,39 @@ import torch
 
 from rewardplane.protocol import ParamMeta
 from rewardplane.server.weight_sync.staging import staging_limit_from_env, staging_problem
-from rewardplane.server.weight_sync.worker.persistence import PersistencePart
+from rewardplane.server.weight_sync.worker.persistence import Persistence
+from rewardplane.server.weight_sync.worker.state import WorkerState
 from rewardplane.transport.buckets import unpack_bucket
 
 
-class StagingPart(PersistencePart):
-    """Staged updates of this worker."""
+class Staging:
+    """Staged updates of this worker (``state.staged``), and the room to stage one."""
 
-    def rp_apply_staged(self, metadata: list[dict[str, Any]]) -> None:
+    def __init__(self, state: WorkerState, persistence: Persistence) -> None:
+        self.state = state
+        self.persistence = persistence
+
+    def apply(self, metadata: list[dict[str, Any]]) -> None:
         metas = [ParamMeta(**m) for m in metadata]  # staged updates are not on the fast path
-        staged, self._rp_staged = self._rp_staged or [], None
-        self._rp_kept = {} if self._rp_keeps() else None
+        staged, self.state.staged = self.state.staged or [], None
+        self.persistence.start_keeping()
         for bucket, buf in staged:
-            self._rp_load_kept(list(unpack_bucket(bucket, metas, buf)))
+            self.persistence.load_kept(list(unpack_bucket(bucket, metas, buf)))
 
-    def rp_drop_staged(self) -> None:
-        self._rp_staged = None
+    def drop(self) -> None:
+        self.state.staged = None
 
-    def rp_staging_problem(
-        self, nbytes: int, what: str | None = None, advice: str | None = None
-    ) -> str | None:
+    def problem(self, nbytes: int, what: str | None = None, advice: str | None = None) -> str | None:
         """Why this worker cannot stage ``nbytes`` (for an atomic push, or ``what`` says), or None
         (``staging.py``)."""
-        device = self.rp_device()
-        free = self.rp_cuda_free_bytes()
+        device = self.state.host.device()
+        free = self.cuda_free_bytes()
         cached = 0
         if device.type == "cuda":
             cached = int(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
         return staging_problem(
             nbytes,
-            where=self.rp_where(),
+            where=self.where(),
             free=free,
             cached=cached,
             limit=staging_limit_from_env(),
@@ -46,13 +49,13 @@ class StagingPart(PersistencePart):
             advice=advice,
         )
 
-    def rp_where(self) -> str:
-        device = self.rp_device()
+    def where(self) -> str:
+        device = self.state.host.device()
         return f"GPU {device.index}" if device.type == "cuda" else "this server's host memory"
 
-    def rp_cuda_free_bytes(self) -> int | None:
+    def cuda_free_bytes(self) -> int | None:
         """Free memory of this worker's GPU (``cudaMemGetInfo``); None off CUDA."""
-        device = self.rp_device()
+        device = self.state.host.device()
         if device.type != "cuda":
             return None
         return int(torch.cuda.mem_get_info(device)[0])

@@ -1,0 +1,48 @@
+"""The worker's parts, built once over one engine's ``WorkerHost``: each gets the state and the
+parts it works with, and nothing else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rewardplane.server.weight_sync.worker.adapters import Adapters
+from rewardplane.server.weight_sync.worker.join import Joins
+from rewardplane.server.weight_sync.worker.listener import DataPushListener
+from rewardplane.server.weight_sync.worker.peer_send import PeerSender
+from rewardplane.server.weight_sync.worker.persistence import Persistence
+from rewardplane.server.weight_sync.worker.receive import Receiver
+from rewardplane.server.weight_sync.worker.slicing import Slicing
+from rewardplane.server.weight_sync.worker.staging import Staging
+from rewardplane.server.weight_sync.worker.state import WorkerHost, WorkerState
+
+
+@dataclass(frozen=True)
+class WorkerParts:
+    state: WorkerState
+    persistence: Persistence
+    staging: Staging
+    slicing: Slicing
+    receiver: Receiver
+    joins: Joins
+    listener: DataPushListener
+    adapters: Adapters
+    peer: PeerSender
+
+    @classmethod
+    def build(cls, host: WorkerHost) -> WorkerParts:
+        state = WorkerState(host)
+        persistence = Persistence(state)
+        staging = Staging(state, persistence)
+        slicing = Slicing(state, persistence, staging)
+        receiver = Receiver(state, persistence, slicing)
+        return cls(
+            state=state,
+            persistence=persistence,
+            staging=staging,
+            slicing=slicing,
+            receiver=receiver,
+            joins=Joins(state, receiver),
+            listener=DataPushListener(state, receiver),
+            adapters=Adapters(state),
+            peer=PeerSender(host),
+        )
