@@ -216,7 +216,7 @@ def replica_cause(
                 "spec.resources.limits.memory (the model's weights, its activations and the tokenizer must fit)",
             )
         if MODEL_FILES_UNREADABLE in str(last.get("message") or ""):
-            return Cause(MODEL_UNREADABLE, replica_problem(pod, probe))
+            return Cause(MODEL_UNREADABLE, unreadable_problem(pod, str(last["message"])))
     if mount_problem:
         return Cause(
             FAILED_MOUNT,
@@ -228,6 +228,57 @@ def replica_cause(
         looping = ((statuses[0].get("state") or {}).get("waiting") or {}).get("reason") == CRASH_LOOP
         return Cause(CRASH_LOOP if looping else REPLICAS_UNHEALTHY, replica_problem(pod, probe))
     return None
+
+
+def node_paths(pod: Mapping[str, Any], text: str) -> str:
+    """``text`` with the container's paths of hostPath volumes written as the node's (where an
+    administrator fixes them); a path on a PersistentVolumeClaim is named with its claim."""
+    spec = pod.get("spec") or {}
+    volumes = {v.get("name"): v for v in spec.get("volumes") or []}
+    mounts = [m for c in spec.get("containers") or [] for m in c.get("volumeMounts") or []]
+    claims: list[str] = []
+    # the deepest mount first: /mnt/models/x must not be rewritten by a mount at /mnt
+    for mount in sorted(mounts, key=lambda m: -len(str(m.get("mountPath") or ""))):
+        where, volume = str(mount.get("mountPath") or "").rstrip("/"), volumes.get(mount.get("name")) or {}
+        if not where or where not in text:
+            continue
+        if volume.get("hostPath"):
+            node = str(volume["hostPath"].get("path") or "").rstrip("/") + (
+                "/" + mount["subPath"] if mount.get("subPath") else ""
+            )
+            text = text.replace(where + "/", node + "/").replace(where + " ", node + " ")
+        elif volume.get("persistentVolumeClaim"):
+            claim = volume["persistentVolumeClaim"].get("claimName")
+            claims.append(
+                f"{where} is PersistentVolumeClaim {claim}"
+                + (f" at {mount['subPath']}" if mount.get("subPath") else "")
+            )
+    return text + (f" ({'; '.join(claims)})" if claims else "")
+
+
+def unreadable_problem(pod: Mapping[str, Any], message: str) -> str:
+    """The server's whole "model files unreadable" line (file, mode, owner, uid, the fix), with the
+    node's paths: the fix is made on the node or the volume, not inside the container."""
+    name = (pod.get("metadata") or {}).get("name", "")
+    line = next(
+        (ln.strip() for ln in message.splitlines() if MODEL_FILES_UNREADABLE in ln),
+        message.strip(),
+    )
+    line = line[line.index(MODEL_FILES_UNREADABLE) :] if MODEL_FILES_UNREADABLE in line else line
+    return f"{name}: {node_paths(pod, line)}; {pod_restarts(pod)} restart(s)"
+
+
+def mount_problem(events: Sequence[Mapping[str, Any]]) -> str | None:
+    """The message of a Pod's FailedMount Events that names the cause. The kubelet alternates two:
+    the volume's own error (the missing path) and a generic "Unable to attach or mount volumes ...
+    timed out waiting for the condition"; the newest of the first kind wins."""
+
+    def stamp(e: Mapping[str, Any]) -> str:
+        return str(e.get("lastTimestamp") or e.get("eventTime") or "")
+
+    specific = [e for e in events if "timed out waiting for the condition" not in str(e.get("message") or "")]
+    chosen = max(specific or events, key=stamp, default=None)
+    return " ".join(str(chosen.get("message") or "").split()) if chosen is not None else None
 
 
 def _fetch_status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -532,14 +583,21 @@ def compute_status(
         )
         is not None
     }
+    persisted = bool(plan and plan.spec.weight_sync.persist_dir)
     for name in lost_pods:
         if name in have:
             causes[name] = Cause(
                 WEIGHTS_LOST,
                 f"{name} lost weights version {target_version}: it restarted on its base weights and "
                 "neither a saved copy nor a healthy replica on that version can restore it; push "
-                f"version {target_version} again (a full push), or set spec.weightSync.persistDir to "
-                "keep pushed weights across Pod replacements",
+                f"version {target_version} again (a full push)"
+                + (
+                    f" (its saved copy under spec.weightSync.persistDir on node "
+                    f"{(next((p for p in live if p['metadata']['name'] == name), {}).get('spec') or {}).get('nodeName', '?')}"
+                    " does not hold that version: the node's directory was emptied, or the replica moved there)"
+                    if persisted
+                    else ", or set spec.weightSync.persistDir to keep pushed weights across Pod replacements"
+                ),
             )
     broken = sorted(causes)
 
@@ -619,6 +677,13 @@ def compute_status(
                 True,
                 "RestoringWeights",
                 f"bringing {', '.join(restoring)} to weights version {target_version}",
+            )
+        elif broken:
+            # every Pod is as the spec wants, yet not every replica serves: nothing is rolling out
+            progressing = (
+                False,
+                "ReplicasBroken",
+                f"{ready}/{desired} replica(s) serve; {', '.join(broken)} cannot start or serve (see Degraded)",
             )
         else:
             progressing = (False, "RolloutComplete", f"{desired} replica(s) up to date")
