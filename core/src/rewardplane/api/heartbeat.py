@@ -16,7 +16,7 @@ from typing import Any
 CONFIRMED_AT = "confirmedAt"
 CONFIRM_INTERVAL = "confirmIntervalSeconds"
 # A resync is late by whatever the queue of reconciles holds: room for it besides two missed ticks.
-SLACK_S = 30.0
+SLACK_S = 15.0
 
 
 def parse_time(stamp: object) -> datetime | None:

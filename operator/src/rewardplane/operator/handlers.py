@@ -214,6 +214,12 @@ def weightsync_changed(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     memo.weightsyncs.handle(_key(body))
 
 
+@kopf.on.event(*WS_RESOURCE)
+def weightsync_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+    if type == "DELETED":  # no finalizer: the object is gone, its last state is in the event
+        memo.weightsyncs.deleted(plain(body))
+
+
 @kopf.on.resume(*WS_RESOURCE, id="resume")
 def weightsync_resumed(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     _attach(memo, kwargs)

@@ -178,10 +178,24 @@ class WeightSyncDriver:
 
     def _patch_status(self, ws: Mapping[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
         meta = ws["metadata"]
-        body = self.kube.merge_patch(
-            custom_path(meta["namespace"], meta["name"], wsapi.WS_PLURAL) + "/status", {"status": patch}
-        )
-        return body
+        try:
+            return self.kube.merge_patch(
+                custom_path(meta["namespace"], meta["name"], wsapi.WS_PLURAL) + "/status", {"status": patch}
+            )
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+            # deleted mid-push: the push goes on to its end (the trainer may be sending), unrecorded
+            log.info("WeightSync %s/%s is gone; its status is not written", meta["namespace"], meta["name"])
+            return {}
+
+    def deleted(self, ws: Mapping[str, Any]) -> None:
+        """A WeightSync deleted while its push waits for the trainer (Pending, Rendezvous): the
+        replicas' joins of its group are cancelled at once, so the push ends now and the model takes
+        the next push, instead of both waiting for a trainer that was told to give up. A push
+        already Transferring is left to end: the trainer sends to the replicas directly."""
+        if ((ws.get("status") or {}).get("phase")) in (wsm.PENDING, wsapi.RENDEZVOUS):
+            self._cancel_joins(ws)
 
     def _finish(
         self,
