@@ -25,7 +25,7 @@ from rewardplane.protocol.model_sources import FETCH_CONTAINER, FetchProgress
 
 from . import metrics
 from .children import Children
-from .cluster import ApiCluster, ClusterReader
+from .cluster import ApiCluster, ClusterReader, plain
 from .coalesce import Coalescer
 from .ownership import of_model
 from .planning import ClusterView, Plan, gpus_in_use, plan_reward_model
@@ -186,6 +186,7 @@ class Reconciler:
         collection later (the next object of the name would find the old token Secret and
         Service, which the collector then deletes under it), the weights it persisted removed from
         every node, and the operator's in-memory state of the model forgotten."""
+        rm = plain(rm)  # a kopf body is a view; the wipe Pod is built from plain values
         self.retirement.pods_gone(rm)
         self.children.delete_unowned(rm, delete_children=True)
         self.retirement.wipe(rm)
