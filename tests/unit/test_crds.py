@@ -15,9 +15,10 @@ import yaml
 
 from rewardplane.api.heartbeat import confirmation
 from rewardplane.api.spec import NO_IMAGE, RewardModelSpec
+from rewardplane.operator.conditions import compute_status
 from rewardplane.operator.planning import ClusterView, NodeInfo, plan_reward_model, validate_spec
 from rewardplane.operator.render import render_children
-from rewardplane.operator.status import ProbeResult, compute_status
+from rewardplane.operator.status import ProbeResult
 from rewardplane.protocol import Endpoints
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ from rewardplane.protocol import settings
 from . import metrics
 from .cluster import NETWORK_POLICIES, SECRETS, SERVICES, IndexedCluster, plain, summary
 from .planning import NodeInfo, node_info
-from .status import watched_state
+from .pods import watched_state
 
 RESOURCE = (GROUP, VERSION, PLURAL)
 # How often every RewardModel is re-checked besides its events (spec changes, Pod changes, pushes

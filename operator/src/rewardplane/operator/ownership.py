@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
+from rewardplane.api.heartbeat import parse_time
 from rewardplane.api.names import RM_KIND
 
 
@@ -28,13 +29,7 @@ def model_owners(obj: Mapping[str, Any]) -> list[str]:
 
 
 def _created(obj: Mapping[str, Any]) -> datetime | None:
-    stamp = _meta(obj).get("creationTimestamp")
-    if not isinstance(stamp, str):
-        return None
-    try:
-        return datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-    except ValueError:
-        return None
+    return parse_time(_meta(obj).get("creationTimestamp"))
 
 
 def belongs_to(obj: Mapping[str, Any], rm: Mapping[str, Any]) -> bool:

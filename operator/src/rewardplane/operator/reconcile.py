@@ -27,8 +27,10 @@ from . import metrics
 from .children import Children
 from .cluster import ApiCluster, ClusterReader, plain
 from .coalesce import Coalescer
+from .conditions import compute_status
 from .ownership import of_model
 from .planning import ClusterView, Plan, gpus_in_use, plan_reward_model
+from .pods import downloading, pod_ready, replica_index, server_started, waits_for_mount
 from .recovery import Identity, ReplicaView, admission_changes, replica_url, stale_replicas
 from .render import ANNOTATION_SPEC_HASH, render_children, selector
 from .replicas import HttpReplicas, ReplicaError, Replicas
@@ -36,17 +38,7 @@ from .reporting import StatusWriter, now_rfc3339, post_event
 from .restoring import Restorer
 from .retire import Retirement
 from .rollout import pod_actions
-from .status import (
-    Event,
-    ProbeResult,
-    compute_status,
-    downloading,
-    mount_problem,
-    pod_ready,
-    replica_index,
-    server_started,
-    waits_for_mount,
-)
+from .status import Event, ProbeResult, mount_problem
 from .storage import ModelCache
 from .weightsync import completed_version
 

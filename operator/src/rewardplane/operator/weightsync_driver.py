@@ -31,10 +31,11 @@ from rewardplane.protocol import (
 
 from . import weightsync as wsm
 from .ownership import of_model
+from .pods import pod_ready, replica_index
 from .render import HTTP_PORT_NAME, selector
 from .replicas import HttpReplicas, ReplicaError, Replicas
 from .reporting import now_rfc3339, post_event
-from .status import Event, pod_ready, replica_index
+from .status import Event
 
 log = logging.getLogger("rewardplane.operator.weightsync")
 
