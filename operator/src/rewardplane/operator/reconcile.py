@@ -181,10 +181,17 @@ class Reconciler:
         rm = plain(rm)  # a kopf body is a view; the wipe Pod is built from plain values
         self.retirement.pods_gone(rm)
         self.children.delete_unowned(rm, delete_children=True)
-        self.retirement.wipe(rm)
+        try:
+            self.retirement.wipe(rm)
+        except KubeError as exc:  # never holds the model's deletion: the log names what is left
+            log.warning("%s/%s: its persisted weights were not wiped: %s", *self._key_of(rm), exc)
         self.forget((rm["metadata"]["namespace"], rm["metadata"]["name"]))
 
     # ---------------------------------------------------------------- read
+
+    @staticmethod
+    def _key_of(rm: Mapping[str, Any]) -> Key:
+        return rm["metadata"]["namespace"], rm["metadata"]["name"]
 
     def _reader(self) -> ClusterReader:
         return self.cluster or ApiCluster(self.kube, self.namespace)

@@ -138,19 +138,22 @@ class Retirement:
                 log.warning("cannot wipe %s/%s on node %s: %s", persist_dir, meta["uid"], node, exc)
                 failed.append(node)
 
-        def path(pod: str) -> str:
-            return core_path("pods", meta["namespace"], pod)
+        def read(pod: str) -> dict[str, Any] | None:
+            # a LIST by name: the operator's ClusterRole lists Pods, it does not get them
+            found = self.kube.list(
+                core_path("pods", meta["namespace"]), field_selector=f"metadata.name={pod}"
+            )
+            return found[0] if found else None
 
         self._wait(
             f"the weights of {meta['namespace']}/{meta['name']} to be wiped",
-            lambda: all(wipe_finished(self.kube.get(path(p))) for p in made.values()),
+            lambda: all(wipe_finished(read(p)) for p in made.values()),
             WIPE_TIMEOUT_S,
         )
         for node, pod in made.items():
-            got = self.kube.get(path(pod))
-            if (got or {}).get("status", {}).get("phase") != "Succeeded":
+            if ((read(pod) or {}).get("status") or {}).get("phase") != "Succeeded":
                 failed.append(node)
-            self.kube.delete(path(pod))
+            self.kube.delete(core_path("pods", meta["namespace"], pod))
         for node in failed:
             log.warning(
                 "the persisted weights of %s/%s (%s/%s) could not be removed on node %s: remove them by hand",
