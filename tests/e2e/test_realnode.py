@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -1608,6 +1609,262 @@ def test_every_cause_a_replica_does_not_start_is_named(real_cluster: RealCluster
         for name in cases:
             c.custom.delete_namespaced_custom_object(GROUP, VERSION, NS, "rewardmodels", name)
         wait_for("the faulty models' pods gone", lambda: not any(model_pods(c, n) for n in cases), 180, 2)
+
+
+# ------------------------------------------------------------------------------------ faults IV
+# A second push, a trainer that never joins, a WeightSync deleted mid-push, a model deleted and
+# created again at once, no operator running: each on the shared model, each in seconds.
+NOBODY = ("10.250.0.1", 9)  # the node's address, a port nothing listens on: a trainer that never comes
+
+
+def foreign_weightsync(name: str, version: int, timeout_s: int) -> dict[str, Any]:
+    """A WeightSync applied by hand (no owner reference), whose rendezvous nobody serves."""
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "WeightSync",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {
+            "rewardModelRef": RM,
+            "version": version,
+            "trainingMode": "head_only",
+            "rendezvous": {"address": NOBODY[0], "port": NOBODY[1]},
+            "manifestRef": {"configMapName": f"{RM}-weightsync-manifest"},
+            "timeoutSeconds": timeout_s,
+        },
+    }
+
+
+def ws_status(c: RealCluster, name: str) -> dict[str, Any]:
+    try:
+        return (
+            c.custom.get_namespaced_custom_object(GROUP, VERSION, NS, "weightsyncs", name).get("status") or {}
+        )
+    except Exception:
+        return {}
+
+
+def delete_ws(c: RealCluster, name: str) -> None:
+    kubectl(c, "delete", "weightsync", name, "-n", NS, "--ignore-not-found", "--wait=true")
+
+
+def head_push(version: int, scale: float, timeout_s: float = 60) -> Callable[[Any], Any]:
+    import torch
+
+    from rewardplane.sdk import RewardModelTrainingMode, select_head
+
+    model, _ = load_model(S.model_dir)
+    with torch.no_grad():
+        model.score.weight.mul_(scale)
+    head = select_head(model.state_dict())
+    return lambda rm: rm.push_weights(head, version, RewardModelTrainingMode.HEAD_ONLY, timeout_s=timeout_s)
+
+
+def test_a_second_push_is_refused_at_once_and_a_trainer_that_never_joins_is_named(
+    real_cluster: RealCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c, version = real_cluster, S.version + 1
+    hold = TrainerHold(monkeypatch, "join")
+    outcome: dict[str, Any] = {}
+    push = head_push(version, 1.5)
+
+    def trainer() -> None:
+        started = time.monotonic()
+        with handle(c) as rm:
+            try:
+                push(rm)
+            except Exception as exc:
+                outcome["error"] = repr(exc)
+        outcome["seconds"] = time.monotonic() - started
+
+    pusher = threading.Thread(target=trainer, daemon=True)
+    pusher.start()
+    try:
+        wait_for("the trainer's push in Rendezvous", hold.reached.is_set, 60, 0.05)
+        wait_for("phase Rendezvous", lambda: ws_status(c, RM).get("phase") == "Rendezvous", 30, 0.05)
+        applied = time.monotonic()
+        kubectl_apply(c, foreign_weightsync("e2e-ux-b", version, 60))
+        refused = wait_for(
+            "the second WeightSync refused",
+            lambda: (s := ws_status(c, "e2e-ux-b")).get("phase") == "Failed" and s,
+            10,
+            0.1,
+        )
+        refused_s = time.monotonic() - applied
+    finally:
+        hold.release()
+    assert (
+        refused["reason"] == "PushInProgress"
+        and f"WeightSync {RM} is pushing version {version}" in (refused["message"])
+    ), refused
+    events = c.core.list_namespaced_event(NS, field_selector="involvedObject.name=e2e-ux-b").items
+    assert any(e.reason == "PushInProgress" and RM in e.message for e in events), events
+    pusher.join(90)
+    assert "error" not in outcome and outcome["seconds"] < 30, outcome
+    S.version = version
+    delete_ws(c, "e2e-ux-b")
+
+    # alone, with nobody at its rendezvous: it fails naming the trainer, and the model takes the next push
+    kubectl_apply(c, foreign_weightsync("e2e-ux-c", version + 1, 6))
+    failed = wait_for(
+        "the push without a trainer to fail",
+        lambda: (s := ws_status(c, "e2e-ux-c")).get("phase") == "Failed" and s,
+        30,
+        0.2,
+    )
+    assert failed["reason"] == "TrainerNotJoined" and "no trainer joined" in failed["message"], failed
+    assert f"{NOBODY[0]}:{NOBODY[1]}" in failed["message"], failed
+    delete_ws(c, "e2e-ux-c")
+    with handle(c) as rm:
+        head_push(version + 1, 1.25)(rm)
+        assert rm.get_weights_version() == version + 1
+    S.version = version + 1
+    print(f"\nsecond WeightSync refused in {refused_s:.2f} s; the held push took {outcome['seconds']:.1f} s")
+
+
+def test_a_deleted_weightsync_is_reported_at_once_and_a_committed_push_is_not_failed(
+    real_cluster: RealCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rewardplane.sdk._exceptions import WeightSyncFailed
+
+    c, version = real_cluster, S.version + 1
+
+    def run(step: Literal["join", "send"], push: Callable[[Any], Any], phase: str) -> dict[str, Any]:
+        hold = TrainerHold(monkeypatch, step)
+        outcome: dict[str, Any] = {}
+
+        def trainer() -> None:
+            with handle(c) as rm:
+                try:
+                    outcome["result"] = push(rm)
+                except WeightSyncFailed as exc:
+                    outcome["failed"] = (exc.reason, str(exc))
+                except Exception as exc:
+                    outcome["error"] = repr(exc)
+            outcome["done"] = time.monotonic()
+
+        pusher = threading.Thread(target=trainer, daemon=True)
+        pusher.start()
+        wait_for(f"the trainer held at {step}", hold.reached.is_set, 60, 0.05)
+        wait_for(f"phase {phase}", lambda: ws_status(c, RM).get("phase") == phase, 30, 0.05)
+        delete_ws(c, RM)
+        deleted = time.monotonic()
+        hold.release()
+        pusher.join(60)
+        assert not pusher.is_alive() and "error" not in outcome, outcome
+        outcome["seconds"] = outcome["done"] - deleted
+        return outcome
+
+    # deleted before any weight moved: said at once, with the version the replicas serve
+    lost = run("join", head_push(version, 0.8), "Rendezvous")
+    assert lost.get("failed", ("",))[0] == "WeightSyncGone", lost
+    assert "was deleted" in lost["failed"][1] and f"serves version {S.version}" in lost["failed"][1], lost
+    assert lost["seconds"] < 10, lost
+    # deleted while the trainer sends: the replicas commit, and the push is not reported failed
+    done = run("send", head_push(version, 0.8), "Transferring")
+    assert "failed" not in done and done["result"].version == version, done
+    wait_for(f"both replicas on version {version}", lambda: ready_at(c, 2, version), READY_TIMEOUT_S, 0.5)
+    S.version = version
+    print(
+        f"\ndeleted in Rendezvous: reported in {lost['seconds']:.2f} s; in Transferring: done in {done['seconds']:.2f} s"
+    )
+
+
+def test_a_model_deleted_and_created_again_starts_at_version_0(real_cluster: RealCluster) -> None:
+    c = real_cluster
+    old = get_rm(c)
+    assert old["status"]["weightsVersion"] == S.version > 0
+    weights = c.volumes / "weights"
+    old_dir = weights / old["metadata"]["uid"]
+    assert old_dir.is_dir(), sorted(p.name for p in weights.iterdir())
+    body = rm_body(2, f"pvc://{MODEL_CLAIM}/tiny-rm", str(weights), interface="eth0")
+    started = time.monotonic()
+    kubectl(c, "delete", "rm", RM, "-n", NS)  # returns once the operator retired the object
+    deleted_s = time.monotonic() - started
+    kubectl_apply(c, body)
+    new_uid = get_rm(c)["metadata"]["uid"]
+    assert new_uid != old["metadata"]["uid"]
+    assert not old_dir.exists(), "the deleted object's persisted weights are still on the node"
+    seen: set[int] = set()
+
+    def ready_at_0() -> dict[str, Any] | None:
+        rm = get_rm(c)
+        seen.add(int((rm.get("status") or {}).get("weightsVersion") or 0))
+        return ready_at(c, 2, 0)
+
+    rm = wait_for("the new object Ready at version 0", ready_at_0, READY_TIMEOUT_S, 0.5)
+    assert seen == {0} and rm["status"]["phase"] == "Ready", (seen, rm["status"])
+    assert all(any(r.uid == new_uid for r in p.metadata.owner_references or []) for p in model_pods(c)), (
+        "a Pod of the old object is counted"
+    )
+    with handle(c) as h:
+        head_push(1, -1.0)(h)
+        assert h.get_weights_version() == 1
+    S.version = 1
+    print(
+        f"\nkubectl delete took {deleted_s:.1f} s (Pods drained, weights wiped); re-created model Ready at 0"
+    )
+
+
+def test_the_status_says_when_no_operator_confirms_it(real_cluster: RealCluster) -> None:
+    c = real_cluster
+    image = f"localhost/rewardplane/operator:{local_image_tag()}"
+    chart = str(Path(__file__).resolve().parents[2] / "charts" / "rewardplane")
+    # a plain upgrade (no --reuse-values) keeps the operator image the install used
+    helm(
+        c,
+        "upgrade",
+        OPERATOR_RELEASE,
+        chart,
+        "--namespace",
+        OPERATOR_NAMESPACE,
+        "--set",
+        "operator.resyncInterval=2",
+        "--wait",
+        "--timeout",
+        "120s",
+    )
+    dep = c.apps.read_namespaced_deployment(OPERATOR_RELEASE, OPERATOR_NAMESPACE)
+    assert dep.spec.template.spec.containers[0].image == image
+    wait_for(
+        "the heartbeat at the new interval",
+        lambda: (get_rm(c).get("status") or {}).get("confirmIntervalSeconds") == 2,
+        60,
+        0.5,
+    )
+
+    def cli_status() -> str:
+        done = subprocess.run(
+            [
+                str(Path(sys.executable).parent / "rewardplane"),
+                "status",
+                RM,
+                "-n",
+                NS,
+                "--kubeconfig",
+                str(c.kubeconfig),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert "UNCONFIRMED" not in cli_status()
+    c.apps.patch_namespaced_deployment_scale(OPERATOR_RELEASE, OPERATOR_NAMESPACE, {"spec": {"replicas": 0}})
+    try:
+        wait_for("no operator pod", lambda: operator_pod(c) is None, 60, 0.5)
+        out = wait_for(
+            "the status shown unconfirmed", lambda: o if "UNCONFIRMED" in (o := cli_status()) else None, 40, 1
+        )
+        assert "is the rewardplane operator running?" in out, out
+        table = kubectl(c, "get", "rm", RM, "-n", NS)
+        assert "CONFIRMED" in table.splitlines()[0], table
+    finally:
+        c.apps.patch_namespaced_deployment_scale(
+            OPERATOR_RELEASE, OPERATOR_NAMESPACE, {"spec": {"replicas": 1}}
+        )
+    wait_for("the status confirmed again", lambda: "UNCONFIRMED" not in cli_status(), 90, 1)
 
 
 def test_deleting_the_model_garbage_collects_its_children(real_cluster: RealCluster) -> None:

@@ -98,6 +98,27 @@ def test_join_to_a_store_nobody_serves_is_given_up_then_a_push_works(
     _push_works(server, tiny_model_dir, version=1)
 
 
+def test_an_announce_whose_trainer_never_joined_is_refused_as_such(
+    server: ServerHandle, tiny_model_dir: Any
+) -> None:
+    """The operator tells "no trainer came" from a refusing replica by the refusal's code."""
+    from rewardplane.protocol import TRAINER_ABSENT, Endpoints
+
+    assert _join(server, free_port(), JOIN_TIMEOUT_S).status_code == 200
+    manifest = httpx.get(f"{server.url}{Endpoints.PARAM_MANIFEST}", headers=AUTH, timeout=30).json()
+    head = [m for m in manifest if m["name"].startswith("score.")]
+    r = httpx.post(
+        f"{server.url}{Endpoints.UPDATE_PARAM_BATCH}",
+        json={"metadata": head, "training_mode": "head_only", "version": 1, "timeout_s": 1.0},
+        headers=AUTH,
+        timeout=30,
+    )
+    assert r.status_code == 409 and r.json()["detail"] == {"code": TRAINER_ABSENT}, r.text
+    assert "still forming" in r.json()["error"]
+    _wait_join_outcome(server, JOIN_TIMEOUT_S + SLACK_S)
+    _push_works(server, tiny_model_dir, version=1)
+
+
 def test_join_to_a_peer_that_never_answers_is_given_up_then_a_new_join_is_taken(
     server: ServerHandle, tiny_model_dir: Any, silent_peer: int
 ) -> None:

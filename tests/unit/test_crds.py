@@ -6,16 +6,19 @@ import json
 import os
 import shutil
 import subprocess
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from rewardplane.api.heartbeat import confirmation
 from rewardplane.api.spec import NO_IMAGE, RewardModelSpec
+from rewardplane.operator.conditions import compute_status
 from rewardplane.operator.planning import ClusterView, NodeInfo, plan_reward_model, validate_spec
 from rewardplane.operator.render import render_children
-from rewardplane.operator.status import ProbeResult, compute_status
+from rewardplane.operator.status import ProbeResult
 from rewardplane.protocol import Endpoints
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,14 +139,14 @@ RM_SCALE = {
             RM_CRD,
             "RewardModel",
             "rm",
-            ["Ready", "Phase", "Reason", "Model", "Kind", "Version", "GPU-Frac", "Age"],
+            ["Ready", "Phase", "Reason", "Model", "Kind", "Version", "GPU-Frac", "Confirmed", "Age"],
             {"status": {}, "scale": RM_SCALE},
         ),
         (
             WS_CRD,
             "WeightSync",
             "ws",
-            ["Model", "Version", "Mode", "Phase", "Reason", "Duration(s)", "Age"],
+            ["Model", "Version", "Handled", "Mode", "Phase", "Reason", "Duration(s)", "Age"],
             {"status": {}},
         ),
     ],
@@ -166,7 +169,10 @@ def test_crd_identity(
             node = schema_of(crd)
             for part in parts:
                 node = node["properties"][part]
-            assert node["type"] == column["type"] or (node["type"], column["type"]) == ("integer", "number")
+            assert node["type"] == column["type"] or (node["type"], column["type"]) in (
+                ("integer", "number"),
+                ("string", "date"),  # an RFC 3339 string, shown as its age
+            )
 
 
 @pytest.mark.parametrize("schema", [RM_SCHEMA, WS_SCHEMA], ids=["RewardModel", "WeightSync"])
@@ -255,6 +261,7 @@ def test_operator_status_fits_the_status_schema() -> None:
         for i in range(2)
     ]
     status = compute_status(body, plan, pods, {"rm-0": ProbeResult(1, "serving")}, "2026-01-01T00:00:00Z")
+    status |= confirmation({}, datetime.now(UTC), 30)  # the heartbeat the status writer adds
     assert schema_errors(status, RM_SCHEMA["properties"]["status"], "status") == []
     failed = compute_status(body, None, pods, {}, "2026-01-01T00:00:00Z", errors=["x"])
     assert schema_errors(failed, RM_SCHEMA["properties"]["status"], "status") == []

@@ -14,10 +14,11 @@ from rewardplane.api.spec import NO_IMAGE, InvalidSpecError
 from rewardplane.api.status import DEGRADED
 from rewardplane.localcluster import dev
 from rewardplane.operator.__main__ import parse_args
+from rewardplane.operator.conditions import compute_status
 from rewardplane.operator.planning import ClusterView, NodeInfo, plan_reward_model
 from rewardplane.operator.reconcile import Reconciler
 from rewardplane.operator.render import render_children
-from rewardplane.operator.status import PHASE_DEGRADED, compute_status, transition_events
+from rewardplane.operator.status import PHASE_DEGRADED, transition_events
 from rewardplane.protocol import settings
 from rewardplane.testing.kube import MemoryKube
 from rewardplane.testing.replicas import FakeReplicas

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from rewardplane.api.spec import InvalidSpecError, parse_spec
+from rewardplane.api.status import PHASE_DEGRADED, PHASE_FAILED, PHASE_PENDING, PHASE_PROGRESSING, PHASE_READY
+from rewardplane.operator.conditions import compute_status
 from rewardplane.operator.planning import (
     GPU_RESOURCE,
     OPERATOR_FLAGS,
@@ -42,16 +44,7 @@ from rewardplane.operator.render import (
     weights_dir,
 )
 from rewardplane.operator.rollout import pod_actions
-from rewardplane.operator.status import (
-    PHASE_DEGRADED,
-    PHASE_FAILED,
-    PHASE_PENDING,
-    PHASE_PROGRESSING,
-    PHASE_READY,
-    ProbeResult,
-    compute_status,
-    transition_events,
-)
+from rewardplane.operator.status import ProbeResult, transition_events
 from rewardplane.protocol import derive_ports
 
 NOW = "2026-11-26T00:00:00Z"
@@ -867,7 +860,7 @@ def test_a_pod_refused_by_the_kubelet_is_reacted_to_at_once_and_heartbeats_are_n
     """A Pod the kubelet refuses (OutOfcpu) turns Failed with nothing else changed: the watch must
     see it (the status names the cause before the Pod is replaced), while a status heartbeat of an
     unchanged Pod must not trigger a reconcile."""
-    from rewardplane.operator.status import watched_state
+    from rewardplane.operator.pods import watched_state
 
     body = cpu_rm()
     plan = plan_reward_model(body, ClusterView(nodes=CPU_NODES))

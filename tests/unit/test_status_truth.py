@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from rewardplane.api.status import PHASE_FAILED, PHASE_PROGRESSING, PHASE_READY
+from rewardplane.operator.conditions import compute_status
 from rewardplane.operator.planning import ClusterView, NodeInfo, plan_reward_model
 from rewardplane.operator.status import (
     ProbeResult,
-    compute_status,
     replica_problem,
     restore_failed_message,
     transition_events,

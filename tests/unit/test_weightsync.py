@@ -6,8 +6,9 @@ import pytest
 
 from rewardplane.api import weightsync as wsapi
 from rewardplane.operator import weightsync as wsm
+from rewardplane.operator.conditions import compute_status
 from rewardplane.operator.recovery import stale_replicas
-from rewardplane.operator.status import ProbeResult, compute_status
+from rewardplane.operator.status import ProbeResult
 from rewardplane.protocol import ParamMeta, check_metadata
 from rewardplane.protocol import RewardModelTrainingMode as Mode
 

@@ -45,3 +45,21 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" . ($.Values.serverImage.tag | default $.Chart.AppVersion) }}
 {{- end }}
 {{- end }}
+
+{{/* The operator image: image.repository (tag: image.tag, else the appVersion) when set; without
+one, the image the installed operator Deployment runs (a `helm upgrade` without --reuse-values
+keeps what the install used), and on a first install ghcr.io/rewardplane/operator. */}}
+{{- define "rewardplane.operatorImage" -}}
+{{- if .Values.image.repository }}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- else }}
+{{- $running := "" }}
+{{- $dep := lookup "apps/v1" "Deployment" .Release.Namespace (include "rewardplane.fullname" .) }}
+{{- if $dep }}
+{{- range $dep.spec.template.spec.containers }}
+{{- if eq .name "operator" }}{{ $running = .image }}{{ end }}
+{{- end }}
+{{- end }}
+{{- $running | default (printf "ghcr.io/rewardplane/operator:%s" (.Values.image.tag | default .Chart.AppVersion)) }}
+{{- end }}
+{{- end }}

@@ -50,6 +50,10 @@ TIMEOUT = "Timeout"
 OPERATOR_RESTARTED = "OperatorRestarted"
 OPERATOR_ERROR = "OperatorError"
 SUPERSEDED = "Superseded"
+# no trainer joined the push's group before its timeout: nothing moved
+TRAINER_NOT_JOINED = "TrainerNotJoined"
+# another WeightSync of the same model is pushing: one push per model at a time
+PUSH_IN_PROGRESS = "PushInProgress"
 
 
 class WeightSyncRefused(ValueError):

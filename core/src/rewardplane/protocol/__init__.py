@@ -53,6 +53,7 @@ from .endpoints import (
 )
 from .joins import (
     JOIN_GRACE_S,
+    TRAINER_ABSENT,
     UPDATE_IN_PROGRESS,
     CancelledJoin,
     CloseCommunicatorRequest,
@@ -206,6 +207,7 @@ __all__ = [
     "PushVerdict",
     "STOP_LISTENING",
     "STALE_BASE",
+    "TRAINER_ABSENT",
     "UPDATE_IN_PROGRESS",
     "PooledRequest",
     "PoolingData",

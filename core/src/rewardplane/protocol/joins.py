@@ -24,6 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 # The ``detail.code`` of a join refused (409) because a weight update is running: a caller that then
 # finds no update running asks again at once (the update ended between the two calls).
 UPDATE_IN_PROGRESS = "update_in_progress"
+# The ``detail.code`` of an announce refused (409) because the trainer never joined the group the
+# replica was asked to join: the operator then fails the push naming the trainer, not the replica.
+TRAINER_ABSENT = "trainer_absent"
 
 # The rendezvous's own timeouts (TCPStore connect, process-group creation) overrun timeout_s by a
 # few seconds; past this much more the join is abandoned whatever the workers still do.

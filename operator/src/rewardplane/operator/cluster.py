@@ -187,8 +187,10 @@ def freshest(indexed: dict[str, Any] | None, written: dict[str, Any] | None) -> 
     the PATCH answered) is newer: the index lags that write by a watch event, and comparing the next
     status with the older one would write it twice and post its Events twice. The API server's
     resourceVersions are etcd revisions (integers); anything else, or a model gone from the index,
-    and the index wins."""
+    and the index wins; so does another object of the same name (deleted and created again)."""
     if indexed is None or written is None:
+        return indexed
+    if indexed["metadata"].get("uid") != written["metadata"].get("uid"):
         return indexed
     mine, theirs = _revision(written), _revision(indexed)
     if mine is not None and theirs is not None and mine > theirs:

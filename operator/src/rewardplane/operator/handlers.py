@@ -23,7 +23,7 @@ from rewardplane.protocol import settings
 from . import metrics
 from .cluster import NETWORK_POLICIES, SECRETS, SERVICES, IndexedCluster, plain, summary
 from .planning import NodeInfo, node_info
-from .status import watched_state
+from .pods import watched_state
 
 RESOURCE = (GROUP, VERSION, PLURAL)
 # How often every RewardModel is re-checked besides its events (spec changes, Pod changes, pushes
@@ -212,6 +212,12 @@ def weightsyncs_by_model(
 def weightsync_changed(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
     _attach(memo, kwargs)
     memo.weightsyncs.handle(_key(body))
+
+
+@kopf.on.event(*WS_RESOURCE)
+def weightsync_event(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+    if type == "DELETED":  # no finalizer: the object is gone, its last state is in the event
+        memo.weightsyncs.deleted(plain(body))
 
 
 @kopf.on.resume(*WS_RESOURCE, id="resume")

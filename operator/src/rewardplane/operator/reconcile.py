@@ -20,30 +20,25 @@ import httpx
 
 from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
 from rewardplane.api.spec import GpuMode, InvalidSpecError
-from rewardplane.protocol import AdmissionRequest
+from rewardplane.protocol import AdmissionRequest, settings
 from rewardplane.protocol.model_sources import FETCH_CONTAINER, FetchProgress
 
 from . import metrics
 from .children import Children
-from .cluster import ApiCluster, ClusterReader
+from .cluster import ApiCluster, ClusterReader, plain
 from .coalesce import Coalescer
+from .conditions import compute_status
+from .ownership import of_model
 from .planning import ClusterView, Plan, gpus_in_use, plan_reward_model
+from .pods import downloading, pod_ready, replica_index, server_started, waits_for_mount
 from .recovery import Identity, ReplicaView, admission_changes, replica_url, stale_replicas
 from .render import ANNOTATION_SPEC_HASH, render_children, selector
 from .replicas import HttpReplicas, ReplicaError, Replicas
 from .reporting import StatusWriter, now_rfc3339, post_event
 from .restoring import Restorer
+from .retire import Retirement
 from .rollout import pod_actions
-from .status import (
-    Event,
-    ProbeResult,
-    compute_status,
-    downloading,
-    pod_ready,
-    replica_index,
-    server_started,
-    waits_for_mount,
-)
+from .status import Event, ProbeResult, mount_problem
 from .storage import ModelCache
 from .weightsync import completed_version
 
@@ -96,7 +91,8 @@ class Reconciler:
         # number of models); until then, and in tests without kopf, the API server itself.
         self.cluster: ClusterReader | None = None
         self.children = Children(kube, self._reader)
-        self.status_writer = StatusWriter(kube)
+        self.status_writer = StatusWriter(kube, settings.RESYNC_INTERVAL.get())
+        self.retirement = Retirement(kube, lambda: [n.name for n in self._reader().nodes()], default_image)
         self.restorer = Restorer(
             self.replicas,
             token=self.children.token,
@@ -127,7 +123,11 @@ class Reconciler:
             # Transient API trouble: log it; the periodic timer retries, so no retry storm here.
             result = "error"
             metrics.ERRORS.labels(stage="api").inc()
-            if isinstance(exc, KubeError) and exc.status == 403:
+            if isinstance(exc, KubeError) and exc.status == 403 and "is being terminated" in str(exc):
+                # not a permission: the namespace is being deleted, and its children with it
+                result = "gone"
+                log.info("%s/%s: its namespace is being deleted; nothing to reconcile: %s", *key, exc)
+            elif isinstance(exc, KubeError) and exc.status == 403:
                 log.error(
                     "reconcile of %s/%s forbidden: the operator's ServiceAccount lacks a permission "
                     "(the chart's ClusterRole and ClusterRoleBinding grant what it needs); retrying on "
@@ -172,13 +172,26 @@ class Reconciler:
         self._serving.pop(key, None)
 
     def cleanup(self, rm: Mapping[str, Any]) -> None:
-        """What garbage collection cannot do when a RewardModel goes (the reason for the finalizer):
-        the children it would miss (:meth:`Children.delete_unowned`), then the operator's in-memory
-        state of the model (stale replicas, restore bookkeeping), which no cluster object holds."""
-        self.children.delete_unowned(rm, delete_children=self.delete_children)
+        """Retire a deleted RewardModel before its finalizer goes, so that an object created again
+        under its name starts clean (the reason for the finalizer): its Pods deleted and waited
+        for (their graceful drain, seconds), every child deleted now rather than by garbage
+        collection later (the next object of the name would find the old token Secret and
+        Service, which the collector then deletes under it), the weights it persisted removed from
+        every node, and the operator's in-memory state of the model forgotten."""
+        rm = plain(rm)  # a kopf body is a view; the wipe Pod is built from plain values
+        self.retirement.pods_gone(rm)
+        self.children.delete_unowned(rm, delete_children=True)
+        try:
+            self.retirement.wipe(rm)
+        except KubeError as exc:  # never holds the model's deletion: the log names what is left
+            log.warning("%s/%s: its persisted weights were not wiped: %s", *self._key_of(rm), exc)
         self.forget((rm["metadata"]["namespace"], rm["metadata"]["name"]))
 
     # ---------------------------------------------------------------- read
+
+    @staticmethod
+    def _key_of(rm: Mapping[str, Any]) -> Key:
+        return rm["metadata"]["namespace"], rm["metadata"]["name"]
 
     def _reader(self) -> ClusterReader:
         return self.cluster or ApiCluster(self.kube, self.namespace)
@@ -245,12 +258,14 @@ class Reconciler:
         # decode every Pod of the namespace, seconds per call at 1000 models (benchmarks/README.md).
         # Deletions are decided again on a fresh LIST below (a Pod the index shows may have been
         # replaced under the same name since); a create needs none: a Pod that exists is a 409.
-        pods = cluster.pods_of(ns, name)
+        # Only this object's: a model deleted and created again under the same name must not take
+        # the weights version of the old object's Pods, which may still be terminating.
+        pods = of_model(cluster.pods_of(ns, name), rm)
         try:
             plan = self._plan(rm, pods)
             desired, service = render_children(rm, plan)
             if self.cluster is not None and pod_actions(desired, pods, datetime.now(UTC)).delete:
-                pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
+                pods = of_model(self.kube.list(core_path("pods", ns), label_selector=selector(name)), rm)
                 plan = self._plan(rm, pods)
                 desired, service = render_children(rm, plan)
         except InvalidSpecError as exc:
@@ -265,11 +280,11 @@ class Reconciler:
         self.children.ensure_network_policy(rm, plan)
         after = self.children.apply_pods(ns, desired, pods)
         if after is None:
-            pods = self.kube.list(core_path("pods", ns), label_selector=selector(name))
+            pods = of_model(self.kube.list(core_path("pods", ns), label_selector=selector(name)), rm)
         else:
             pods = after
         hashes = {p["metadata"]["name"]: p["metadata"]["annotations"][ANNOTATION_SPEC_HASH] for p in desired}
-        known = completed_version(cluster.weightsyncs(ns, name), name)
+        known = completed_version(of_model(cluster.weightsyncs(ns, name), rm), name)
         probes = self._probe(plan, pods)
         target = max(
             [
@@ -370,10 +385,11 @@ class Reconciler:
                 log.info("%s/%s: cannot read the Events of %s: %s", *key, name, exc)
                 continue
             uid = pod["metadata"].get("uid")
-            mine = [e for e in events if (e.get("involvedObject") or {}).get("uid") in (None, uid)]
-            if mine:
-                newest = max(mine, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""))
-                out[name] = " ".join(str(newest.get("message") or "").split())
+            problem = mount_problem(
+                [e for e in events if (e.get("involvedObject") or {}).get("uid") in (None, uid)]
+            )
+            if problem:
+                out[name] = problem
         self._retry_later(key, MOUNT_RECHECK_S)
         return out
 

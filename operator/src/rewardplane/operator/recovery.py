@@ -19,7 +19,8 @@ from typing import Any
 from rewardplane.api.status import STATE_BROKEN, STATE_SLEEPING
 
 from .planning import Plan
-from .status import ProbeResult, pod_restarts
+from .pods import pod_restarts
+from .status import ProbeResult
 
 Identity = tuple[str, int]  # (pod UID, container restarts)
 

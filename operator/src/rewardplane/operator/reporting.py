@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
+from rewardplane.api.heartbeat import confirmation
 from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
 from rewardplane.api.names import API_VERSION
 from rewardplane.api.names import RM_KIND as KIND
@@ -34,7 +35,7 @@ def now_rfc3339() -> str:
 
 
 def event_body(rm: Mapping[str, Any], event: Event, stamp: str) -> dict[str, Any]:
-    """The core/v1 Event about ``rm``."""
+    """The core/v1 Event about ``rm`` (a RewardModel, or any object of the group that names its kind)."""
     meta = rm["metadata"]
     return {
         "apiVersion": "v1",
@@ -42,7 +43,7 @@ def event_body(rm: Mapping[str, Any], event: Event, stamp: str) -> dict[str, Any
         "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
         "involvedObject": {
             "apiVersion": API_VERSION,
-            "kind": KIND,
+            "kind": rm.get("kind") or KIND,
             "name": meta["name"],
             "namespace": meta["namespace"],
             "uid": meta.get("uid", ""),
@@ -73,8 +74,10 @@ def post_event(kube: Kube, rm: Mapping[str, Any], event: Event) -> None:
 
 
 class StatusWriter:
-    def __init__(self, kube: Kube) -> None:
+    def __init__(self, kube: Kube, confirm_interval_s: float = 30.0) -> None:
         self.kube = kube
+        # the heartbeat (status.confirmedAt) is refreshed once this old: one write per interval
+        self.confirm_interval_s = confirm_interval_s
         self._phases: dict[Key, str] = {}
         # The model as our last status PATCH answered, until the index has caught up with it.
         self._written: dict[Key, dict[str, Any]] = {}
@@ -83,6 +86,7 @@ class StatusWriter:
         """Write ``status`` when it differs from the model's, then post the Events of the
         transitions; ``remember``: keep the answer until the index shows it."""
         previous = rm.get("status") or {}
+        status = {**status, **confirmation(previous, datetime.now(timezone.utc), self.confirm_interval_s)}
         key = (rm["metadata"]["namespace"], rm["metadata"]["name"])
         self._phases[key] = status["phase"]
         self._update_phase_gauge()

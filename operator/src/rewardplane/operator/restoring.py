@@ -23,9 +23,10 @@ from rewardplane.api.names import ANNOTATION_GROUP_PORT
 from rewardplane.protocol import RestoreWeightsRequest
 
 from . import metrics
+from .pods import pod_restarts
 from .recovery import Identity, ReplicaView, identity, restore_plan
 from .replicas import Receiver, ReplicaError, Replicas, restore_from_peer
-from .status import Event, pod_restarts, restore_failed_message
+from .status import Event, restore_failed_message
 
 log = logging.getLogger("rewardplane.operator")
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from .pods import pod_ready
 from .render import needs_replacement
-from .status import pod_ready
 
 
 @dataclass(frozen=True)

@@ -1,44 +1,38 @@
 """Pure status computation: Pods + server probes → RewardModel status, conditions and events.
 
 The handlers gather the facts (Pods of the model, each ready server's ``/health`` and
-``/runtime_version``) and write what ``compute_status`` returns; ``transition_events`` says which
+``/runtime_version``) and write what ``conditions.compute_status`` returns, from the causes,
+endpoints and messages here; ``transition_events`` says which
 Kubernetes Events the change deserves, so an unchanged status posts nothing.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rewardplane.api.names import (
     ANNOTATION_GROUP_PORT,
     ANNOTATION_RANK_OFFSET,
-    ANNOTATION_SPEC_HASH,
-    LABEL_REPLICA,
-    pod_name,
-    server_selector,
 )
-from rewardplane.api.spec import NO_IMAGE, PLACEMENT_REFUSED, GpuMode
 from rewardplane.api.status import (
-    CONDITION_TYPES,
     DEGRADED,
     PHASE_DEGRADED,
     PHASE_FAILED,
-    PHASE_PENDING,
-    PHASE_PROGRESSING,
-    PHASE_READY,
-    PHASE_SLEEPING,
     STATE_BROKEN,
     STATE_SLEEPING,
-    STATE_STALE,
-    WEIGHTS_LOST,
 )
 from rewardplane.protocol.errors import MODEL_FILES_UNREADABLE
 from rewardplane.protocol.model_sources import EXIT_PERMANENT, FETCH_CONTAINER
 
-from .planning import Plan
+from .pods import (
+    fetch_status,
+    pod_ready,
+    pod_restarts,
+    replica_index,
+)
 
 
 @dataclass(frozen=True)
@@ -58,57 +52,6 @@ class Event:
     type: str  # Normal | Warning
     reason: str
     message: str
-
-
-def pod_ready(pod: Mapping[str, Any]) -> bool:
-    if (pod.get("metadata") or {}).get("deletionTimestamp"):
-        return False
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
-
-
-def server_started(pod: Mapping[str, Any]) -> bool:
-    """The replica's server is up: its startup probe passed (it may still wait for admission, so
-    the Pod is not Ready yet). The operator probes such a replica to admit or restore it."""
-    if (pod.get("metadata") or {}).get("deletionTimestamp") or not (pod.get("status") or {}).get("podIP"):
-        return False
-    return pod_ready(pod) or any(
-        c.get("started") or c.get("ready") for c in (pod.get("status") or {}).get("containerStatuses") or []
-    )
-
-
-def watched_state(pod: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What of a Pod the operator reacts to at once (its events carry kubelet heartbeats too):
-    readiness, a started server, its IP, deletion, its labels (edited by hand: a drift to repair),
-    its phase and reason (a Pod the kubelet refused, e.g. OutOfcpu, ends Failed with nothing
-    else changed: its cause is named in the status then, not at the next resync), and its model
-    download starting, ending or failing."""
-    meta, status, fetch = pod.get("metadata") or {}, pod.get("status") or {}, _fetch_status(pod)
-    return (
-        pod_ready(pod),
-        server_started(pod),  # up and waiting for its admission (ready only after it)
-        status.get("podIP"),
-        bool(meta.get("deletionTimestamp")),
-        tuple(sorted((meta.get("labels") or {}).items())),
-        status.get("phase"),
-        status.get("reason"),
-        tuple(fetch.get("state") or {}),
-        fetch.get("restartCount"),
-    )
-
-
-def pod_restarts(pod: Mapping[str, Any]) -> int:
-    return sum(
-        int(c.get("restartCount", 0)) for c in (pod.get("status") or {}).get("containerStatuses") or []
-    )
-
-
-def replica_index(pod: Mapping[str, Any]) -> int | None:
-    raw = ((pod.get("metadata") or {}).get("labels") or {}).get(LABEL_REPLICA)
-    try:
-        return int(raw) if raw is not None else None
-    except ValueError:
-        return None
 
 
 def _last_lines(text: str, limit: int = 300) -> str:
@@ -216,7 +159,7 @@ def replica_cause(
                 "spec.resources.limits.memory (the model's weights, its activations and the tokenizer must fit)",
             )
         if MODEL_FILES_UNREADABLE in str(last.get("message") or ""):
-            return Cause(MODEL_UNREADABLE, replica_problem(pod, probe))
+            return Cause(MODEL_UNREADABLE, unreadable_problem(pod, str(last["message"])))
     if mount_problem:
         return Cause(
             FAILED_MOUNT,
@@ -230,17 +173,61 @@ def replica_cause(
     return None
 
 
-def _fetch_status(pod: Mapping[str, Any]) -> Mapping[str, Any]:
-    for cs in (pod.get("status") or {}).get("initContainerStatuses") or []:
-        if cs.get("name") == FETCH_CONTAINER:
-            return cs
-    return {}
+def node_paths(pod: Mapping[str, Any], text: str) -> str:
+    """``text`` with the container's paths of hostPath volumes written as the node's (where an
+    administrator fixes them); a path on a PersistentVolumeClaim is named with its claim."""
+    spec = pod.get("spec") or {}
+    volumes = {v.get("name"): v for v in spec.get("volumes") or []}
+    mounts = [m for c in spec.get("containers") or [] for m in c.get("volumeMounts") or []]
+    claims: list[str] = []
+    # the deepest mount first: /mnt/models/x must not be rewritten by a mount at /mnt
+    for mount in sorted(mounts, key=lambda m: -len(str(m.get("mountPath") or ""))):
+        where, volume = str(mount.get("mountPath") or "").rstrip("/"), volumes.get(mount.get("name")) or {}
+        if not where or where not in text:
+            continue
+        if volume.get("hostPath"):
+            node = str(volume["hostPath"].get("path") or "").rstrip("/") + (
+                "/" + mount["subPath"] if mount.get("subPath") else ""
+            )
+            text = text.replace(where + "/", node + "/").replace(where + " ", node + " ")
+        elif volume.get("persistentVolumeClaim"):
+            claim = volume["persistentVolumeClaim"].get("claimName")
+            claims.append(
+                f"{where} is PersistentVolumeClaim {claim}"
+                + (f" at {mount['subPath']}" if mount.get("subPath") else "")
+            )
+    return text + (f" ({'; '.join(claims)})" if claims else "")
+
+
+def unreadable_problem(pod: Mapping[str, Any], message: str) -> str:
+    """The server's whole "model files unreadable" line (file, mode, owner, uid, the fix), with the
+    node's paths: the fix is made on the node or the volume, not inside the container."""
+    name = (pod.get("metadata") or {}).get("name", "")
+    line = next(
+        (ln.strip() for ln in message.splitlines() if MODEL_FILES_UNREADABLE in ln),
+        message.strip(),
+    )
+    line = line[line.index(MODEL_FILES_UNREADABLE) :] if MODEL_FILES_UNREADABLE in line else line
+    return f"{name}: {node_paths(pod, line)}; {pod_restarts(pod)} restart(s)"
+
+
+def mount_problem(events: Sequence[Mapping[str, Any]]) -> str | None:
+    """The message of a Pod's FailedMount Events that names the cause. The kubelet alternates two:
+    the volume's own error (the missing path) and a generic "Unable to attach or mount volumes ...
+    timed out waiting for the condition"; the newest of the first kind wins."""
+
+    def stamp(e: Mapping[str, Any]) -> str:
+        return str(e.get("lastTimestamp") or e.get("eventTime") or "")
+
+    specific = [e for e in events if "timed out waiting for the condition" not in str(e.get("message") or "")]
+    chosen = max(specific or events, key=stamp, default=None)
+    return " ".join(str(chosen.get("message") or "").split()) if chosen is not None else None
 
 
 def download_failure(pod: Mapping[str, Any]) -> Cause | None:
     """The model download of this Pod failed (its ``fetch-model`` init container exited non-zero),
     with the fetcher's reason (its termination message)."""
-    cs = _fetch_status(pod)
+    cs = fetch_status(pod)
     state = cs.get("state") or {}
     if (state.get("terminated") or {}).get("exitCode") == 0 or "running" in state:
         return None  # downloaded, or trying again right now
@@ -269,20 +256,6 @@ def _fetch_arg(pod: Mapping[str, Any], flag: str) -> str:
         if c.get("name") == FETCH_CONTAINER and flag in args[:-1]:
             return str(args[args.index(flag) + 1])
     return "?"
-
-
-def downloading(pod: Mapping[str, Any]) -> bool:
-    """The Pod's model download runs now (its progress is in the fetcher's log)."""
-    return "running" in (_fetch_status(pod).get("state") or {})
-
-
-def waits_for_mount(pod: Mapping[str, Any]) -> bool:
-    """The Pod's containers wait in ContainerCreating: a volume may not mount (the cause is only in
-    the Pod's Events, which the operator then reads)."""
-    statuses = (pod.get("status") or {}).get("containerStatuses") or []
-    return any(
-        ((cs.get("state") or {}).get("waiting") or {}).get("reason") == "ContainerCreating" for cs in statuses
-    )
 
 
 def replica_problem(pod: Mapping[str, Any], probe: ProbeResult | None) -> str:
@@ -447,231 +420,6 @@ def _condition(
             "lastTransitionTime": since or now,
         }
     )
-
-
-def compute_status(
-    rm: Mapping[str, Any],
-    plan: Plan | None,
-    pods: Sequence[Mapping[str, Any]],
-    probes: Mapping[str, ProbeResult],
-    now: str,
-    errors: Sequence[str] = (),
-    error_reason: str = "InvalidSpec",
-    desired_hashes: Mapping[str, str] | None = None,
-    target_version: int | None = None,
-    known_version: int | None = None,
-    stale_pods: Collection[str] = (),
-    mount_problems: Mapping[str, str] | None = None,
-    lost_pods: Collection[str] = (),
-    downloads: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
-    """The full status of a RewardModel.
-
-    ``plan`` is None when the spec was refused (``errors``/``error_reason`` say why); existing Pods
-    are still reported, since the operator leaves them running. ``desired_hashes`` maps Pod name →
-    spec hash of its desired rendering (an outdated Pod counts as rolling out). ``target_version``
-    is the weights version replicas must serve; by default the newest one a healthy replica reports,
-    and never below ``known_version`` (the newest version a WeightSync completed): a replica that
-    restarted onto base weights must not pull the model's version down. ``stale_pods`` restarted onto
-    older weights and wait for a restore: state ``stale``, never ready. ``downloads`` maps a Pod
-    whose model is being downloaded to the download's progress, in words.
-    """
-    meta = rm.get("metadata") or {}
-    previous = rm.get("status") or {}
-    generation = int(meta.get("generation") or 0)
-    prev_conditions = previous.get("conditions") or []
-    live = sorted(
-        (p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")),
-        key=lambda p: (replica_index(p) is None, replica_index(p) or 0),
-    )
-    desired = len(plan.replicas) if plan else int((rm.get("spec") or {}).get("replicas", 1) or 0)
-    http_port = plan.ports.http if plan else 0
-    world_size = plan.spec.tensor_parallel_size if plan else 1
-    interface = plan.spec.transport.interface if plan else None
-
-    healthy_names = {p["metadata"]["name"] for p in live if _healthy(p, probes.get(p["metadata"]["name"]))}
-    reported = [v for n in healthy_names if (v := probes[n].version) is not None]
-    if target_version is None:
-        target_version = max(reported) if reported else int(previous.get("weightsVersion") or 0)
-        if known_version is not None:
-            target_version = max(target_version, known_version)
-
-    endpoints = []
-    for pod in live:
-        name = pod["metadata"]["name"]
-        ep = _endpoint(pod, http_port, probes.get(name), world_size, interface)
-        ep["ready"] = name in healthy_names and ep.get("weightsVersion") == target_version and bool(ep["url"])
-        if name in stale_pods:
-            ep["state"], ep["ready"] = STATE_STALE, False
-        endpoints.append(_without_empty_strings(ep))
-    ready = sum(1 for ep in endpoints if ep["ready"])
-    # Asleep (POST /sleep) is healthy and stays ready: the SDK must reach a sleeping replica to wake it.
-    asleep = sorted(ep["pod"] for ep in endpoints if ep["ready"] and ep.get("state") == STATE_SLEEPING)
-
-    # What still has to change before the rollout is complete.
-    wanted = {pod_name(plan.name, r.index) for r in plan.replicas} if plan else set()
-    have = {p["metadata"]["name"] for p in live}
-    missing = sorted(wanted - have)
-    extra = sorted(have - wanted) if plan else []
-    desired_hashes = desired_hashes or {}
-    outdated = sorted(
-        name
-        for p in live
-        if (name := p["metadata"]["name"]) in desired_hashes
-        and (p["metadata"].get("annotations") or {}).get(ANNOTATION_SPEC_HASH) != desired_hashes[name]
-    )
-    not_ready = sorted(have - healthy_names)
-    stale = sorted(ep["pod"] for ep in endpoints if ep["pod"] in healthy_names and not ep["ready"])
-    causes = {
-        name: cause
-        for p in live
-        if (
-            cause := replica_cause(
-                p, probes.get(name := p["metadata"]["name"]), (mount_problems or {}).get(name)
-            )
-        )
-        is not None
-    }
-    for name in lost_pods:
-        if name in have:
-            causes[name] = Cause(
-                WEIGHTS_LOST,
-                f"{name} lost weights version {target_version}: it restarted on its base weights and "
-                "neither a saved copy nor a healthy replica on that version can restore it; push "
-                f"version {target_version} again (a full push), or set spec.weightSync.persistDir to "
-                "keep pushed weights across Pod replacements",
-            )
-    broken = sorted(causes)
-
-    def conds(
-        available: tuple[bool, str, str],
-        progressing: tuple[bool, str, str],
-        in_sync: tuple[bool, str, str],
-        degraded: tuple[bool, str, str],
-    ) -> list[dict[str, Any]]:
-        return [
-            _condition(prev_conditions, t, *v, generation, now)
-            for t, v in zip(CONDITION_TYPES, (available, progressing, in_sync, degraded), strict=True)
-        ]
-
-    if not desired:
-        available = (False, "ScaledToZero", "spec.replicas is 0")
-    elif ready and len(asleep) == ready:
-        available = (False, "Sleeping", sleeping_message(asleep, endpoints))
-    elif ready:
-        available = (
-            True,
-            "ReplicasReady",
-            f"{ready}/{desired} replicas ready" + (f"; {', '.join(asleep)} asleep" if asleep else ""),
-        )
-    else:
-        available = (False, "NoReplicaReady", f"0/{desired} replicas ready")
-    # Every name in "behind" restarted onto, or lags behind, the model's weights version.
-    behind = sorted({*stale, *(n for n in stale_pods if n in have)})
-    if behind:
-        in_sync = (
-            False,
-            "StaleReplicas",
-            f"{', '.join(behind)} do not serve weights version {target_version}",
-        )
-    elif ready:
-        in_sync = (True, "AllReplicasCurrent", f"every ready replica serves weights version {target_version}")
-    else:
-        # Nothing serves, so nothing can be said to serve the current weights.
-        in_sync = (False, "NoReplicas", "no replica is serving yet")
-    restoring = [n for n in behind if n not in lost_pods]  # the lost ones wait for a push
-    if errors:
-        message = "; ".join(errors)
-        retry = {
-            PLACEMENT_REFUSED: "the cluster is checked again periodically; free the capacity or change the spec",
-            NO_IMAGE: "set spec.engine.image, or the operator's default reward-server image",
-        }.get(error_reason, "fix the spec")
-        conditions = conds(
-            available,
-            (
-                False,
-                error_reason,
-                f"no change is rolled out until this is resolved ({retry}); running replicas are left as they are",
-            ),
-            in_sync,
-            (True, error_reason, message),
-        )
-        # A spec the cluster refuses has Failed; one that is fine but names no image (and the
-        # operator has none to give) is Degraded: the operator's configuration is what is missing.
-        phase = PHASE_DEGRADED if error_reason == NO_IMAGE else PHASE_FAILED
-    else:
-        pending_work = [
-            *(f"creating {n}" for n in missing),
-            *(f"replacing {n}" for n in outdated),
-            *(f"removing {n}" for n in extra),
-            *(
-                f"waiting for {n} to become ready"
-                + (f" ({download})" if (download := (downloads or {}).get(n)) else "")
-                for n in not_ready
-                if n not in broken
-            ),
-        ]
-        if pending_work:
-            progressing = (True, "RollingOut", "; ".join(pending_work))
-        elif restoring:
-            # Pods are all there but some still have to reach the model's weights version.
-            progressing = (
-                True,
-                "RestoringWeights",
-                f"bringing {', '.join(restoring)} to weights version {target_version}",
-            )
-        else:
-            progressing = (False, "RolloutComplete", f"{desired} replica(s) up to date")
-        reasons = {c.reason for c in causes.values()}
-        degraded = (
-            (
-                True,
-                reasons.pop() if len(reasons) == 1 else REPLICAS_UNHEALTHY,
-                "; ".join(causes[n].message for n in broken),
-            )
-            if broken
-            else (False, "AsExpected", "no replica is broken")
-        )
-        conditions = conds(available, progressing, in_sync, degraded)
-        message = degraded[2] if broken else progressing[2] if progressing[0] else available[2]
-        if broken:
-            phase = PHASE_DEGRADED
-        elif not progressing[0] and ready == desired and asleep and len(asleep) == ready:
-            phase, message = PHASE_SLEEPING, available[2]
-        elif not progressing[0] and ready == desired:
-            phase = PHASE_READY
-        elif ready == 0:
-            phase = PHASE_PENDING
-        else:
-            phase = PHASE_PROGRESSING
-
-    shown = next(
-        c
-        for c in conditions
-        if c["type"] == (DEGRADED if phase in (PHASE_DEGRADED, PHASE_FAILED) else "Progressing")
-    )
-    out = _without_empty_strings(
-        {
-            "phase": phase,
-            # the REASON column: why the phase is what it is (the Degraded reason when degraded)
-            "reason": shown.get("reason", "") if phase != PHASE_READY else "",
-            "ready": f"{ready}/{desired}",
-            "observedGeneration": generation,
-            "readyReplicas": ready,
-            # the scale subresource's statusReplicasPath and labelSelectorPath (kubectl scale, HPA)
-            "replicas": len(live),
-            "selector": server_selector(str(meta.get("name") or "")),
-            "weightsVersion": target_version,
-            "message": message,
-            "conditions": conditions,
-            "endpoints": endpoints,
-        }
-    )
-    spec = plan.spec if plan else None
-    if spec is not None and spec.gpu.mode is not GpuMode.NONE:
-        # Only a model on GPUs has a memory fraction; on CPU the GPU-Frac column stays empty.
-        out["gpuMemoryFraction"] = spec.gpu.memory_fraction
-    return out
 
 
 def transition_events(previous: Mapping[str, Any], current: Mapping[str, Any]) -> list[Event]:

@@ -219,6 +219,29 @@ def check_version(version: int, current: int) -> None:
         )
 
 
+def push_in_progress(ws: Mapping[str, Any], other: Mapping[str, Any]) -> str:
+    """Why ``ws`` is refused while WeightSync ``other`` pushes to the same model."""
+    spec, theirs = ws.get("spec") or {}, other.get("spec") or {}
+    status = other.get("status") or {}
+    name = (other.get("metadata") or {}).get("name", "?")
+    return (
+        f"WeightSync {name} is pushing version {status.get('version', theirs.get('version'))} to RewardModel "
+        f"{spec.get('rewardModelRef')} now (phase {status.get('phase') or 'Pending'}); one push per model "
+        f"at a time: apply this one again once {name} has ended (kubectl get weightsync {name}), or delete "
+        f"{name} if nothing is pushing it"
+    )
+
+
+def trainer_absent(req: PushRequest) -> str:
+    """Why a push whose trainer never joined the group failed."""
+    return (
+        f"no trainer joined the push's group at {req.address}:{req.port} (spec.rendezvous) within "
+        f"{req.timeout_s:.0f} s; the replicas waited for it and are unchanged. The trainer hosts that "
+        "address and joins right after creating the WeightSync (RewardModelHandle.push_weights does "
+        "both): check that it runs and that the replicas reach it, then push again"
+    )
+
+
 def push_bytes(metadata: Sequence[ParamMeta], bucket_bytes: int) -> int:
     """Bytes every replica receives (the flat buckets, padding included)."""
     return sum(b.nbytes for b in plan_buckets(list(metadata), bucket_bytes))

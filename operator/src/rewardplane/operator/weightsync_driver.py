@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
@@ -20,6 +21,7 @@ from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
 from rewardplane.api.names import TOKEN_KEY, token_secret_name
 from rewardplane.protocol import (
     STALE_BASE,
+    TRAINER_ABSENT,
     UPDATE_IN_PROGRESS,
     InitCommunicatorRequest,
     ParamMeta,
@@ -28,10 +30,12 @@ from rewardplane.protocol import (
 )
 
 from . import weightsync as wsm
+from .ownership import of_model
+from .pods import pod_ready, replica_index
 from .render import HTTP_PORT_NAME, selector
 from .replicas import HttpReplicas, ReplicaError, Replicas
-from .reporting import now_rfc3339
-from .status import pod_ready, replica_index
+from .reporting import now_rfc3339, post_event
+from .status import Event
 
 log = logging.getLogger("rewardplane.operator.weightsync")
 
@@ -85,6 +89,10 @@ class WeightSyncDriver:
         self.replicas: Replicas = replicas or HttpReplicas()
         self._clock = clock
         self._sleep = sleep
+        # (namespace, model) → the WeightSync pushing to it: one push per model at a time (a second
+        # one would hold the replicas' joins for its whole timeout, blocking the real push)
+        self._pushing: dict[Key, str] = {}
+        self._guard = threading.Lock()
 
     # ---------------------------------------------------------------- entry point
 
@@ -171,10 +179,24 @@ class WeightSyncDriver:
 
     def _patch_status(self, ws: Mapping[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
         meta = ws["metadata"]
-        body = self.kube.merge_patch(
-            custom_path(meta["namespace"], meta["name"], wsapi.WS_PLURAL) + "/status", {"status": patch}
-        )
-        return body
+        try:
+            return self.kube.merge_patch(
+                custom_path(meta["namespace"], meta["name"], wsapi.WS_PLURAL) + "/status", {"status": patch}
+            )
+        except KubeError as exc:
+            if exc.status != 404:
+                raise
+            # deleted mid-push: the push goes on to its end (the trainer may be sending), unrecorded
+            log.info("WeightSync %s/%s is gone; its status is not written", meta["namespace"], meta["name"])
+            return {}
+
+    def deleted(self, ws: Mapping[str, Any]) -> None:
+        """A WeightSync deleted while its push waits for the trainer (Pending, Rendezvous): the
+        replicas' joins of its group are cancelled at once, so the push ends now and the model takes
+        the next push, instead of both waiting for a trainer that was told to give up. A push
+        already Transferring is left to end: the trainer sends to the replicas directly."""
+        if ((ws.get("status") or {}).get("phase")) in (wsm.PENDING, wsapi.RENDEZVOUS):
+            self._cancel_joins(ws)
 
     def _finish(
         self,
@@ -219,10 +241,12 @@ class WeightSyncDriver:
 
     # ---------------------------------------------------------------- the push
 
-    def _candidates(self, ns: str, model: str) -> list[wsm.Candidate]:
+    def _candidates(self, rm: Mapping[str, Any]) -> list[wsm.Candidate]:
+        ns, model = rm["metadata"]["namespace"], rm["metadata"]["name"]
         stale = self.stale_pods((ns, model))
         out: list[wsm.Candidate] = []
-        for pod in self.kube.list(core_path("pods", ns), label_selector=selector(model)):
+        pods = self.kube.list(core_path("pods", ns), label_selector=selector(model))
+        for pod in of_model(pods, rm):  # not an earlier object's Pods, still terminating
             port, index = http_port(pod), replica_index(pod)
             if not running(pod) or port is None or index is None:
                 continue
@@ -250,6 +274,31 @@ class WeightSyncDriver:
         return out
 
     def push(self, ws: Mapping[str, Any]) -> None:
+        ns, name = ws["metadata"]["namespace"], ws["metadata"]["name"]
+        model = str((ws.get("spec") or {}).get("rewardModelRef", ""))
+        with self._guard:
+            busy = self._pushing.get((ns, model))
+            if busy is None:
+                self._pushing[(ns, model)] = name
+        if busy is not None:
+            self._refuse_concurrent(ws, busy)
+            return
+        try:
+            self._push(ws)
+        finally:
+            with self._guard:
+                self._pushing.pop((ns, model), None)
+
+    def _refuse_concurrent(self, ws: Mapping[str, Any], busy: str) -> None:
+        """Fail ``ws`` at once: WeightSync ``busy`` pushes to the same model now."""
+        ns = ws["metadata"]["namespace"]
+        other = self.kube.get(custom_path(ns, busy, wsapi.WS_PLURAL)) or {}
+        message = wsm.push_in_progress(ws, other)
+        self._patch_status(ws, {"phase": wsm.PENDING, "observedGeneration": ws["metadata"].get("generation")})
+        self._finish(ws, wsm.FAILED, self._clock(), reason=wsapi.PUSH_IN_PROGRESS, message=message)
+        post_event(self.kube, ws, Event("Warning", wsapi.PUSH_IN_PROGRESS, message))
+
+    def _push(self, ws: Mapping[str, Any]) -> None:
         started = self._clock()
         ns = ws["metadata"]["namespace"]
         model = (ws.get("spec") or {}).get("rewardModelRef", "")
@@ -275,12 +324,13 @@ class WeightSyncDriver:
                     wsapi.SYNC_DISABLED,
                     f"RewardModel {model} has spec.weightSync.enabled false; enable it to accept pushes",
                 )
+            # only this object's pushes: a model created again under the same name starts at 0
             others = [
                 w
-                for w in self.kube.list(custom_path(ns, plural=wsapi.WS_PLURAL))
+                for w in of_model(self.kube.list(custom_path(ns, plural=wsapi.WS_PLURAL)), rm)
                 if w["metadata"]["name"] != req.name
             ]
-            current = wsm.current_version(rm, [*others, ws])
+            current = wsm.current_version(rm, [*others, *of_model([ws], rm)])
             wsm.check_version(req.version, current)
             cm = self.kube.get(core_path("configmaps", ns, req.config_map)) if req.config_map else None
             if cm is None:
@@ -291,7 +341,7 @@ class WeightSyncDriver:
                 )
             metadata = wsapi.decode_manifest(cm, req.manifest_key, req.manifest_sha256)
             token = model_token(self.kube, ns, model)
-            plan = wsm.plan_group(self._candidates(ns, model), current, req.training_mode, req.senders)
+            plan = wsm.plan_group(self._candidates(rm), current, req.training_mode, req.senders)
             self._run(ws, req, plan, metadata, token, started, deadline)
         except wsm.WeightSyncRefused as exc:
             self._finish(ws, wsm.FAILED, started, reason=exc.reason, message=str(exc))
@@ -372,6 +422,8 @@ class WeightSyncDriver:
             # Before the push is failed: a replica whose join is still pending (the trainer has not
             # joined yet) would refuse the trainer's next push until this push's deadline.
             self._leave_group(req.group_id, asked, token)
+            if isinstance(exc, ReplicaError) and exc.code == TRAINER_ABSENT:
+                raise wsm.WeightSyncRefused(wsapi.TRAINER_NOT_JOINED, wsm.trainer_absent(req)) from exc
             if isinstance(exc, ReplicaError):
                 reason = wsapi.DELTA_REFUSED if exc.code == STALE_BASE else wsapi.REPLICA_REFUSED
                 raise wsm.WeightSyncRefused(reason, str(exc)) from exc

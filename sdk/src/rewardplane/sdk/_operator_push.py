@@ -19,8 +19,10 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from rewardplane.api.heartbeat import CONFIRMED_AT, unconfirmed
 from rewardplane.api.names import API_VERSION, LABEL_MODEL, WS_KIND, WS_PLURAL, core_path, custom_path
 from rewardplane.api.weightsync import adapter_spec
 from rewardplane.protocol import (
@@ -44,6 +46,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("rewardplane.sdk.cluster")
 
 POLL_S = 0.02  # WeightSync status polls during a push (one GET each; a push is short)
+# The WeightSync went after the weights were sent: how long the replicas are given to commit them.
+COMMIT_WAIT_S = 30.0
+SERVED_POLL_S = 0.2
+# A push the operator has not taken up this long: is any operator confirming the model's status?
+UNTAKEN_CHECK_S = 3.0
+OPERATOR_ABSENT = "OperatorNotConfirming"  # WeightSyncFailed.reason: no operator confirms the model
+WEIGHTSYNC_GONE = "WeightSyncGone"  # WeightSyncFailed.reason: the push's WeightSync was deleted or replaced
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,7 @@ class OperatorPush:
         self.name, self.namespace = handle.name, handle.namespace
         self.label = f"{handle.namespace}/{handle.name}"
         self._kube = handle._kube
+        self._uid = ""  # the WeightSync this push created or patched: another one is not followed
 
     def owner_references(self) -> list[dict[str, Any]]:
         """The RewardModel as owner: garbage collection deletes the push objects with the model."""
@@ -127,6 +137,7 @@ class OperatorPush:
     def request_push(self, spec: dict[str, Any]) -> int:
         """Create or patch the model's WeightSync; returns the generation the operator must handle."""
         path = custom_path(self.namespace, self.name, WS_PLURAL)
+        owners = self.owner_references()
         body = {
             "apiVersion": API_VERSION,
             "kind": WS_KIND,
@@ -134,12 +145,17 @@ class OperatorPush:
                 "name": self.name,
                 "namespace": self.namespace,
                 "labels": {LABEL_MODEL: self.name},
-                "ownerReferences": self.owner_references(),
+                "ownerReferences": owners,
             },
             "spec": spec,
         }
         created = self._kube.create(custom_path(self.namespace, None, WS_PLURAL), body)
+        if created is None and _owner_uids(self._kube.get(path)) not in ([], [owners[0]["uid"]]):
+            # an earlier RewardModel of this name owns it: its history is not this model's
+            self._kube.delete(path)
+            created = self._kube.create(custom_path(self.namespace, None, WS_PLURAL), body)
         if created is not None:
+            self._uid = str(created["metadata"].get("uid") or "")
             return int(created["metadata"].get("generation") or 1)
         # a merge patch keeps fields it does not name: clear an earlier push's adapter, base and
         # trainer fields explicitly (a one-rank push after a multi-rank one must not wait for absent
@@ -148,17 +164,48 @@ class OperatorPush:
         patched = self._kube.merge_patch(
             path, {"spec": {"adapter": None, "baseVersion": None, **spec, "trainer": trainer}}
         )
+        self._uid = str(patched["metadata"].get("uid") or "")
         return int(patched["metadata"]["generation"])
 
+    def _read(self, generation: int) -> dict[str, Any]:
+        """The WeightSync of this push; raises WeightSyncLost when it was deleted or replaced (by
+        another object of the name, or a newer spec): the operator no longer follows this push."""
+        ws = self.handle.weightsync()
+        meta = (ws or {}).get("metadata") or {}
+        if ws is None:
+            raise WeightSyncLost(f"WeightSync {self.label} was deleted", {})
+        if self._uid and meta.get("uid") != self._uid:
+            raise WeightSyncLost(f"WeightSync {self.label} was deleted and created again", {})
+        if int(meta.get("generation") or 0) > generation:
+            raise WeightSyncLost(
+                f"WeightSync {self.label} was changed to another push (generation {meta.get('generation')}, "
+                f"version {(ws.get('spec') or {}).get('version')})",
+                ws.get("status") or {},
+            )
+        return ws
+
     def wait_phase(self, generation: int, phases: set[str], deadline: float, what: str) -> dict[str, Any]:
+        untaken_since, checked = time.monotonic(), 0.0
         while True:
-            ws = self.handle.weightsync() or {}
+            ws = self._read(generation)
             status = ws.get("status") or {}
             if status.get("observedGeneration") == generation:
                 if status.get("phase") == "Failed":
                     raise _operator_failed(status)
                 if status.get("phase") in phases:
                     return ws
+            elif time.monotonic() - max(untaken_since, checked) > UNTAKEN_CHECK_S:
+                # not taken up yet: an operator that confirms no status will not take it up either
+                checked = time.monotonic()
+                model_status = self.handle.get().get("status") or {}
+                doubt = unconfirmed(model_status, datetime.now(UTC))
+                if doubt and CONFIRMED_AT in model_status:  # an older operator writes no heartbeat
+                    raise WeightSyncFailed(
+                        f"WeightSync {self.label} (version {(ws.get('spec') or {}).get('version')}) "
+                        f"is not taken up: {doubt}",
+                        OPERATOR_ABSENT,
+                        status,
+                    )
             if time.monotonic() > deadline:
                 raise WeightSyncFailed(
                     f"timed out waiting for {what} (WeightSync {self.namespace}/{self.name} is in phase "
@@ -234,15 +281,53 @@ class OperatorPush:
         ``base_version``: a delta push of the tensors changed since that version."""
         import torch
 
+        deadline = started + timeout_s
+        first = next(iter(tensors.values()))
+        dev = torch.device(device) if device is not None else first.device
+        try:
+            return self._push(
+                metadata,
+                tensors,
+                version,
+                mode,
+                dev,
+                started,
+                deadline,
+                timeout_s,
+                trainer_host,
+                bucket_bytes,
+                backend,
+                progress,
+                adapter,
+                base_version,
+            )
+        except WeightSyncLost as lost:
+            # before any weight moved (the rendezvous, the join): nothing to wait for
+            raise self.lost_push(lost, version, moved=False) from None
+
+    def _push(
+        self,
+        metadata: list[ParamMeta],
+        tensors: Mapping[str, torch.Tensor],
+        version: int,
+        mode: RewardModelTrainingMode,
+        dev: torch.device,
+        started: float,
+        deadline: float,
+        timeout_s: float,
+        trainer_host: str | None,
+        bucket_bytes: int,
+        backend: Backend,
+        progress: bool | None,
+        adapter: AdapterConfig | None,
+        base_version: int | None,
+    ) -> PushResult:
         from rewardplane.protocol import layout_id
         from rewardplane.transport.sliced import send_slices
         from rewardplane.transport.transfer import send_buckets
 
         from ._slicing import agree_on_slices
 
-        deadline = started + timeout_s
-        first = next(iter(tensors.values()))
-        dev = torch.device(device) if device is not None else first.device
         store, _, generation, ws = self.rendezvous(
             metadata,
             version,
@@ -334,10 +419,28 @@ class OperatorPush:
         transfer_s: float,
         deadline: float,
     ) -> PushResult:
-        """Wait until the operator reports every replica serving ``version`` (or raise its reason)."""
-        done = self.wait_phase(
-            generation, {"Completed"}, deadline, f"every replica to serve version {version}"
-        )
+        """Wait until the operator reports every replica serving ``version`` (or raise its reason).
+        The weights were sent: a WeightSync deleted or replaced meanwhile no longer says how the push
+        ended, so the replicas are asked; a push they committed is not reported as failed."""
+        try:
+            done = self.wait_phase(
+                generation, {"Completed"}, deadline, f"every replica to serve version {version}"
+            )
+        except WeightSyncLost as lost:
+            served = self.served_versions(version, min(deadline, time.monotonic() + COMMIT_WAIT_S))
+            if served and min(served.values()) >= version:
+                log.warning("%s; every replica serves version %d: the push committed", lost, version)
+                return PushResult(
+                    version=int(version),
+                    training_mode=mode.value,
+                    bytes=int(sent),
+                    world_size=world,
+                    replicas=len(served),
+                    duration_s=time.monotonic() - started,
+                    transfer_s=transfer_s,
+                    weightsync=lost.status,
+                )
+            raise self.lost_push(lost, version, moved=True, served=served) from None
         wait_for_version(
             self.handle.get_status, self.label, int(version), min(deadline, time.monotonic() + 30)
         )
@@ -397,14 +500,66 @@ class OperatorPush:
         comm: Communicator = box["comm"]
         return comm
 
+    def served_versions(self, version: int, until: float) -> dict[str, int]:
+        """Replica URL → the weights version it serves (``/runtime_version``), asked until every
+        replica serves ``version`` or ``until``; replicas that do not answer are left out."""
+        from .client import RewardClient
+
+        served: dict[str, int] = {}
+        while True:
+            urls = [e.url for e in self.handle.get_all_endpoints() if e.url]
+            try:
+                with RewardClient(urls, request_timeout_s=5.0) as client:
+                    answers = client.get_runtime_versions()
+                served = {u: a.version for u, a in answers.items() if a.state != "broken"}
+            except Exception as exc:  # a replica restarting: asked again until ``until``
+                log.info("asking the replicas for their version: %s", exc)
+            if (served and min(served.values()) >= version) or time.monotonic() >= until:
+                return served
+            time.sleep(SERVED_POLL_S)
+
+    def lost_push(
+        self, lost: WeightSyncLost, version: int, *, moved: bool, served: Mapping[str, int] | None = None
+    ) -> WeightSyncFailed:
+        """The error for a push whose WeightSync went: what happened and what the replicas serve."""
+        if served is None:
+            served = self.served_versions(version, time.monotonic())
+        serving = (
+            ", ".join(f"{u} serves version {v}" for u, v in sorted(served.items()))
+            if served
+            else "no replica answered /runtime_version"
+        )
+        then = (
+            f"the weights were sent but not every replica committed version {version} within "
+            f"{COMMIT_WAIT_S:.0f} s"
+            if moved
+            else "the push was given up before any weight moved"
+        )
+        return WeightSyncFailed(
+            f"{lost}: {then}; {serving}. Push again with a version above the one served",
+            WEIGHTSYNC_GONE,
+            lost.status,
+        )
+
     def raise_if_failed(self, generation: int, deadline: float) -> None:
-        status = (self.handle.weightsync() or {}).get("status") or {}
+        status = self._read(generation).get("status") or {}
         if status.get("observedGeneration") == generation and status.get("phase") == "Failed":
             raise _operator_failed(status)
         if time.monotonic() > deadline:
             raise WeightSyncFailed(
                 "timed out joining the replicas' process group; see the operator's log", "Timeout"
             )
+
+
+class WeightSyncLost(WeightSyncFailed):
+    """The WeightSync of a running push was deleted or replaced (``status``: what it said last)."""
+
+    def __init__(self, message: str, status: Mapping[str, Any]) -> None:
+        super().__init__(message, WEIGHTSYNC_GONE, status)
+
+
+def _owner_uids(ws: Mapping[str, Any] | None) -> list[str]:
+    return [str(r.get("uid")) for r in ((ws or {}).get("metadata") or {}).get("ownerReferences") or []]
 
 
 def _operator_failed(status: Mapping[str, Any]) -> WeightSyncFailed:

@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,7 @@ def check_target(args: argparse.Namespace) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from rewardplane.api.heartbeat import unconfirmed
     from rewardplane.api.status import RewardModelStatus
 
     if args.urls:
@@ -148,10 +150,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(json.dumps({"status": raw, "weightsync": (ws or {}).get("status")}, indent=2))
             return 0
         status = RewardModelStatus.model_validate(raw)
+        doubt = unconfirmed(raw, datetime.now(UTC))
         print(
             f"RewardModel {args.namespace}/{args.name}: {status.phase}  ready "
             f"{status.ready_replicas}/{status.replicas}  weights version {status.weights_version}"
+            + ("  (UNCONFIRMED)" if doubt else "")
         )
+        if doubt:
+            print(f"  WARNING: {doubt}")
         if status.message:
             print(f"  {status.message}")
         print(f"  {'REPLICA':<8} {'POD':<24} {'URL':<28} {'VERSION':<8} {'STATE':<10} READY")
@@ -168,6 +174,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
             if wss.get("reason"):
                 line += f" ({wss['reason']}: {wss.get('message', '')})"
+            if wss.get("observedGeneration") != ((ws or {}).get("metadata") or {}).get("generation"):
+                line += (
+                    f"; version {((ws or {}).get('spec') or {}).get('version')} asked for, not taken up yet"
+                )
             print(line)
     return 0
 

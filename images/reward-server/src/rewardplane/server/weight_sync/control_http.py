@@ -14,6 +14,7 @@ from rewardplane.protocol import (
     JOIN_GRACE_S,
     MAX_LAYOUTS,
     STALE_BASE,
+    TRAINER_ABSENT,
     UPDATE_IN_PROGRESS,
     CancelledJoin,
     InitCommunicatorRequest,
@@ -273,7 +274,8 @@ class AnnouncedPushes:
                 await asyncio.wait_for(asyncio.shield(self.state.init_task), timeout=req.timeout_s)
             except TimeoutError as exc:
                 raise Conflict(
-                    "the communicator is still forming; the trainer must create its side of the group"
+                    "the communicator is still forming; the trainer must create its side of the group",
+                    detail={"code": TRAINER_ABSENT},
                 ) from exc
         if not self.state.has_comm:
             raise Conflict(
