@@ -120,6 +120,7 @@ from benchmarks.copy_plan import build_models, checkpoint, push, trainer_shapes
 from rewardplane.protocol import ParamMeta
 from rewardplane.server.weight_sync.worker_extension import RewardWeightSyncExtension
 from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.group import open_group
 from rewardplane.transport.transfer import send_buckets
 
 port = int(sys.argv[1])
@@ -150,7 +151,7 @@ for version in range(3):
         if "comm" not in trainer:
             store = create_store("127.0.0.1", port, is_master=True, world_size=2, timeout_s=60)
             trainer["store"] = store
-            trainer["comm"] = Communicator(
+            trainer["comm"] = open_group(
                 store, rank=1, world_size=2, device=torch.device("cpu"), backend="gloo", timeout_s=60, group_id="g"
             )
         send_buckets(trainer["comm"], metas, dict(weights), bucket, src=1)

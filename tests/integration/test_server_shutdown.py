@@ -85,7 +85,7 @@ TRAINER_THAT_FREEZES = textwrap.dedent(
     from datetime import timedelta
     import httpx, torch
     import torch.distributed as dist
-    from rewardplane.transport.comm import Communicator
+    from rewardplane.transport.group import open_group
 
     url, port, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     store = dist.TCPStore("127.0.0.1", port, world_size=2, is_master=True,
@@ -93,7 +93,7 @@ TRAINER_THAT_FREEZES = textwrap.dedent(
     join = {"host": "127.0.0.1", "port": port, "world_size": 2, "timeout_s": 60, "group_id": "frozen"}
     r = httpx.post(url + "/init_communicator", json=join, headers={"Authorization": "Bearer " + token}, timeout=60)
     r.raise_for_status()
-    Communicator(store, rank=1, world_size=2, device=torch.device("cpu"), timeout_s=60, group_id="frozen")
+    open_group(store, rank=1, world_size=2, device=torch.device("cpu"), timeout_s=60, group_id="frozen")
     print("formed", flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)
     """

@@ -17,6 +17,7 @@ from rewardplane.protocol.slices import needs_from_json, needs_key, slice_schedu
 from rewardplane.server.weight_sync.worker_extension import HFWeightSyncWorker, RewardWeightSyncExtension
 from rewardplane.testing.servers import free_port
 from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.group import open_group
 from rewardplane.transport.sliced import send_slices
 from rewardplane.transport.transfer import Received, send_buckets
 
@@ -41,7 +42,7 @@ class Joined:
         def trainer_joins() -> None:
             store = create_store("127.0.0.1", port, is_master=True, world_size=2, timeout_s=30)
             made.append(
-                Communicator(
+                open_group(
                     store, rank=1, world_size=2, device=torch.device("cpu"), timeout_s=30, group_id="g"
                 )
             )

@@ -12,7 +12,8 @@ import torch
 from rewardplane.protocol import ParamMeta
 from rewardplane.testing.servers import free_port
 from rewardplane.transport.buckets import meta_of
-from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.comm import create_store
+from rewardplane.transport.group import open_group
 from rewardplane.transport.transfer import receive_buckets
 from tests.fixtures.workers import CpuWorker
 
@@ -46,7 +47,7 @@ def pushed(seed: int) -> dict[str, torch.Tensor]:
 
 def receive(port: int, metas: list[ParamMeta], group_id: str) -> dict[str, torch.Tensor]:
     store = create_store("127.0.0.1", port, is_master=False, world_size=2, timeout_s=30)
-    comm = Communicator(
+    comm = open_group(
         store,
         rank=0,
         world_size=2,

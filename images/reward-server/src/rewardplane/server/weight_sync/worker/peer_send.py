@@ -11,7 +11,8 @@ import torch
 from rewardplane.protocol import ParamMeta
 from rewardplane.server.weight_sync.worker.state import WorkerHost
 from rewardplane.transport.buckets import torch_dtype
-from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.comm import create_store
+from rewardplane.transport.group import open_group
 from rewardplane.transport.transfer import send_buckets
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class PeerSender:
                 store = create_store(
                     "0.0.0.0", port, is_master=True, world_size=world_size, timeout_s=timeout_s
                 )
-                comm = Communicator(
+                comm = open_group(
                     store,
                     rank=rank,
                     world_size=world_size,
