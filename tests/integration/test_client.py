@@ -116,7 +116,7 @@ def test_503_twice_then_200_is_retried(servers: list[ServerHandle], fresh_proxie
         expected = direct.score_batch(TEXTS[:5])
     proxy.fail_next(2, status=503)
     with RewardClient([proxy.url], retry=FAST) as client:
-        response, info = client.score(ScoringRequest(inputs=TEXTS[:5]))
+        response, info = client.score(ScoringRequest(inputs=TEXTS[:5], normalize=False))
     assert response.scores == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert proxy.count("/score") == 3 and proxy.count("/score", injected=True) == 2
     assert info["chunks"][0]["attempts"] == 3
