@@ -159,8 +159,12 @@ def test_cluster_push_end_to_end(
                 timeout=30,
             ).stdout
             header, row = table.splitlines()[:2]
-            assert header.split()[:5] == ["NAME", "MODEL", "VERSION", "MODE", "PHASE"]
-            assert row.split()[:5] == [name, name, "2", "full", "Completed"]
+            assert header.split()[:6] == ["NAME", "MODEL", "VERSION", "HANDLED", "MODE", "PHASE"]
+            cells = row.split()
+            # HANDLED: the generation the phase describes (this object's own, as the push completed)
+            assert (
+                cells[:3] == [name, name, "2"] and cells[3].isdigit() and cells[4:6] == ["full", "Completed"]
+            )
 
         # A lower version is refused with the operator's reason; nothing changes.
         with pytest.raises(WeightSyncFailed) as info:
