@@ -355,7 +355,14 @@ COMMANDS = {"status": cmd_status, "score": cmd_score, "push": cmd_push}
 
 def main(argv: list[str] | None = None) -> int:
     """``argv[0]`` is the subcommand (``status``, ``score`` or ``push``)."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    # `score NAME --raw TEXT...`: texts after the options (the name's optional with --url, so
+    # argparse ends the positionals at the first option)
+    if extra and args.command == "score" and not any(e.startswith("-") for e in extra):
+        args.texts = [*args.texts, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         check_target(args)
         return COMMANDS[args.command](args)
