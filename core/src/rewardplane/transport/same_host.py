@@ -227,9 +227,7 @@ class SameHostCommunicator(Communicator):
         entries: list[tuple[str, tuple[Any, ...], int, int]] = []
         staged: list[tuple[int, torch.Tensor]] = []  # (position, tensor) copied into the ring
         for pos, typed in enumerate(tensors):
-            # the wire hands flat bytes already: no view to make per tensor (a push's CPU time
-            # is per tensor, and here it is not hidden behind a link)
-            t = typed if typed.dtype is torch.uint8 and typed.dim() == 1 else as_bytes(typed)
+            t = _flat_bytes(typed)
             if t.numel() == 0:
                 entries.append(("", (), 0, 0))
                 continue
@@ -532,6 +530,13 @@ def _decode(raw: bytes) -> list[tuple[str, tuple[Any, ...], int, int]]:
         return bytes.fromhex(v["hex"]) if isinstance(v, dict) else v
 
     return [(key, tuple(typed(v) for v in source), off, n) for key, source, off, n in json.loads(raw)]
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, flat. The wire hands flat bytes already, which need no new view (a push's CPU
+    time is per tensor, and here it is not hidden behind a link); contiguous ones only: an export is
+    read as bytes [offset, offset + numel) of its storage, which a strided view's bytes are not."""
+    return t if t.dtype is torch.uint8 and t.dim() == 1 and t.is_contiguous() else as_bytes(t)
 
 
 def _aligned(n: int) -> int:
