@@ -1860,7 +1860,11 @@ def test_a_deleted_weightsync_is_reported_at_once_and_a_committed_push_is_not_fa
     # deleted while the trainer sends: the replicas commit, and the push is not reported failed
     done = run("send", head_push(version, 0.8), "Transferring")
     assert "failed" not in done and done["result"].version == version, done
-    wait_for(f"both replicas on version {version}", lambda: ready_at(c, 2, version), READY_TIMEOUT_S, 0.5)
+    replicas = int(get_rm(c)["spec"]["replicas"])  # as the scaling test left it
+    wait_for(
+        f"every replica on version {version}", lambda: ready_at(c, replicas, version), READY_TIMEOUT_S, 0.5
+    )
+    assert done["result"].replicas == replicas, done
     S.version = version
     print(
         f"\ndeleted in Rendezvous: reported in {lost['seconds']:.2f} s; in Transferring: done in {done['seconds']:.2f} s"
