@@ -26,8 +26,8 @@ import httpx
 import torch
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode
-from rewardplane.sdk.direct_sync import DirectWeightSync
 from rewardplane.sdk.lora import adapter_payload
+from rewardplane.sdk.push.pusher import DirectWeightSync
 from rewardplane.testing.gpus import visible_gpus
 from rewardplane.testing.servers import free_port, launch_server, wait_healthy
 

@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.weight_sync import SIZES, build_trainer_model, make_checkpoint, timed_pushes  # noqa: E402
 from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
 from rewardplane.protocol.naming import select_head  # noqa: E402
-from rewardplane.sdk.direct_sync import WeightPusher  # noqa: E402
+from rewardplane.sdk.push.pusher import WeightPusher  # noqa: E402
 from rewardplane.testing.gpus import gpu_memory_used_mib, visible_gpus  # noqa: E402
 from rewardplane.testing.servers import ServerHandle, free_port, launch_server, wait_healthy  # noqa: E402
 

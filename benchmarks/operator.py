@@ -341,7 +341,7 @@ def bench_push(kube: Kube, kubeconfig: Path, tmp: Path, args: argparse.Namespace
 
     from rewardplane.protocol.naming import select_head
     from rewardplane.sdk.cluster import RewardModelHandle
-    from rewardplane.sdk.direct_sync import DirectWeightSync
+    from rewardplane.sdk.push.pusher import DirectWeightSync
     from rewardplane.tinymodel import build_tiny_reward_model
 
     model_dir = build_tiny_reward_model(tmp / "model", hidden_size=args.hidden, num_layers=args.layers)

@@ -168,7 +168,7 @@ class Timeline:
         print(f"[{name}] {seconds:.0f} s done", flush=True)
 
     def join(self) -> None:
-        from rewardplane.sdk.direct_sync import WeightPusher
+        from rewardplane.sdk.push.pusher import WeightPusher
         from rewardplane.testing.servers import free_port
 
         a = self.args

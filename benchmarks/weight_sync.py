@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
 from rewardplane.protocol.naming import select_head  # noqa: E402
-from rewardplane.sdk.direct_sync import DirectWeightSync  # noqa: E402
+from rewardplane.sdk.push.pusher import DirectWeightSync  # noqa: E402
 from rewardplane.testing.gpus import visible_gpus  # noqa: E402
 from rewardplane.testing.servers import free_port, launch_server, wait_healthy  # noqa: E402
 from rewardplane.tinymodel import train_tokenizer  # noqa: E402

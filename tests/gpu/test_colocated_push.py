@@ -50,7 +50,7 @@ RESULT = "colocated_push.json"
 
 
 def _pusher(url: str, device: Any, backend: str = "auto") -> Any:
-    from rewardplane.sdk.direct_sync import WeightPusher
+    from rewardplane.sdk.push.pusher import WeightPusher
 
     return WeightPusher(
         [url],

@@ -16,7 +16,7 @@ import torch
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode
 from rewardplane.protocol.naming import select_head
-from rewardplane.sdk.direct_sync import DirectWeightSync
+from rewardplane.sdk.push.pusher import DirectWeightSync
 from rewardplane.testing.gpus import visible_gpus
 from rewardplane.testing.servers import free_port, start_server
 from tests.fixtures.models import TEXTS
@@ -164,7 +164,7 @@ SOCKETS_ONLY = {
 }
 SOCKET_TRAINER = r"""
 import sys, torch
-from rewardplane.sdk.direct_sync import DirectWeightSync
+from rewardplane.sdk.push.pusher import DirectWeightSync
 from tests.fixtures.trainer import perturbed
 url, port, model_dir, seed = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 device = torch.device("cuda", 0)  # CUDA_VISIBLE_DEVICES=1: the host's second GPU

@@ -450,7 +450,7 @@ def test_full_push_0_4b(seqcls_0_4b: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
-    from rewardplane.sdk.direct_sync import DirectWeightSync
+    from rewardplane.sdk.push.pusher import DirectWeightSync
 
     handle = wait_ready(start_vllm_server(seqcls_0_4b, tmp_path, gpu=0, gpu_memory_utilization=0.4))
     device = torch.device("cuda", 1)

@@ -207,7 +207,7 @@ def _pusher(url: str, device: Any) -> Any:
     the trainer shares the server's GPU, NCCL from another one."""
     import inspect
 
-    from rewardplane.sdk.direct_sync import WeightPusher
+    from rewardplane.sdk.push.pusher import WeightPusher
 
     if "backend" not in inspect.signature(WeightPusher).parameters:
         return direct_sync([url], device)

@@ -44,7 +44,7 @@ def _check(trainers: list[Trainer], version: int, before: list[float], what: str
 
 
 def test_world_size_and_rank_offsets(trainers: list[Trainer]) -> None:
-    from rewardplane.sdk.publisher import HTTPControlPlane
+    from rewardplane.sdk.push.wire.http import HTTPControlPlane
 
     sizes = [httpx.get(f"{t.url}/get_world_size", timeout=30).json()["world_size"] for t in trainers]
     assert sizes == [2, 1]

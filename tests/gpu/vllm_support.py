@@ -300,7 +300,7 @@ def running_replicas(
 
 def direct_sync(urls: list[str], device: Any) -> Any:
     """The trainer's ``DirectWeightSync`` to ``urls`` as every GPU test configures it."""
-    from rewardplane.sdk.direct_sync import DirectWeightSync
+    from rewardplane.sdk.push.pusher import DirectWeightSync
 
     return DirectWeightSync(
         urls,

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode
-from rewardplane.sdk.direct_sync import DirectWeightSync
+from rewardplane.sdk.push.pusher import DirectWeightSync
 from rewardplane.testing.servers import ServerHandle, free_port
 from tests.fixtures.trainer import perturbed
 

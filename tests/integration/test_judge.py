@@ -27,7 +27,7 @@ from rewardplane.sdk import (
     Step,
 )
 from rewardplane.sdk._exceptions import _error_message  # reads both error shapes
-from rewardplane.sdk.direct_sync import DirectWeightSync
+from rewardplane.sdk.push.pusher import DirectWeightSync
 from rewardplane.testing.servers import free_port
 
 TOKEN = "secret"

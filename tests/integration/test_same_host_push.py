@@ -20,7 +20,7 @@ import tests.integration.test_adapter_sync as adapter_suite
 import tests.integration.test_delta_push as delta_suite
 import tests.integration.test_sharded_push as sharded_suite
 import tests.integration.test_weight_sync as push_suite
-from rewardplane.sdk import publisher
+from rewardplane.sdk.push.wire import http as http_wire
 from rewardplane.testing.servers import free_port
 from rewardplane.transport.comm import CommunicatorError, create_store
 from rewardplane.transport.group import open_group
@@ -35,14 +35,14 @@ def ipc(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Every push of the suites below over ``backend="ipc"``; yields the transports the trainer's
     groups were formed with, which must all be the same-host one."""
     formed: list[str] = []
-    real_open = publisher.open_group
+    real_open = http_wire.open_group
 
     def spy(*args, **kwargs):
         comm = real_open(*args, **kwargs)
         formed.append(comm.backend)
         return comm
 
-    monkeypatch.setattr(publisher, "open_group", spy)
+    monkeypatch.setattr(http_wire, "open_group", spy)
     ipc_sync_for = functools.partial(push_suite.sync_for, backend="ipc")
     for suite in (push_suite, delta_suite, adapter_suite):
         monkeypatch.setattr(suite, "sync_for", ipc_sync_for)

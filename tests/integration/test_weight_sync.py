@@ -13,7 +13,7 @@ import torch
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode
 from rewardplane.protocol.naming import WeightValidationError, select_head
-from rewardplane.sdk.direct_sync import DirectWeightSync
+from rewardplane.sdk.push.pusher import DirectWeightSync
 from rewardplane.sdk.retry import RewardServerError
 from rewardplane.testing.servers import free_port
 from tests.fixtures.models import TEXTS
@@ -117,9 +117,9 @@ def test_head_only_push_changes_only_the_head(server, tiny_model_dir):
 def test_push_completes_when_the_early_version_wait_expires_first(server, tiny_model_dir, monkeypatch):
     """The long-poll sent right after the announce is bounded; when it answers before the commit
     (here: at once), finalize waits on by itself and the push still reports the served version."""
-    from rewardplane.sdk import publisher
+    from rewardplane.sdk.push.wire import http as http_wire
 
-    monkeypatch.setattr(publisher, "EARLY_WAIT_S", 0.0)
+    monkeypatch.setattr(http_wire, "EARLY_WAIT_S", 0.0)
     model = perturbed(tiny_model_dir, seed=6)
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rewardplane.protocol import layout_id, plan_buckets
-from rewardplane.sdk._slicing import agree_on_slices
+from rewardplane.sdk.push.plan.slices import agree_on_slices
 from rewardplane.transport.comm import Communicator
 from rewardplane.transport.sliced import send_slices
 from rewardplane.transport.transfer import send_buckets

@@ -1,5 +1,5 @@
 """The trainer's handle on a RewardModel in a cluster: wait for it, score against its ready replicas,
-and push new weights through the operator (cluster mode: ``_operator_push``).
+and push new weights through the operator (cluster mode: ``push.wire.operator``).
 
 The handle reads the cluster only in methods, never in attribute access; what it reads from the
 status and how it waits on it is ``_cluster_status``.
@@ -47,8 +47,8 @@ from ._cluster_status import (
     wait_until_ready,
 )
 from ._exceptions import ClusterError, WeightSyncFailed
-from ._operator_push import OperatorPush, PushResult
-from .push_checks import check_fits, names_for_mode
+from .push.plan.checks import check_fits, names_for_mode
+from .push.wire.operator import OperatorPush, PushResult
 
 if TYPE_CHECKING:
     import torch
@@ -56,9 +56,9 @@ if TYPE_CHECKING:
     from rewardplane.api.kube import Kube
     from rewardplane.transport.comm import Backend
 
-    from ._operator_sharded import RanksState
     from .client import RewardClient
-    from .delta import Acknowledged
+    from .push.plan.delta import Acknowledged
+    from .push.ranks.operator import RanksState
 
 __all__ = ["PushResult", "ReplicaEndpoint", "RewardModelHandle"]
 
@@ -94,7 +94,7 @@ class RewardModelHandle:
         self._client_urls: tuple[str, ...] = ()
         # what every replica committed in the last push_weights(delta=True): what a delta builds on
         self._acked: Acknowledged | None = None
-        # a multi-rank trainer's ranks and layouts, kept from one push to the next (_operator_sharded)
+        # a multi-rank trainer's ranks and layouts, kept from one push to the next (push.ranks.operator)
         self._ranks_state: RanksState | None = None
         self._lock = threading.Lock()
 
@@ -317,7 +317,7 @@ class RewardModelHandle:
                         "multi-rank trainer push without delta, or use WeightPusher(trainer_group=..., "
                         "delta=True) against the replicas' URLs"
                     )
-                from ._operator_sharded import push_from_ranks, ranks_state
+                from .push.ranks.operator import push_from_ranks, ranks_state
 
                 self._ranks_state = ranks_state(self._ranks_state, trainer_group)
                 return push_from_ranks(
@@ -338,7 +338,7 @@ class RewardModelHandle:
                     interface=interface,
                 )
         if interface:
-            from ._operator_sharded import use_interface
+            from .push.ranks.operator import use_interface
 
             use_interface(interface)
         metadata, tensors = self.prepare(
@@ -359,7 +359,7 @@ class RewardModelHandle:
         )
         from rewardplane.api.weightsync import DELTA_REFUSED
 
-        from .delta import Acknowledged, delta_names, fingerprints, warn_refused
+        from .push.plan.delta import Acknowledged, delta_names, fingerprints, warn_refused
 
         delta = delta and mode is RewardModelTrainingMode.FULL
         try:

@@ -38,16 +38,15 @@ from rewardplane.protocol.auth import resolve_token
 from rewardplane.protocol.naming import (
     DEFAULT_HEAD_PATTERNS,
 )
+from rewardplane.sdk._exceptions import DeltaRefused, WeightSyncError
+from rewardplane.sdk.push.plan.checks import check_fits, names_for_mode
+from rewardplane.sdk.push.wire.data_plane import DataPlaneStarter, describe
+from rewardplane.sdk.retry import RetryPolicy, RewardServerError, call_with_retry, check_response
 from rewardplane.transport.buckets import meta_of
 from rewardplane.transport.comm import Backend, Communicator, TensorCommunicator, create_store
 from rewardplane.transport.group import open_group
 from rewardplane.transport.sliced import send_slices
 from rewardplane.transport.transfer import send_buckets
-
-from ._exceptions import DeltaRefused, WeightSyncError
-from .data_plane import DataPlaneStarter, describe
-from .push_checks import check_fits, names_for_mode
-from .retry import RetryPolicy, RewardServerError, call_with_retry, check_response
 
 log = logging.getLogger(__name__)
 

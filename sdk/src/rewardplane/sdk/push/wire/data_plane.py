@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from rewardplane.protocol import PushHeader, PushKeys, PushVerdict, RewardModelTrainingMode
+from rewardplane.sdk.push.plan.slices import SliceBook, Slicing
 from rewardplane.transport.signals import StoreClosed, put, wait_value
-
-from ._slicing import SliceBook, Slicing
 
 
 class DataPlaneStarter:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rewardplane.api.heartbeat import CONFIRMED_AT, unconfirmed
 from rewardplane.api.names import API_VERSION, LABEL_MODEL, WS_KIND, WS_PLURAL, core_path, custom_path
@@ -32,16 +32,16 @@ from rewardplane.protocol import (
     plan_buckets,
     settings,
 )
-
-from ._cluster_status import wait_for_version
-from ._exceptions import WeightSyncFailed
+from rewardplane.sdk._cluster_status import wait_for_version
+from rewardplane.sdk._exceptions import WeightSyncFailed
 
 if TYPE_CHECKING:
     import torch
 
+    from rewardplane.api.kube import Kube
+    from rewardplane.api.status import RewardModelStatus
+    from rewardplane.sdk._cluster_status import ReplicaEndpoint
     from rewardplane.transport.comm import Backend, Communicator
-
-    from .cluster import RewardModelHandle
 
 log = logging.getLogger("rewardplane.sdk.cluster")
 
@@ -97,10 +97,31 @@ class _ProgressComm:
         self._comm.close()
 
 
+class PushTarget(Protocol):
+    """What a push through the operator reads of its RewardModel (``RewardModelHandle`` is one).
+    A protocol, so that the push does not import the handle that calls it: no import circle."""
+
+    name: str
+    namespace: str
+    _kube: Kube
+
+    def get(self) -> dict[str, Any]: ...
+
+    def get_status(self) -> RewardModelStatus: ...
+
+    def get_all_endpoints(self) -> list[ReplicaEndpoint]: ...
+
+    def manifest(self) -> dict[str, ParamMeta]: ...
+
+    def weightsync(self) -> dict[str, Any] | None: ...
+
+    def _push_urls(self) -> list[str]: ...
+
+
 class OperatorPush:
     """The pushes of one RewardModel through its ``WeightSync`` object and the operator."""
 
-    def __init__(self, handle: RewardModelHandle) -> None:
+    def __init__(self, handle: PushTarget) -> None:
         self.handle = handle
         self.name, self.namespace = handle.name, handle.namespace
         self.label = f"{handle.namespace}/{handle.name}"
@@ -232,9 +253,8 @@ class OperatorPush:
     ) -> tuple[Any, str, int, dict[str, Any]]:
         """Store the manifest, host the push group's store, ask the operator for the push and wait
         for its rendezvous: (the store, its host, the generation to follow, the WeightSync)."""
+        from rewardplane.sdk.push.wire.http import local_address_towards
         from rewardplane.transport.comm import create_store
-
-        from .publisher import local_address_towards
 
         manifest = self.store_manifest(metadata)
         host = trainer_host or local_address_towards(self.handle._push_urls()[0])
@@ -323,10 +343,9 @@ class OperatorPush:
         base_version: int | None,
     ) -> PushResult:
         from rewardplane.protocol import layout_id
+        from rewardplane.sdk.push.plan.slices import agree_on_slices
         from rewardplane.transport.sliced import send_slices
         from rewardplane.transport.transfer import send_buckets
-
-        from ._slicing import agree_on_slices
 
         store, _, generation, ws = self.rendezvous(
             metadata,
@@ -503,7 +522,7 @@ class OperatorPush:
     def served_versions(self, version: int, until: float) -> dict[str, int]:
         """Replica URL → the weights version it serves (``/runtime_version``), asked until every
         replica serves ``version`` or ``until``; replicas that do not answer are left out."""
-        from .client import RewardClient
+        from rewardplane.sdk.client import RewardClient
 
         served: dict[str, int] = {}
         while True:

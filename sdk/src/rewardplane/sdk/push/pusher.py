@@ -23,16 +23,20 @@ from rewardplane.protocol import (
 from rewardplane.protocol.auth import resolve_token
 from rewardplane.protocol.naming import WeightValidationError
 from rewardplane.protocol.sleep import DEFAULT_SLEEP_TIMEOUT_S
+from rewardplane.sdk._awake import AwakeReplicas
+from rewardplane.sdk._exceptions import DeltaRefused, WeightSyncError
+from rewardplane.sdk.push.plan.delta import Acknowledged, delta_names, fingerprints, warn_refused
+from rewardplane.sdk.push.plan.slices import slicing_of
+from rewardplane.sdk.push.ranks.sharded import ShardedPusher
+from rewardplane.sdk.push.wire.data_plane import DataPlaneStarter
+from rewardplane.sdk.push.wire.http import (
+    HTTPControlPlane,
+    RewardModelPublisher,
+    local_address_towards,
+    open_trainer_group,
+)
+from rewardplane.sdk.retry import RewardServerError
 from rewardplane.transport.comm import Backend, Communicator, default_device
-
-from ._awake import AwakeReplicas
-from ._exceptions import DeltaRefused, WeightSyncError
-from ._sharded_push import ShardedPusher
-from ._slicing import slicing_of
-from .data_plane import DataPlaneStarter
-from .delta import Acknowledged, delta_names, fingerprints, warn_refused
-from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards, open_trainer_group
-from .retry import RewardServerError
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ served manifest, stores it in a ConfigMap, hosts the rendezvous and creates the 
 ``spec.trainer.ranks``; the operator then puts the trainer's ranks last in the replicas' group.
 Every rank joins the group and sends its own part once the operator reports every replica ready
 (``Transferring``); rank 0 follows the push to its end and tells the others how it ended
-(``_trainer_ranks.StepChannel``), so every rank returns the same ``PushResult`` or raises alike.
+(``ranks.trainer.StepChannel``), so every rank returns the same ``PushResult`` or raises alike.
 """
 
 from __future__ import annotations
@@ -23,13 +23,19 @@ from pydantic import BaseModel
 
 from rewardplane.protocol import AdapterConfig, Bucket, ParamMeta, RewardModelTrainingMode
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, WeightValidationError
+from rewardplane.sdk._exceptions import WeightSyncFailed
+from rewardplane.sdk.push.plan.layout import local_parts
+from rewardplane.sdk.push.plan.slices import agree_on_slices
+from rewardplane.sdk.push.ranks.trainer import (
+    RankSends,
+    SenderStep,
+    ShardedLayout,
+    StepChannel,
+    TrainerRanks,
+    follow_leader,
+)
+from rewardplane.sdk.push.wire.operator import OperatorPush, PushResult
 from rewardplane.transport.comm import Backend, Communicator, create_store
-
-from ._exceptions import WeightSyncFailed
-from ._operator_push import OperatorPush, PushResult
-from ._slicing import agree_on_slices
-from ._trainer_ranks import RankSends, SenderStep, ShardedLayout, StepChannel, TrainerRanks, follow_leader
-from .sharding import local_parts
 
 
 class OperatorInvite(BaseModel):

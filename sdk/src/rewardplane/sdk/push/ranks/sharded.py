@@ -6,7 +6,7 @@ push group's store and decides each push's path, exactly as a one-process traine
 rank (the leader too) sends its own part of the bytes, from its own GPU, into the same push group,
 where the trainer's ranks are the last ranks. Nothing is gathered.
 
-The other ranks follow the leader's steps (``_trainer_ranks.StepChannel``): ``ready`` (a data-plane
+The other ranks follow the leader's steps (``ranks.trainer.StepChannel``): ``ready`` (a data-plane
 push: join the ready reduction, then send and join the commit reduction), ``send`` (a push
 announced over HTTP: send, then join the commit reduction), and exactly one final step.
 
@@ -36,13 +36,17 @@ from rewardplane.protocol import (
     RewardModelTrainingMode,
 )
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, WeightValidationError
-from rewardplane.transport.comm import Backend, Communicator, create_store
-from rewardplane.transport.group import open_group
-from rewardplane.transport.signals import StoreClosed
-
-from ._exceptions import DeltaRefused, WeightSyncError
-from ._slicing import SliceBook, slicing_of
-from ._trainer_ranks import (
+from rewardplane.sdk._exceptions import DeltaRefused, WeightSyncError
+from rewardplane.sdk.push.plan.delta import (
+    Acknowledged,
+    changed_names,
+    fingerprints,
+    sent_names,
+    warn_refused,
+)
+from rewardplane.sdk.push.plan.layout import PartsBook, PushPlan
+from rewardplane.sdk.push.plan.slices import SliceBook, slicing_of
+from rewardplane.sdk.push.ranks.trainer import (
     RankSends,
     SenderStep,
     ShardedLayout,
@@ -51,11 +55,12 @@ from ._trainer_ranks import (
     TrainerRanks,
     follow_leader,
 )
-from .data_plane import DataPlaneStarter
-from .delta import Acknowledged, changed_names, fingerprints, sent_names, warn_refused
-from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards
-from .retry import RewardServerError
-from .sharding import PartsBook, PushPlan
+from rewardplane.sdk.push.wire.data_plane import DataPlaneStarter
+from rewardplane.sdk.push.wire.http import HTTPControlPlane, RewardModelPublisher, local_address_towards
+from rewardplane.sdk.retry import RewardServerError
+from rewardplane.transport.comm import Backend, Communicator, create_store
+from rewardplane.transport.group import open_group
+from rewardplane.transport.signals import StoreClosed
 
 log = logging.getLogger(__name__)
 
