@@ -265,13 +265,13 @@ def rewardplane_pushes(
         out["checksums_full"] = checksums_match(url, params, "full pushes")
         perturb(model)
         out["score_after_push"] = {"trainer": trainer_score(model, ckpt)}
-        sync.sync(model.state_dict(), version=next(versions))
+        sync.push(model.state_dict(), version=next(versions))
         out["score_after_push"]["served"] = served_score(url)
         head = select_head(model.state_dict())
         with torch.no_grad():
             for t in head.values():
                 t.add_(0.01 * torch.randn_like(t))
-        sync.sync(head, version=next(versions), training_mode=Mode.HEAD_ONLY)
+        sync.push(head, version=next(versions), training_mode=Mode.HEAD_ONLY)
         out["checksums_head_only"] = checksums_match(url, model.state_dict(), "a head-only push")
         return out
     finally:
@@ -300,7 +300,7 @@ def lora_merged_push(
 
             def push(sd: Any, version: int = version) -> None:
                 t0 = time.perf_counter()
-                sync.sync(sd, version=version, training_mode=Mode.LORA)
+                sync.push(sd, version=version, training_mode=Mode.LORA)
                 times.append(time.perf_counter() - t0)
 
             model = merge_sync_reinit(peft_model, push).merge_and_unload()
@@ -342,7 +342,7 @@ def colocated_cycle(
         )
 
     try:
-        sync.sync(model.state_dict(), version=next(versions))  # the group formed, handles opened
+        sync.push(model.state_dict(), version=next(versions))  # the group formed, handles opened
         step(-1, "awake", time.perf_counter())
         for cycle in range(args.cycles):
             t0 = time.perf_counter()
@@ -355,7 +355,7 @@ def colocated_cycle(
             woke = control(url, "/wake", {"reload": False})
             step(cycle, "wake", t0)
             t0 = time.perf_counter()
-            sync.sync(model.state_dict(), version=next(versions))
+            sync.push(model.state_dict(), version=next(versions))
             step(cycle, "push", t0)
             t0 = time.perf_counter()
             served_score(url)

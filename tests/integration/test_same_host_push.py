@@ -135,7 +135,7 @@ def test_ipc_across_hosts_is_refused_before_the_push_naming_nccl(server, tiny_mo
     try:
         sync = push_suite.sync_for(server, backend="ipc")
         with pytest.raises(Exception, match="nccl") as err:
-            sync.sync(dict(torch.nn.Linear(2, 2).state_dict()), version=1)
+            sync.push(dict(torch.nn.Linear(2, 2).state_dict()), version=1)
         assert "one host" in str(err.value)
     finally:
         monkeypatch.setattr(group, "local_place", real)
@@ -222,7 +222,7 @@ def test_colocated_cycle_reads_no_checkpoint_after_a_level_2_sleep(server_factor
     sync = push_suite.sync_for(server, backend="ipc")
     try:
         model = perturbed(tiny_model_dir, seed=3)
-        sync.sync(model.state_dict(), version=1)  # the group forms while awake
+        sync.push(model.state_dict(), version=1)  # the group forms while awake
         assert httpx.post(f"{url}/sleep", json={"level": 2}, headers=auth, timeout=60).status_code == 200
         shutil.rmtree(ckpt)  # nothing on disk to reload from
         for version in (2, 3):
@@ -235,7 +235,7 @@ def test_colocated_cycle_reads_no_checkpoint_after_a_level_2_sleep(server_factor
                     woke.detail or ""
                 )
                 assert httpx.post(f"{url}/score", json={"input": TEXTS[:1]}, timeout=30).status_code == 503
-                sync.sync(model.state_dict(), version=version)
+                sync.push(model.state_dict(), version=version)
                 got, served_version = push_suite.served(server)
                 assert served_version == version and push_suite.close(
                     got, logits(model, tiny_model_dir, TEXTS)

@@ -2,8 +2,7 @@
 
 One process group spans every server (one broadcast serves them all), or, as an option, one group
 per server on the derived ports ``group_port + i``. :class:`WeightPusher` is the public name
-(``rewardplane.sdk.WeightPusher``); ``DirectWeightSync`` and its ``sync`` method are the earlier
-names of the same class and method.
+(``rewardplane.sdk.WeightPusher``).
 """
 
 from __future__ import annotations
@@ -370,8 +369,6 @@ class WeightPusher:
             finally:
                 self._publisher = None
 
-    sync = push  # the earlier name
-
     def close(self) -> None:
         """Tell the servers to leave the group, then release it and the HTTP clients."""
         if self.sharded is not None:
@@ -387,6 +384,3 @@ class WeightPusher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-DirectWeightSync = WeightPusher  # the earlier name
