@@ -47,6 +47,7 @@ from ._cluster_status import (
     wait_until_ready,
 )
 from ._exceptions import ClusterError, WeightSyncFailed
+from .push.options import PushOptions
 from .push.plan.checks import check_fits, names_for_mode
 from .push.wire.operator import OperatorPush, PushResult
 
@@ -305,6 +306,20 @@ class RewardModelHandle:
         broken) refuses before anything moves, and everything is pushed as the same version."""
         started = time.monotonic()
         mode = RewardModelTrainingMode(training_mode)
+        # the keywords above, once: every part of the push reads them from here
+        options = PushOptions(
+            trainer_host=trainer_host,
+            device=device,
+            backend=backend,
+            timeout_s=timeout_s,
+            bucket_bytes=bucket_bytes,
+            head_name_patterns=tuple(head_name_patterns) if head_name_patterns is not None else None,
+            delta=delta,
+            keep_lora=keep_lora,
+            adapter=adapter,
+            progress=progress,
+            interface=interface,
+        )
         # cleared while the push runs: after any failure the next delta push sends everything
         acked, self._acked = self._acked, None
         if trainer_group is not None:
@@ -321,41 +336,17 @@ class RewardModelHandle:
 
                 self._ranks_state = ranks_state(self._ranks_state, trainer_group)
                 return push_from_ranks(
-                    OperatorPush(self),
-                    self._ranks_state,
-                    params,
-                    version,
-                    mode,
-                    started=started,
-                    timeout_s=timeout_s,
-                    trainer_host=trainer_host,
-                    bucket_bytes=bucket_bytes,
-                    device=device,
-                    backend=backend,
-                    keep_lora=keep_lora,
-                    head_name_patterns=head_name_patterns,
-                    adapter=adapter,
-                    interface=interface,
+                    OperatorPush(self), self._ranks_state, params, version, mode, options, started=started
                 )
         if interface:
             from .push.ranks.operator import use_interface
 
             use_interface(interface)
         metadata, tensors = self.prepare(
-            params, mode, keep_lora=keep_lora, head_name_patterns=head_name_patterns, adapter=adapter
+            params, mode, keep_lora=keep_lora, head_name_patterns=options.head_patterns, adapter=adapter
         )
         push = functools.partial(
-            OperatorPush(self).push,
-            version=version,
-            mode=mode,
-            started=started,
-            timeout_s=timeout_s,
-            trainer_host=trainer_host,
-            bucket_bytes=bucket_bytes,
-            device=device,
-            backend=backend,
-            progress=progress,
-            adapter=adapter,
+            OperatorPush(self).push, version=version, mode=mode, options=options, started=started
         )
         from rewardplane.api.weightsync import DELTA_REFUSED
 

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from rewardplane.api.kube import Kube
     from rewardplane.api.status import RewardModelStatus
     from rewardplane.sdk._cluster_status import ReplicaEndpoint
+    from rewardplane.sdk.push.options import PushOptions
     from rewardplane.transport.comm import Backend, Communicator
 
 log = logging.getLogger("rewardplane.sdk.cluster")
@@ -242,12 +243,9 @@ class OperatorPush:
         metadata: list[ParamMeta],
         version: int,
         mode: RewardModelTrainingMode,
+        options: PushOptions,
         *,
-        trainer_host: str | None,
-        bucket_bytes: int,
-        timeout_s: float,
         deadline: float,
-        adapter: AdapterConfig | None,
         trainer: Mapping[str, Any] | None = None,
         base_version: int | None = None,
     ) -> tuple[Any, str, int, dict[str, Any]]:
@@ -257,9 +255,9 @@ class OperatorPush:
         from rewardplane.transport.comm import create_store
 
         manifest = self.store_manifest(metadata)
-        host = trainer_host or local_address_towards(self.handle._push_urls()[0])
+        host = options.trainer_host or local_address_towards(self.handle._push_urls()[0])
         # world_size None: the operator decides it from the ready replicas (status.worldSize).
-        store = create_store(host, 0, is_master=True, world_size=None, timeout_s=timeout_s)
+        store = create_store(host, 0, is_master=True, world_size=None, timeout_s=options.timeout_s)
         generation = self.request_push(
             self.push_spec(
                 version,
@@ -267,9 +265,9 @@ class OperatorPush:
                 host=host,
                 port=int(store.port),
                 manifest=manifest,
-                bucket_bytes=bucket_bytes,
-                timeout_s=timeout_s,
-                adapter=adapter,
+                bucket_bytes=options.bucket_bytes,
+                timeout_s=options.timeout_s,
+                adapter=options.adapter,
                 trainer=trainer,
                 base_version=base_version,
             )
@@ -285,15 +283,9 @@ class OperatorPush:
         tensors: Mapping[str, torch.Tensor],
         version: int,
         mode: RewardModelTrainingMode,
+        options: PushOptions,
         *,
         started: float,
-        timeout_s: float,
-        trainer_host: str | None,
-        bucket_bytes: int,
-        device: torch.device | str | None,
-        backend: Backend,
-        progress: bool | None,
-        adapter: AdapterConfig | None,
         base_version: int | None = None,
     ) -> PushResult:
         """Push prepared parameters (``RewardModelHandle.prepare``) as ``version``, within
@@ -301,26 +293,11 @@ class OperatorPush:
         ``base_version``: a delta push of the tensors changed since that version."""
         import torch
 
-        deadline = started + timeout_s
+        deadline = started + options.timeout_s
         first = next(iter(tensors.values()))
-        dev = torch.device(device) if device is not None else first.device
+        dev = torch.device(options.device) if options.device is not None else first.device
         try:
-            return self._push(
-                metadata,
-                tensors,
-                version,
-                mode,
-                dev,
-                started,
-                deadline,
-                timeout_s,
-                trainer_host,
-                bucket_bytes,
-                backend,
-                progress,
-                adapter,
-                base_version,
-            )
+            return self._push(metadata, tensors, version, mode, options, dev, started, deadline, base_version)
         except WeightSyncLost as lost:
             # before any weight moved (the rendezvous, the join): nothing to wait for
             raise self.lost_push(lost, version, moved=False) from None
@@ -331,15 +308,10 @@ class OperatorPush:
         tensors: Mapping[str, torch.Tensor],
         version: int,
         mode: RewardModelTrainingMode,
+        options: PushOptions,
         dev: torch.device,
         started: float,
         deadline: float,
-        timeout_s: float,
-        trainer_host: str | None,
-        bucket_bytes: int,
-        backend: Backend,
-        progress: bool | None,
-        adapter: AdapterConfig | None,
         base_version: int | None,
     ) -> PushResult:
         from rewardplane.protocol import layout_id
@@ -347,20 +319,13 @@ class OperatorPush:
         from rewardplane.transport.sliced import send_slices
         from rewardplane.transport.transfer import send_buckets
 
+        bucket_bytes = options.bucket_bytes
         store, _, generation, ws = self.rendezvous(
-            metadata,
-            version,
-            mode,
-            trainer_host=trainer_host,
-            bucket_bytes=bucket_bytes,
-            timeout_s=timeout_s,
-            deadline=deadline,
-            adapter=adapter,
-            base_version=base_version,
+            metadata, version, mode, options, deadline=deadline, base_version=base_version
         )
         status = ws["status"]
         world = int(status["worldSize"])
-        comm = self.join_group(store, world - 1, status, dev, backend, generation, deadline)
+        comm = self.join_group(store, world - 1, status, dev, options.backend, generation, deadline)
         try:
             self.wait_phase(
                 generation, {"Transferring", "Completed"}, deadline, "every replica to accept the announce"
@@ -372,7 +337,7 @@ class OperatorPush:
                 lid = layout_id(metadata, bucket_bytes)
                 schedule = agree_on_slices(comm, lid, metadata, plan, decides=True)
             total = sum(b.nbytes for b in plan)
-            bar = _progress_bar(total, progress, f"push v{version}")
+            bar = _progress_bar(total, options.progress, f"push v{version}")
             try:
                 if schedule is not None:
                     sent = send_slices(comm, metadata, dict(tensors), schedule)
