@@ -28,7 +28,7 @@ from rewardplane.sdk.push.plan.layout import (
 )
 from rewardplane.testing.servers import free_port
 from rewardplane.transport.comm import Communicator, create_store
-from rewardplane.transport.sliced import receive_slices, send_slices
+from rewardplane.transport.slices import receive_slices, send_slices
 from rewardplane.transport.transfer import receive_buckets, send_buckets
 
 

@@ -32,7 +32,7 @@ from rewardplane.sdk.push.plan.checks import check_fits, names_for_mode
 from rewardplane.sdk.push.plan.layout import LocalPart, PushPlan, parts_digest, plan_senders
 from rewardplane.transport.comm import Communicator
 from rewardplane.transport.signals import StoreClosed, put, wait_value
-from rewardplane.transport.sliced import send_slices
+from rewardplane.transport.slices import send_slices
 from rewardplane.transport.transfer import send_buckets
 
 StepName = Literal["ready", "send", "done", "fail"]

@@ -42,7 +42,7 @@ from rewardplane.sdk.retry import RetryPolicy, RewardServerError, call_with_retr
 from rewardplane.transport.buckets import meta_of
 from rewardplane.transport.comm import Backend, Communicator, TensorCommunicator, create_store
 from rewardplane.transport.group import open_group
-from rewardplane.transport.sliced import send_slices
+from rewardplane.transport.slices import send_slices
 from rewardplane.transport.transfer import send_buckets
 
 log = logging.getLogger(__name__)

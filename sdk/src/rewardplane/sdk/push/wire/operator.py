@@ -316,7 +316,7 @@ class OperatorPush:
     ) -> PushResult:
         from rewardplane.protocol import layout_id
         from rewardplane.sdk.push.plan.slices import agree_on_slices
-        from rewardplane.transport.sliced import send_slices
+        from rewardplane.transport.slices import send_slices
         from rewardplane.transport.transfer import send_buckets
 
         bucket_bytes = options.bucket_bytes
