@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 class PushOptions:
     """What a push is told besides its parameters, version and training mode.
 
-    The fields are the front doors' keywords of the same names (docs/sdk.md). Some serve one door
-    only: ``connect_timeout_s``, ``atomic`` and ``data_plane`` direct mode (the operator sets them
-    for its pushes), ``progress`` and ``interface`` pushes through the operator."""
+    The fields are the front doors' keywords of the same names (docs/sdk.md). Some are one door's
+    only: ``connect_timeout_s``, ``atomic`` and ``data_plane`` are ``WeightPusher``'s, ``progress``
+    and ``interface`` are ``push_weights``'; a door leaves the other's at their defaults."""
 
     trainer_host: str | None = None
     # None: WeightPusher's default device; through the operator, the device of the tensors
