@@ -13,6 +13,7 @@ a full push into a ~0.4B model).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -386,7 +387,7 @@ def test_atomic_pushes_stage_beside_the_memory_fraction(trainer: Trainer) -> Non
             answers.append(served(trainer.url))
 
     scorer = threading.Thread(target=score, daemon=True)
-    publisher.atomic = True
+    publisher.options = dataclasses.replace(publisher.options, atomic=True)
     try:
         scorer.start()
         for step in (1, 2):
@@ -426,7 +427,7 @@ def test_atomic_pushes_stage_beside_the_memory_fraction(trainer: Trainer) -> Non
         )
     finally:
         stop.set()
-        publisher.atomic = False
+        publisher.options = dataclasses.replace(publisher.options, atomic=False)
     state = httpx.get(f"{trainer.url}/runtime_version", timeout=30).json()
     assert (state["version"], state["state"]) == (served_now, "serving"), state
     assert_close(served(trainer.url)[0], refs[served_now], "atomic: after the refusal")

@@ -3,6 +3,7 @@ over real gloo groups (CPU): the same guarantees as pushes announced over HTTP."
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -263,13 +264,14 @@ def test_an_atomic_push_without_room_to_stage_is_refused_before_anything_moves(
     try:
         sync.push(perturbed(tiny_model_dir, seed=2).state_dict(), version=2)  # streamed: fine
         publisher = sync.open()
-        publisher.atomic = True  # the same layout, now atomic: started from the data plane
+        # the same layout, now atomic: started from the data plane
+        publisher.options = dataclasses.replace(publisher.options, atomic=True)
         with pytest.raises(RewardServerError) as info:
             sync.push(perturbed(tiny_model_dir, seed=3).state_dict(), version=3)
         assert "REWARDPLANE_STAGING_MAX_BYTES" in info.value.message
         model = perturbed(tiny_model_dir, seed=2)
         assert served(server)[1] == 2 and close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
-        publisher.atomic = False
+        publisher.options = dataclasses.replace(publisher.options, atomic=False)
         newer = perturbed(tiny_model_dir, seed=4)
         sync.push(newer.state_dict(), version=4)  # the same group: nothing moved before the refusal
         assert last_update(server)["via"] == "data_plane" and served(server)[1] == 4
