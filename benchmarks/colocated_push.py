@@ -202,21 +202,33 @@ def pusher(url: str, args: argparse.Namespace) -> WeightPusher:
 
 
 def checksums_match(url: str, state: dict[str, torch.Tensor], what: str) -> dict[str, Any]:
-    """``/param_checksums`` of the server against the trainer's tensors, as vLLM fuses them."""
-    from tests.gpu.vllm_support import vllm_llama_checksums
+    """``/param_checksums`` of the server against the trainer's tensors, as vLLM fuses them and in
+    the dtypes it holds them: the trainer's bf16 head is compared widened to vLLM's fp32 head (the
+    loader's cast, exact; ``as_served``), never as its bf16 bytes, which cannot match."""
+    from tests.gpu.vllm_support import as_served, vllm_llama_checksums
 
     r = httpx.get(f"{url}/param_checksums", headers=AUTH, timeout=900)
     r.raise_for_status()
     body = r.json()
     version = body["version"]
     got = {w["rank"]: {n: tuple(v) for n, v in w["checksums"].items()} for w in body["workers"]}
-    want = vllm_llama_checksums(state)
+    served, widened = as_served(state, got[0])
+    want = vllm_llama_checksums(served)
     differ = [
         n for n, v in want[0].items() if not n.startswith("lm_head.") and tuple(got[0].get(n, ())) != tuple(v)
     ]
     ok = not differ
-    log(f"   /param_checksums after {what}: {'bit for bit' if ok else f'{len(differ)} differ: {differ[:3]}'}")
-    return {"version": version, "bit_for_bit": ok, "differ": differ[:10], "compared": len(want[0])}
+    log(
+        f"   /param_checksums after {what} (v{version}): "
+        f"{'bit for bit' if ok else f'{len(differ)} differ: {differ[:3]}'}; widened to the served dtype: {widened}"
+    )
+    return {
+        "version": version,
+        "bit_for_bit": ok,
+        "differ": differ[:10],
+        "compared": len(want[0]),
+        "widened": widened,
+    }
 
 
 def served_score(url: str) -> float:
@@ -224,15 +236,28 @@ def served_score(url: str) -> float:
     return float(body["data"][0]["score"])
 
 
-def trainer_score(model: torch.nn.Module, ckpt: Path) -> float:
+def trainer_scores(model: torch.nn.Module, ckpt: Path) -> dict[str, float]:
+    """The trainer's score of ``TEXT`` as it runs (bf16 backbone, the head applied in fp32) and an
+    fp32 reference (a copy of the model upcast), to set the served score beside: on a random-weight
+    model the engines' bf16 kernels differ visibly, so the served score's gap to the trainer is only
+    meaningful next to the trainer's own gap to fp32. The trainer's model is not changed (an
+    in-place ``.float()`` of its head would give it a new storage and a new layout)."""
+    import copy
+
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(ckpt)
     dev = next(model.parameters()).device
+    enc = tok(TEXT, return_tensors="pt").to(dev)
+    ref = copy.deepcopy(model).to(torch.float32)  # outside inference mode, as a module copy must be
     with torch.inference_mode():
-        enc = tok(TEXT, return_tensors="pt").to(dev)
         h = model.model(**enc).last_hidden_state[0, -1]  # type: ignore[operator]
-        return float(model.score.float()(h.float()))  # type: ignore[operator]
+        weight: torch.Tensor = model.score.weight  # type: ignore[union-attr,assignment]
+        bf16 = float(torch.nn.functional.linear(h.float(), weight.float()).squeeze())
+        fp32 = float(ref(**enc).logits[0, 0])
+    del ref
+    torch.cuda.empty_cache()
+    return {"trainer": bf16, "fp32_reference": fp32}
 
 
 def perturb(model: torch.nn.Module, scale: float = 0.02) -> None:
@@ -263,10 +288,15 @@ def rewardplane_pushes(
         last = out["breakdown"][-1] if out["breakdown"] else {}
         log(f"   trainer's breakdown of the last full push: {json.dumps(last)}")
         out["checksums_full"] = checksums_match(url, params, "full pushes")
+        # every parameter changed in place, head included, then a full push: the served version
+        # must hold the new bytes (the unchanged timed pushes above cannot tell stale from fresh)
         perturb(model)
-        out["score_after_push"] = {"trainer": trainer_score(model, ckpt)}
         sync.push(model.state_dict(), version=next(versions))
-        out["score_after_push"]["served"] = served_score(url)
+        out["checksums_changed_full"] = checksums_match(
+            url, model.state_dict(), "a full push of changed weights"
+        )
+        out["score_after_push"] = {**trainer_scores(model, ckpt), "served": served_score(url)}
+        log(f"   score after it: {json.dumps(out['score_after_push'])}")
         head = select_head(model.state_dict())
         with torch.no_grad():
             for t in head.values():
@@ -545,7 +575,9 @@ def main() -> int:
         "torch": torch.__version__,
         "args": {k: v for k, v in vars(args).items()},
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": subprocess.run(
+        # $RP_COMMIT first: on the device machines the tree travels without the commit it came from
+        "commit": os.environ.get("RP_COMMIT")
+        or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
         ).stdout.strip(),
         "runs": [],

@@ -298,7 +298,10 @@ def score_check(
     with torch.inference_mode():
         enc = tok(text, return_tensors="pt").to(trainer)
         h = model.model(**enc).last_hidden_state[0, -1]  # type: ignore[operator]
-        ref = float(model.score.float()(h.float()))  # type: ignore[operator]
+        # the head in fp32 without ``.float()`` on the module, which would give the trainer's head a
+        # new storage and dtype (a new layout for every later push)
+        weight: torch.Tensor = model.score.weight  # type: ignore[union-attr,assignment]
+        ref = float(torch.nn.functional.linear(h.float(), weight.float()).squeeze())
     out = []
     for url in urls:
         got = httpx.post(f"{url}/score", json={"input": [text], "normalize": False}, timeout=60).json()

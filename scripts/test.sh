@@ -18,4 +18,8 @@ fi
 .venv/bin/mypy
 .venv/bin/python scripts/dashboard.py --check  # the chart's Grafana dashboard, generated
 export PATH="${REWARDPLANE_CACHE:-$HOME/.cache/rewardplane}/bin:$PATH"
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Two workers (PYTEST_WORKERS), one file each at a time: most tests wait on server processes and
+# the real node, so two run side by side on two cores; a file's tests stay together and in order
+# (the e2e suite is one session on one cluster). The slowest tests are listed at the end.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" --dist loadfile \
+  --durations=40 "$@"

@@ -7,6 +7,7 @@ session); the last test brings the node down and checks that nothing is left on 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -61,7 +62,12 @@ def server_image() -> str:
 
 
 def rm_body(
-    replicas: int, source: str, persist_dir: str | None, name: str = RM, interface: str | None = None
+    replicas: int,
+    source: str,
+    persist_dir: str | None,
+    name: str = RM,
+    interface: str | None = None,
+    host_ipc: bool = False,
 ) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "model": {
@@ -78,8 +84,11 @@ def rm_body(
     }
     if persist_dir:
         spec["weightSync"] = {"persistDir": persist_dir}
-    if interface:
-        spec["transport"] = {"interface": interface}
+    if interface or host_ipc:
+        spec["transport"] = {
+            **({"interface": interface} if interface else {}),
+            **({"hostIPC": True} if host_ipc else {}),
+        }
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "RewardModel",
@@ -96,18 +105,33 @@ def model_pods(c: RealCluster, name: str = RM) -> list[Any]:
     return c.core.list_namespaced_pod(NS, label_selector=f"rewardplane.io/model={name}").items
 
 
-def ready_at(c: RealCluster, replicas: int, version: int | None = None) -> dict[str, Any] | None:
+class NotReady(str):
+    """Falsy: what the status said instead, so a timed-out wait says why (``wait_for``'s last)."""
+
+    def __bool__(self) -> bool:
+        return False
+
+
+def ready_at(c: RealCluster, replicas: int, version: int | None = None) -> dict[str, Any] | NotReady:
     """The RewardModel once ``replicas`` replicas serve (at ``version``) and no other pod exists."""
     rm = get_rm(c)
     st = rm.get("status") or {}
     eps = [e for e in st.get("endpoints") or [] if e.get("ready")]
     pods = model_pods(c)
-    if st.get("readyReplicas") != replicas or len(eps) != replicas or len(pods) != replicas:
-        return None
-    if version is not None and (
-        st.get("weightsVersion") != version or any(e.get("weightsVersion") != version for e in eps)
+    wrong_count = st.get("readyReplicas") != replicas or len(eps) != replicas or len(pods) != replicas
+    if wrong_count or (
+        version is not None
+        and (st.get("weightsVersion") != version or any(e.get("weightsVersion") != version for e in eps))
     ):
-        return None
+        endpoints = [
+            {k: e.get(k) for k in ("pod", "ready", "state", "weightsVersion")}
+            for e in st.get("endpoints") or []
+        ]
+        return NotReady(
+            f"phase {st.get('phase')} ({st.get('reason')}), readyReplicas {st.get('readyReplicas')}, "
+            f"weightsVersion {st.get('weightsVersion')}, endpoints {endpoints}, "
+            f"pods {sorted(p.metadata.name for p in pods)}"
+        )
     return rm
 
 
@@ -255,8 +279,9 @@ def test_rewardmodel_from_a_volume_becomes_ready(real_cluster: RealCluster) -> N
         VERSION,
         NS,
         "rewardmodels",
-        # the pushes below (gloo) run over the interface the spec names: the Pod network's eth0
-        rm_body(2, f"pvc://{MODEL_CLAIM}/tiny-rm", str(weights), interface="eth0"),
+        # the pushes below (gloo) run over the interface the spec names: the Pod network's eth0;
+        # hostIPC lets a trainer Pod on this node push through shared memory instead
+        rm_body(2, f"pvc://{MODEL_CLAIM}/tiny-rm", str(weights), interface="eth0", host_ipc=True),
     )
     rm = wait_for("2 ready replicas", lambda: ready_at(c, 2), READY_TIMEOUT_S, 2)
     assert {c["type"]: c["status"] for c in rm["status"]["conditions"]}["Available"] == "True"
@@ -503,6 +528,71 @@ def test_two_trainer_pods_push_their_halves(real_cluster: RealCluster) -> None:
         rm.close()
     for r in (0, 1):
         c.core.delete_namespaced_pod(f"e2e-sharded-{r}", NS, grace_period_seconds=0)
+
+
+COLOCATED_TRAINER_SCRIPT = """
+import json, sys, torch
+from transformers import AutoModelForSequenceClassification
+from rewardplane.sdk import RewardModelTrainingMode
+from rewardplane.sdk.cluster import RewardModelHandle
+
+name, texts = sys.argv[1], json.loads(sys.argv[2])
+rm = RewardModelHandle(name, "default")
+rm.wait_ready(timeout_s=120)
+model = AutoModelForSequenceClassification.from_pretrained("/mnt/models/tiny-rm", dtype=torch.float32)
+with torch.no_grad():
+    model.score.weight.mul_(-1.5)
+    for p in model.parameters():
+        p.add_(0.005)
+r = rm.push_weights(model.state_dict(), rm.get_weights_version() + 1, RewardModelTrainingMode.FULL,
+                    timeout_s=120, backend="ipc")
+print("RESULT " + json.dumps({"version": r.version, "transport": r.transport,
+                              "scores": rm.client().score_batch(texts, normalize=False)}), flush=True)
+"""
+
+
+def colocated_model() -> tuple[Any, Any]:
+    """The model the colocated trainer Pod pushes."""
+    import torch
+
+    model, tok = load_model(S.model_dir)
+    with torch.no_grad():
+        model.score.weight.mul_(-1.5)
+        for p in model.parameters():
+            p.add_(0.005)
+    return model, tok
+
+
+def test_a_trainer_pod_on_the_replicas_node_pushes_through_shared_memory(real_cluster: RealCluster) -> None:
+    # spec.transport.hostIPC puts the replicas in the node's IPC namespace; a trainer Pod with
+    # hostIPC asks for backend ipc: the bytes go through the node's /dev/shm, not the Pod network.
+    # The trainer runs as the image's user, the replicas as root without capabilities (persistDir).
+    c = real_cluster
+    assert all(p.spec.host_ipc for p in model_pods(c))
+    c.core.create_namespaced_config_map(
+        NS, {"metadata": {"name": "e2e-colocated"}, "data": {"trainer.py": COLOCATED_TRAINER_SCRIPT}}
+    )
+    pod = trainer_pod("e2e-colocated", "e2e-colocated", [RM, json.dumps(TEXTS)])
+    pod["spec"]["hostIPC"] = True
+    c.core.create_namespaced_pod(NS, pod)
+
+    def finished() -> str | None:
+        phase = c.core.read_namespaced_pod("e2e-colocated", NS).status.phase
+        return phase if phase in ("Succeeded", "Failed") else None
+
+    phase = wait_for("the colocated trainer pod to finish", finished, 300, 2)
+    logs = c.core.read_namespaced_pod_log("e2e-colocated", NS)
+    assert phase == "Succeeded", logs[-3000:]
+    result = json.loads(next(line for line in logs.splitlines() if line.startswith("RESULT "))[7:])
+    S.version += 1
+    S.expected = scores_of(*colocated_model(), TEXTS)
+    assert (result["version"], result["transport"]) == (S.version, "ipc"), result
+    assert_scores(result["scores"], S.expected)
+    ws = c.custom.get_namespaced_custom_object(GROUP, VERSION, NS, "weightsyncs", RM)
+    assert ws["status"]["phase"] == "Completed"
+    # every staging file of the push's group is gone from the node's /dev/shm
+    assert not glob.glob(f"/dev/shm/rewardplane-{ws['status']['groupId']}-*")
+    c.core.delete_namespaced_pod("e2e-colocated", NS, grace_period_seconds=0)
 
 
 def _container_port(pod: Any, name: str) -> int:
@@ -1696,8 +1786,16 @@ def test_a_second_push_is_refused_at_once_and_a_trainer_that_never_joins_is_name
         refused["reason"] == "PushInProgress"
         and f"WeightSync {RM} is pushing version {version}" in (refused["message"])
     ), refused
-    events = c.core.list_namespaced_event(NS, field_selector="involvedObject.name=e2e-ux-b").items
-    assert any(e.reason == "PushInProgress" and RM in e.message for e in events), events
+    # the event follows the status (the operator writes the status first)
+    wait_for(
+        "the PushInProgress event on e2e-ux-b",
+        lambda: any(
+            e.reason == "PushInProgress" and RM in e.message
+            for e in c.core.list_namespaced_event(NS, field_selector="involvedObject.name=e2e-ux-b").items
+        ),
+        10,
+        0.2,
+    )
     pusher.join(90)
     assert "error" not in outcome and outcome["seconds"] < 30, outcome
     S.version = version
@@ -1786,7 +1884,7 @@ def test_a_model_deleted_and_created_again_starts_at_version_0(real_cluster: Rea
     assert not old_dir.exists(), "the deleted object's persisted weights are still on the node"
     seen: set[int] = set()
 
-    def ready_at_0() -> dict[str, Any] | None:
+    def ready_at_0() -> dict[str, Any] | NotReady:
         rm = get_rm(c)
         seen.add(int((rm.get("status") or {}).get("weightsVersion") or 0))
         return ready_at(c, 2, 0)

@@ -26,6 +26,7 @@ from tests.gpu.vllm_support import (
     TEXTS,
     TOKEN,
     Trainer,
+    as_served,
     assert_close,
     assert_same_parameters,
     check_after_push,
@@ -199,6 +200,39 @@ def test_lora_merged_push_over_cuda_ipc_bit_for_bit(trainer: Trainer) -> None:
         trainer.model = peft_model.merge_and_unload()  # fresh adapters have B = 0: the same function
         check_after_push(trainer, version, before, f"lora (merged) v{version} over CUDA IPC")
         _exact(trainer, version, f"lora (merged) v{version} over CUDA IPC")
+
+
+def test_successive_full_pushes_with_a_bf16_head_bit_for_bit_each_time(trainer: Trainer) -> None:
+    """A trainer holding its head in bf16 (``from_pretrained(dtype=bfloat16)`` as a whole), as the
+    benchmark's does: vLLM keeps the head in fp32, so the head is received into the bucket buffer
+    and widened by the copy plan while the backbone lands in place. Three full pushes in a row,
+    every parameter (head included) changed in place before each: each served version holds the
+    trainer's bytes (the head widened, exactly) and scores like the trainer."""
+    import torch
+
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+
+    trainer.model.score.to(torch.bfloat16)  # a new storage and a new layout (its dtype)
+    try:
+        for version, seed in ((6, 11), (7, 12), (8, 13)):
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.mul_(1.0 + 0.05 * torch.randn_like(p))
+            before = fill_prefix_cache(trainer.url)
+            assert (
+                trainer.sync.push(trainer.model.state_dict(), version=version, training_mode=Mode.FULL)
+                == version
+            )
+            assert _transport(trainer) == "ipc"
+            check_after_push(trainer, version, before, f"full v{version}, bf16 head, over CUDA IPC")
+            got_version, got = server_checksums(trainer.url)
+            assert got_version == version
+            want, widened = as_served(trainer.model.state_dict(), got[0])
+            assert widened == ["score.weight"], widened  # vLLM's fp32 head: the one tensor cast
+            assert_same_parameters(got, vllm_llama_checksums(want), f"full v{version}, bf16 head")
+    finally:
+        trainer.model.score.to(torch.float32)  # as the module's other tests hold it
 
 
 def _control(url: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:

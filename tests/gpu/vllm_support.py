@@ -256,6 +256,35 @@ def vllm_llama_checksums(
     return out
 
 
+def as_served(
+    state: Mapping[str, Any], served: Mapping[str, tuple[str, str, list[int]]]
+) -> tuple[dict[str, Any], list[str]]:
+    """The trainer's tensors as the server holds them, and the names cast: vLLM keeps a pooling
+    model's head in fp32 (its ``head_dtype``) whatever the trainer's dtype, and its loader widens a
+    bf16 (or fp16) head into it, which is exact. A checksum of the trainer's bf16 bytes can never
+    equal the served fp32 one, so compare against the widened tensor. ``served``: one worker's
+    ``/param_checksums`` (name → digest, dtype, shape). Only widening of floats is applied: any
+    other difference of dtype is left to show as a mismatch."""
+    import torch
+
+    out: dict[str, Any] = {}
+    widened: list[str] = []
+    for name, t in state.items():
+        dtype = served.get(name, ("", "", []))[1]
+        want = getattr(torch, dtype, None) if dtype else None
+        if (
+            isinstance(want, torch.dtype)
+            and want != t.dtype
+            and want.is_floating_point
+            and t.dtype.is_floating_point
+            and torch.finfo(want).bits > torch.finfo(t.dtype).bits
+        ):
+            t = t.detach().to(want)
+            widened.append(name)
+        out[name] = t
+    return out, widened
+
+
 def assert_same_parameters(
     got: dict[int, dict[str, tuple[str, str, list[int]]]],
     want: dict[int, dict[str, tuple[str, str, list[int]]]],

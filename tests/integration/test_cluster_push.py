@@ -123,7 +123,7 @@ def test_cluster_push_end_to_end(
         result = handle.push_weights(
             select_head(head_model.state_dict()), 1, "head_only", timeout_s=60, trainer_host="127.0.0.1"
         )
-        assert result.world_size == 3 and result.replicas == 2
+        assert result.world_size == 3 and result.replicas == 2 and result.transport == "gloo"
         status = ws_status(kube, ns, name)
         assert status["phase"] == "Completed" and status["version"] == 1 and status["worldSize"] == 3
         assert [(r["replica"], r["rankOffset"], r["phase"]) for r in status["replicas"]] == [
@@ -134,11 +134,19 @@ def test_cluster_push_end_to_end(
         assert get_rm(kube, ns, name)["status"]["weightsVersion"] == 1
         every_replica_scores_like(handle, head_model, tiny_model_dir, 1)
 
-        # full, several buckets.
+        # full, several buckets, over shared memory: the replicas' node agent runs on this host, and
+        # the trainer's request holds for the replicas the operator asked to join.
         full_model = perturbed(tiny_model_dir, seed=4)
-        handle.push_weights(
-            full_model.state_dict(), 2, "full", bucket_bytes=1 << 16, timeout_s=60, trainer_host="127.0.0.1"
+        result = handle.push_weights(
+            full_model.state_dict(),
+            2,
+            "full",
+            bucket_bytes=1 << 16,
+            timeout_s=60,
+            trainer_host="127.0.0.1",
+            backend="ipc",
         )
+        assert result.transport == "ipc"
         assert ws_status(kube, ns, name)["phase"] == "Completed"
         assert get_rm(kube, ns, name)["status"]["weightsVersion"] == 2
         every_replica_scores_like(handle, full_model, tiny_model_dir, 2)

@@ -22,7 +22,7 @@ from rewardplane.testing.servers import ServerHandle, free_port, start_server
 TOKEN = "secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 JSON = {"content-type": "application/json"}
-HEALTH_P99_S = 0.05
+HEALTH_P99_S = 0.05  # on top of the quiet p99
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,19 @@ print(json.dumps(sorted(codes)))
 """
 
 
+def _health_p99(server: ServerHandle, seconds: float) -> tuple[float, list[float]]:
+    health: list[float] = []
+    with httpx.Client(timeout=30) as c:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            start = time.perf_counter()
+            assert c.get(f"{server.url}/health").status_code == 200
+            health.append(time.perf_counter() - start)
+            time.sleep(0.01)
+    health.sort()
+    return health[int(0.99 * (len(health) - 1))], health
+
+
 def _health_p99_while(server: ServerHandle, path: str, token: str) -> tuple[float, set[int]]:
     """Two flooding clients post a 10.9 MB body of 200,000 small objects to ``path`` over and over
     while ``/health`` is polled: its p99, and the status codes the posts got."""
@@ -61,22 +74,13 @@ def _health_p99_while(server: ServerHandle, path: str, token: str) -> tuple[floa
         )
         for _ in range(2)
     ]
-    health: list[float] = []
     try:
         time.sleep(0.5)  # the clients build their bodies
-        with httpx.Client(timeout=30) as c:
-            deadline = time.monotonic() + 4
-            while time.monotonic() < deadline:
-                start = time.perf_counter()
-                assert c.get(f"{server.url}/health").status_code == 200
-                health.append(time.perf_counter() - start)
-                time.sleep(0.01)
+        p99, health = _health_p99(server, 4)
         codes = {code for p in flood for code in json.loads(p.communicate(timeout=60)[0])}
     finally:
         for p in flood:
             p.kill()
-    health.sort()
-    p99 = health[int(0.99 * (len(health) - 1))]
     print(
         f"/health while 10.9 MB bodies go to {path} ({'token' if token else 'no token'}): n={len(health)} "
         f"p50={statistics.median(health) * 1000:.1f} ms p99={p99 * 1000:.1f} ms max={health[-1] * 1000:.1f} ms"
@@ -89,9 +93,16 @@ def _health_p99_while(server: ServerHandle, path: str, token: str) -> tuple[floa
 def test_health_stays_fast_while_large_control_bodies_arrive(
     server: ServerHandle, path: str, with_token: bool
 ) -> None:
+    # The machine's own /health p99 without the bodies, just before: what the rest of the suite
+    # running beside this test (pytest -n) costs. A body parsed on the event loop holds it 190 ms
+    # (no token) to 2 s (token) per post, far above the allowance on top of it.
+    quiet, _ = _health_p99(server, 2)
     p99, codes = _health_p99_while(server, path, TOKEN if with_token else "")
     assert codes == ({413} if with_token else {401}), codes
-    assert p99 <= HEALTH_P99_S, f"/health p99 {p99 * 1000:.0f} ms while 10.9 MB bodies went to {path}"
+    assert p99 <= quiet + HEALTH_P99_S, (
+        f"/health p99 {p99 * 1000:.0f} ms while 10.9 MB bodies went to {path} "
+        f"({quiet * 1000:.0f} ms without them)"
+    )
 
 
 def test_the_token_is_checked_before_the_body(server: ServerHandle) -> None:

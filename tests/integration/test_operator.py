@@ -307,11 +307,22 @@ def test_tiny_model_becomes_ready_with_endpoints(
             timeout=30,
         ).stdout
         header, row = table.splitlines()[:2]
-        assert header.split() == ["NAME", "READY", "PHASE", "REASON", "MODEL", "VERSION", "GPU-FRAC", "AGE"]
+        assert header.split() == [
+            "NAME",
+            "READY",
+            "PHASE",
+            "REASON",
+            "MODEL",
+            "KIND",
+            "VERSION",
+            "GPU-FRAC",
+            "CONFIRMED",
+            "AGE",
+        ]
         # REASON is empty when Ready, GPU-FRAC for a model on CPU (gpu.mode none): the row goes on
-        # with AGE.
+        # with CONFIRMED and AGE; KIND is the CRD's default.
         cells = row.split()
-        assert cells[:5] == [name, "1/1", "Ready", str(tiny_model_dir), "0"] and len(cells) == 6
+        assert cells[:6] == [name, "1/1", "Ready", str(tiny_model_dir), "sequence", "0"] and len(cells) == 8
 
     # A killed server process is restarted by the node agent; the status follows.
     pod_ip = pods_of(kube, ns, name)[f"{name}-0"]["status"]["podIP"]

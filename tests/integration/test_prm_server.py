@@ -185,7 +185,8 @@ def test_scorer_writes_every_steps_score_from_one_call(servers: dict[str, Server
             await RewardModelScorer(client, "prm", score_level="process").score(rollouts)
 
     asyncio.run(run())
-    expect = post(url, "/score", {"steps": STEPS, "prompts": [QUESTION] * 2})["data"]
+    # the scorer asks for raw scores (a PRM's log-odds), as every SDK scoring call does by default
+    expect = post(url, "/score", {"steps": STEPS, "prompts": [QUESTION] * 2, "normalize": False})["data"]
     for r, e in zip(rollouts, expect, strict=True):  # type: ignore[call-overload]
         assert [s.info["prm"] for s in r.steps] == pytest.approx([s["score"] for s in e["steps"]])
         assert r.meta["prm"] == pytest.approx(e["score"])

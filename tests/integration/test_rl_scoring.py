@@ -154,7 +154,9 @@ def test_reward_loop_mixes_rules_with_the_reward_model(server: ServerHandle, pro
         ok = float(str(i % 4) == str(i)[-1])
         assert r.components["contains_truth"] == ok
         assert r.components["rm"] == pytest.approx(rm, rel=1e-5, abs=1e-6)
-        assert r.score == pytest.approx(ok + 0.5 * r.components["judge"] + 2.0 * rm)
+        # the total is Σ weight · component (the RM's batches of 16 may differ from one batch of 40
+        # in the last float32 bits, which the line above allows)
+        assert r.score == pytest.approx(ok + 0.5 * r.components["judge"] + 2.0 * r.components["rm"])
         assert r.extra == {"contains_truth": {"checked": str(i % 4)}}
 
 

@@ -35,11 +35,13 @@ def ipc(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Every push of the suites below over ``backend="ipc"``; yields the transports the trainer's
     groups were formed with, which must all be the same-host one."""
     formed: list[str] = []
+    groups: set[str] = set()
     real_open = http_wire.open_group
 
     def spy(*args, **kwargs):
         comm = real_open(*args, **kwargs)
         formed.append(comm.backend)
+        groups.add(str(getattr(comm, "group_id", "")))
         return comm
 
     monkeypatch.setattr(http_wire, "open_group", spy)
@@ -49,10 +51,10 @@ def ipc(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     monkeypatch.setattr(
         push_suite, "run_dying_trainer", functools.partial(push_suite.run_dying_trainer, backend="ipc")
     )
-    before = set(glob.glob(os.path.join(SHM_DIR, "rewardplane-*")))
     yield formed
     assert formed and set(formed) == {"ipc"}, formed
-    left = set(glob.glob(os.path.join(SHM_DIR, "rewardplane-*"))) - before
+    # only this test's groups: tests running beside it (pytest -n) stage their own files
+    left = {f for g in groups for f in glob.glob(os.path.join(SHM_DIR, f"rewardplane-{g}-*"))}
     assert not left, f"staging files left in {SHM_DIR}: {sorted(left)}"
 
 
@@ -131,7 +133,9 @@ def test_ipc_across_hosts_is_refused_before_the_push_naming_nccl(server, tiny_mo
     from rewardplane.transport import group
 
     real = group.local_place
-    monkeypatch.setattr(group, "local_place", lambda device: _place("another-boot/ipc:1", name="node-b"))
+    monkeypatch.setattr(
+        group, "local_place", lambda device, asked="auto": _place("another-boot/ipc:1", name="node-b")
+    )
     try:
         sync = push_suite.sync_for(server, backend="ipc")
         with pytest.raises(Exception, match="nccl") as err:

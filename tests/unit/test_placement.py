@@ -60,3 +60,28 @@ def test_one_gpu_in_two_ipc_namespaces_names_the_pod_field() -> None:
 def test_nccl_on_cpu_is_refused() -> None:
     with pytest.raises(PlacementError, match="gloo"):
         choose_transport("nccl", [at(), at()])
+
+
+def test_one_ranks_request_holds_for_the_group() -> None:
+    """A trainer asking for ``ipc`` through the operator meets replicas asked for nothing: every
+    rank, whichever it is, builds the transport the trainer asked for."""
+    group = [at(), at(), at()]
+    group[0] = Place(host=HOST_A, name="trainer", gpu=None, pid=1, pid_ns=1, asked="ipc")
+    assert choose_transport("ipc", group) == "ipc"  # the trainer
+    assert choose_transport("auto", group) == "ipc"  # each replica
+    group[0] = Place(host=HOST_A, name="trainer", gpu="GPU-0", pid=1, pid_ns=1, asked="gloo")
+    assert choose_transport("auto", [group[0], at(gpu="GPU-1")]) == "gloo"
+
+
+def test_ranks_asking_for_different_transports_are_refused_naming_them() -> None:
+    group = [Place(host=HOST_A, name="trainer", gpu=None, pid=1, pid_ns=1, asked="ipc"), at()]
+    with pytest.raises(PlacementError) as err:
+        choose_transport("gloo", group)
+    assert "rank 0: ipc" in str(err.value) and "this rank: gloo" in str(err.value)
+
+
+def test_a_place_reads_what_an_older_or_newer_peer_published() -> None:
+    older = '{"host": "h", "name": "n", "gpu": null, "pid": 1, "pid_ns": 2}'
+    assert Place.from_json(older).asked == "auto"
+    newer = '{"host": "h", "name": "n", "gpu": null, "pid": 1, "pid_ns": 2, "asked": "ipc", "numa": 1}'
+    assert Place.from_json(newer) == Place(host="h", name="n", gpu=None, pid=1, pid_ns=2, asked="ipc")

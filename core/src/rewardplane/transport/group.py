@@ -16,10 +16,15 @@ from .same_host import SameHostCommunicator
 
 
 def exchange_places(
-    store: dist.Store, rank: int, world_size: int, device: torch.device, timeout_s: float
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timeout_s: float,
+    asked: Backend = "auto",
 ) -> list[Place]:
     """Every rank's ``Place``, by rank (``store``: the group's namespace); bounded."""
-    store.set(f"place/{rank}", local_place(device).to_json())
+    store.set(f"place/{rank}", local_place(device, asked).to_json())
     keys = [f"place/{r}" for r in range(world_size)]
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
@@ -46,7 +51,7 @@ def open_group(
     (``backend``: ``auto``, or one asked for: refused with a clear error where it cannot work)."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    places = exchange_places(group_store(store, group_id), rank, world_size, device, timeout_s)
+    places = exchange_places(group_store(store, group_id), rank, world_size, device, timeout_s, backend)
     try:
         transport = choose_transport(backend, places)
     except PlacementError as exc:

@@ -24,7 +24,7 @@ Transport = Literal["nccl", "gloo", "ipc"]
 # shared memory: named in every error about it.
 POD_FIELD_HINT = (
     "the trainer and the reward server must share an IPC namespace: set `hostIPC: true` on both Pods "
-    "(RewardModel spec.colocation.hostIPC), or run the trainer and the reward server as containers of "
+    "(RewardModel spec.transport.hostIPC), or run the trainer and the reward server as containers of "
     "one Pod"
 )
 
@@ -42,13 +42,18 @@ class Place:
     gpu: str | None  # the GPU's UUID; None on CPU
     pid: int
     pid_ns: int  # another rank's pid means something here only within one pid namespace
+    # The transport this rank was asked for. One rank's request holds for the whole group: a
+    # trainer asking for ``ipc`` through the operator meets replicas that were asked for nothing.
+    asked: str = "auto"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Place:
-        return cls(**json.loads(raw))
+        fields = json.loads(raw)
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in fields.items() if k in known})  # a newer peer's extra facts
 
 
 def _read(path: str) -> str:
@@ -72,13 +77,18 @@ def host_identity() -> str:
     return f"{_read('/proc/sys/kernel/random/boot_id')}/ipc:{_ns_inode('ipc')}"
 
 
-def local_place(device: torch.device) -> Place:
+def local_place(device: torch.device, asked: Backend = "auto") -> Place:
     gpu = None
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         gpu = str(torch.cuda.get_device_properties(index).uuid)
     return Place(
-        host=host_identity(), name=socket.gethostname(), gpu=gpu, pid=os.getpid(), pid_ns=_ns_inode("pid")
+        host=host_identity(),
+        name=socket.gethostname(),
+        gpu=gpu,
+        pid=os.getpid(),
+        pid_ns=_ns_inode("pid"),
+        asked=asked,
     )
 
 
@@ -96,10 +106,27 @@ def _shared_gpus(places: list[Place]) -> list[tuple[int, int, str]]:
     return out
 
 
+def group_request(requested: Backend, places: list[Place]) -> Backend:
+    """The transport the group was asked for: the one any rank (``places[r].asked``, or this
+    rank's ``requested``) names, ``auto`` where none does; ranks naming different ones are refused,
+    since each would build another transport and wait for the others until its timeout."""
+    asked = {r: p.asked for r, p in enumerate(places) if p.asked != "auto"}
+    named = set(asked.values()) | ({requested} - {"auto"})
+    if len(named) > 1:
+        by_rank = ", ".join(f"rank {r}: {b}" for r, b in sorted(asked.items()))
+        raise PlacementError(
+            f"the ranks of the group ask for different transports ({by_rank}; this rank: {requested}); "
+            "ask every rank for the same backend, or leave all but one on auto"
+        )
+    return named.pop() if named else "auto"  # type: ignore[return-value]
+
+
 def choose_transport(requested: Backend, places: list[Place]) -> Transport:
     """The transport for a group of ``places`` (by rank), or a ``PlacementError`` saying which
-    transport fits. ``auto``: the same-host transport where ranks share a GPU (NCCL cannot), NCCL
-    between GPUs, gloo on CPU (explicit ``ipc`` gives shared memory on one CPU host)."""
+    transport fits. The request is the group's (``group_request``). ``auto``: the same-host
+    transport where ranks share a GPU (NCCL cannot), NCCL between GPUs, gloo on CPU (explicit
+    ``ipc`` gives shared memory on one CPU host)."""
+    requested = group_request(requested, places)
     on_gpu = all(p.gpu is not None for p in places)
     hosts = sorted({p.host for p in places})
     shared = _shared_gpus(places) if on_gpu else []

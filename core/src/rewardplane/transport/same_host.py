@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import tempfile
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -94,6 +96,24 @@ class _Side:
     opened: dict[str, torch.Tensor] = field(default_factory=dict)  # by key, flat uint8
     views: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # (key, offset, bytes)
     released: list[str] = field(default_factory=list)  # sender: keys the receivers are to close
+
+
+def _create_for_readers(path: str, nbytes: int) -> torch.Tensor:
+    """A new shared file for the trainer to write: torch creates it 0600, and the receivers (a
+    server may run as another user) need to read it."""
+    buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    os.chmod(path, 0o644)
+    return buf
+
+
+def _map_for_reading(path: str, nbytes: int) -> torch.Tensor:
+    """The trainer's file mapped shared and read-only: a receiver needs no write permission on it,
+    and sees every bucket the trainer writes into it later."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), nbytes, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "not writable": this side only copies out
+        return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes)  # keeps `mapped` alive
 
 
 class SameHostCommunicator(Communicator):
@@ -207,9 +227,7 @@ class SameHostCommunicator(Communicator):
         entries: list[tuple[str, tuple[Any, ...], int, int]] = []
         staged: list[tuple[int, torch.Tensor]] = []  # (position, tensor) copied into the ring
         for pos, typed in enumerate(tensors):
-            # the wire hands flat bytes already: no view to make per tensor (a push's CPU time
-            # is per tensor, and here it is not hidden behind a link)
-            t = typed if typed.dtype is torch.uint8 and typed.dim() == 1 else as_bytes(typed)
+            t = _flat_bytes(typed)
             if t.numel() == 0:
                 entries.append(("", (), 0, 0))
                 continue
@@ -282,7 +300,7 @@ class SameHostCommunicator(Communicator):
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             return _Slot(buf=buf, export=self._export(buf.untyped_storage()))
         path = os.path.join(SHM_DIR, f"rewardplane-{self.group_id}-{self._token}-{uuid.uuid4().hex[:8]}")
-        buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        buf = _create_for_readers(path, nbytes)
         source = ("shm", path, nbytes)
         export = _Export(key=self._new_key(), storage=weakref.ref(buf.untyped_storage()), source=source)
         return _Slot(buf=buf, export=export, path=path)
@@ -373,7 +391,7 @@ class SameHostCommunicator(Communicator):
                 _, path, nbytes = source
                 if not os.path.isfile(path):  # never create it: it must be the trainer's
                     raise FileNotFoundError(f"{path} does not exist here")
-                opened = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+                opened = _map_for_reading(path, nbytes)
         except Exception as exc:
             raise CommunicatorError(
                 f"rank {self.rank} could not open the trainer's memory ({type(exc).__name__}: {exc}); "
@@ -512,6 +530,13 @@ def _decode(raw: bytes) -> list[tuple[str, tuple[Any, ...], int, int]]:
         return bytes.fromhex(v["hex"]) if isinstance(v, dict) else v
 
     return [(key, tuple(typed(v) for v in source), off, n) for key, source, off, n in json.loads(raw)]
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes, flat. The wire hands flat bytes already, which need no new view (a push's CPU
+    time is per tensor, and here it is not hidden behind a link); contiguous ones only: an export is
+    read as bytes [offset, offset + numel) of its storage, which a strided view's bytes are not."""
+    return t if t.dtype is torch.uint8 and t.dim() == 1 and t.is_contiguous() else as_bytes(t)
 
 
 def _aligned(n: int) -> int:

@@ -180,10 +180,12 @@ def push_from_ranks(
             return sending.send(schedule)
 
         if ranks.leader:
-            return _lead(op, send, sending.comm, channel, invite, version, mode, started, deadline)
-        done = follow_leader(channel, lambda _: send(), _failed)
-        assert done.detail is not None
-        return PushResult(**done.detail)
+            result = _lead(op, send, sending.comm, channel, invite, version, mode, started, deadline)
+        else:
+            done = follow_leader(channel, lambda _: send(), _failed)
+            assert done.detail is not None
+            result = PushResult(**done.detail)
+        return dataclasses.replace(result, transport=comm.backend)
     finally:
         comm.close()
 

@@ -13,6 +13,7 @@ torch is imported when a push runs, not with this module.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import threading
@@ -68,6 +69,8 @@ class PushResult:
     transfer_s: float
     """The broadcast and the status reduction, on the trainer."""
     weightsync: dict[str, Any]
+    transport: str = ""
+    """What the group formed over: ``nccl``, ``gloo`` or ``ipc`` (the same-host transport)."""
 
 
 class _ProgressComm:
@@ -356,6 +359,7 @@ class OperatorPush:
             raise
         comm.close()
         result = self.finish(generation, version, mode, sent, world, started, transfer_s, deadline)
+        result = dataclasses.replace(result, transport=comm.backend)
         if failed:
             log.warning("the status reduction reported a failure, but the operator reported Completed")
         return result
