@@ -26,8 +26,8 @@ import httpx
 import torch
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode
-from rewardplane.sdk.direct_sync import DirectWeightSync
 from rewardplane.sdk.lora import adapter_payload
+from rewardplane.sdk.push.pusher import WeightPusher
 from rewardplane.testing.gpus import visible_gpus
 from rewardplane.testing.servers import free_port, launch_server, wait_healthy
 
@@ -134,7 +134,7 @@ def run(
     sync = None
     try:
         wait_healthy(server, 900, poll_s=1.0)
-        sync = DirectWeightSync(
+        sync = WeightPusher(
             [server.url],
             group_port=free_port(),
             token=token,
@@ -145,7 +145,7 @@ def run(
             timeout_s=600,
         )
         base = build_trainer_model(ckpt, trainer)
-        sync.sync(base.state_dict(), version=next(versions))  # the server now holds the trainer's base
+        sync.push(base.state_dict(), version=next(versions))  # the server now holds the trainer's base
         model = get_peft_model(
             base,
             LoraConfig(
@@ -167,10 +167,10 @@ def run(
         merged = {k: v.detach() for k, v in copy.deepcopy(model).merge_and_unload().state_dict().items()}
 
         def adapter_push(v: int) -> None:
-            sync.sync(tensors, version=v, training_mode=Mode.ADAPTER, adapter=adapter)
+            sync.push(tensors, version=v, training_mode=Mode.ADAPTER, adapter=adapter)
 
         def merged_push(v: int) -> None:
-            sync.sync(merged, version=v, training_mode=Mode.LORA)
+            sync.push(merged, version=v, training_mode=Mode.LORA)
 
         adapter_push(next(versions))  # warm-up: layouts announced, adapter machinery loaded
         timelines: list[dict[str, float]] = []

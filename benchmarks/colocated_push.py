@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.weight_sync import SIZES, build_trainer_model, make_checkpoint, timed_pushes  # noqa: E402
 from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
 from rewardplane.protocol.naming import select_head  # noqa: E402
-from rewardplane.sdk.direct_sync import WeightPusher  # noqa: E402
+from rewardplane.sdk.push.pusher import WeightPusher  # noqa: E402
 from rewardplane.testing.gpus import gpu_memory_used_mib, visible_gpus  # noqa: E402
 from rewardplane.testing.servers import ServerHandle, free_port, launch_server, wait_healthy  # noqa: E402
 
@@ -291,7 +291,7 @@ def rewardplane_pushes(
         # every parameter changed in place, head included, then a full push: the served version
         # must hold the new bytes (the unchanged timed pushes above cannot tell stale from fresh)
         perturb(model)
-        sync.sync(model.state_dict(), version=next(versions))
+        sync.push(model.state_dict(), version=next(versions))
         out["checksums_changed_full"] = checksums_match(
             url, model.state_dict(), "a full push of changed weights"
         )
@@ -301,7 +301,7 @@ def rewardplane_pushes(
         with torch.no_grad():
             for t in head.values():
                 t.add_(0.01 * torch.randn_like(t))
-        sync.sync(head, version=next(versions), training_mode=Mode.HEAD_ONLY)
+        sync.push(head, version=next(versions), training_mode=Mode.HEAD_ONLY)
         out["checksums_head_only"] = checksums_match(url, model.state_dict(), "a head-only push")
         return out
     finally:
@@ -330,7 +330,7 @@ def lora_merged_push(
 
             def push(sd: Any, version: int = version) -> None:
                 t0 = time.perf_counter()
-                sync.sync(sd, version=version, training_mode=Mode.LORA)
+                sync.push(sd, version=version, training_mode=Mode.LORA)
                 times.append(time.perf_counter() - t0)
 
             model = merge_sync_reinit(peft_model, push).merge_and_unload()
@@ -372,7 +372,7 @@ def colocated_cycle(
         )
 
     try:
-        sync.sync(model.state_dict(), version=next(versions))  # the group formed, handles opened
+        sync.push(model.state_dict(), version=next(versions))  # the group formed, handles opened
         step(-1, "awake", time.perf_counter())
         for cycle in range(args.cycles):
             t0 = time.perf_counter()
@@ -385,7 +385,7 @@ def colocated_cycle(
             woke = control(url, "/wake", {"reload": False})
             step(cycle, "wake", t0)
             t0 = time.perf_counter()
-            sync.sync(model.state_dict(), version=next(versions))
+            sync.push(model.state_dict(), version=next(versions))
             step(cycle, "push", t0)
             t0 = time.perf_counter()
             served_score(url)

@@ -10,7 +10,7 @@ operator, not model loading.
 
 3. push (``--push``): a node agent runs real servers (a tiny model, ``--push-replicas`` replicas, CPU,
    gloo). A weight push through the operator (``RewardModelHandle.push_weights``: call → WeightSync
-   Completed) against the same push in direct mode (``DirectWeightSync``: the trainer drives the
+   Completed) against the same push in direct mode (``WeightPusher``: the trainer drives the
    replicas' control plane itself, a fresh group per push like the operator's), head-only and full;
    p50 of each and the ratio operator/direct.
 
@@ -341,7 +341,7 @@ def bench_push(kube: Kube, kubeconfig: Path, tmp: Path, args: argparse.Namespace
 
     from rewardplane.protocol.naming import select_head
     from rewardplane.sdk.cluster import RewardModelHandle
-    from rewardplane.sdk.direct_sync import DirectWeightSync
+    from rewardplane.sdk.push.pusher import WeightPusher
     from rewardplane.tinymodel import build_tiny_reward_model
 
     model_dir = build_tiny_reward_model(tmp / "model", hidden_size=args.hidden, num_layers=args.layers)
@@ -388,11 +388,11 @@ def bench_push(kube: Kube, kubeconfig: Path, tmp: Path, args: argparse.Namespace
             via_operator.append(time.perf_counter() - started)
             version += 1
             started = time.perf_counter()
-            sync = DirectWeightSync(
+            sync = WeightPusher(
                 urls, group_port=free_port(), token=token, trainer_host="127.0.0.1", connect_timeout_s=60
             )
             try:
-                sync.sync(params, version=version, training_mode=mode)
+                sync.push(params, version=version, training_mode=mode)
             finally:
                 sync.close()
             direct.append(time.perf_counter() - started)

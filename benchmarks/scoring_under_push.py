@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import faulthandler
 import json
 import os
@@ -168,7 +169,7 @@ class Timeline:
         print(f"[{name}] {seconds:.0f} s done", flush=True)
 
     def join(self) -> None:
-        from rewardplane.sdk.direct_sync import WeightPusher
+        from rewardplane.sdk.push.pusher import WeightPusher
         from rewardplane.testing.servers import free_port
 
         a = self.args
@@ -199,7 +200,8 @@ class Timeline:
         rec = PushRecord(kind=kind, version=next(self.versions), t_call=0.0, atomic=atomic)
         spans: list[tuple[float, float]] = []
         sd, mode = (self.head, Mode.HEAD_ONLY) if head_only else (self.params, Mode.FULL)
-        publisher.atomic = atomic  # the same group and layout; the header says atomic
+        # the same group and layout; the header says atomic
+        publisher.options = dataclasses.replace(publisher.options, atomic=atomic)
         self.pushes.append(rec)
         try:
             hold = (
@@ -219,7 +221,7 @@ class Timeline:
             rec.error = f"{type(exc).__name__}: {exc}"
             raise PushFailed(f"push {rec.version} ({kind}) failed: {rec.error}") from exc
         finally:
-            publisher.atomic = False
+            publisher.options = dataclasses.replace(publisher.options, atomic=False)
             if spans:
                 rec.hold_start, rec.hold_end = spans[0]
         rec.trainer = dict(publisher.last_stats)

@@ -123,7 +123,7 @@ def trainer_main(cfg: dict[str, Any]) -> int:
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
     from rewardplane.sdk import WeightPusher
-    from rewardplane.sdk.sharding import local_parts, plan_senders
+    from rewardplane.sdk.push.plan.layout import local_parts, plan_senders
 
     rank, world = int(cfg["rank"]), int(cfg["world"])
     # "gpu": None runs on the CPU over gloo (a dry run of this script's plumbing, no timings to keep)

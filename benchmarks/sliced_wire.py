@@ -17,7 +17,7 @@ Patterns, each into the same receivers:
 - ``broadcast-2``: ranks 2 and 3 broadcast their own pieces to the whole group (each sender also
   receives the other's, into scratch): the wire of a two-rank trainer's push into receivers that do
   not slice, with every tensor received in place;
-- ``sliced-1`` / ``sliced-2``: the sliced wire (``transport.sliced``) from one and from two
+- ``sliced-1`` / ``sliced-2``: the sliced wire (``transport.slices``) from one and from two
   senders: one message per sender-receiver pair and bucket, the boxes packed back to back and
   copied out on the copy stream while the next bucket travels; ``--in-flight`` buckets at once.
 
@@ -61,7 +61,7 @@ from benchmarks.pairwise_push import (  # noqa: E402
 from rewardplane.protocol import ParamMeta, Piece, plan_buckets  # noqa: E402
 from rewardplane.protocol.slices import Region, Transfer, slice_schedule  # noqa: E402
 from rewardplane.transport.comm import Backend, Communicator, create_store  # noqa: E402
-from rewardplane.transport.sliced import IN_FLIGHT, receive_slices, send_slices  # noqa: E402
+from rewardplane.transport.slices import IN_FLIGHT, receive_slices, send_slices  # noqa: E402
 from rewardplane.transport.transfer import receive_buckets, send_buckets  # noqa: E402
 
 PATTERNS = ("broadcast-1", "broadcast-2", "sliced-1", "sliced-2")

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
 from rewardplane.protocol.naming import select_head  # noqa: E402
-from rewardplane.sdk.direct_sync import DirectWeightSync  # noqa: E402
+from rewardplane.sdk.push.pusher import WeightPusher  # noqa: E402
 from rewardplane.testing.gpus import visible_gpus  # noqa: E402
 from rewardplane.testing.servers import free_port, launch_server, wait_healthy  # noqa: E402
 from rewardplane.tinymodel import train_tokenizer  # noqa: E402
@@ -216,7 +216,7 @@ def timeline(urls: list[str], stats: dict[str, float], version: int) -> dict[str
 
 
 def timed_pushes(
-    sync: DirectWeightSync,
+    sync: WeightPusher,
     params: dict[str, torch.Tensor],
     versions: Iterator[int],
     reps: int,
@@ -226,7 +226,7 @@ def timed_pushes(
 ) -> dict[str, object]:
     """One warm-up push (forms the group), ``reps`` timed full pushes, ``head_reps`` head-only pushes."""
     t0 = time.perf_counter()
-    sync.sync(params, version=next(versions))
+    sync.push(params, version=next(versions))
     first = time.perf_counter() - t0
     full, stats, timelines = [], [], []
     for _ in range(reps):
@@ -234,7 +234,7 @@ def timed_pushes(
             torch.cuda.synchronize(trainer)
         version = next(versions)
         t0 = time.perf_counter()
-        sync.sync(params, version=version)
+        sync.push(params, version=version)
         full.append(time.perf_counter() - t0)
         stats.append(dict(sync.open().last_stats))
         timelines.append(timeline(urls, stats[-1], version))
@@ -244,7 +244,7 @@ def timed_pushes(
     for _ in range(head_reps):
         version = next(versions)
         t0 = time.perf_counter()
-        sync.sync(head, version=version, training_mode=Mode.HEAD_ONLY)
+        sync.push(head, version=version, training_mode=Mode.HEAD_ONLY)
         head_times.append(time.perf_counter() - t0)
         head_timelines.append(timeline(urls, dict(sync.open().last_stats), version))
     group = sync.open().comm
@@ -411,7 +411,7 @@ def main() -> int:
             reps: int = args.reps,
             head_reps: int = args.head_reps,
         ) -> dict[str, object]:
-            sync = DirectWeightSync(
+            sync = WeightPusher(
                 target,
                 group_port=free_port(),
                 token=TOKEN,

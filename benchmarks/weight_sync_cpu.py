@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
 from rewardplane.protocol.naming import select_head  # noqa: E402
-from rewardplane.sdk.direct_sync import WeightPusher  # noqa: E402
+from rewardplane.sdk.push.pusher import WeightPusher  # noqa: E402
 from rewardplane.testing.servers import free_port, start_server  # noqa: E402
 from rewardplane.tinymodel import build_tiny_reward_model  # noqa: E402
 from tests.fixtures.trainer import perturbed  # noqa: E402

@@ -117,7 +117,7 @@ class TrainerHold:
         at_request: Callable[[], None] | None = None,
         timeout_s: float = 120,
     ) -> None:
-        from rewardplane.sdk._operator_push import OperatorPush
+        from rewardplane.sdk.push.wire.operator import OperatorPush
 
         self.reached = threading.Event()
         self._released = threading.Event()

@@ -51,7 +51,7 @@ RESULT = "colocated_push.json"
 
 
 def _pusher(url: str, device: Any, backend: str = "auto") -> Any:
-    from rewardplane.sdk.direct_sync import WeightPusher
+    from rewardplane.sdk.push.pusher import WeightPusher
 
     return WeightPusher(
         [url],
@@ -117,7 +117,7 @@ def test_nccl_on_one_gpu_is_refused_naming_the_same_gpu_transport(server: str) -
     sync = _pusher(server, torch.device("cuda", 0), backend="nccl")
     try:
         with pytest.raises((WeightSyncError, RuntimeError)) as err:
-            sync.sync(
+            sync.push(
                 {"score.weight": torch.zeros(1, 4, device="cuda")}, version=99, training_mode=Mode.HEAD_ONLY
             )
         assert "one GPU" in str(err.value) and "ipc" in str(err.value), str(err.value)
@@ -136,7 +136,7 @@ def test_full_push_over_cuda_ipc_bit_for_bit(trainer: Trainer) -> None:
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.mul_(1.0 + 0.1 * torch.randn_like(p))
-    assert trainer.sync.sync(trainer.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+    assert trainer.sync.push(trainer.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
     assert _transport(trainer) == "ipc"
     check_after_push(trainer, 1, before, "full over CUDA IPC")
     _exact(trainer, 1, "full over CUDA IPC")
@@ -145,7 +145,7 @@ def test_full_push_over_cuda_ipc_bit_for_bit(trainer: Trainer) -> None:
         for p in trainer.model.parameters():
             p.mul_(1.0 + 0.05 * torch.randn_like(p))
     before = fill_prefix_cache(trainer.url)
-    assert trainer.sync.sync(trainer.model.state_dict(), version=2, training_mode=Mode.FULL) == 2
+    assert trainer.sync.push(trainer.model.state_dict(), version=2, training_mode=Mode.FULL) == 2
     check_after_push(trainer, 2, before, "second full over CUDA IPC")
     _exact(trainer, 2, "second full over CUDA IPC")
 
@@ -161,7 +161,7 @@ def test_head_only_push_over_cuda_ipc_bit_for_bit(trainer: Trainer) -> None:
         head = trainer.model.score.weight
         head.copy_(torch.randn_like(head) * head.shape[1] ** -0.5)
     assert (
-        trainer.sync.sync(select_head(trainer.model.state_dict()), version=3, training_mode=Mode.HEAD_ONLY)
+        trainer.sync.push(select_head(trainer.model.state_dict()), version=3, training_mode=Mode.HEAD_ONLY)
         == 3
     )
     check_after_push(trainer, 3, before, "head_only over CUDA IPC")
@@ -194,7 +194,7 @@ def test_lora_merged_push_over_cuda_ipc_bit_for_bit(trainer: Trainer) -> None:
                     p.add_(torch.randn_like(p) * 0.2 * p.shape[-1] ** -0.5)
 
         def push(sd: Mapping[str, Any], version: int = version) -> None:
-            trainer.sync.sync(sd, version=version, training_mode=Mode.LORA)
+            trainer.sync.push(sd, version=version, training_mode=Mode.LORA)
 
         peft_model = merge_sync_reinit(peft_model, push)
         trainer.model = peft_model.merge_and_unload()  # fresh adapters have B = 0: the same function
@@ -221,7 +221,7 @@ def test_successive_full_pushes_with_a_bf16_head_bit_for_bit_each_time(trainer: 
                     p.mul_(1.0 + 0.05 * torch.randn_like(p))
             before = fill_prefix_cache(trainer.url)
             assert (
-                trainer.sync.sync(trainer.model.state_dict(), version=version, training_mode=Mode.FULL)
+                trainer.sync.push(trainer.model.state_dict(), version=version, training_mode=Mode.FULL)
                 == version
             )
             assert _transport(trainer) == "ipc"
@@ -278,7 +278,7 @@ def test_colocated_cycle_level_2_push_without_the_checkpoint(trainer: Trainer) -
             assert refused.status_code == 503, refused.text  # the discarded weights never serve
             t0 = time.perf_counter()
             assert (
-                trainer.sync.sync(trainer.model.state_dict(), version=version, training_mode=Mode.FULL)
+                trainer.sync.push(trainer.model.state_dict(), version=version, training_mode=Mode.FULL)
                 == version
             )
             step(f"{cycle}: push", t0)

@@ -16,7 +16,7 @@ import torch
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode
 from rewardplane.protocol.naming import select_head
-from rewardplane.sdk.direct_sync import DirectWeightSync
+from rewardplane.sdk.push.pusher import WeightPusher
 from rewardplane.testing.gpus import visible_gpus
 from rewardplane.testing.servers import free_port, start_server
 from tests.fixtures.models import TEXTS
@@ -75,7 +75,7 @@ def trainer_scores(model, model_dir):
 
 
 def push(h, params, version, mode, **kw):
-    sync = DirectWeightSync(
+    sync = WeightPusher(
         [h.url],
         group_port=free_port(),
         token=TOKEN,
@@ -86,7 +86,7 @@ def push(h, params, version, mode, **kw):
     )
     try:
         assert sync.open().comm.backend == "nccl"
-        sync.sync(params, version=version, training_mode=mode)
+        sync.push(params, version=version, training_mode=mode)
     finally:
         sync.close()
 
@@ -164,16 +164,16 @@ SOCKETS_ONLY = {
 }
 SOCKET_TRAINER = r"""
 import sys, torch
-from rewardplane.sdk.direct_sync import DirectWeightSync
+from rewardplane.sdk.push.pusher import WeightPusher
 from tests.fixtures.trainer import perturbed
 url, port, model_dir, seed = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 device = torch.device("cuda", 0)  # CUDA_VISIBLE_DEVICES=1: the host's second GPU
 model = perturbed(model_dir, seed=seed, scale=0.01).to(device, torch.bfloat16)
-sync = DirectWeightSync([url], group_port=port, token="secret", trainer_host="127.0.0.1", device=device,
+sync = WeightPusher([url], group_port=port, token="secret", trainer_host="127.0.0.1", device=device,
                         connect_timeout_s=60, bucket_bytes=1 << 16)
 try:
     assert sync.open().comm.backend == "nccl"
-    sync.sync(model.state_dict(), version=1)
+    sync.push(model.state_dict(), version=1)
 finally:
     sync.close()
 print("pushed", flush=True)

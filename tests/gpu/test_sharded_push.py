@@ -130,7 +130,7 @@ def trainer_main(cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from rewardplane.sdk import WeightPusher
-    from rewardplane.sdk.sharding import local_parts, plan_senders
+    from rewardplane.sdk.push.plan.layout import local_parts, plan_senders
 
     rank = int(cfg["rank"])
     # "gpu": None runs on the CPU over gloo (a dry run of this plumbing against a CPU server)

@@ -13,6 +13,7 @@ a full push into a ~0.4B model).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -228,7 +229,7 @@ def test_push_head_only_fp32_head(trainer: Trainer) -> None:
         head.copy_(torch.randn_like(head) * head.shape[1] ** -0.5)
     params = select_head(trainer.model.state_dict())
     assert params["score.weight"].dtype == torch.float32
-    assert trainer.sync.sync(params, version=1, training_mode=Mode.HEAD_ONLY) == 1
+    assert trainer.sync.push(params, version=1, training_mode=Mode.HEAD_ONLY) == 1
     check_after_push(trainer, 1, before, "head_only")
 
 
@@ -257,7 +258,7 @@ def test_push_lora_merged(trainer: Trainer) -> None:
                 p.add_(torch.randn_like(p) * 0.2 * p.shape[-1] ** -0.5)
 
     def push(sd: Mapping[str, Any]) -> None:
-        trainer.sync.sync(sd, version=2, training_mode=Mode.LORA)
+        trainer.sync.push(sd, version=2, training_mode=Mode.LORA)
 
     fresh = merge_sync_reinit(peft_model, push)
     trainer.model = fresh.merge_and_unload()  # fresh adapters have B = 0: the same function
@@ -279,7 +280,7 @@ def test_push_full(trainer: Trainer) -> None:
     with torch.no_grad():
         for p in trainer.model.parameters():
             p.mul_(1.0 + 0.1 * torch.randn_like(p))
-    assert trainer.sync.sync(trainer.model.state_dict(), version=3, training_mode=Mode.FULL) == 3
+    assert trainer.sync.push(trainer.model.state_dict(), version=3, training_mode=Mode.FULL) == 3
     check_after_push(trainer, 3, before, "full")
     version, got = server_checksums(trainer.url)
     assert version == 3
@@ -319,7 +320,7 @@ def test_bad_metadata_rejected_before_any_byte(trainer: Trainer) -> None:
     bad = {k: v for k, v in trainer.model.state_dict().items()}
     bad["model.norm.weight"] = torch.ones(7, device=trainer.device, dtype=torch.bfloat16)
     with pytest.raises(Exception, match="model.norm.weight"):
-        trainer.sync.sync(bad, version=4, training_mode=Mode.FULL)
+        trainer.sync.push(bad, version=4, training_mode=Mode.FULL)
     assert httpx.get(f"{trainer.url}/runtime_version", timeout=30).json()["version"] == 3
     got, _ = served(trainer.url)
     assert_close(
@@ -347,7 +348,7 @@ def test_later_pushes_start_from_the_data_plane(trainer: Trainer) -> None:
             for p in trainer.model.parameters():
                 p.mul_(1.0 + 0.1 * torch.randn_like(p))
         assert (
-            trainer.sync.sync(trainer.model.state_dict(), version=version, training_mode=Mode.FULL) == version
+            trainer.sync.push(trainer.model.state_dict(), version=version, training_mode=Mode.FULL) == version
         )
         assert httpx.get(f"{trainer.url}/runtime_version", timeout=30).json()["version"] == version
         check_after_push(trainer, version, before, f"full, push {step + 1}")
@@ -386,7 +387,7 @@ def test_atomic_pushes_stage_beside_the_memory_fraction(trainer: Trainer) -> Non
             answers.append(served(trainer.url))
 
     scorer = threading.Thread(target=score, daemon=True)
-    publisher.atomic = True
+    publisher.options = dataclasses.replace(publisher.options, atomic=True)
     try:
         scorer.start()
         for step in (1, 2):
@@ -395,7 +396,7 @@ def test_atomic_pushes_stage_beside_the_memory_fraction(trainer: Trainer) -> Non
                 for p in trainer.model.parameters():
                     p.mul_(1.0 + 0.05 * torch.randn_like(p))
             refs[version + step] = reference_scores(trainer.model, trainer.tokenizer, TEXTS, trainer.device)
-            assert trainer.sync.sync(trainer.model.state_dict(), version=version + step) == version + step
+            assert trainer.sync.push(trainer.model.state_dict(), version=version + step) == version + step
         stop.set()
         scorer.join(60)
         assert answers and {v for _, v in answers} <= set(refs), {v for _, v in answers}
@@ -417,7 +418,7 @@ def test_atomic_pushes_stage_beside_the_memory_fraction(trainer: Trainer) -> Non
         hog = torch.empty(max(0, free - (64 << 20)), dtype=torch.uint8, device="cuda:0")
         try:
             with pytest.raises(RewardServerError) as info:
-                trainer.sync.sync(trainer.model.state_dict(), version=served_now + 1)
+                trainer.sync.push(trainer.model.state_dict(), version=served_now + 1)
         finally:
             del hog
             torch.cuda.empty_cache()
@@ -426,11 +427,11 @@ def test_atomic_pushes_stage_beside_the_memory_fraction(trainer: Trainer) -> Non
         )
     finally:
         stop.set()
-        publisher.atomic = False
+        publisher.options = dataclasses.replace(publisher.options, atomic=False)
     state = httpx.get(f"{trainer.url}/runtime_version", timeout=30).json()
     assert (state["version"], state["state"]) == (served_now, "serving"), state
     assert_close(served(trainer.url)[0], refs[served_now], "atomic: after the refusal")
-    assert trainer.sync.sync(trainer.model.state_dict(), version=served_now + 1) == served_now + 1
+    assert trainer.sync.push(trainer.model.state_dict(), version=served_now + 1) == served_now + 1
     assert_close(
         served(trainer.url)[0],
         reference_scores(trainer.model, trainer.tokenizer, TEXTS, trainer.device),
@@ -450,11 +451,11 @@ def test_full_push_0_4b(seqcls_0_4b: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
-    from rewardplane.sdk.direct_sync import DirectWeightSync
+    from rewardplane.sdk.push.pusher import WeightPusher
 
     handle = wait_ready(start_vllm_server(seqcls_0_4b, tmp_path, gpu=0, gpu_memory_utilization=0.4))
     device = torch.device("cuda", 1)
-    sync = DirectWeightSync(
+    sync = WeightPusher(
         [handle.url],
         group_port=free_port(),
         token=TOKEN,
@@ -479,7 +480,7 @@ def test_full_push_0_4b(seqcls_0_4b: Path, tmp_path: Path) -> None:
         with torch.no_grad():
             for p in t.model.parameters():
                 p.mul_(1.0 + 0.1 * torch.randn_like(p))
-        assert sync.sync(t.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+        assert sync.push(t.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
         check_after_push(t, 1, before, "0.4B full")
     finally:
         sync.close()

@@ -177,7 +177,7 @@ def test_full_push_from_a_trainer_matches_a_server_loaded_with_its_weights(
             p.add_(torch.randn_like(p) * 0.5)
     sync = direct_sync([judge_server.url], device)
     try:
-        assert sync.sync(model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+        assert sync.push(model.state_dict(), version=1, training_mode=Mode.FULL) == 1
     finally:
         sync.close()
     version, got = server_checksums(judge_server.url)

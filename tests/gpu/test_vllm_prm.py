@@ -207,7 +207,7 @@ def _pusher(url: str, device: Any) -> Any:
     the trainer shares the server's GPU, NCCL from another one."""
     import inspect
 
-    from rewardplane.sdk.direct_sync import WeightPusher
+    from rewardplane.sdk.push.pusher import WeightPusher
 
     if "backend" not in inspect.signature(WeightPusher).parameters:
         return direct_sync([url], device)
@@ -244,7 +244,7 @@ def test_full_push_into_prm_follows_the_trainer(
             p.add_(torch.randn_like(p) * 0.02)
     sync = _pusher(url, device)
     try:
-        assert sync.sync(model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+        assert sync.push(model.state_dict(), version=1, training_mode=Mode.FULL) == 1
     finally:
         sync.close()
     body = scored(url, steps=SOLUTIONS[:3], prompts=[QUESTION] * 3)

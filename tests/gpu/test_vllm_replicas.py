@@ -35,7 +35,7 @@ def test_one_broadcast_updates_both_replicas(trainers: list[Trainer]) -> None:
     with torch.no_grad():
         for p in t0.model.parameters():
             p.mul_(1.0 + 0.1 * torch.randn_like(p))
-    assert t0.sync.sync(t0.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+    assert t0.sync.push(t0.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
     # both replicas' workers and the trainer are one group: the trainer sent each bucket once
     assert t0.sync.open().comm.world_size == 3
     for t, b in zip(trainers, before, strict=True):
@@ -53,7 +53,7 @@ def test_head_only_push_reaches_both_replicas(trainers: list[Trainer]) -> None:
     with torch.no_grad():
         head = t0.model.score.weight
         head.copy_(torch.randn_like(head) * head.shape[1] ** -0.5)
-    assert t0.sync.sync(select_head(t0.model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY) == 2
+    assert t0.sync.push(select_head(t0.model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY) == 2
     for t, b in zip(trainers, before, strict=True):
         check_after_push(t, 2, b, f"head_only push, replica {t.url}")
     versions = [httpx.get(f"{t.url}/runtime_version", timeout=30).json()["version"] for t in trainers]

@@ -72,12 +72,12 @@ def test_pushed_weights_survive_a_restart(tiny_seqcls_1label: Path, tmp_path: Pa
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(1.0 + 0.1 * torch.randn_like(p))
-            sync.sync(model.state_dict(), version=1, training_mode=Mode.FULL)
+            sync.push(model.state_dict(), version=1, training_mode=Mode.FULL)
             with torch.no_grad():
                 model.score.weight.copy_(
                     torch.randn_like(model.score.weight) * model.score.weight.shape[1] ** -0.5
                 )
-            sync.sync(select_head(model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY)
+            sync.push(select_head(model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY)
         finally:
             sync.close()
         want = reference_scores(model, tok, TEXTS, device)
@@ -159,11 +159,11 @@ def test_a_fresh_replica_gets_the_weights_from_a_vllm_peer(tiny_seqcls_1label: P
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(1.0 + 0.1 * torch.randn_like(p))
-            sync.sync(select_head(model.state_dict()), version=1, training_mode=Mode.HEAD_ONLY)
+            sync.push(select_head(model.state_dict()), version=1, training_mode=Mode.HEAD_ONLY)
             # only the head came by a push: the backbone is where vLLM's loader put it from disk
             with pytest.raises(ReplicaError, match="cannot send its weights to peers"):
                 restore(1, "peer-gpu-refused")
-            sync.sync(model.state_dict(), version=2, training_mode=Mode.FULL)
+            sync.push(model.state_dict(), version=2, training_mode=Mode.FULL)
         finally:
             sync.close()
         want = reference_scores(model, tok, TEXTS, device)

@@ -44,7 +44,7 @@ def _check(trainers: list[Trainer], version: int, before: list[float], what: str
 
 
 def test_world_size_and_rank_offsets(trainers: list[Trainer]) -> None:
-    from rewardplane.sdk.publisher import HTTPControlPlane
+    from rewardplane.sdk.push.wire.http import HTTPControlPlane
 
     sizes = [httpx.get(f"{t.url}/get_world_size", timeout=30).json()["world_size"] for t in trainers]
     assert sizes == [2, 1]
@@ -64,7 +64,7 @@ def test_full_push_reaches_every_shard(trainers: list[Trainer]) -> None:
     with torch.no_grad():
         for p in t0.model.parameters():
             p.mul_(1.0 + 0.1 * torch.randn_like(p))
-    assert t0.sync.sync(t0.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+    assert t0.sync.push(t0.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
     assert t0.sync.open().comm.world_size == 4
     _check(trainers, 1, before, "full")
 
@@ -80,7 +80,7 @@ def test_head_only_push(trainers: list[Trainer]) -> None:
     with torch.no_grad():
         head = t0.model.score.weight
         head.copy_(torch.randn_like(head) * head.shape[1] ** -0.5)
-    assert t0.sync.sync(select_head(t0.model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY) == 2
+    assert t0.sync.push(select_head(t0.model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY) == 2
     _check(trainers, 2, before, "head_only")
 
 
@@ -109,7 +109,7 @@ def test_lora_push(trainers: list[Trainer]) -> None:
                 p.add_(torch.randn_like(p) * 0.2 * p.shape[-1] ** -0.5)
 
     def push(sd: Mapping[str, Any]) -> None:
-        t0.sync.sync(sd, version=3, training_mode=Mode.LORA)
+        t0.sync.push(sd, version=3, training_mode=Mode.LORA)
 
     merged = merge_sync_reinit(peft_model, push).merge_and_unload()
     for t in trainers:

@@ -328,10 +328,10 @@ def running_replicas(
 
 
 def direct_sync(urls: list[str], device: Any) -> Any:
-    """The trainer's ``DirectWeightSync`` to ``urls`` as every GPU test configures it."""
-    from rewardplane.sdk.direct_sync import DirectWeightSync
+    """The trainer's ``WeightPusher`` to ``urls`` as every GPU test configures it."""
+    from rewardplane.sdk.push.pusher import WeightPusher
 
-    return DirectWeightSync(
+    return WeightPusher(
         urls,
         group_port=free_port(),
         token=TOKEN,

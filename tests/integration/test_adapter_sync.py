@@ -118,7 +118,7 @@ def test_adapter_push_serves_the_peft_model_over_untouched_base_weights(lora_ser
 
         # a full push carries the whole model: the adapter goes, the server serves exactly the base pushed
         base = load_model(tiny_model_dir)
-        sync.sync(base.state_dict(), version=3, training_mode=Mode.FULL)
+        sync.push(base.state_dict(), version=3, training_mode=Mode.FULL)
         assert close(served(lora_server)[0], logits(base, tiny_model_dir, TEXTS), tol=1e-5)
     finally:
         sync.close()
@@ -130,7 +130,7 @@ def test_adapter_push_is_refused_before_anything_moves_when_it_does_not_fit(lora
         too_big = peft_model(tiny_model_dir, seed=3, r=2 * MAX_RANK, head=False)
         tensors, adapter = adapter_payload(too_big)
         with pytest.raises(RewardServerError, match="max-lora-rank"):
-            sync.sync(tensors, version=1, training_mode=Mode.ADAPTER, adapter=adapter)
+            sync.push(tensors, version=1, training_mode=Mode.ADAPTER, adapter=adapter)
         # refused before any byte moved: the group is intact and the next push goes through
         ok = peft_model(tiny_model_dir, seed=4)
         LoraSync(sync, mode="adapter", fallback_to_full=False).sync(ok, version=1)

@@ -66,7 +66,7 @@ def test_an_unadmitted_replica_takes_no_traffic_until_admitted_at_its_version(ga
     # A push moves an admitted replica with it: still admitted, at the new version.
     sync = sync_for(gated, bucket_bytes=1 << 16)
     try:
-        sync.sync(perturbed(tiny_model_dir, seed=3).state_dict(), version=1)
+        sync.push(perturbed(tiny_model_dir, seed=3).state_dict(), version=1)
     finally:
         sync.close()
     ready = get(gated, "/ready")

@@ -308,7 +308,7 @@ def test_cluster_push_end_to_end(
         # this trainer hosts the group's store and never joins) must not leave the replicas
         # waiting in that group's join: the next push, at once, lands within its own timeout.
         from rewardplane.protocol import RewardModelTrainingMode
-        from rewardplane.sdk._operator_push import OperatorPush
+        from rewardplane.sdk.push.wire.operator import OperatorPush
         from rewardplane.transport.comm import create_store
 
         pusher = OperatorPush(handle)

@@ -3,6 +3,7 @@ over real gloo groups (CPU): the same guarantees as pushes announced over HTTP."
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -34,11 +35,11 @@ def server(server_factory, tiny_model_dir):
 def test_later_pushes_start_from_the_data_plane(server, tiny_model_dir):
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:
-        sync.sync(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
+        sync.push(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
         assert last_update(server)["via"] == "http"  # the layout is announced once
         for version, seed in ((2, 2), (3, 3)):
             model = perturbed(tiny_model_dir, seed=seed)
-            assert sync.sync(model.state_dict(), version=version) == version
+            assert sync.push(model.state_dict(), version=version) == version
             # served as soon as the push returns: the commit was confirmed in the status reduction
             after, served_version = served(server)
             assert served_version == version and close(after, logits(model, tiny_model_dir, TEXTS))
@@ -56,7 +57,7 @@ def test_later_pushes_start_from_the_data_plane(server, tiny_model_dir):
         # a head-only push: a new layout, announced over HTTP once, then from the data plane
         head = perturbed(tiny_model_dir, seed=4, head_only=True)
         for version in (4, 5):
-            sync.sync(select_head(head.state_dict()), version=version, training_mode=Mode.HEAD_ONLY)
+            sync.push(select_head(head.state_dict()), version=version, training_mode=Mode.HEAD_ONLY)
         assert last_update(server)["via"] == "data_plane"
         model.score.load_state_dict(head.score.state_dict())  # version 3's backbone, the new head
         assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
@@ -68,13 +69,13 @@ def test_refused_push_says_why_and_keeps_the_group(server, tiny_model_dir):
     sync = sync_for(server)
     try:
         model = perturbed(tiny_model_dir, seed=1)
-        sync.sync(model.state_dict(), version=3)
+        sync.push(model.state_dict(), version=3)
         with pytest.raises(RewardServerError) as info:
-            sync.sync(perturbed(tiny_model_dir, seed=2).state_dict(), version=3)
+            sync.push(perturbed(tiny_model_dir, seed=2).state_dict(), version=3)
         assert info.value.status_code == 409 and "not newer than the served version 3" in info.value.message
         assert served(server)[1] == 3 and close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
         newer = perturbed(tiny_model_dir, seed=3)
-        sync.sync(newer.state_dict(), version=4)  # the same group: nothing moved before the refusal
+        sync.push(newer.state_dict(), version=4)  # the same group: nothing moved before the refusal
         assert last_update(server)["via"] == "data_plane"
         assert served(server)[1] == 4 and close(served(server)[0], logits(newer, tiny_model_dir, TEXTS))
     finally:
@@ -84,16 +85,16 @@ def test_refused_push_says_why_and_keeps_the_group(server, tiny_model_dir):
 def test_a_layout_the_server_does_not_know_is_announced_over_http(server, tiny_model_dir):
     sync = sync_for(server)
     try:
-        sync.sync(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
+        sync.push(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
         # a trainer that believes the server knows a layout it never saw (a server that forgot it):
         # the server refuses the header by that reason, the SDK announces the layout over HTTP
         head = select_head(perturbed(tiny_model_dir, seed=2, head_only=True).state_dict())
         publisher = sync.open()
         assert publisher.data_plane is not None
         publisher.data_plane.learned(publisher._layout(head, Mode.HEAD_ONLY, False)[3])
-        sync.sync(head, version=2, training_mode=Mode.HEAD_ONLY)
+        sync.push(head, version=2, training_mode=Mode.HEAD_ONLY)
         assert last_update(server)["via"] == "http" and served(server)[1] == 2
-        sync.sync(head, version=3, training_mode=Mode.HEAD_ONLY)
+        sync.push(head, version=3, training_mode=Mode.HEAD_ONLY)
         assert last_update(server)["via"] == "data_plane" and served(server)[1] == 3
     finally:
         sync.close()
@@ -103,9 +104,9 @@ def test_two_replicas_one_header(server_factory, tiny_model_dir):
     a, b = server_factory.several(tiny_model_dir, {"token": TOKEN}, {"token": TOKEN})
     sync = sync_for(a, b, bucket_bytes=1 << 16)
     try:
-        sync.sync(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
+        sync.push(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
         model = perturbed(tiny_model_dir, seed=2)
-        sync.sync(model.state_dict(), version=2)
+        sync.push(model.state_dict(), version=2)
         for h in (a, b):
             assert last_update(h)["via"] == "data_plane"
             after, version = served(h)
@@ -131,7 +132,7 @@ def test_scores_during_data_plane_pushes_carry_their_version(server, tiny_model_
         t.start()
     try:
         for v in range(1, 5):
-            sync.sync(models[v].state_dict(), version=v)
+            sync.push(models[v].state_dict(), version=v)
     finally:
         stop.set()
         for t in threads:
@@ -170,7 +171,7 @@ def test_trainer_killed_mid_data_plane_push(server, tiny_model_dir, atomic):
     model = perturbed(tiny_model_dir, seed=8)
     sync = sync_for(server)
     try:
-        sync.sync(model.state_dict(), version=3)
+        sync.push(model.state_dict(), version=3)
         assert served(server)[1] == 3 and close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
     finally:
         sync.close()
@@ -181,7 +182,7 @@ def test_atomic_and_http_only_pushes(server, tiny_model_dir):
     try:
         for v in (1, 2):
             model = perturbed(tiny_model_dir, seed=v)
-            atomic.sync(model.state_dict(), version=v)
+            atomic.push(model.state_dict(), version=v)
         assert last_update(server)["via"] == "data_plane"
         assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
     finally:
@@ -189,7 +190,7 @@ def test_atomic_and_http_only_pushes(server, tiny_model_dir):
     http_only = sync_for(server, data_plane=False)  # the HTTP path keeps working on its own
     try:
         for v in (3, 4):
-            http_only.sync(perturbed(tiny_model_dir, seed=v).state_dict(), version=v)
+            http_only.push(perturbed(tiny_model_dir, seed=v).state_dict(), version=v)
             assert last_update(server)["via"] == "http"
     finally:
         http_only.close()
@@ -204,7 +205,7 @@ def test_the_per_tensor_wire_serves_exactly_the_trainers_weights(server_factory,
     try:
         for version, via in ((1, "http"), (2, "data_plane")):
             model = perturbed(tiny_model_dir, seed=version)
-            sync.sync(model.state_dict(), version=version)
+            sync.push(model.state_dict(), version=version)
             last = last_update(server)
             assert (last["via"], last["version"], last["ok"]) == (via, version, True)
             assert last["bytes"] > 0 and last["in_place_bytes"] == last["bytes"], last
@@ -212,7 +213,7 @@ def test_the_per_tensor_wire_serves_exactly_the_trainers_weights(server_factory,
         staged = sync_for(server, bucket_bytes=1 << 16, atomic=True)
         try:
             model = perturbed(tiny_model_dir, seed=3)
-            staged.sync(model.state_dict(), version=3)
+            staged.push(model.state_dict(), version=3)
             last = last_update(server)
             assert last["ok"] and last["in_place_bytes"] == 0  # staged, then swapped under the lock
             assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
@@ -234,7 +235,7 @@ def test_a_trainer_on_another_wire_is_refused_before_anything_moves(
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:
         with pytest.raises(RewardServerError) as info:
-            sync.sync(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
+            sync.push(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
         assert "different wires" in info.value.message
         after, still = served(server)
         assert still == version and close(after, before)
@@ -253,7 +254,7 @@ def test_an_atomic_push_without_room_to_stage_is_refused_before_anything_moves(
     staged = sync_for(server, atomic=True)
     try:
         with pytest.raises(RewardServerError) as info:
-            staged.sync(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
+            staged.push(perturbed(tiny_model_dir, seed=1).state_dict(), version=1)
         assert info.value.status_code == 409 and "REWARDPLANE_STAGING_MAX_BYTES" in info.value.message
         assert "atomic=False" in info.value.message
         assert served(server)[1] == 0
@@ -261,17 +262,18 @@ def test_an_atomic_push_without_room_to_stage_is_refused_before_anything_moves(
         staged.close()
     sync = sync_for(server)
     try:
-        sync.sync(perturbed(tiny_model_dir, seed=2).state_dict(), version=2)  # streamed: fine
+        sync.push(perturbed(tiny_model_dir, seed=2).state_dict(), version=2)  # streamed: fine
         publisher = sync.open()
-        publisher.atomic = True  # the same layout, now atomic: started from the data plane
+        # the same layout, now atomic: started from the data plane
+        publisher.options = dataclasses.replace(publisher.options, atomic=True)
         with pytest.raises(RewardServerError) as info:
-            sync.sync(perturbed(tiny_model_dir, seed=3).state_dict(), version=3)
+            sync.push(perturbed(tiny_model_dir, seed=3).state_dict(), version=3)
         assert "REWARDPLANE_STAGING_MAX_BYTES" in info.value.message
         model = perturbed(tiny_model_dir, seed=2)
         assert served(server)[1] == 2 and close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
-        publisher.atomic = False
+        publisher.options = dataclasses.replace(publisher.options, atomic=False)
         newer = perturbed(tiny_model_dir, seed=4)
-        sync.sync(newer.state_dict(), version=4)  # the same group: nothing moved before the refusal
+        sync.push(newer.state_dict(), version=4)  # the same group: nothing moved before the refusal
         assert last_update(server)["via"] == "data_plane" and served(server)[1] == 4
         assert close(served(server)[0], logits(newer, tiny_model_dir, TEXTS))
     finally:

@@ -130,7 +130,7 @@ def test_delta_push_moves_only_changed_tensors_and_falls_back_after_a_restore(
         assert "restored" in r.json()["error"]
         # the SDK's delta (from the data plane) is refused by b in the ready step; it pushes everything
         step(model, seed=3)
-        with caplog.at_level(logging.WARNING, logger="rewardplane.sdk.direct_sync"):
+        with caplog.at_level(logging.WARNING, logger="rewardplane.sdk.push.pusher"):
             sync.push(model.state_dict(), version=5)
         assert any("pushing all" in r.message for r in caplog.records), caplog.text
         assert sync.open().last_stats["bytes"] >= full_bytes
@@ -166,7 +166,7 @@ def test_delta_announced_over_http_checks_the_replicas_first(
         wait_saved(weights, 2)
         restore(server.url, 2)
         step(model, seed=6)
-        with caplog.at_level(logging.WARNING, logger="rewardplane.sdk.direct_sync"):
+        with caplog.at_level(logging.WARNING, logger="rewardplane.sdk.push.pusher"):
             sync.push(model.state_dict(), version=3, delta=True)
         assert any("pushing all" in r.message for r in caplog.records), caplog.text
         assert sync.open().last_stats["bytes"] >= full_bytes

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode
-from rewardplane.sdk.direct_sync import DirectWeightSync
+from rewardplane.sdk.push.pusher import WeightPusher
 from rewardplane.testing.servers import ServerHandle, free_port
 from tests.fixtures.trainer import perturbed
 
@@ -76,12 +76,12 @@ def _wait_join_outcome(server: ServerHandle, within_s: float) -> tuple[str, floa
 
 
 def _push_works(server: ServerHandle, tiny_model_dir: Any, version: int) -> None:
-    sync = DirectWeightSync(
+    sync = WeightPusher(
         [server.url], group_port=free_port(), token=TOKEN, trainer_host="127.0.0.1", connect_timeout_s=30
     )
     try:
         model = perturbed(tiny_model_dir, seed=version)
-        assert sync.sync(model.state_dict(), version=version, training_mode=Mode.FULL) == version
+        assert sync.push(model.state_dict(), version=version, training_mode=Mode.FULL) == version
     finally:
         sync.close()
     assert httpx.get(f"{server.url}/runtime_version", timeout=10).json()["version"] == version

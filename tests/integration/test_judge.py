@@ -27,7 +27,7 @@ from rewardplane.sdk import (
     Step,
 )
 from rewardplane.sdk._exceptions import _error_message  # reads both error shapes
-from rewardplane.sdk.direct_sync import DirectWeightSync
+from rewardplane.sdk.push.pusher import WeightPusher
 from rewardplane.testing.servers import free_port
 
 TOKEN = "secret"
@@ -75,8 +75,8 @@ def perturbed_lm(model_dir: Path, seed: int, only: str | None = None) -> Any:
     return model
 
 
-def sync_for(handle: Any) -> DirectWeightSync:
-    return DirectWeightSync(
+def sync_for(handle: Any) -> WeightPusher:
+    return WeightPusher(
         [handle.url], group_port=free_port(), token=TOKEN, trainer_host="127.0.0.1", connect_timeout_s=30
     )
 
@@ -195,7 +195,7 @@ def test_pushes_change_the_answers_to_the_trainers(judge_server, tiny_causal_lm_
     sync = sync_for(judge_server)
     try:
         model = perturbed_lm(tiny_causal_lm_dir, seed=1)
-        assert sync.sync(model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+        assert sync.push(model.state_dict(), version=1, training_mode=Mode.FULL) == 1
         resp = chat(judge_server.url, max_tokens=MAX_TOKENS, temperature=0)
         assert resp.json()["version"] == 1
         after = resp.json()["choices"][0]["message"]
@@ -204,7 +204,7 @@ def test_pushes_change_the_answers_to_the_trainers(judge_server, tiny_causal_lm_
         # head_only on a causal LM pushes its output projection, lm_head
         head = perturbed_lm(tiny_causal_lm_dir, seed=2, only="lm_head.")
         model.lm_head.weight.data.copy_(head.lm_head.weight)
-        sync.sync(select_head(model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY)
+        sync.push(select_head(model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY)
         got = chat(judge_server.url, max_tokens=MAX_TOKENS, temperature=0).json()
         assert got["version"] == 2
         assert got["choices"][0]["message"]["content"] == greedy_answer(
@@ -231,7 +231,7 @@ def test_lora_merged_push_on_a_causal_lm(judge_server, tiny_causal_lm_dir):
     expected = greedy_answer(peft_model, tiny_causal_lm_dir, CHAT, MAX_TOKENS)
     sync = sync_for(judge_server)
     try:
-        merge_sync_reinit(peft_model, lambda sd: sync.sync(sd, version=1, training_mode=Mode.LORA))
+        merge_sync_reinit(peft_model, lambda sd: sync.push(sd, version=1, training_mode=Mode.LORA))
         got = chat(judge_server.url, max_tokens=MAX_TOKENS, temperature=0).json()["choices"][0]
         assert got["message"]["content"] == expected
     finally:

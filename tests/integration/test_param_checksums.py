@@ -18,7 +18,7 @@ def test_checksums_of_every_live_parameter_equal_the_trainers_after_a_full_push(
     model = perturbed(tiny_model_dir, seed=21)
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:
-        sync.sync(model.state_dict(), version=1, training_mode=Mode.FULL)
+        sync.push(model.state_dict(), version=1, training_mode=Mode.FULL)
     finally:
         sync.close()
     r = httpx.get(

@@ -33,7 +33,7 @@ def test_fresh_replica_gets_the_current_weights_from_a_peer(server_factory, tiny
     trained = perturbed(tiny_model_dir, seed=21)
     sync = sync_for(source, bucket_bytes=1 << 16)
     try:
-        sync.sync(trained.state_dict(), version=3, training_mode=Mode.FULL)
+        sync.push(trained.state_dict(), version=3, training_mode=Mode.FULL)
     finally:
         sync.close()
     want = logits(trained, tiny_model_dir, TEXTS)

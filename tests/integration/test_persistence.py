@@ -24,8 +24,8 @@ def test_union_of_pushes_is_persisted_and_restored_after_a_restart(server_factor
     head = perturbed(tiny_model_dir, seed=12, head_only=True)
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:
-        sync.sync(full.state_dict(), version=1, training_mode=Mode.FULL)
-        sync.sync(select_head(head.state_dict()), version=2, training_mode=Mode.HEAD_ONLY)
+        sync.push(full.state_dict(), version=1, training_mode=Mode.FULL)
+        sync.push(select_head(head.state_dict()), version=2, training_mode=Mode.HEAD_ONLY)
     finally:
         sync.close()
     # The union: full's backbone, head's head.
@@ -68,9 +68,9 @@ def test_back_to_back_pushes_are_not_refused_while_the_last_one_is_being_saved(
     try:
         for version in range(1, 21):  # alternating layouts: every push is announced over HTTP
             if version % 2:
-                sync.sync(full, version=version, training_mode=Mode.FULL)
+                sync.push(full, version=version, training_mode=Mode.FULL)
             else:
-                sync.sync(head, version=version, training_mode=Mode.HEAD_ONLY)
+                sync.push(head, version=version, training_mode=Mode.HEAD_ONLY)
     finally:
         sync.close()
     assert served(server)[1] == 20
@@ -90,7 +90,7 @@ def test_saved_weights_are_never_restored_onto_another_base_model(server_factory
     head = perturbed(tiny_model_dir, seed=31, head_only=True)
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:
-        sync.sync(select_head(head.state_dict()), version=1, training_mode=Mode.HEAD_ONLY)
+        sync.push(select_head(head.state_dict()), version=1, training_mode=Mode.HEAD_ONLY)
     finally:
         sync.close()
     deadline = time.monotonic() + 10

@@ -79,7 +79,7 @@ def test_full_head_only_lora_merged_and_delta_pushes(server_factory, prm_dir: Pa
         # full
         model = load(prm_dir)
         noise(model, 1)
-        assert sync.sync(model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+        assert sync.push(model.state_dict(), version=1, training_mode=Mode.FULL) == 1
         got, version = served(server.url)
         assert version == 1 and got == pytest.approx(expected(model, prm_dir), abs=TOL)
         # head-only: the two-layer token-classification head, and nothing else moves
@@ -88,8 +88,8 @@ def test_full_head_only_lora_merged_and_delta_pushes(server_factory, prm_dir: Pa
         head = select_head(model.state_dict())
         assert sorted(head) == ["score.0.bias", "score.0.weight", "score.2.bias", "score.2.weight"]
         with pytest.raises(WeightValidationError, match="backbone"):
-            sync.sync(model.state_dict(), version=2, training_mode=Mode.HEAD_ONLY)
-        sync.sync(head, version=2, training_mode=Mode.HEAD_ONLY)
+            sync.push(model.state_dict(), version=2, training_mode=Mode.HEAD_ONLY)
+        sync.push(head, version=2, training_mode=Mode.HEAD_ONLY)
         after = checksums(server.url)
         assert sorted(n for n in after if after[n] != before[n]) == sorted(head)
         assert served(server.url)[0] == pytest.approx(expected(model, prm_dir), abs=TOL)
@@ -102,7 +102,7 @@ def test_full_head_only_lora_merged_and_delta_pushes(server_factory, prm_dir: Pa
         )
         noise(peft_model, 3, scale=0.3)
         want = expected(peft_model, prm_dir)
-        fresh = merge_sync_reinit(peft_model, lambda sd: sync.sync(sd, version=3, training_mode=Mode.LORA))
+        fresh = merge_sync_reinit(peft_model, lambda sd: sync.push(sd, version=3, training_mode=Mode.LORA))
         assert served(server.url)[0] == pytest.approx(want, abs=TOL)
         assert expected(fresh, prm_dir) == pytest.approx(want, abs=TOL)
         # delta: only what changed moves, and the server holds the trainer's model

@@ -20,7 +20,7 @@ import tests.integration.test_adapter_sync as adapter_suite
 import tests.integration.test_delta_push as delta_suite
 import tests.integration.test_sharded_push as sharded_suite
 import tests.integration.test_weight_sync as push_suite
-from rewardplane.sdk import publisher
+from rewardplane.sdk.push.wire import http as http_wire
 from rewardplane.testing.servers import free_port
 from rewardplane.transport.comm import CommunicatorError, create_store
 from rewardplane.transport.group import open_group
@@ -36,7 +36,7 @@ def ipc(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     groups were formed with, which must all be the same-host one."""
     formed: list[str] = []
     groups: set[str] = set()
-    real_open = publisher.open_group
+    real_open = http_wire.open_group
 
     def spy(*args, **kwargs):
         comm = real_open(*args, **kwargs)
@@ -44,7 +44,7 @@ def ipc(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         groups.add(str(getattr(comm, "group_id", "")))
         return comm
 
-    monkeypatch.setattr(publisher, "open_group", spy)
+    monkeypatch.setattr(http_wire, "open_group", spy)
     ipc_sync_for = functools.partial(push_suite.sync_for, backend="ipc")
     for suite in (push_suite, delta_suite, adapter_suite):
         monkeypatch.setattr(suite, "sync_for", ipc_sync_for)
@@ -139,7 +139,7 @@ def test_ipc_across_hosts_is_refused_before_the_push_naming_nccl(server, tiny_mo
     try:
         sync = push_suite.sync_for(server, backend="ipc")
         with pytest.raises(Exception, match="nccl") as err:
-            sync.sync(dict(torch.nn.Linear(2, 2).state_dict()), version=1)
+            sync.push(dict(torch.nn.Linear(2, 2).state_dict()), version=1)
         assert "one host" in str(err.value)
     finally:
         monkeypatch.setattr(group, "local_place", real)
@@ -226,7 +226,7 @@ def test_colocated_cycle_reads_no_checkpoint_after_a_level_2_sleep(server_factor
     sync = push_suite.sync_for(server, backend="ipc")
     try:
         model = perturbed(tiny_model_dir, seed=3)
-        sync.sync(model.state_dict(), version=1)  # the group forms while awake
+        sync.push(model.state_dict(), version=1)  # the group forms while awake
         assert httpx.post(f"{url}/sleep", json={"level": 2}, headers=auth, timeout=60).status_code == 200
         shutil.rmtree(ckpt)  # nothing on disk to reload from
         for version in (2, 3):
@@ -239,7 +239,7 @@ def test_colocated_cycle_reads_no_checkpoint_after_a_level_2_sleep(server_factor
                     woke.detail or ""
                 )
                 assert httpx.post(f"{url}/score", json={"input": TEXTS[:1]}, timeout=30).status_code == 503
-                sync.sync(model.state_dict(), version=version)
+                sync.push(model.state_dict(), version=version)
                 got, served_version = push_suite.served(server)
                 assert served_version == version and push_suite.close(
                     got, logits(model, tiny_model_dir, TEXTS)

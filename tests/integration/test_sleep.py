@@ -41,7 +41,7 @@ def push(server, model, version: int, mode: Mode = Mode.FULL) -> None:
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:
         state = model.state_dict() if mode is Mode.FULL else select_head(model.state_dict())
-        sync.sync(state, version=version, training_mode=mode)
+        sync.push(state, version=version, training_mode=mode)
     finally:
         sync.close()
 

@@ -13,7 +13,7 @@ import torch
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode
 from rewardplane.protocol.naming import WeightValidationError, select_head
-from rewardplane.sdk.direct_sync import DirectWeightSync
+from rewardplane.sdk.push.pusher import WeightPusher
 from rewardplane.sdk.retry import RewardServerError
 from rewardplane.testing.servers import free_port
 from tests.fixtures.models import TEXTS
@@ -59,7 +59,7 @@ DATA_PLANE_TIMELINE = [
 
 def sync_for(*handles, **kw):
     kw.setdefault("connect_timeout_s", 30)
-    return DirectWeightSync(
+    return WeightPusher(
         [h.url for h in handles], group_port=free_port(), token=TOKEN, trainer_host="127.0.0.1", **kw
     )
 
@@ -74,7 +74,7 @@ def test_full_push_scores_equal_trainer_and_version_served(server, tiny_model_di
     model = perturbed(tiny_model_dir, seed=1)
     sync = sync_for(server, bucket_bytes=1 << 16)  # several buckets
     try:
-        assert sync.sync(model.state_dict(), version=5, training_mode=Mode.FULL) == 5
+        assert sync.push(model.state_dict(), version=5, training_mode=Mode.FULL) == 5
         after, version = served(server)
         assert version == 5
         assert httpx.get(f"{server.url}/runtime_version").json()["version"] == 5
@@ -82,7 +82,7 @@ def test_full_push_scores_equal_trainer_and_version_served(server, tiny_model_di
         assert not close(after, before)
         # a second push on the same communicator
         model2 = perturbed(tiny_model_dir, seed=2)
-        sync.sync(model2.state_dict(), version=6)
+        sync.push(model2.state_dict(), version=6)
         assert close(served(server)[0], logits(model2, tiny_model_dir, TEXTS))
         # where the push's time went: the server's timeline, in order, on the trainer's clock
         tasks = httpx.get(
@@ -105,8 +105,8 @@ def test_head_only_push_changes_only_the_head(server, tiny_model_dir):
     sync = sync_for(server)
     try:
         with pytest.raises(WeightValidationError, match="backbone"):
-            sync.sync(model.state_dict(), version=1, training_mode=Mode.HEAD_ONLY)
-        sync.sync(select_head(model.state_dict()), version=1, training_mode=Mode.HEAD_ONLY)
+            sync.push(model.state_dict(), version=1, training_mode=Mode.HEAD_ONLY)
+        sync.push(select_head(model.state_dict()), version=1, training_mode=Mode.HEAD_ONLY)
         assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
         stats = sync.open().last_stats
         assert stats["bytes"] == model.score.weight.numel() * 4
@@ -117,14 +117,14 @@ def test_head_only_push_changes_only_the_head(server, tiny_model_dir):
 def test_push_completes_when_the_early_version_wait_expires_first(server, tiny_model_dir, monkeypatch):
     """The long-poll sent right after the announce is bounded; when it answers before the commit
     (here: at once), finalize waits on by itself and the push still reports the served version."""
-    from rewardplane.sdk import publisher
+    from rewardplane.sdk.push.wire import http as http_wire
 
-    monkeypatch.setattr(publisher, "EARLY_WAIT_S", 0.0)
+    monkeypatch.setattr(http_wire, "EARLY_WAIT_S", 0.0)
     model = perturbed(tiny_model_dir, seed=6)
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:
         for version in (1, 2):
-            assert sync.sync(model.state_dict(), version=version) == version
+            assert sync.push(model.state_dict(), version=version) == version
             assert served(server)[1] == version
         assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
     finally:
@@ -136,7 +136,7 @@ def test_head_in_bf16_is_cast_into_the_fp32_head(server, tiny_model_dir):
     head = {"score.weight": model.score.weight.detach().to(torch.bfloat16)}
     sync = sync_for(server)
     try:
-        sync.sync(head, version=1, training_mode=Mode.HEAD_ONLY)
+        sync.push(head, version=1, training_mode=Mode.HEAD_ONLY)
         model.score.weight.data = head["score.weight"].float()
         assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS), tol=1e-3)
     finally:
@@ -168,8 +168,8 @@ def test_lora_merged_push_then_fresh_adapters(server, tiny_model_dir):
     sync = sync_for(server)
     try:
         with pytest.raises(WeightValidationError, match="unmerged LoRA"):
-            sync.sync(peft_model.state_dict(), version=1, training_mode=Mode.LORA)
-        fresh = merge_sync_reinit(peft_model, lambda sd: sync.sync(sd, version=1, training_mode=Mode.LORA))
+            sync.push(peft_model.state_dict(), version=1, training_mode=Mode.LORA)
+        fresh = merge_sync_reinit(peft_model, lambda sd: sync.push(sd, version=1, training_mode=Mode.LORA))
         assert close(served(server)[0], expected)
         # fresh adapters start at B = 0: the reinitialised model computes what the server serves
         assert close(logits(fresh, tiny_model_dir, TEXTS), expected)
@@ -189,7 +189,7 @@ def test_two_replicas_one_push(server_factory, tiny_model_dir, per_server_groups
         if not per_server_groups:  # one group: servers at ranks 0 and 1, trainer last
             assert pub.comm.world_size == 3 and pub.src_rank == 2
             assert sync.control.rank_offsets() == [0, 1]
-        sync.sync(model.state_dict(), version=3)
+        sync.push(model.state_dict(), version=3)
         expected = logits(model, tiny_model_dir, TEXTS)
         for h in (a, b):
             got, version = served(h)
@@ -219,7 +219,7 @@ def test_scores_during_push_carry_the_version_that_made_them(server, tiny_model_
     sync = sync_for(server, bucket_bytes=1 << 14)
     try:
         for v, m in models.items():
-            sync.sync(m.state_dict(), version=v)
+            sync.push(m.state_dict(), version=v)
             time.sleep(0.2)
     finally:
         stop.set()
@@ -250,20 +250,20 @@ def test_bad_metadata_rejected_before_any_receive(server, tiny_model_dir):
         bad_shape = dict(model.state_dict())
         bad_shape["score.weight"] = torch.zeros(2, bad_shape["score.weight"].shape[1])
         with pytest.raises(WeightValidationError, match="score.weight"):
-            sync.sync(bad_shape, version=1)
+            sync.push(bad_shape, version=1)
         unknown = {
             "score.weight": model.score.weight,
             "model.layers.99.mlp.up_proj.weight": torch.zeros(3, 3),
         }
         with pytest.raises(WeightValidationError, match=r"model\.layers\.99"):
-            sync.sync(unknown, version=1, training_mode=Mode.FULL)
+            sync.push(unknown, version=1, training_mode=Mode.FULL)
         assert served(server)[1] == 0  # still the old version, still serving
-        sync.sync(model.state_dict(), version=1)  # the same communicator still works
+        sync.push(model.state_dict(), version=1)  # the same communicator still works
         assert close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
         with pytest.raises(RewardServerError) as err:
-            sync.sync(model.state_dict(), version=1)
+            sync.push(model.state_dict(), version=1)
         assert err.value.status_code == 409 and "newer" in err.value.message
-        sync.sync(model.state_dict(), version=2)  # and after a refused announce too
+        sync.push(model.state_dict(), version=2)  # and after a refused announce too
     finally:
         sync.close()
 
@@ -298,16 +298,16 @@ def test_layout_announced_once_then_named_by_id(server, tiny_model_dir):
     sync.control._http.event_hooks["request"].append(record)  # what goes over the wire
     try:
         models = [perturbed(tiny_model_dir, seed=s) for s in (31, 32, 33)]
-        sync.sync(models[0].state_dict(), version=1)
-        sync.sync(select_head(models[1].state_dict()), version=2, training_mode=Mode.HEAD_ONLY)
-        sync.sync(models[2].state_dict(), version=3)  # the full layout again: named by id
+        sync.push(models[0].state_dict(), version=1)
+        sync.push(select_head(models[1].state_dict()), version=2, training_mode=Mode.HEAD_ONLY)
+        sync.push(models[2].state_dict(), version=3)  # the full layout again: named by id
         assert [bool(a.get("metadata")) for a in announces] == [True, True, False]
         assert announces[2]["layout_id"] == announces[0]["layout_id"] != announces[1]["layout_id"]
         assert close(served(server)[0], logits(models[2], tiny_model_dir, TEXTS))
         with pytest.raises(RewardServerError) as err:  # refused (stale version): the id is not trusted after
-            sync.sync(models[2].state_dict(), version=3)
+            sync.push(models[2].state_dict(), version=3)
         assert err.value.status_code == 409
-        sync.sync(models[1].state_dict(), version=4)
+        sync.push(models[1].state_dict(), version=4)
         assert announces[-1].get("metadata") and served(server)[1] == 4
         assert close(served(server)[0], logits(models[1], tiny_model_dir, TEXTS))
     finally:
@@ -361,7 +361,7 @@ def test_trainer_killed_mid_broadcast(server, tiny_model_dir, atomic):
     model = perturbed(tiny_model_dir, seed=8)
     sync = sync_for(server)
     try:
-        sync.sync(model.state_dict(), version=2)
+        sync.push(model.state_dict(), version=2)
         assert served(server)[1] == 2 and close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
     finally:
         sync.close()
@@ -375,7 +375,7 @@ def test_dead_server_makes_the_push_raise_in_time(server_factory, tiny_model_dir
         a.kill()
         start = time.monotonic()
         with pytest.raises(Exception):  # noqa: B017 - connection refused or communicator failure
-            sync.sync(perturbed(tiny_model_dir, seed=9).state_dict(), version=1)
+            sync.push(perturbed(tiny_model_dir, seed=9).state_dict(), version=1)
         assert time.monotonic() - start < 60
     finally:
         sync.reset()

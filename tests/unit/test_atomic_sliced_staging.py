@@ -18,7 +18,7 @@ from rewardplane.server.weight_sync.worker_extension import HFWeightSyncWorker, 
 from rewardplane.testing.servers import free_port
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.group import open_group
-from rewardplane.transport.sliced import send_slices
+from rewardplane.transport.slices import send_slices
 from rewardplane.transport.transfer import Received, send_buckets
 
 LAYOUT = "layout-a"
@@ -117,7 +117,7 @@ def _stage_sliced(joined: Joined, weights: dict[str, torch.Tensor]) -> Received:
     worker = joined.worker
     comm = worker.rp_parts.state.comm
     assert comm is not None
-    _both(joined, send, lambda: worker.rp_parts.slicing.receive(comm, LAYOUT, metas, got, stage=True))
+    _both(joined, send, lambda: worker.rp_parts.slices.receive(comm, LAYOUT, metas, got, stage=True))
     return got
 
 
@@ -141,7 +141,7 @@ def test_a_staged_sliced_push_is_refused_once_the_parameters_moved(joined: Joine
     worker, first = joined.worker, _weights(1)
     _atomic_push_applied(joined, first)
     _stage_sliced(joined, _weights(3))
-    worker.rp_parts.slicing.forget_places()  # what reloading the weights (a level-2 wake) does
+    worker.rp_parts.slices.forget_places()  # what reloading the weights (a level-2 wake) does
     with pytest.raises(RuntimeError, match="reloaded after the atomic push was received"):
         worker.rp_apply_staged([m.model_dump() for m in _metas(first)])
     assert all(torch.equal(_params(worker)[k], first[k]) for k in first)
@@ -152,12 +152,12 @@ def test_a_sliced_push_without_room_to_stage_is_refused_with_the_way_out(
 ) -> None:
     worker = joined.worker
     _atomic_push_applied(joined, _weights(1))  # the worker publishes: 3x4 + 3 floats, 60 bytes
-    assert worker.rp_parts.slicing.staging_problem(LAYOUT, atomic=True) is None
+    assert worker.rp_parts.slices.staging_problem(LAYOUT, atomic=True) is None
     # one bucket of 60 bytes: streamed, two in flight (120 bytes) fit; atomic, 120 + 60 do not
     monkeypatch.setenv("REWARDPLANE_STAGING_MAX_BYTES", "150")
-    assert worker.rp_parts.slicing.staging_problem(LAYOUT, atomic=False) is None
-    problem = worker.rp_parts.slicing.staging_problem(LAYOUT, atomic=True)
+    assert worker.rp_parts.slices.staging_problem(LAYOUT, atomic=False) is None
+    problem = worker.rp_parts.slices.staging_problem(LAYOUT, atomic=True)
     assert problem is not None and "until the swap" in problem and "bucket_bytes" in problem, problem
     monkeypatch.setenv("REWARDPLANE_STAGING_MAX_BYTES", "100")
-    problem = worker.rp_parts.slicing.staging_problem(LAYOUT, atomic=False)
+    problem = worker.rp_parts.slices.staging_problem(LAYOUT, atomic=False)
     assert problem is not None and "REWARDPLANE_PUSH_SLICING=never" in problem, problem

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from rewardplane.protocol import PushHeader, UpdateParamBatchRequest, delta_refusal
 from rewardplane.protocol import RewardModelTrainingMode as Mode
-from rewardplane.sdk.delta import changed_names, delta_names, fingerprints, smallest_name
+from rewardplane.sdk.push.plan.delta import changed_names, delta_names, fingerprints, smallest_name
 from rewardplane.server.locking import WeightsGuard
 from rewardplane.transport.checksums import device_fingerprint
 

@@ -71,8 +71,8 @@ def test_every_exported_name_resolves_and_the_import_needs_no_torch() -> None:
 
 
 def test_push_classes_load_lazily() -> None:
-    from rewardplane.sdk.direct_sync import WeightPusher
-    from rewardplane.sdk.publisher import WeightSyncError
+    from rewardplane.sdk.push.pusher import WeightPusher
+    from rewardplane.sdk.push.wire.http import WeightSyncError
 
     assert sdk.WeightPusher is WeightPusher
     assert WeightSyncError is sdk.WeightSyncError
@@ -212,8 +212,8 @@ def test_a_failed_push_holds_nothing_of_its_group_while_its_exception_lives(
 
     from rewardplane.sdk import RewardModelTrainingMode
     from rewardplane.sdk._exceptions import WeightSyncFailed
-    from rewardplane.sdk._operator_push import OperatorPush
     from rewardplane.sdk.cluster import RewardModelHandle
+    from rewardplane.sdk.push.wire.operator import OperatorPush
 
     class Group:  # stands for the store and the process group a push opens
         pass

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from rewardplane.protocol import InitCommunicatorRequest, ParamMeta, Piece, layout_id, plan_buckets
 from rewardplane.protocol.naming import WeightValidationError
 from rewardplane.protocol.slices import Region, needs_from_json, needs_to_json, slice_schedule
-from rewardplane.sdk.sharding import (
+from rewardplane.sdk.push.plan.layout import (
     LocalPart,
     PartsBook,
     TensorPiece,
@@ -28,7 +28,7 @@ from rewardplane.sdk.sharding import (
 )
 from rewardplane.testing.servers import free_port
 from rewardplane.transport.comm import Communicator, create_store
-from rewardplane.transport.sliced import receive_slices, send_slices
+from rewardplane.transport.slices import receive_slices, send_slices
 from rewardplane.transport.transfer import receive_buckets, send_buckets
 
 

@@ -19,7 +19,7 @@ from rewardplane.protocol import plan_buckets
 from rewardplane.protocol.slices import needs_from_json, needs_key, slice_schedule
 from rewardplane.server.weight_sync.persistence import WeightsStore
 from rewardplane.transport.comm import Communicator
-from rewardplane.transport.sliced import send_slices
+from rewardplane.transport.slices import send_slices
 from tests.fixtures.workers import CpuWorker
 from tests.unit.test_atomic_sliced_staging import (
     BUCKET,

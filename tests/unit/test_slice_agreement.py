@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from rewardplane.protocol import layout_id, plan_buckets
-from rewardplane.sdk._slicing import agree_on_slices
+from rewardplane.sdk.push.plan.slices import agree_on_slices
 from rewardplane.transport.comm import Communicator
-from rewardplane.transport.sliced import send_slices
+from rewardplane.transport.slices import send_slices
 from rewardplane.transport.transfer import send_buckets
 
 from .test_atomic_sliced_staging import BUCKET, Joined, _both, _metas, _params, _weights
@@ -83,7 +83,7 @@ def test_reloaded_weights_leave_nothing_to_publish_in_the_next_group() -> None:
     _push(first, _weights(1))
     worker = first.worker
     first.close()
-    worker.rp_parts.slicing.forget_places()  # what reloading the weights (a level-2 wake) does
+    worker.rp_parts.slices.forget_places()  # what reloading the weights (a level-2 wake) does
     second = Joined(worker)
     try:
         out, sliced = _push(second, _weights(3))

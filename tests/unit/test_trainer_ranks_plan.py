@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 
 from rewardplane.protocol import ParamMeta, RewardModelTrainingMode
 from rewardplane.protocol.naming import WeightValidationError
-from rewardplane.sdk._operator_sharded import ranks_state
-from rewardplane.sdk._trainer_ranks import ShardedLayout, TrainerRanks
-from rewardplane.sdk.sharding import TensorPiece, local_parts, plan_senders
+from rewardplane.sdk.push.plan.layout import TensorPiece, local_parts, plan_senders
+from rewardplane.sdk.push.ranks.operator import ranks_state
+from rewardplane.sdk.push.ranks.trainer import ShardedLayout, TrainerRanks
 from rewardplane.testing.servers import free_port
 
 

@@ -68,10 +68,10 @@ from .cluster import PushResult, ReplicaEndpoint, RewardModelHandle
 from .retry import RetryPolicy
 
 if TYPE_CHECKING:
-    from .direct_sync import WeightPusher
     from .lora import LoraSync
-    from .publisher import Rank0OnlyPublisher
-    from .sharding import TensorPiece
+    from .push.plan.layout import TensorPiece
+    from .push.pusher import WeightPusher
+    from .push.wire.http import Rank0OnlyPublisher
 
 # What docs/sdk.md documents, by its table's areas (tests/unit/test_sdk_surface.py keeps the two alike).
 __all__ = [
@@ -142,10 +142,10 @@ __all__ = [
 
 # Names whose modules import torch: loaded on first access (PEP 562).
 _LAZY = {
-    "WeightPusher": ".direct_sync",
-    "Rank0OnlyPublisher": ".publisher",
+    "WeightPusher": ".push.pusher",
+    "Rank0OnlyPublisher": ".push.wire.http",
     "LoraSync": ".lora",
-    "TensorPiece": ".sharding",
+    "TensorPiece": ".push.plan.layout",
 }
 
 

@@ -307,7 +307,7 @@ def direct_push(args: argparse.Namespace) -> int:
     """``push --url``: this process hosts the group and pushes into the servers (direct mode)."""
     import time
 
-    from .direct_sync import WeightPusher
+    from .push.pusher import WeightPusher
 
     if args.timeline is not None:
         raise UsageError(

@@ -1,5 +1,5 @@
 """The trainer's handle on a RewardModel in a cluster: wait for it, score against its ready replicas,
-and push new weights through the operator (cluster mode: ``_operator_push``).
+and push new weights through the operator (cluster mode: ``push.wire.operator``).
 
 The handle reads the cluster only in methods, never in attribute access; what it reads from the
 status and how it waits on it is ``_cluster_status``.
@@ -47,8 +47,9 @@ from ._cluster_status import (
     wait_until_ready,
 )
 from ._exceptions import ClusterError, WeightSyncFailed
-from ._operator_push import OperatorPush, PushResult
-from .push_checks import check_fits, names_for_mode
+from .push.options import PushOptions
+from .push.plan.checks import check_fits, names_for_mode
+from .push.wire.operator import OperatorPush, PushResult
 
 if TYPE_CHECKING:
     import torch
@@ -56,9 +57,9 @@ if TYPE_CHECKING:
     from rewardplane.api.kube import Kube
     from rewardplane.transport.comm import Backend
 
-    from ._operator_sharded import RanksState
     from .client import RewardClient
-    from .delta import Acknowledged
+    from .push.plan.delta import Acknowledged
+    from .push.ranks.operator import RanksState
 
 __all__ = ["PushResult", "ReplicaEndpoint", "RewardModelHandle"]
 
@@ -94,7 +95,7 @@ class RewardModelHandle:
         self._client_urls: tuple[str, ...] = ()
         # what every replica committed in the last push_weights(delta=True): what a delta builds on
         self._acked: Acknowledged | None = None
-        # a multi-rank trainer's ranks and layouts, kept from one push to the next (_operator_sharded)
+        # a multi-rank trainer's ranks and layouts, kept from one push to the next (push.ranks.operator)
         self._ranks_state: RanksState | None = None
         self._lock = threading.Lock()
 
@@ -305,6 +306,20 @@ class RewardModelHandle:
         broken) refuses before anything moves, and everything is pushed as the same version."""
         started = time.monotonic()
         mode = RewardModelTrainingMode(training_mode)
+        # the keywords above, once: every part of the push reads them from here
+        options = PushOptions(
+            trainer_host=trainer_host,
+            device=device,
+            backend=backend,
+            timeout_s=timeout_s,
+            bucket_bytes=bucket_bytes,
+            head_name_patterns=tuple(head_name_patterns) if head_name_patterns is not None else None,
+            delta=delta,
+            keep_lora=keep_lora,
+            adapter=adapter,
+            progress=progress,
+            interface=interface,
+        )
         # cleared while the push runs: after any failure the next delta push sends everything
         acked, self._acked = self._acked, None
         if trainer_group is not None:
@@ -317,49 +332,25 @@ class RewardModelHandle:
                         "multi-rank trainer push without delta, or use WeightPusher(trainer_group=..., "
                         "delta=True) against the replicas' URLs"
                     )
-                from ._operator_sharded import push_from_ranks, ranks_state
+                from .push.ranks.operator import push_from_ranks, ranks_state
 
                 self._ranks_state = ranks_state(self._ranks_state, trainer_group)
                 return push_from_ranks(
-                    OperatorPush(self),
-                    self._ranks_state,
-                    params,
-                    version,
-                    mode,
-                    started=started,
-                    timeout_s=timeout_s,
-                    trainer_host=trainer_host,
-                    bucket_bytes=bucket_bytes,
-                    device=device,
-                    backend=backend,
-                    keep_lora=keep_lora,
-                    head_name_patterns=head_name_patterns,
-                    adapter=adapter,
-                    interface=interface,
+                    OperatorPush(self), self._ranks_state, params, version, mode, options, started=started
                 )
         if interface:
-            from ._operator_sharded import use_interface
+            from .push.ranks.operator import use_interface
 
             use_interface(interface)
         metadata, tensors = self.prepare(
-            params, mode, keep_lora=keep_lora, head_name_patterns=head_name_patterns, adapter=adapter
+            params, mode, keep_lora=keep_lora, head_name_patterns=options.head_patterns, adapter=adapter
         )
         push = functools.partial(
-            OperatorPush(self).push,
-            version=version,
-            mode=mode,
-            started=started,
-            timeout_s=timeout_s,
-            trainer_host=trainer_host,
-            bucket_bytes=bucket_bytes,
-            device=device,
-            backend=backend,
-            progress=progress,
-            adapter=adapter,
+            OperatorPush(self).push, version=version, mode=mode, options=options, started=started
         )
         from rewardplane.api.weightsync import DELTA_REFUSED
 
-        from .delta import Acknowledged, delta_names, fingerprints, warn_refused
+        from .push.plan.delta import Acknowledged, delta_names, fingerprints, warn_refused
 
         delta = delta and mode is RewardModelTrainingMode.FULL
         try:

@@ -123,10 +123,10 @@ class RewardWeightSyncExtension:
         return self.rp_parts.staging.cuda_free_bytes()
 
     def rp_apply_staged(self, metadata: list[dict[str, Any]]) -> None:
-        self.rp_parts.slicing.apply_staged(metadata)
+        self.rp_parts.slices.apply_staged(metadata)
 
     def rp_drop_staged(self) -> None:
-        self.rp_parts.slicing.drop_staged()
+        self.rp_parts.slices.drop_staged()
 
     def rp_apply_adapter(
         self, metadata: list[dict[str, Any]], adapter: dict[str, Any], adapter_id: int
@@ -151,7 +151,7 @@ class RewardWeightSyncExtension:
 
     def rp_load_checkpoint(self, model_dir: str) -> list[str]:
         parts = self.rp_parts
-        parts.slicing.forget_places()  # the weights were discarded: learn their places again
+        parts.slices.forget_places()  # the weights were discarded: learn their places again
         return load_checkpoint(parts.state, model_dir)
 
     # ---- reading the weights back ------------------------------------------------------------

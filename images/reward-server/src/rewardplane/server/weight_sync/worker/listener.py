@@ -26,9 +26,9 @@ class DataPushListener:
     def __init__(self, state: WorkerState, receiver: Receiver) -> None:
         self.state = state
         self.receiver = receiver
-        self.slicing = receiver.slicing
+        self.slices = receiver.slices
         self.persistence = receiver.persistence
-        self.staging = receiver.slicing.staging
+        self.staging = receiver.slices.staging
         self._thread: threading.Thread | None = None
         self._outcome: tuple[int, PushLoaded] | None = None  # the last push's seq and what was reported
 
@@ -82,11 +82,11 @@ class DataPushListener:
         """One push: the ready reduction, the transfer, the report, the commit reduction. Returns
         whether to wait for the next one (False once the group is unusable)."""
         entered = time.monotonic()
-        state, slicing = self.state, self.slicing
+        state, slices = self.state, self.slices
         layout = None if go.error else self.receiver.layout(None, go.bucket_bytes, go.layout_id)
         refusal = go.error or (None if layout else f"layout {go.layout_id} is not cached in this worker")
         if refusal is None and go.sliced:  # the places it was published for still valid, and room to stage
-            refusal = slicing.problem(comm, go.layout_id) or slicing.staging_problem(
+            refusal = slices.problem(comm, go.layout_id) or slices.staging_problem(
                 go.layout_id, atomic=not go.apply
             )
         elif refusal is None and layout is not None and not go.apply:  # atomic: is there room to stage it?
@@ -138,7 +138,7 @@ class DataPushListener:
         load = self.persistence.load_kept if go.apply else None
         try:
             if go.sliced:
-                slicing.receive(comm, go.layout_id, metas, got, stage=not go.apply)
+                slices.receive(comm, go.layout_id, metas, got, stage=not go.apply)
             else:
                 receive_buckets(
                     comm,
@@ -160,10 +160,10 @@ class DataPushListener:
         else:
             # before the report: the control plane may apply what was staged as soon as it has it
             state.staged = None if go.apply else got.staged
-            slicing.staged_layout = None if go.apply or go.sliced else (comm, go.layout_id, metas, plan)
+            slices.staged_layout = None if go.apply or go.sliced else (comm, go.layout_id, metas, plan)
             report(True)
             if go.apply and not go.sliced:
-                slicing.publish(comm, go.layout_id, metas, plan)
+                slices.publish(comm, go.layout_id, metas, plan)
         # the control plane commits (or not) and says so; the trainer learns it in one reduction
         try:
             raw = channel.recv(comm.timeout.total_seconds(), spin_s=SPIN_S)

@@ -11,7 +11,7 @@ from rewardplane.server.weight_sync.worker.listener import DataPushListener
 from rewardplane.server.weight_sync.worker.peer_send import PeerSender
 from rewardplane.server.weight_sync.worker.persistence import Persistence
 from rewardplane.server.weight_sync.worker.receive import Receiver
-from rewardplane.server.weight_sync.worker.slicing import Slicing
+from rewardplane.server.weight_sync.worker.slices import Slices
 from rewardplane.server.weight_sync.worker.staging import Staging
 from rewardplane.server.weight_sync.worker.state import WorkerHost, WorkerState
 
@@ -21,7 +21,7 @@ class WorkerParts:
     state: WorkerState
     persistence: Persistence
     staging: Staging
-    slicing: Slicing
+    slices: Slices
     receiver: Receiver
     joins: Joins
     listener: DataPushListener
@@ -33,13 +33,13 @@ class WorkerParts:
         state = WorkerState(host)
         persistence = Persistence(state)
         staging = Staging(state, persistence)
-        slicing = Slicing(state, persistence, staging)
-        receiver = Receiver(state, persistence, slicing)
+        slices = Slices(state, persistence, staging)
+        receiver = Receiver(state, persistence, slices)
         return cls(
             state=state,
             persistence=persistence,
             staging=staging,
-            slicing=slicing,
+            slices=slices,
             receiver=receiver,
             joins=Joins(state, receiver),
             listener=DataPushListener(state, receiver),

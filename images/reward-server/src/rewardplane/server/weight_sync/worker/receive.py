@@ -10,7 +10,7 @@ from typing import Any
 from rewardplane.protocol import Bucket, ParamMeta, plan_buckets, remember_layout
 from rewardplane.server.weight_sync.worker.group import GroupJoin, open_communicator
 from rewardplane.server.weight_sync.worker.persistence import Persistence
-from rewardplane.server.weight_sync.worker.slicing import Slicing
+from rewardplane.server.weight_sync.worker.slices import Slices
 from rewardplane.server.weight_sync.worker.state import WorkerState
 from rewardplane.transport.transfer import Received, receive_buckets
 
@@ -20,10 +20,10 @@ log = logging.getLogger(__name__)
 class Receiver:
     """The group and the receive of a push announced over HTTP."""
 
-    def __init__(self, state: WorkerState, persistence: Persistence, slicing: Slicing) -> None:
+    def __init__(self, state: WorkerState, persistence: Persistence, slices: Slices) -> None:
         self.state = state
         self.persistence = persistence
-        self.slicing = slicing
+        self.slices = slices
         # Parsed layouts by key; made per worker, never shared.
         self._layouts: dict[str, tuple[list[ParamMeta], list[Bucket]]] = {}
 
@@ -33,10 +33,10 @@ class Receiver:
         state = self.state
         rank = join.rank_offset + state.host.local_rank()
         comm, published = open_communicator(
-            join, rank, state.host.device(), lambda store: self.slicing.publish_places(store, rank)
+            join, rank, state.host.device(), lambda store: self.slices.publish_places(store, rank)
         )
         state.comm = comm
-        self.slicing.joined(comm, published)
+        self.slices.joined(comm, published)
         return rank
 
     def receive(
@@ -70,7 +70,7 @@ class Receiver:
                 "error": f"layout {layout_key} is not cached in this worker; send its metadata",
             }
         metas, plan = layout
-        state, slicing = self.state, self.slicing
+        state, slices = self.state, self.slices
         comm = state.comm
         if comm is None:
             return {
@@ -100,14 +100,14 @@ class Receiver:
         self.persistence.start_keeping()
         try:
             if agree_slicing:
-                problem = slicing.problem(comm, layout_key) or slicing.staging_problem(
+                problem = slices.problem(comm, layout_key) or slices.staging_problem(
                     layout_key, atomic=not apply
                 )
                 if problem is not None:
                     log.debug("this worker asks for a broadcast push of layout %s: %s", layout_key, problem)
                 sliced = comm.max_flag(1 if problem else 0) == 0
             if sliced:
-                slicing.receive(comm, layout_key, metas, got, stage=not apply)
+                slices.receive(comm, layout_key, metas, got, stage=not apply)
             else:
                 receive_buckets(
                     comm,
@@ -127,9 +127,9 @@ class Receiver:
         if got.error is not None:
             return outcome(False, got.applied_any, got.error)
         state.staged = None if apply else got.staged
-        slicing.staged_layout = None if apply or sliced else (comm, layout_key, metas, plan)
+        slices.staged_layout = None if apply or sliced else (comm, layout_key, metas, plan)
         if apply and not sliced:
-            slicing.publish(comm, layout_key, metas, plan)
+            slices.publish(comm, layout_key, metas, plan)
         return outcome(True, False, None)
 
     def layout(

@@ -27,14 +27,13 @@ from rewardplane.protocol import (
     plan_buckets,
 )
 from rewardplane.protocol.slices import Transfer
+from rewardplane.sdk._exceptions import WeightSyncError
+from rewardplane.sdk.push.plan.checks import check_fits, names_for_mode
+from rewardplane.sdk.push.plan.layout import LocalPart, PushPlan, parts_digest, plan_senders
 from rewardplane.transport.comm import Communicator
 from rewardplane.transport.signals import StoreClosed, put, wait_value
-from rewardplane.transport.sliced import send_slices
+from rewardplane.transport.slices import send_slices
 from rewardplane.transport.transfer import send_buckets
-
-from ._exceptions import WeightSyncError
-from .push_checks import check_fits, names_for_mode
-from .sharding import LocalPart, PushPlan, parts_digest, plan_senders
 
 StepName = Literal["ready", "send", "done", "fail"]
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from rewardplane.protocol import PushHeader, PushKeys, PushVerdict, RewardModelTrainingMode
+from rewardplane.sdk.push.plan.slices import SliceBook, Slicing, slicing_of
+from rewardplane.transport.comm import Communicator
 from rewardplane.transport.signals import StoreClosed, put, wait_value
-
-from ._slicing import SliceBook, Slicing
 
 
 class DataPlaneStarter:
@@ -30,6 +30,12 @@ class DataPlaneStarter:
         self.seq = 0
         self._layouts: set[str] = set()
         self._listening = False
+
+    @classmethod
+    def for_group(cls, comm: Communicator, replicas: list[int]) -> DataPlaneStarter:
+        """The starter of a push group whose servers' ranks start at ``replicas``: its trainer
+        ranks come after every server's, and it slices where its transport allows."""
+        return cls(comm.store, replicas, comm.first_sender, slicing_of(comm))
 
     def learned(self, layout: str) -> None:
         """Every server accepted ``layout`` over HTTP (and its workers cached it)."""

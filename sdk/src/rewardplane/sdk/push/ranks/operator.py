@@ -6,7 +6,7 @@ served manifest, stores it in a ConfigMap, hosts the rendezvous and creates the 
 ``spec.trainer.ranks``; the operator then puts the trainer's ranks last in the replicas' group.
 Every rank joins the group and sends its own part once the operator reports every replica ready
 (``Transferring``); rank 0 follows the push to its end and tells the others how it ended
-(``_trainer_ranks.StepChannel``), so every rank returns the same ``PushResult`` or raises alike.
+(``ranks.trainer.StepChannel``), so every rank returns the same ``PushResult`` or raises alike.
 """
 
 from __future__ import annotations
@@ -21,15 +21,22 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 
-from rewardplane.protocol import AdapterConfig, Bucket, ParamMeta, RewardModelTrainingMode
-from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, WeightValidationError
-from rewardplane.transport.comm import Backend, Communicator, create_store
-
-from ._exceptions import WeightSyncFailed
-from ._operator_push import OperatorPush, PushResult
-from ._slicing import agree_on_slices
-from ._trainer_ranks import RankSends, SenderStep, ShardedLayout, StepChannel, TrainerRanks, follow_leader
-from .sharding import local_parts
+from rewardplane.protocol import Bucket, ParamMeta, RewardModelTrainingMode
+from rewardplane.protocol.naming import WeightValidationError
+from rewardplane.sdk._exceptions import WeightSyncFailed
+from rewardplane.sdk.push.options import PushOptions
+from rewardplane.sdk.push.plan.layout import local_parts
+from rewardplane.sdk.push.plan.slices import agree_on_slices
+from rewardplane.sdk.push.ranks.trainer import (
+    RankSends,
+    SenderStep,
+    ShardedLayout,
+    StepChannel,
+    TrainerRanks,
+    follow_leader,
+)
+from rewardplane.sdk.push.wire.operator import OperatorPush, PushResult
+from rewardplane.transport.comm import Communicator, create_store
 
 
 class OperatorInvite(BaseModel):
@@ -96,28 +103,21 @@ def push_from_ranks(
     params: Mapping[str, Any],
     version: int,
     mode: RewardModelTrainingMode,
+    options: PushOptions,
     *,
     started: float,
-    timeout_s: float,
-    trainer_host: str | None,
-    bucket_bytes: int,
-    device: torch.device | str | None,
-    backend: Backend,
-    keep_lora: bool,
-    head_name_patterns: Sequence[str] | None,
-    adapter: AdapterConfig | None,
-    interface: str | None,
 ) -> PushResult:
     """Every rank of the group calls this with its own ``params`` and the state its handle keeps
     for the group (``ranks_state``); see the module's docstring."""
 
     ranks = state.ranks
-    deadline = started + timeout_s
+    deadline = started + options.timeout_s
+    bucket_bytes, keep_lora, adapter = options.bucket_bytes, options.keep_lora, options.adapter
     tensors, parts = local_parts(params)
     plan = ranks.plan_of(parts)  # the same on every rank; a bad split raises on every rank
-    dev = torch.device(device) if device is not None else next(iter(tensors.values())).device
-    patterns = head_name_patterns or DEFAULT_HEAD_PATTERNS
-    use_interface(interface)
+    dev = torch.device(options.device) if options.device is not None else next(iter(tensors.values())).device
+    patterns = options.head_patterns
+    use_interface(options.interface)
     invite: OperatorInvite | None = None
     failure: Exception | None = None  # rank 0's own, raised as it is
     store: Any = None
@@ -129,18 +129,10 @@ def push_from_ranks(
                 plan, mode, keep_lora, adapter, manifest
             )
             trainer: dict[str, Any] = {"ranks": ranks.size}
-            if interface:
-                trainer["interface"] = interface
+            if options.interface:
+                trainer["interface"] = options.interface
             store, host, generation, ws = op.rendezvous(
-                layout[1],
-                version,
-                mode,
-                trainer_host=trainer_host,
-                bucket_bytes=bucket_bytes,
-                timeout_s=timeout_s,
-                deadline=deadline,
-                adapter=adapter,
-                trainer=trainer,
+                layout[1], version, mode, options, deadline=deadline, trainer=trainer
             )
             invite = OperatorInvite(
                 host=host,
@@ -166,10 +158,14 @@ def push_from_ranks(
             plan, mode, keep_lora, adapter, None
         )
     if store is None:
-        store = create_store(invite.host, invite.port, is_master=False, world_size=None, timeout_s=timeout_s)
+        store = create_store(
+            invite.host, invite.port, is_master=False, world_size=None, timeout_s=options.timeout_s
+        )
     status = {"worldSize": invite.world_size, "groupId": invite.group_id}
     rank = invite.world_size - ranks.size + ranks.rank
-    comm = op.join_group(store, rank, status, dev, backend, invite.generation, deadline, senders=ranks.size)
+    comm = op.join_group(
+        store, rank, status, dev, options.backend, invite.generation, deadline, senders=ranks.size
+    )
     channel = StepChannel(comm.store, 0, max(1.0, deadline - time.monotonic()) + 30.0)
     try:
         sending = RankSends(comm, ranks.rank, layout, tensors, bucket_bytes)

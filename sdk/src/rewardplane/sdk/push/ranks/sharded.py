@@ -6,7 +6,7 @@ push group's store and decides each push's path, exactly as a one-process traine
 rank (the leader too) sends its own part of the bytes, from its own GPU, into the same push group,
 where the trainer's ranks are the last ranks. Nothing is gathered.
 
-The other ranks follow the leader's steps (``_trainer_ranks.StepChannel``): ``ready`` (a data-plane
+The other ranks follow the leader's steps (``ranks.trainer.StepChannel``): ``ready`` (a data-plane
 push: join the ready reduction, then send and join the commit reduction), ``send`` (a push
 announced over HTTP: send, then join the commit reduction), and exactly one final step.
 
@@ -29,20 +29,24 @@ import torch.distributed as dist
 from pydantic import BaseModel
 
 from rewardplane.protocol import (
-    DEFAULT_BUCKET_BYTES,
     AdapterConfig,
     Bucket,
     ParamMeta,
     RewardModelTrainingMode,
 )
-from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, WeightValidationError
-from rewardplane.transport.comm import Backend, Communicator, create_store
-from rewardplane.transport.group import open_group
-from rewardplane.transport.signals import StoreClosed
-
-from ._exceptions import DeltaRefused, WeightSyncError
-from ._slicing import SliceBook, slicing_of
-from ._trainer_ranks import (
+from rewardplane.protocol.naming import WeightValidationError
+from rewardplane.sdk._exceptions import DeltaRefused, WeightSyncError
+from rewardplane.sdk.push.options import PushOptions
+from rewardplane.sdk.push.plan.delta import (
+    Acknowledged,
+    changed_names,
+    fingerprints,
+    sent_names,
+    warn_refused,
+)
+from rewardplane.sdk.push.plan.layout import PartsBook, PushPlan
+from rewardplane.sdk.push.plan.slices import SliceBook, slicing_of
+from rewardplane.sdk.push.ranks.trainer import (
     RankSends,
     SenderStep,
     ShardedLayout,
@@ -51,11 +55,12 @@ from ._trainer_ranks import (
     TrainerRanks,
     follow_leader,
 )
-from .data_plane import DataPlaneStarter
-from .delta import Acknowledged, changed_names, fingerprints, sent_names, warn_refused
-from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards
-from .retry import RewardServerError
-from .sharding import PartsBook, PushPlan
+from rewardplane.sdk.push.wire.data_plane import DataPlaneStarter
+from rewardplane.sdk.push.wire.http import HTTPControlPlane, RewardModelPublisher, local_address_towards
+from rewardplane.sdk.retry import RewardServerError
+from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.group import open_group
+from rewardplane.transport.signals import StoreClosed
 
 log = logging.getLogger(__name__)
 
@@ -108,33 +113,20 @@ class ShardedPusher:
         group_port: int,
         token: str | None,
         token_file: str | None,
-        trainer_host: str | None,
-        device: torch.device,
-        backend: Backend,
-        timeout_s: float,
-        connect_timeout_s: float,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        atomic: bool,
-        head_name_patterns: Sequence[str] | None,
-        data_plane: bool,
+        options: PushOptions,
     ) -> None:
         self.ranks = TrainerRanks(group)
         self.rank = self.ranks.rank
         self.senders = self.ranks.size
         self.urls = list(urls)
         self.group_port = group_port
-        self.trainer_host = trainer_host
-        self.device = device
-        self.backend: Backend = backend
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.bucket_bytes = bucket_bytes
-        self.atomic = atomic
-        self.head_name_patterns = head_name_patterns
-        self.data_plane = data_plane
+        # the pusher's; each push's own keep_lora, adapter and delta come with it (push)
+        self.options = options
+        assert isinstance(options.device, torch.device)  # resolved by the pusher: this rank's
+        self.device = options.device
         # the leader alone talks to the servers
         self.control = (
-            HTTPControlPlane(self.urls, token=token, token_file=token_file, timeout_s=timeout_s)
+            HTTPControlPlane(self.urls, token=token, token_file=token_file, timeout_s=options.timeout_s)
             if self.rank == 0
             else None
         )
@@ -165,17 +157,21 @@ class ShardedPusher:
         if self.rank == 0:
             assert self.control is not None
             try:
-                host = self.trainer_host or local_address_towards(self.urls[0])
+                host = self.options.trainer_host or local_address_towards(self.urls[0])
                 world = sum(self.control.world_sizes()) + self.senders
                 store = create_store(
-                    host, self.group_port, is_master=True, world_size=world, timeout_s=self.connect_timeout_s
+                    host,
+                    self.group_port,
+                    is_master=True,
+                    world_size=world,
+                    timeout_s=self.options.connect_timeout_s,
                 )
                 group_id = uuid.uuid4().hex[:12]
                 self.control.init_communicator(
                     host,
                     self.group_port,
-                    backend=self.backend,
-                    timeout_s=self.connect_timeout_s,
+                    backend=self.options.backend,
+                    timeout_s=self.options.connect_timeout_s,
                     group_id=group_id,
                     senders=self.senders,
                 )
@@ -198,45 +194,34 @@ class ShardedPusher:
                 invite.port,
                 is_master=False,
                 world_size=invite.world_size,
-                timeout_s=self.connect_timeout_s,
+                timeout_s=self.options.connect_timeout_s,
             )
         self.comm = open_group(
             store,
             rank=invite.world_size - self.senders + self.rank,
             world_size=invite.world_size,
             device=self.device,
-            backend=self.backend,
-            timeout_s=self.timeout_s,
+            backend=self.options.backend,
+            timeout_s=self.options.timeout_s,
             group_id=invite.group_id,
             senders=self.senders,
         )
         self._layout = ShardedLayout(
             set(invite.served) if invite.served is not None else None,
-            self.head_name_patterns or DEFAULT_HEAD_PATTERNS,
-            self.bucket_bytes,
+            self.options.head_patterns,
+            self.options.bucket_bytes,
         )
         if self.rank == 0:
             assert self.control is not None
-            starter = (
-                DataPlaneStarter(
-                    self.comm.store,
-                    self.control.rank_offsets(),
-                    self.comm.first_sender,
-                    slicing_of(self.comm),
-                )
-                if self.data_plane
-                else None
-            )
+            offsets = self.control.rank_offsets()
+            starter = DataPlaneStarter.for_group(self.comm, offsets) if self.options.data_plane else None
             self._publisher = _LeaderPublisher(
                 self.control,
                 self.comm,
                 self.comm.first_sender,
+                self.options,
                 layout=self._layout,
-                head_name_patterns=self.head_name_patterns,
-                bucket_bytes=self.bucket_bytes,
-                atomic=self.atomic,
                 data_plane=starter,
-                timeout_s=self.timeout_s,
             )
         return self.comm
 
@@ -245,12 +230,11 @@ class ShardedPusher:
         self,
         params: Mapping[str, Any],
         version: int | None,
-        *,
         training_mode: RewardModelTrainingMode,
-        keep_lora: bool,
-        adapter: AdapterConfig | None,
-        delta: bool = False,
+        options: PushOptions,
     ) -> int:
+        """One push from every rank (a collective); ``options``: the pusher's, with this push's own
+        ``keep_lora``, ``adapter`` and ``delta``."""
         start = time.perf_counter()
         tensors, parts, digest = self._parts_book.describe(params)
         described = time.perf_counter()
@@ -258,7 +242,9 @@ class ShardedPusher:
         plan = self.ranks.plan_of(parts, digest)
         planned = time.perf_counter()
         self.last_stats = {}
-        v = self._push_planned(tensors, plan, version, training_mode, keep_lora, adapter, delta)
+        v = self._push_planned(
+            tensors, plan, version, training_mode, options.keep_lora, options.adapter, options.delta
+        )
         self.last_stats = {
             **self.last_stats,
             "parts_s": described - start,
@@ -340,7 +326,7 @@ class ShardedPusher:
     ) -> int:
         publisher = self._publisher
         assert publisher is not None and self.control is not None and self.comm is not None
-        channel = StepChannel(self.comm.store, push, self.timeout_s + 60.0)
+        channel = StepChannel(self.comm.store, push, self.options.timeout_s + 60.0)
         v = -1
 
         def tell(
@@ -416,7 +402,7 @@ class ShardedPusher:
     ) -> int:
         assert self._layout is not None
         layout = self._layout.of(plan, mode, keep_lora, adapter, None, partial)
-        sending = RankSends(comm, self.rank, layout, tensors, self.bucket_bytes)
+        sending = RankSends(comm, self.rank, layout, tensors, self.options.bucket_bytes)
 
         def take(step: SenderStep) -> None:
             if step.step == "ready" and comm.max_flag(0) != 0:
@@ -437,7 +423,7 @@ class ShardedPusher:
                 return DeltaRefused(str(step.error))
             return WeightSyncError(f"the push of version {step.version} failed: {step.error}")
 
-        channel = StepChannel(comm.store, push, self.timeout_s + 60.0)
+        channel = StepChannel(comm.store, push, self.options.timeout_s + 60.0)
         return follow_leader(channel, take, failed, lost=self.reset).version
 
     def _slices(self, comm: Communicator) -> SliceBook:

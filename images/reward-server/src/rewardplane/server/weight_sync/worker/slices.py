@@ -27,7 +27,7 @@ from rewardplane.server.weight_sync.worker.persistence import Persistence
 from rewardplane.server.weight_sync.worker.staging import Staging
 from rewardplane.server.weight_sync.worker.state import WorkerState
 from rewardplane.transport.comm import Communicator
-from rewardplane.transport.sliced import IN_FLIGHT, receive_slices
+from rewardplane.transport.slices import IN_FLIGHT, receive_slices
 from rewardplane.transport.transfer import Received
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class _StagedSlices:
     void: str | None = None  # why it can no longer be applied (the parameters moved)
 
 
-class Slicing:
+class Slices:
     """Publishing what this worker keeps of a layout, and receiving a sliced push of it."""
 
     def __init__(self, state: WorkerState, persistence: Persistence, staging: Staging) -> None:

@@ -2,8 +2,7 @@
 
 One process group spans every server (one broadcast serves them all), or, as an option, one group
 per server on the derived ports ``group_port + i``. :class:`WeightPusher` is the public name
-(``rewardplane.sdk.WeightPusher``); ``DirectWeightSync`` and its ``sync`` method are the earlier
-names of the same class and method.
+(``rewardplane.sdk.WeightPusher``).
 """
 
 from __future__ import annotations
@@ -23,16 +22,20 @@ from rewardplane.protocol import (
 from rewardplane.protocol.auth import resolve_token
 from rewardplane.protocol.naming import WeightValidationError
 from rewardplane.protocol.sleep import DEFAULT_SLEEP_TIMEOUT_S
+from rewardplane.sdk._awake import AwakeReplicas
+from rewardplane.sdk._exceptions import DeltaRefused, WeightSyncError
+from rewardplane.sdk.push.options import PushOptions
+from rewardplane.sdk.push.plan.delta import Acknowledged, delta_names, fingerprints, warn_refused
+from rewardplane.sdk.push.ranks.sharded import ShardedPusher
+from rewardplane.sdk.push.wire.data_plane import DataPlaneStarter
+from rewardplane.sdk.push.wire.http import (
+    HTTPControlPlane,
+    RewardModelPublisher,
+    local_address_towards,
+    open_trainer_group,
+)
+from rewardplane.sdk.retry import RewardServerError
 from rewardplane.transport.comm import Backend, Communicator, default_device
-
-from ._awake import AwakeReplicas
-from ._exceptions import DeltaRefused, WeightSyncError
-from ._sharded_push import ShardedPusher
-from ._slicing import slicing_of
-from .data_plane import DataPlaneStarter
-from .delta import Acknowledged, delta_names, fingerprints, warn_refused
-from .publisher import HTTPControlPlane, RewardModelPublisher, local_address_towards, open_trainer_group
-from .retry import RewardServerError
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +132,22 @@ class WeightPusher:
         delta: bool = False,
     ) -> None:
         self.urls = list(urls)
-        self.delta = delta
+        # every push's settings, built here from the keywords, read from here by every part
+        self.options = PushOptions(
+            trainer_host=trainer_host,
+            device=_device(device),
+            backend=backend,
+            timeout_s=timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            bucket_bytes=bucket_bytes,
+            atomic=atomic,
+            head_name_patterns=tuple(head_name_patterns) if head_name_patterns is not None else None,
+            data_plane=data_plane,
+            delta=delta,
+        )
         # What every server committed in the last push, where it was a delta-enabled full push:
         # fingerprints only. None: the next delta-enabled push sends everything.
         self._acked: Acknowledged | None = None
-        self.data_plane = data_plane
         self.group_port = group_port
         self.group_ports = (
             list(group_ports) if group_ports else replica_group_ports(group_port, len(self.urls))
@@ -143,20 +157,7 @@ class WeightPusher:
                 f"{len(self.urls)} servers but {len(self.group_ports)} group ports: give one per server"
             )
         self.token, self.token_file = token, token_file
-        self.trainer_host = trainer_host
-        if device is None:
-            self.device = default_device()
-        elif isinstance(device, int):
-            self.device = torch.device("cuda", device)
-        else:
-            self.device = torch.device(device)
-        self.backend: Backend = backend
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.bucket_bytes = bucket_bytes
-        self.atomic = atomic
         self.per_server_groups = per_server_groups
-        self.head_name_patterns = head_name_patterns
         self._publisher: RewardModelPublisher | None = None
         self.sharded: ShardedPusher | None = None
         if trainer_group is not None and dist.get_world_size(trainer_group) > 1:
@@ -168,21 +169,19 @@ class WeightPusher:
                 group_port=group_port,
                 token=token,
                 token_file=token_file,
-                trainer_host=trainer_host,
-                device=self.device,
-                backend=backend,
-                timeout_s=timeout_s,
-                connect_timeout_s=connect_timeout_s,
-                bucket_bytes=bucket_bytes,
-                atomic=atomic,
-                head_name_patterns=head_name_patterns,
-                data_plane=data_plane,
+                options=self.options,
             )
             self._control = self.sharded.control  # rank 0's; None on the other ranks
         else:
             self._control = HTTPControlPlane(
                 self.urls, token=token, token_file=token_file, timeout_s=timeout_s
             )
+
+    @property
+    def device(self) -> torch.device:
+        """The trainer's device (each rank's own with a multi-rank ``trainer_group``)."""
+        assert isinstance(self.options.device, torch.device)  # resolved in __init__
+        return self.options.device
 
     @property
     def control(self) -> HTTPControlPlane:
@@ -194,7 +193,9 @@ class WeightPusher:
         return self._control
 
     def _control_for(self, urls: Sequence[str]) -> HTTPControlPlane:
-        return HTTPControlPlane(urls, token=self.token, token_file=self.token_file, timeout_s=self.timeout_s)
+        return HTTPControlPlane(
+            urls, token=self.token, token_file=self.token_file, timeout_s=self.options.timeout_s
+        )
 
     def open(self) -> RewardModelPublisher:
         """Form the process group (once) and return the publisher that pushes over it. With a
@@ -205,7 +206,8 @@ class WeightPusher:
             )
         if self._publisher is not None:
             return self._publisher
-        host = self.trainer_host or local_address_towards(self.urls[0])
+        opts = self.options
+        host = opts.trainer_host or local_address_towards(self.urls[0])
         comm: Communicator | FanOutCommunicator
         if self.per_server_groups:
             comms = []
@@ -218,8 +220,8 @@ class WeightPusher:
                             host=host,
                             port=port,
                             device=self.device,
-                            backend=self.backend,
-                            timeout_s=self.connect_timeout_s,
+                            backend=opts.backend,
+                            timeout_s=opts.connect_timeout_s,
                         )
                     )
                 finally:
@@ -231,25 +233,16 @@ class WeightPusher:
                 host=host,
                 port=self.group_port,
                 device=self.device,
-                backend=self.backend,
-                timeout_s=self.connect_timeout_s,
+                backend=opts.backend,
+                timeout_s=opts.connect_timeout_s,
             )
             src = comm.world_size - 1
-        starter = (
-            DataPlaneStarter(comm.store, self.control.rank_offsets(), comm.first_sender, slicing_of(comm))
-            if self.data_plane and isinstance(comm, Communicator)
+        starter = (  # one group only: the header is written into its store
+            DataPlaneStarter.for_group(comm, self.control.rank_offsets())
+            if opts.data_plane and isinstance(comm, Communicator)
             else None
         )
-        self._publisher = RewardModelPublisher(
-            self.control,
-            comm,
-            src,
-            head_name_patterns=self.head_name_patterns,
-            bucket_bytes=self.bucket_bytes,
-            atomic=self.atomic,
-            data_plane=starter,
-            timeout_s=self.timeout_s,
-        )
+        self._publisher = RewardModelPublisher(self.control, comm, src, opts, data_plane=starter)
         return self._publisher
 
     def awake(
@@ -305,21 +298,15 @@ class WeightPusher:
         same version. With a multi-rank ``trainer_group`` each rank fingerprints its own parts and
         a tensor is sent when any rank's part changed. Other training modes send everything."""
         mode = RewardModelTrainingMode(training_mode)
+        opts = self.options.for_push(keep_lora=keep_lora, adapter=adapter, delta=delta)
         if self.sharded is not None:
-            return self.sharded.push(
-                params,
-                version,
-                training_mode=mode,
-                keep_lora=keep_lora,
-                adapter=adapter,
-                delta=self.delta if delta is None else delta,
-            )
+            return self.sharded.push(params, version, mode, opts)
         publisher = self.open()
         v = self.next_version() if version is None else version
         # cleared while the push runs: after any failure the next delta-enabled push sends everything
         acked, self._acked = self._acked, None
         try:
-            if (self.delta if delta is None else delta) and mode is RewardModelTrainingMode.FULL:
+            if opts.delta and mode is RewardModelTrainingMode.FULL:
                 self._acked = self._push_delta(publisher, params, v, keep_lora, acked)
                 return v
             return publisher.publish(params, v, training_mode=mode, keep_lora=keep_lora, adapter=adapter)
@@ -366,8 +353,6 @@ class WeightPusher:
             finally:
                 self._publisher = None
 
-    sync = push  # the earlier name
-
     def close(self) -> None:
         """Tell the servers to leave the group, then release it and the HTTP clients."""
         if self.sharded is not None:
@@ -385,4 +370,10 @@ class WeightPusher:
         self.close()
 
 
-DirectWeightSync = WeightPusher  # the earlier name
+def _device(device: torch.device | str | int | None) -> torch.device:
+    """The trainer's device: an int is a CUDA index; None is CUDA where there is one, else the CPU."""
+    if device is None:
+        return default_device()
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)

@@ -21,7 +21,6 @@ import httpx
 import torch
 
 from rewardplane.protocol import (
-    DEFAULT_BUCKET_BYTES,
     STALE_BASE,
     AdapterConfig,
     Bucket,
@@ -35,19 +34,16 @@ from rewardplane.protocol import (
     plan_buckets,
 )
 from rewardplane.protocol.auth import resolve_token
-from rewardplane.protocol.naming import (
-    DEFAULT_HEAD_PATTERNS,
-)
+from rewardplane.sdk._exceptions import DeltaRefused, WeightSyncError
+from rewardplane.sdk.push.options import PushOptions
+from rewardplane.sdk.push.plan.checks import check_fits, names_for_mode
+from rewardplane.sdk.push.wire.data_plane import DataPlaneStarter, describe
+from rewardplane.sdk.retry import RetryPolicy, RewardServerError, call_with_retry, check_response
 from rewardplane.transport.buckets import meta_of
 from rewardplane.transport.comm import Backend, Communicator, TensorCommunicator, create_store
 from rewardplane.transport.group import open_group
-from rewardplane.transport.sliced import send_slices
+from rewardplane.transport.slices import send_slices
 from rewardplane.transport.transfer import send_buckets
-
-from ._exceptions import DeltaRefused, WeightSyncError
-from .data_plane import DataPlaneStarter, describe
-from .push_checks import check_fits, names_for_mode
-from .retry import RetryPolicy, RewardServerError, call_with_retry, check_response
 
 log = logging.getLogger(__name__)
 
@@ -380,22 +376,17 @@ class RewardModelPublisher:
         control: ControlPlane,
         comm: TensorCommunicator,
         src_rank: int,
+        options: PushOptions | None = None,
         *,
-        head_name_patterns: Sequence[str] | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        atomic: bool = False,
         data_plane: DataPlaneStarter | None = None,
-        timeout_s: float = 600.0,
     ) -> None:
         self.control = control
         self.comm = comm
         self.src_rank = src_rank
+        # bucket size, atomic, timeout and head patterns: the front door's (default: the defaults)
+        self.options = options or PushOptions()
         # where set, pushes of a layout every server accepted start from the data plane
         self.data_plane = data_plane
-        self.timeout_s = timeout_s
-        self.head_name_patterns = tuple(head_name_patterns or DEFAULT_HEAD_PATTERNS)
-        self.bucket_bytes = bucket_bytes
-        self.atomic = atomic
         self.last_stats: dict[str, float] = {}
         self._layout_cache: tuple[Any, list[tuple[str, str]], list[ParamMeta], list[Bucket], str] | None = (
             None
@@ -436,7 +427,7 @@ class RewardModelPublisher:
             mode,
             served=set(manifest) if manifest else None,
             keep_lora=keep_lora,
-            head_patterns=self.head_name_patterns,
+            head_patterns=self.options.head_patterns,
             adapter=adapter,
             check_mode=not partial,
         )
@@ -444,8 +435,8 @@ class RewardModelPublisher:
         metadata = [meta_of(server, state_dict[k]) for server, k in order]
         if manifest:  # the server would answer 400: say so before anything moves
             check_fits(metadata, manifest, mode, adapter)
-        plan = plan_buckets(metadata, self.bucket_bytes)
-        lid = layout_id(metadata, self.bucket_bytes)
+        plan = plan_buckets(metadata, self.options.bucket_bytes)
+        lid = layout_id(metadata, self.options.bucket_bytes)
         self._layout_cache = (key, order, metadata, plan, lid)
         return order, metadata, plan, lid
 
@@ -505,8 +496,8 @@ class RewardModelPublisher:
                 metadata,
                 version=version,
                 training_mode=mode,
-                bucket_bytes=self.bucket_bytes,
-                atomic=self.atomic,
+                bucket_bytes=self.options.bucket_bytes,
+                atomic=self.options.atomic,
                 adapter=adapter,
                 base_version=base_version,
             )
@@ -515,7 +506,13 @@ class RewardModelPublisher:
             return True
 
         total = send_buckets(
-            self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, plan=plan, before_first=announce
+            self.comm,
+            metadata,
+            tensors,
+            self.options.bucket_bytes,
+            self.src_rank,
+            plan=plan,
+            before_first=announce,
         )
         synchronized = time.perf_counter()
         if self.comm.max_flag(0) != 0:
@@ -578,10 +575,10 @@ class RewardModelPublisher:
         seq = dp.start(
             version=version,
             layout=lid,
-            bucket_bytes=self.bucket_bytes,
+            bucket_bytes=self.options.bucket_bytes,
             training_mode=mode,
-            atomic=self.atomic,
-            timeout_s=self.timeout_s,
+            atomic=self.options.atomic,
+            timeout_s=self.options.timeout_s,
             sliced=schedule is not None,
             base_version=base_version,
         )
@@ -600,7 +597,13 @@ class RewardModelPublisher:
 
         if schedule is None:
             total = send_buckets(
-                self.comm, metadata, tensors, self.bucket_bytes, self.src_rank, plan=plan, before_first=agreed
+                self.comm,
+                metadata,
+                tensors,
+                self.options.bucket_bytes,
+                self.src_rank,
+                plan=plan,
+                before_first=agreed,
             )
         else:
             assert isinstance(self.comm, Communicator)  # a data plane has one group

@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rewardplane.api.heartbeat import CONFIRMED_AT, unconfirmed
 from rewardplane.api.names import API_VERSION, LABEL_MODEL, WS_KIND, WS_PLURAL, core_path, custom_path
@@ -33,16 +33,17 @@ from rewardplane.protocol import (
     plan_buckets,
     settings,
 )
-
-from ._cluster_status import wait_for_version
-from ._exceptions import WeightSyncFailed
+from rewardplane.sdk._cluster_status import wait_for_version
+from rewardplane.sdk._exceptions import WeightSyncFailed
 
 if TYPE_CHECKING:
     import torch
 
+    from rewardplane.api.kube import Kube
+    from rewardplane.api.status import RewardModelStatus
+    from rewardplane.sdk._cluster_status import ReplicaEndpoint
+    from rewardplane.sdk.push.options import PushOptions
     from rewardplane.transport.comm import Backend, Communicator
-
-    from .cluster import RewardModelHandle
 
 log = logging.getLogger("rewardplane.sdk.cluster")
 
@@ -100,10 +101,31 @@ class _ProgressComm:
         self._comm.close()
 
 
+class PushTarget(Protocol):
+    """What a push through the operator reads of its RewardModel (``RewardModelHandle`` is one).
+    A protocol, so that the push does not import the handle that calls it: no import circle."""
+
+    name: str
+    namespace: str
+    _kube: Kube
+
+    def get(self) -> dict[str, Any]: ...
+
+    def get_status(self) -> RewardModelStatus: ...
+
+    def get_all_endpoints(self) -> list[ReplicaEndpoint]: ...
+
+    def manifest(self) -> dict[str, ParamMeta]: ...
+
+    def weightsync(self) -> dict[str, Any] | None: ...
+
+    def _push_urls(self) -> list[str]: ...
+
+
 class OperatorPush:
     """The pushes of one RewardModel through its ``WeightSync`` object and the operator."""
 
-    def __init__(self, handle: RewardModelHandle) -> None:
+    def __init__(self, handle: PushTarget) -> None:
         self.handle = handle
         self.name, self.namespace = handle.name, handle.namespace
         self.label = f"{handle.namespace}/{handle.name}"
@@ -224,25 +246,21 @@ class OperatorPush:
         metadata: list[ParamMeta],
         version: int,
         mode: RewardModelTrainingMode,
+        options: PushOptions,
         *,
-        trainer_host: str | None,
-        bucket_bytes: int,
-        timeout_s: float,
         deadline: float,
-        adapter: AdapterConfig | None,
         trainer: Mapping[str, Any] | None = None,
         base_version: int | None = None,
     ) -> tuple[Any, str, int, dict[str, Any]]:
         """Store the manifest, host the push group's store, ask the operator for the push and wait
         for its rendezvous: (the store, its host, the generation to follow, the WeightSync)."""
+        from rewardplane.sdk.push.wire.http import local_address_towards
         from rewardplane.transport.comm import create_store
 
-        from .publisher import local_address_towards
-
         manifest = self.store_manifest(metadata)
-        host = trainer_host or local_address_towards(self.handle._push_urls()[0])
+        host = options.trainer_host or local_address_towards(self.handle._push_urls()[0])
         # world_size None: the operator decides it from the ready replicas (status.worldSize).
-        store = create_store(host, 0, is_master=True, world_size=None, timeout_s=timeout_s)
+        store = create_store(host, 0, is_master=True, world_size=None, timeout_s=options.timeout_s)
         generation = self.request_push(
             self.push_spec(
                 version,
@@ -250,9 +268,9 @@ class OperatorPush:
                 host=host,
                 port=int(store.port),
                 manifest=manifest,
-                bucket_bytes=bucket_bytes,
-                timeout_s=timeout_s,
-                adapter=adapter,
+                bucket_bytes=options.bucket_bytes,
+                timeout_s=options.timeout_s,
+                adapter=options.adapter,
                 trainer=trainer,
                 base_version=base_version,
             )
@@ -268,15 +286,9 @@ class OperatorPush:
         tensors: Mapping[str, torch.Tensor],
         version: int,
         mode: RewardModelTrainingMode,
+        options: PushOptions,
         *,
         started: float,
-        timeout_s: float,
-        trainer_host: str | None,
-        bucket_bytes: int,
-        device: torch.device | str | None,
-        backend: Backend,
-        progress: bool | None,
-        adapter: AdapterConfig | None,
         base_version: int | None = None,
     ) -> PushResult:
         """Push prepared parameters (``RewardModelHandle.prepare``) as ``version``, within
@@ -284,26 +296,11 @@ class OperatorPush:
         ``base_version``: a delta push of the tensors changed since that version."""
         import torch
 
-        deadline = started + timeout_s
+        deadline = started + options.timeout_s
         first = next(iter(tensors.values()))
-        dev = torch.device(device) if device is not None else first.device
+        dev = torch.device(options.device) if options.device is not None else first.device
         try:
-            return self._push(
-                metadata,
-                tensors,
-                version,
-                mode,
-                dev,
-                started,
-                deadline,
-                timeout_s,
-                trainer_host,
-                bucket_bytes,
-                backend,
-                progress,
-                adapter,
-                base_version,
-            )
+            return self._push(metadata, tensors, version, mode, options, dev, started, deadline, base_version)
         except WeightSyncLost as lost:
             # before any weight moved (the rendezvous, the join): nothing to wait for
             raise self.lost_push(lost, version, moved=False) from None
@@ -314,37 +311,24 @@ class OperatorPush:
         tensors: Mapping[str, torch.Tensor],
         version: int,
         mode: RewardModelTrainingMode,
+        options: PushOptions,
         dev: torch.device,
         started: float,
         deadline: float,
-        timeout_s: float,
-        trainer_host: str | None,
-        bucket_bytes: int,
-        backend: Backend,
-        progress: bool | None,
-        adapter: AdapterConfig | None,
         base_version: int | None,
     ) -> PushResult:
         from rewardplane.protocol import layout_id
-        from rewardplane.transport.sliced import send_slices
+        from rewardplane.sdk.push.plan.slices import agree_on_slices
+        from rewardplane.transport.slices import send_slices
         from rewardplane.transport.transfer import send_buckets
 
-        from ._slicing import agree_on_slices
-
+        bucket_bytes = options.bucket_bytes
         store, _, generation, ws = self.rendezvous(
-            metadata,
-            version,
-            mode,
-            trainer_host=trainer_host,
-            bucket_bytes=bucket_bytes,
-            timeout_s=timeout_s,
-            deadline=deadline,
-            adapter=adapter,
-            base_version=base_version,
+            metadata, version, mode, options, deadline=deadline, base_version=base_version
         )
         status = ws["status"]
         world = int(status["worldSize"])
-        comm = self.join_group(store, world - 1, status, dev, backend, generation, deadline)
+        comm = self.join_group(store, world - 1, status, dev, options.backend, generation, deadline)
         try:
             self.wait_phase(
                 generation, {"Transferring", "Completed"}, deadline, "every replica to accept the announce"
@@ -356,7 +340,7 @@ class OperatorPush:
                 lid = layout_id(metadata, bucket_bytes)
                 schedule = agree_on_slices(comm, lid, metadata, plan, decides=True)
             total = sum(b.nbytes for b in plan)
-            bar = _progress_bar(total, progress, f"push v{version}")
+            bar = _progress_bar(total, options.progress, f"push v{version}")
             try:
                 if schedule is not None:
                     sent = send_slices(comm, metadata, dict(tensors), schedule)
@@ -507,7 +491,7 @@ class OperatorPush:
     def served_versions(self, version: int, until: float) -> dict[str, int]:
         """Replica URL → the weights version it serves (``/runtime_version``), asked until every
         replica serves ``version`` or ``until``; replicas that do not answer are left out."""
-        from .client import RewardClient
+        from rewardplane.sdk.client import RewardClient
 
         served: dict[str, int] = {}
         while True:
