@@ -2,9 +2,10 @@
 
 Everything decided here comes from the pure modules (planning, render, status, recovery); the
 reconciler reads the cluster and drives the parts that write to it: the children
-(:mod:`.children`), the status and Events (:mod:`.reporting`) and the restores of stale replicas
-(:mod:`.restoring`). It admits replicas at the model's weights version itself. Reconciles of one
-model are coalesced: a request arriving while one runs makes it run once more, never twice at once.
+(:mod:`.children`), the status and Events (:mod:`.reporting`), the restores of stale replicas
+(:mod:`.restoring`) and the reads of why Pods wait (:mod:`.waiting`). It admits replicas at the
+model's weights version itself. Reconciles of one model are coalesced: a request arriving while
+one runs makes it run once more, never twice at once.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import httpx
 from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
 from rewardplane.api.spec import GpuMode, InvalidSpecError
 from rewardplane.protocol import AdmissionRequest, settings
-from rewardplane.protocol.model_sources import FETCH_CONTAINER, FetchProgress
 
 from . import metrics
 from .children import Children
@@ -30,7 +30,7 @@ from .coalesce import Coalescer
 from .conditions import compute_status
 from .ownership import of_model
 from .planning import ClusterView, Plan, gpus_in_use, plan_reward_model
-from .pods import downloading, pod_ready, replica_index, server_started, waits_for_mount
+from .pods import pod_ready, replica_index, server_started
 from .recovery import Identity, ReplicaView, admission_changes, replica_url, stale_replicas
 from .render import ANNOTATION_SPEC_HASH, render_children, selector
 from .replicas import HttpReplicas, ReplicaError, Replicas
@@ -38,8 +38,9 @@ from .reporting import StatusWriter, now_rfc3339, post_event
 from .restoring import Restorer
 from .retire import Retirement
 from .rollout import pod_actions
-from .status import Event, ProbeResult, mount_problem
+from .status import Event, ProbeResult
 from .storage import ModelCache
+from .waiting import PodWaits
 from .weightsync import completed_version
 
 log = logging.getLogger("rewardplane.operator")
@@ -47,8 +48,6 @@ log = logging.getLogger("rewardplane.operator")
 # A started replica that could not be probed or admitted yet is looked at again this soon (its Pod
 # sends no further event until it is Ready, which needs the admission).
 ADMISSION_RETRY_S = 1.0
-MOUNT_RECHECK_S = 5.0  # a Pod stuck in ContainerCreating: its FailedMount Events are read again
-DOWNLOAD_RECHECK_S = 3.0  # a model download in progress: its log is read again for the status
 
 Key = tuple[str, str]  # (namespace, name)
 Later = Callable[[float, Callable[[], None]], None]
@@ -100,6 +99,7 @@ class Reconciler:
             request=self.request,
             later=later,
         )
+        self.waits = PodWaits(kube, self._retry_later)  # why Pods wait, for the status
         self._guard = threading.Lock()
         self._coalesce: Coalescer[Key] = Coalescer(on_waiting=metrics.QUEUE_DEPTH.inc)
         self._pod_states: dict[Key, object] = {}
@@ -322,9 +322,9 @@ class Reconciler:
             desired_hashes=hashes,
             target_version=target,
             stale_pods=stale,
-            mount_problems=self._mount_problems(key, live),
+            mount_problems=self.waits.mount_problems(key, live),
             lost_pods=lost,
-            downloads=self._download_progress(key, live),
+            downloads=self.waits.download_progress(key, live),
         )
         self._write_status(rm, status)
         if restored:
@@ -365,56 +365,6 @@ class Reconciler:
                 log.info("%s/%s: %s %s at weights version %d", ns, name, done, pod_name, target)
         if retry:
             self._retry_later(view.key)
-
-    def _mount_problems(self, key: Key, pods: list[dict[str, Any]]) -> dict[str, str]:
-        """Pod → the newest FailedMount Event's message, for Pods whose containers wait in
-        ContainerCreating (the cause is only in their Events); such a model is looked at again
-        shortly, since a Pod stuck that way sends no further event."""
-        waiting = [p for p in pods if waits_for_mount(p)]
-        if not waiting:
-            return {}
-        out: dict[str, str] = {}
-        for pod in waiting:
-            name = pod["metadata"]["name"]
-            try:
-                events = self.kube.list(
-                    core_path("events", key[0]),
-                    field_selector=f"involvedObject.kind=Pod,involvedObject.name={name},reason=FailedMount",
-                )
-            except KubeError as exc:  # the status then only says it waits; nothing else depends on it
-                log.info("%s/%s: cannot read the Events of %s: %s", *key, name, exc)
-                continue
-            uid = pod["metadata"].get("uid")
-            problem = mount_problem(
-                [e for e in events if (e.get("involvedObject") or {}).get("uid") in (None, uid)]
-            )
-            if problem:
-                out[name] = problem
-        self._retry_later(key, MOUNT_RECHECK_S)
-        return out
-
-    def _download_progress(self, key: Key, pods: list[dict[str, Any]]) -> dict[str, str]:
-        """Pod → its model download's progress in words, from the last progress line of its
-        ``fetch-model`` init container's log; such a model is looked at again shortly, so the
-        status follows the download."""
-        fetching = [p for p in pods if downloading(p)]
-        out: dict[str, str] = {}
-        for pod in fetching:
-            name = pod["metadata"]["name"]
-            try:
-                log_tail = self.kube.text(
-                    core_path("pods", key[0], name) + "/log",
-                    {"container": FETCH_CONTAINER, "tailLines": "20"},
-                )
-            except (KubeError, httpx.HTTPError) as exc:  # the status then only says it waits
-                log.info("%s/%s: cannot read the download log of %s: %s", *key, name, exc)
-                continue
-            progress = FetchProgress.last_in(log_tail)
-            if progress is not None:
-                out[name] = progress.describe()
-        if fetching:
-            self._retry_later(key, DOWNLOAD_RECHECK_S)
-        return out
 
     def _retry_later(self, key: Key, delay_s: float = ADMISSION_RETRY_S) -> None:
         with self._guard:
