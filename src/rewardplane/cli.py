@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "dev": ("rewardplane.localcluster.dev", "local development cluster: dev up | down | status"),
     "tiny-model": ("rewardplane.tinymodel", "build a tiny random-weight reward model (no downloads)"),
+    "check-model": ("rewardplane.modelcheck", "check a model's config and tokenizer before deploying it"),
     "status": ("rewardplane.sdk.cli", "show a RewardModel's status"),
     "score": ("rewardplane.sdk.cli", "score texts with a RewardModel"),
     "push": ("rewardplane.sdk.cli", "push a saved checkpoint into a RewardModel's servers"),

@@ -1,0 +1,109 @@
+"""``rewardplane check-model`` on tiny configs of every served family, read from disk as a user's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import (
+    Gemma2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
+
+from rewardplane.cli import main as cli_main
+from rewardplane.modelcheck import PRM_STEP_TAG
+
+SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+SIZES |= {"num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512}
+
+
+def save(
+    tmp_path: Path, config: Any, arch: str, *, pad: str | None = "<pad>", special: list[str] = ()
+) -> Path:
+    config.architectures = [arch]
+    config.save_pretrained(tmp_path)
+    tok = {"pad_token": pad, "additional_special_tokens": list(special)}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tok))
+    return tmp_path
+
+
+def run(path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, Any]]:
+    rc = cli_main(["check-model", str(path), "--json", *args])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    ("config", "arch", "pooled"),
+    [
+        (LlamaConfig(**SIZES), "LlamaForSequenceClassification", True),
+        (Qwen2Config(**SIZES), "Qwen2ForSequenceClassification", False),
+        (Qwen3Config(**SIZES, head_dim=16), "Qwen3ForSequenceClassification", False),
+        (Gemma2Config(**SIZES, head_dim=16), "Gemma2ForSequenceClassification", False),
+        (MistralConfig(**SIZES), "MistralForSequenceClassification", False),
+    ],
+)
+def test_dense_families_pass(tmp_path, capsys, config, arch, pooled):
+    rc, report = run(save(tmp_path, config, arch), capsys, "--max-model-len", "256")
+    assert rc == 0 and report["ok"], report["failures"]
+    assert report["architecture"] == arch
+    assert report["pooled_rows"] is pooled
+    assert report["tensor_parallel_sizes"] == [1, 2, 4]  # 4 heads, 2 kv heads
+    assert "gate_proj" in report["lora_targets"]
+    # KV cache: 2 (k, v) x 2 layers x 2 kv heads x 16 dims x 256 tokens x 2 bytes (bf16)
+    assert report["kv_cache_bytes"] == 2 * 2 * 2 * 16 * 256 * 2
+    assert report["weights_bytes"] == 2 * report["params"]
+
+
+def test_moe_counts_experts_and_targets_attention(tmp_path, capsys):
+    cfg = Qwen3MoeConfig(**SIZES, head_dim=16, num_experts=4, moe_intermediate_size=32)
+    rc, report = run(
+        save(tmp_path, cfg, "Qwen3MoeForSequenceClassification"),
+        capsys,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+    )
+    assert rc == 0, report["failures"]
+    assert "gate_proj" not in report["lora_targets"]
+    dense = Qwen3Config(**SIZES, head_dim=16)
+    assert report["params"] > 0 and report["weights_bytes"] == 4 * report["params"]
+    assert report["family"] == "qwen3_moe" and dense.model_type == "qwen3"
+
+
+def test_process_reward_model_needs_its_step_tag(tmp_path, capsys):
+    arch = "Qwen2ForProcessRewardModel"
+    rc, report = run(
+        save(tmp_path / "ok", Qwen2Config(**SIZES), arch, special=[PRM_STEP_TAG]),
+        capsys,
+        "--max-model-len",
+        "256",
+    )
+    assert rc == 0 and report["prm_step_tag"] is True
+    rc, report = run(save(tmp_path / "bad", Qwen2Config(**SIZES), arch), capsys, "--max-model-len", "256")
+    assert rc == 1 and report["prm_step_tag"] is False
+    assert any(PRM_STEP_TAG in f for f in report["failures"])
+
+
+def test_broken_config_says_what_fails(tmp_path, capsys):
+    cfg = LlamaConfig(**{**SIZES, "num_key_value_heads": 3, "pad_token_id": None})
+    path = save(tmp_path, cfg, "LlamaForCausalLM", pad=None)
+    rc = cli_main(["check-model", str(path), "--max-model-len", "4096"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "not divisible by 3 key/value heads" in out
+    assert "no score head" in out
+    assert "exceeds max_position_embeddings 512" in out
+    assert "no pad token" in out
+
+
+def test_missing_tokenizer_fails(tmp_path, capsys):
+    LlamaConfig(**SIZES, architectures=["LlamaForSequenceClassification"]).save_pretrained(tmp_path)
+    rc, report = run(tmp_path, capsys)
+    assert rc == 1 and any("no tokenizer files" in f for f in report["failures"])
