@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rewardplane.tinymodel import PRM_STEP_TAG
+
 # Families the server serves, by the ``model_type`` of their config.
 KNOWN_FAMILIES = {"llama", "qwen2", "qwen3", "gemma2", "mistral", "qwen3_moe", "mixtral"}
 # Architectures whose final layer runs on the pooled rows only on vLLM (engines/vllm_worker.py).
@@ -18,7 +20,6 @@ POOLED_ROWS_ARCHS = {"LlamaForSequenceClassification"}
 # LoRA targets of a standard decoder: attention and MLP projections, by their module names.
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP_TARGETS = ["gate_proj", "up_proj", "down_proj"]
-PRM_STEP_TAG = "<extra_0>"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TP_CANDIDATES = (1, 2, 4, 8)
 
