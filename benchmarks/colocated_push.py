@@ -2,7 +2,8 @@
 same GPU, pushes over the same-host transport (CUDA IPC), side by side in one run with:
 
 - (a) a full push, call → served, against one device-to-device copy of the same bytes in this
-  process (the physical limit), measured here in the same run;
+  process (the physical limit), measured here in the same run, and beside the same tensors copied
+  one by one from another process through CUDA IPC (``ipc_copy.py``: a per-tensor receive's floor);
 - (b) vLLM 0.24's own IPC weight transfer (``weight_transfer_config`` backend ipc, per-tensor and
   packed), pushing the same model from this process into a ``vllm.LLM`` on the same GPU,
   ``start_weight_update`` → ``finish_weight_update``;
@@ -48,6 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.ipc_copy import cross_process_copy  # noqa: E402
 from benchmarks.weight_sync import SIZES, build_trainer_model, make_checkpoint, timed_pushes  # noqa: E402
 from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
 from rewardplane.protocol.naming import select_head  # noqa: E402
@@ -287,6 +289,13 @@ def rewardplane_pushes(
         log(f"   head-only timeline (ms): {json.dumps(out['head_only_timeline_ms'])}")
         last = out["breakdown"][-1] if out["breakdown"] else {}
         log(f"   trainer's breakdown of the last full push: {json.dumps(last)}")
+        # of the last push's bytes, how many the worker received straight into parameters
+        update = (
+            httpx.get(f"{url}/get_num_background_tasks", headers=AUTH, timeout=10).json().get("last_update")
+            or {}
+        )
+        out["last_in_place_bytes"] = update.get("in_place_bytes")
+        log(f"   received in place: {out['last_in_place_bytes']} of {update.get('bytes')} bytes")
         out["checksums_full"] = checksums_match(url, params, "full pushes")
         # every parameter changed in place, head included, then a full push: the served version
         # must hold the new bytes (the unchanged timed pushes above cannot tell stale from fresh)
@@ -497,6 +506,8 @@ def run_size(size: str, args: argparse.Namespace, work: Path, cycle: bool) -> di
     push_part = size in args.sizes
     if push_part:
         part(res, "device_copy", lambda: device_copy(params, max(args.reps, 5)))
+        # the same bytes copied tensor by tensor from another process: a per-tensor receive's floor
+        part(res, "cross_process_copy", lambda: cross_process_copy(params, max(args.reps, 5)))
     server: ServerHandle | None = None
     try:
         t0 = time.perf_counter()

@@ -139,6 +139,8 @@ class Received:
     # time.monotonic() when the first receive's call began (its targets resolved) and returned
     posting_at: float | None = None
     posted_at: float | None = None
+    # ... and when every bucket's receive was enqueued (the final wait for the GPU follows)
+    enqueued_at: float | None = None
 
 
 def _same(buf: torch.Tensor) -> torch.Tensor:
@@ -272,6 +274,7 @@ def _receive_in_turn(rx: _BucketReceiver, plan: list[Bucket]) -> Received:
                 rx.out.staged.append((bucket, buf))
             elif rest.slots:
                 rx.apply(rest, buf)
+        rx.out.enqueued_at = time.monotonic()
         rx.comm.synchronize()
     return rx.out
 
@@ -311,6 +314,7 @@ def _receive_pipelined(rx: _BucketReceiver, plan: list[Bucket]) -> Received:
             done = arrived
         loaded[i] = done
         history.append(done)
+    rx.out.enqueued_at = time.monotonic()
     with torch.cuda.stream(main):
         main.wait_stream(load_stream)
         comm.synchronize()  # bounded: a dead trainer is noticed here, and the group aborted

@@ -107,6 +107,8 @@ class DataPushListener:
             if got.posting_at is not None and got.posted_at is not None:
                 times["worker_posting"] = got.posting_at
                 times["worker_posted"] = got.posted_at
+            if got.enqueued_at is not None:
+                times["worker_enqueued"] = got.enqueued_at
             partial = got.applied_any and not ok
             msg = PushLoaded(
                 ok=ok,

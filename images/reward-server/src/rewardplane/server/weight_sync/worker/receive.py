@@ -86,7 +86,12 @@ class Receiver:
 
         def outcome(ok: bool, partial: bool, error: str | None) -> dict[str, Any]:
             # monotonic stamps (one clock for every process of the host) for the update's timeline
-            times = {"worker_in": entered, "worker_posted": got.posted_at, "worker_out": time.monotonic()}
+            times = {
+                "worker_in": entered,
+                "worker_posted": got.posted_at,
+                "worker_enqueued": got.enqueued_at,
+                "worker_out": time.monotonic(),
+            }
             return {
                 "ok": ok,
                 "partial": partial,
