@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _timed(dev: torch.device, enqueue: Callable[[], None]) -> dict[str, float]:
+def _timed(dev: torch.device, enqueue: Callable[[], object]) -> dict[str, float]:
     torch.cuda.synchronize(dev)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t0 = time.perf_counter()

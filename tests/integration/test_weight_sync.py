@@ -50,6 +50,7 @@ DATA_PLANE_TIMELINE = [
     "worker_agreed",
     "worker_posting",
     "worker_posted",
+    "worker_enqueued",
     "worker_out",
     "reported",
     "returned",

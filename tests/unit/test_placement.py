@@ -85,3 +85,23 @@ def test_a_place_reads_what_an_older_or_newer_peer_published() -> None:
     assert Place.from_json(older).asked == "auto"
     newer = '{"host": "h", "name": "n", "gpu": null, "pid": 1, "pid_ns": 2, "asked": "ipc", "numa": 1}'
     assert Place.from_json(newer) == Place(host="h", name="n", gpu=None, pid=1, pid_ns=2, asked="ipc")
+
+
+def test_ranks_speaking_different_same_host_messages_are_refused_before_the_push() -> None:
+    """A trainer whose rewardplane predates the reward server's (or the other way round): the
+    same-host transport's store messages differ, so each side would wait for keys the other never
+    writes until its timeout. Refused at once, naming the fix; NCCL and gloo do not care."""
+    old = Place.from_json('{"host": "boot-a/ipc:1", "name": "t", "gpu": "GPU-0", "pid": 1, "pid_ns": 1}')
+    new = Place(host=HOST_A, name="server", gpu="GPU-0", pid=2, pid_ns=1, ipc_wire=2)
+    with pytest.raises(PlacementError, match="same rewardplane version") as err:
+        choose_transport("auto", [new, old])
+    assert "rank 0: 2" in str(err.value) and "rank 1: 1" in str(err.value)
+    assert (
+        choose_transport(
+            "auto", [new, Place(host=HOST_A, name="t", gpu="GPU-0", pid=1, pid_ns=1, ipc_wire=2)]
+        )
+        == "ipc"
+    )
+    assert (
+        choose_transport("auto", [Place(host=HOST_A, name="t", gpu="GPU-1", pid=1, pid_ns=1), new]) == "nccl"
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rewardplane.transport.same_host import _flat_bytes
+from rewardplane.transport.same_host_memory import flat_bytes as _flat_bytes
 
 
 def test_contiguous_flat_bytes_are_sent_as_they_are() -> None:

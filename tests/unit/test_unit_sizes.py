@@ -20,7 +20,6 @@ CLASS_LIMIT = 350
 CLASSES_BEING_SPLIT: dict[str, int] = {
     "rewardplane.operator.weightsync_driver.WeightSyncDriver": 450,
     "rewardplane.sdk.push.wire.operator.OperatorPush": 415,
-    "rewardplane.transport.same_host.SameHostCommunicator": 400,  # with its base, Communicator
 }
 
 

@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from .comm import Backend
+from .same_host_memory import WIRE_VERSION
 
 Transport = Literal["nccl", "gloo", "ipc"]
 
@@ -45,6 +46,8 @@ class Place:
     # The transport this rank was asked for. One rank's request holds for the whole group: a
     # trainer asking for ``ipc`` through the operator meets replicas that were asked for nothing.
     asked: str = "auto"
+    # The same-host transport's message version this rank speaks (a peer from before it had one: 1).
+    ipc_wire: int = 1
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -89,6 +92,7 @@ def local_place(device: torch.device, asked: Backend = "auto") -> Place:
         pid=os.getpid(),
         pid_ns=_ns_inode("pid"),
         asked=asked,
+        ipc_wire=WIRE_VERSION,
     )
 
 
@@ -137,7 +141,7 @@ def choose_transport(requested: Backend, places: list[Place]) -> Transport:
                 f"IPC namespace, but they are in {len(hosts)} ({_where(places)}); use backend nccl (or auto) "
                 f"between nodes. If they are on one node, {POD_FIELD_HINT}"
             )
-        return "ipc"
+        return _same_wire(places)
     if requested == "nccl":
         if not on_gpu:
             raise PlacementError(
@@ -156,8 +160,21 @@ def choose_transport(requested: Backend, places: list[Place]) -> Transport:
         return "gloo"
     if shared:
         _refuse_split(places, shared[0])
-        return "ipc"
+        return _same_wire(places)
     return "nccl" if on_gpu else "gloo"
+
+
+def _same_wire(places: list[Place]) -> Transport:
+    """``ipc``, where every rank speaks the same version of its messages: ranks that do not would
+    each wait for store keys the other never writes."""
+    wires = {r: p.ipc_wire for r, p in enumerate(places)}
+    if len(set(wires.values())) > 1:
+        by_rank = ", ".join(f"rank {r}: {w}" for r, w in sorted(wires.items()))
+        raise PlacementError(
+            f"the ranks speak different versions of the same-host transport ({by_rank}): install the "
+            "same rewardplane version on the trainer and in the reward server image"
+        )
+    return "ipc"
 
 
 def _where(places: list[Place]) -> str:

@@ -22,18 +22,18 @@ The sender's broadcasts return once every receiver acknowledged its copy (``sync
 each broadcast on CPU); every wait is bounded by the group's timeout, and a peer process that is
 gone is noticed at once (its pid, where both share a pid namespace; the trainer's store, which
 every server reaches, otherwise).
+
+The receiving side is ``same_host_receiver``; the store messages and the shared memory both sides
+use are ``same_host_memory``'s.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
-import tempfile
 import time
 import uuid
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,13 +42,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .buckets import as_bytes
 from .comm import SPIN_S, Communicator, CommunicatorError
-from .placement import POD_FIELD_HINT, Place
+from .placement import Place
+from .same_host_memory import (
+    MESSAGE_RING,
+    SHM_DIR,
+    Entry,
+    ack_key,
+    aligned,
+    alive,
+    create_for_readers,
+    encode,
+    flat_bytes,
+    message_key,
+    unlink,
+)
+from .same_host_receiver import SameHostReceiver
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+__all__ = ["SHM_DIR", "SameHostCommunicator", "flat_bytes"]
+
 # How often a long wait looks whether the peer it waits for still runs (seconds).
 LIVENESS_S = 0.05
 
@@ -59,10 +73,10 @@ class _Export:
 
     key: str  # short: it travels with every tensor read from here
     storage: weakref.ref[torch.UntypedStorage]
-    source: tuple[Any, ...]  # what a receiver needs to open it (``_open``): sent the first time only
+    source: tuple[Any, ...]  # what a receiver needs to open it: sent the first time only
     sent: bool = False
 
-    def entry(self, offset: int, nbytes: int) -> tuple[str, tuple[Any, ...], int, int]:
+    def entry(self, offset: int, nbytes: int) -> Entry:
         source, self.sent = (() if self.sent else self.source), True
         return self.key, source, offset, nbytes
 
@@ -78,48 +92,24 @@ class _Slot:
 
 
 @dataclass
-class _Pending:
-    seq: int
-    roots: list[int]
-    done: torch.cuda.Event | None = None
+class _Exports:
+    """What a sending rank shares: its exported storages and staging ring."""
 
-
-@dataclass
-class _Side:
-    """What one process holds of a group: the sender's exports and ring, the receiver's opens."""
-
-    exports: dict[int, _Export] = field(default_factory=dict)  # by storage data_ptr
+    by_ptr: dict[int, _Export] = field(default_factory=dict)  # by storage data_ptr
     # storages of the previous push and of this one, by weak reference: one alive in both is stable
     known: dict[int, weakref.ref[torch.UntypedStorage]] = field(default_factory=dict)
     seen: dict[int, weakref.ref[torch.UntypedStorage]] = field(default_factory=dict)
     ring: list[_Slot | None] = field(default_factory=lambda: [None, None])
-    opened: dict[str, torch.Tensor] = field(default_factory=dict)  # by key, flat uint8
-    views: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # (key, offset, bytes)
-    released: list[str] = field(default_factory=list)  # sender: keys the receivers are to close
-
-
-def _create_for_readers(path: str, nbytes: int) -> torch.Tensor:
-    """A new shared file for the trainer to write: torch creates it 0600, and the receivers (a
-    server may run as another user) need to read it."""
-    buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    os.chmod(path, 0o644)
-    return buf
-
-
-def _map_for_reading(path: str, nbytes: int) -> torch.Tensor:
-    """The trainer's file mapped shared and read-only: a receiver needs no write permission on it,
-    and sees every bucket the trainer writes into it later."""
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), nbytes, prot=mmap.PROT_READ)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "not writable": this side only copies out
-        return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes)  # keeps `mapped` alive
+    released: list[str] = field(default_factory=list)  # keys the receivers are to close
+    unacked: list[int] = field(default_factory=list)  # broadcasts published, not known copied by all
+    acked: int = 0  # of this rank's broadcasts, how many every receiver copied
 
 
 class SameHostCommunicator(Communicator):
     """A push group whose ranks share one host (see the module's docstring). It keeps
     ``Communicator``'s interface: ``broadcast``, ``broadcast_group``, ``max_flag``, ``synchronize``,
-    ``wait_event``, ``close``; point-to-point ``exchange`` is not offered (sliced pushes broadcast)."""
+    ``wait_event``, ``close``; point-to-point ``exchange`` is not offered (sliced pushes broadcast).
+    A receiving rank's copies are its ``SameHostReceiver``'s."""
 
     def __init__(
         self,
@@ -136,16 +126,21 @@ class SameHostCommunicator(Communicator):
         self._join(store, rank, world_size, device, timeout_s, group_id, senders)
         self.backend = "ipc"
         self.group_id = group_id
-        self._places = list(places)
         me = places[rank]
         # peers whose pid this process can look at (one pid namespace)
         self._pids = {r: p.pid for r, p in enumerate(places) if r != rank and p.pid_ns == me.pid_ns}
         self._seq = 0  # broadcasts so far: every rank makes the same calls in the same order
         self._flags = 0
         self._moved = False  # a broadcast since the last end of a push
-        self._pending: list[_Pending] = []  # receiver: copies not acknowledged yet
-        self._unacked: list[int] = []  # sender: broadcasts whose acknowledgements are due
-        self._side = _Side()
+        self._exports = _Exports()
+        self.receiver = SameHostReceiver(
+            self.store,
+            rank=rank,
+            device=self.device,
+            places=places,
+            wait=self._poll,
+            wait_event=self.wait_event,
+        )
         self._token = uuid.uuid4().hex[:8]
         self._keys = 0  # exports made: each gets a key of its own
 
@@ -162,13 +157,13 @@ class SameHostCommunicator(Communicator):
             try:
                 if ready():
                     return
+                self.receiver.acknowledge(block=False)
             except dist.DistNetworkError as exc:
                 self.abort()
                 raise CommunicatorError(
                     f"{what} failed on rank {self.rank}: the trainer's store is gone ({exc}); the trainer "
                     "probably died. The group was aborted; form a new one for the next push"
                 ) from exc
-            self._acknowledge(block=False)
             now = time.monotonic()
             if now > deadline:
                 self.abort()
@@ -178,7 +173,7 @@ class SameHostCommunicator(Communicator):
                 )
             if now - looked > LIVENESS_S:
                 looked = now
-                gone = [r for r in watch if not _alive(self._pids.get(r))]
+                gone = [r for r in watch if not alive(self._pids.get(r))]
                 if gone:
                     self.abort()
                     raise CommunicatorError(
@@ -190,12 +185,6 @@ class SameHostCommunicator(Communicator):
                 continue
             time.sleep(delay)
             delay = min(delay * 2, 5e-5 if now - start < 0.05 else 1e-3)
-
-    def _count(self, key: str, want: int) -> Callable[[], bool]:
-        return lambda: int(self.store.add(key, 0)) >= want
-
-    def _has(self, key: str) -> Callable[[], bool]:
-        return lambda: bool(self.store.check([key]))
 
     # ---- broadcasts ---------------------------------------------------------------------------
 
@@ -213,21 +202,18 @@ class SameHostCommunicator(Communicator):
         seq, self._seq = self._seq, self._seq + 1
         self._moved = True
         senders = sorted(set(roots))
-        if self.rank >= self.first_sender:
-            if self.rank in senders:
-                mine = [t for t, r in zip(tensors, roots, strict=True) if r == self.rank]
-                self._publish(seq, mine)
-                self._unacked.append(seq)
-                if self.device.type != "cuda":
-                    self._await_acks()
-            return
-        self._receive(seq, tensors, roots, senders)
+        if self.rank < self.first_sender:
+            self.receiver.receive(seq, tensors, roots, senders)
+        elif self.rank in senders:
+            self._publish(seq, [t for t, r in zip(tensors, roots, strict=True) if r == self.rank])
+            if self.device.type != "cuda":
+                self._await_acks()
 
     def _publish(self, seq: int, tensors: Sequence[torch.Tensor]) -> None:
-        entries: list[tuple[str, tuple[Any, ...], int, int]] = []
+        entries: list[Entry] = []
         staged: list[tuple[int, torch.Tensor]] = []  # (position, tensor) copied into the ring
         for pos, typed in enumerate(tensors):
-            t = _flat_bytes(typed)
+            t = flat_bytes(typed)
             if t.numel() == 0:
                 entries.append(("", (), 0, 0))
                 continue
@@ -238,201 +224,106 @@ class SameHostCommunicator(Communicator):
                 continue
             entries.append(export.entry(int(t.storage_offset()), t.numel()))
         if staged:
-            slot = self._slot(seq, sum(_aligned(t.numel()) for _, t in staged))
+            slot = self._slot(seq, sum(aligned(t.numel()) for _, t in staged))
             at = 0
             for pos, t in staged:
                 slot.buf[at : at + t.numel()].copy_(t, non_blocking=True)
                 entries[pos] = slot.export.entry(at, t.numel())
-                at += _aligned(t.numel())
+                at += aligned(t.numel())
         if self.device.type == "cuda":
             # the receivers read this memory from another process: what wrote it (the trainer's
             # step, the ring copies) must be done first
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.device))
             self.wait_event(done)
-        self.store.set(f"d/{seq}/{self.rank}", _encode(entries))
+        unacked = self._exports.unacked
+        if unacked and unacked[0] <= seq - MESSAGE_RING:  # its message key is still being read
+            self._await_acks(upto=seq - MESSAGE_RING)
+        self.store.set(message_key(seq, self.rank), encode(seq, entries))
+        unacked.append(seq)
 
     def _direct(self, t: torch.Tensor) -> _Export | None:
         """The export to read ``t`` from where it is, or None: through the ring (its storage is new
         since the previous push, so it may be gone by the next)."""
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        side = self._side
-        export = side.exports.get(ptr)
+        ex = self._exports
+        export = ex.by_ptr.get(ptr)
         if export is not None and export.storage() is storage:
             return export
-        before = side.known.get(ptr)
+        before = ex.known.get(ptr)
         if before is None or before() is not storage:
-            side.seen[ptr] = weakref.ref(storage)
+            ex.seen[ptr] = weakref.ref(storage)
             return None
-        export = self._export(storage)
-        side.exports[ptr] = export
+        export = ex.by_ptr[ptr] = self._export(storage, ("cuda", *storage._share_cuda_()))
         return export
 
-    def _export(self, storage: torch.UntypedStorage) -> _Export:
-        if storage.device.type == "cuda":
-            source: tuple[Any, ...] = ("cuda", *storage._share_cuda_())
-        else:
-            raise AssertionError("CPU storages are staged, never exported")
-        return _Export(key=self._new_key(), storage=weakref.ref(storage), source=source)
-
-    def _new_key(self) -> str:
+    def _export(self, storage: torch.UntypedStorage, source: tuple[Any, ...]) -> _Export:
         self._keys += 1
-        return f"{self.rank}.{self._keys}"
+        return _Export(key=f"{self.rank}.{self._keys}", storage=weakref.ref(storage), source=source)
 
     def _slot(self, seq: int, nbytes: int) -> _Slot:
         """The staging buffer for broadcast ``seq``: the one two broadcasts back, once its
         receivers acknowledged it; made (or grown) when too small."""
         i = seq % 2
-        side = self._side
-        slot = side.ring[i]
+        ring = self._exports.ring
+        slot = ring[i]
         if slot is not None and slot.busy_seq >= 0:
             self._await_acks(upto=slot.busy_seq)
         if slot is None or slot.buf.numel() < nbytes:
             if slot is not None:
                 self._drop_slot(i)
-            slot = side.ring[i] = self._new_slot(nbytes)
+            slot = ring[i] = self._new_slot(nbytes)
         slot.busy_seq = seq
         return slot
 
     def _new_slot(self, nbytes: int) -> _Slot:
         if self.device.type == "cuda":
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            return _Slot(buf=buf, export=self._export(buf.untyped_storage()))
+            storage = buf.untyped_storage()
+            return _Slot(buf=buf, export=self._export(storage, ("cuda", *storage._share_cuda_())))
         path = os.path.join(SHM_DIR, f"rewardplane-{self.group_id}-{self._token}-{uuid.uuid4().hex[:8]}")
-        buf = _create_for_readers(path, nbytes)
-        source = ("shm", path, nbytes)
-        export = _Export(key=self._new_key(), storage=weakref.ref(buf.untyped_storage()), source=source)
-        return _Slot(buf=buf, export=export, path=path)
+        buf = create_for_readers(path, nbytes)
+        return _Slot(buf=buf, export=self._export(buf.untyped_storage(), ("shm", path, nbytes)), path=path)
 
     def _drop_slot(self, i: int) -> None:
-        slot = self._side.ring[i]
-        self._side.ring[i] = None
+        slot = self._exports.ring[i]
+        self._exports.ring[i] = None
         if slot is None:
             return
-        self._side.released.append(slot.export.key)
+        self._exports.released.append(slot.export.key)
         if slot.path is not None:
-            _unlink(slot.path)
+            unlink(slot.path)
 
     def _await_acks(self, upto: int | None = None) -> None:
-        """Sender: wait (bounded) until every receiver acknowledged the broadcasts up to ``upto``
-        (all outstanding ones by default)."""
+        """Sender: wait (bounded) until every receiver copied this rank's broadcasts up to ``upto``
+        (all published ones by default): one read of each receiver's counter per look."""
+        ex = self._exports
+        count = len(ex.unacked) if upto is None else sum(1 for s in ex.unacked if s <= upto)
+        if not count:
+            return
+        need = ex.acked + count
         receivers = list(range(self.first_sender))
-        while self._unacked and (upto is None or self._unacked[0] <= upto):
-            seq = self._unacked[0]
-            key = f"a/{seq}/{self.rank}"
-            self._poll(self._count(key, len(receivers)), "waiting for the receivers' copies", receivers)
-            self._unacked.pop(0)
-            self.store.delete_key(key)
-            self.store.delete_key(f"d/{seq}/{self.rank}")
-            for slot in self._side.ring:  # a CPU buffer's file goes once every receiver mapped it
-                if slot is not None and slot.path is not None and slot.busy_seq <= seq:
-                    _unlink(slot.path)
-                    slot.path = None
-
-    def _receive(
-        self, seq: int, tensors: Sequence[torch.Tensor], roots: list[int], senders: list[int]
-    ) -> None:
-        for root in senders:
-            key = f"d/{seq}/{root}"
-            self._poll(self._has(key), "waiting for the trainer's tensors", [root])
-            entries = _decode(self.store.get(key))
-            targets = [t for t, r in zip(tensors, roots, strict=True) if r == root]
-            if len(entries) != len(targets):
-                raise CommunicatorError(
-                    f"rank {root} sent {len(entries)} tensors where rank {self.rank} expected {len(targets)}: "
-                    "the two sides disagree on the layout"
-                )
-            views = self._side.views
-            for target, (key_, source, offset, nbytes) in zip(targets, entries, strict=True):
-                dst = (
-                    target
-                    if target.dtype is torch.uint8 and target.dim() == 1
-                    else target.view(-1).view(torch.uint8)
-                )
-                if dst.numel() != nbytes:
-                    raise CommunicatorError(
-                        f"rank {root} sent {nbytes} bytes for a {dst.numel()}-byte tensor: the two sides "
-                        "disagree on the layout"
-                    )
-                if not nbytes:
-                    continue
-                src = views.get((key_, offset, nbytes))
-                if src is None:  # made once per tensor of a layout, not on every push
-                    src = views[(key_, offset, nbytes)] = self._open(key_, source, root)[
-                        offset : offset + nbytes
-                    ]
-                dst.copy_(src, non_blocking=True)
-        pending = _Pending(seq, senders)
-        if self.device.type == "cuda":
-            pending.done = torch.cuda.Event()
-            pending.done.record(torch.cuda.current_stream(self.device))
-            self._pending.append(pending)
-            self._acknowledge(block=False)
-        else:
-            self._ack(pending)
-
-    def _open(self, key: str, source: tuple[Any, ...], root: int) -> torch.Tensor:
-        side = self._side
-        opened = side.opened.get(key)
-        if opened is not None:
-            return opened
-        if not source:
-            raise CommunicatorError(
-                f"rank {root} read from memory {key} that rank {self.rank} never opened: the two sides "
-                "disagree on what is shared; form a new group"
-            )
-        try:
-            if source[0] == "cuda":
-                # the sender's device index is in its own numbering (CUDA_VISIBLE_DEVICES may differ)
-                storage = torch.UntypedStorage._new_shared_cuda(self._local_index(root), *source[2:])
-                opened = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            else:
-                _, path, nbytes = source
-                if not os.path.isfile(path):  # never create it: it must be the trainer's
-                    raise FileNotFoundError(f"{path} does not exist here")
-                opened = _map_for_reading(path, nbytes)
-        except Exception as exc:
-            raise CommunicatorError(
-                f"rank {self.rank} could not open the trainer's memory ({type(exc).__name__}: {exc}); "
-                f"{POD_FIELD_HINT}"
-            ) from exc
-        side.opened[key] = opened
-        return opened
-
-    def _local_index(self, root: int) -> int:
-        gpu = self._places[root].gpu
-        if gpu == self._places[self.rank].gpu:
-            return int(self.device.index or 0)
-        for i in range(torch.cuda.device_count()):
-            if str(torch.cuda.get_device_properties(i).uuid) == gpu:
-                return i
-        raise CommunicatorError(
-            f"rank {root}'s GPU {gpu} is not visible to rank {self.rank} (CUDA_VISIBLE_DEVICES): a receiver "
-            "opens the trainer's memory on the trainer's GPU"
+        keys = [ack_key(self.rank, r) for r in receivers]
+        self._poll(
+            lambda: all(int(self.store.add(k, 0)) >= need for k in keys),
+            "waiting for the receivers' copies",
+            receivers,
         )
-
-    def _ack(self, pending: _Pending) -> None:
-        for root in pending.roots:
-            self.store.add(f"a/{pending.seq}/{root}", 1)
-
-    def _acknowledge(self, block: bool) -> None:
-        """Receiver: acknowledge every broadcast whose copies finished (``block``: all, waiting
-        for the GPU within the timeout)."""
-        while self._pending:
-            done = self._pending[0].done
-            if done is not None and not done.query():
-                if not block:
-                    return
-                self.wait_event(done)
-            self._ack(self._pending.pop(0))
+        last = ex.unacked[count - 1]
+        del ex.unacked[:count]
+        ex.acked = need
+        for slot in ex.ring:  # a CPU buffer's file goes once every receiver mapped it
+            if slot is not None and slot.path is not None and slot.busy_seq <= last:
+                unlink(slot.path)
+                slot.path = None
 
     # ---- the rest of the interface ------------------------------------------------------------
 
     def synchronize(self) -> None:
         """Receiver: its copies are done and acknowledged; sender: every receiver's are."""
         self._check_open()
-        self._acknowledge(block=True)
+        self.receiver.acknowledge(block=True)
         self._await_acks()
 
     def max_flag(self, value: int) -> int:
@@ -444,7 +335,7 @@ class SameHostCommunicator(Communicator):
             self._end_push()
         n, self._flags = self._flags, self._flags + 1
         self.flag_calling = time.monotonic()
-        released, self._side.released = self._side.released, []
+        released, self._exports.released = self._exports.released, []
         # what the receivers are to close rides on this sender's flag: no extra round trip
         self.store.set(f"f/{n}/{self.rank}", f"{value}|{json.dumps(released)}" if released else str(value))
         self.flag_enqueued = time.monotonic()
@@ -463,10 +354,7 @@ class SameHostCommunicator(Communicator):
             flag, _, closing = v.partition("|")
             values.append(int(flag))
             if closing and self.rank < self.first_sender:
-                closed = set(json.loads(closing))
-                for key in closed:
-                    self._side.opened.pop(key, None)  # closes the handle (or unmaps the file)
-                self._side.views = {k: v for k, v in self._side.views.items() if k[0] not in closed}
+                self.receiver.close(json.loads(closing))
         if n >= 2:  # every rank read round n-2 before it wrote round n-1, which this one read
             self.store.delete_key(f"f/{n - 2}/{self.rank}")
         return max(values)
@@ -476,12 +364,12 @@ class SameHostCommunicator(Communicator):
         at this reduction; until then the driver keeps their memory), and the storages staged in
         this push that are still alive at the next are read in place from then on."""
         self._moved = False
-        side = self._side
+        ex = self._exports
         if self.rank < self.first_sender:
             return
-        for ptr in [p for p, e in side.exports.items() if e.storage() is None]:
-            side.released.append(side.exports.pop(ptr).key)
-        side.known, side.seen = {p: r for p, r in side.seen.items() if r() is not None}, {}
+        for ptr in [p for p, e in ex.by_ptr.items() if e.storage() is None]:
+            ex.released.append(ex.by_ptr.pop(ptr).key)
+        ex.known, ex.seen = {p: r for p, r in ex.seen.items() if r() is not None}, {}
         if self.device.type == "cuda":
             torch.cuda.ipc_collect()  # storages freed by the trainer that the receivers released
 
@@ -508,56 +396,8 @@ class SameHostCommunicator(Communicator):
         self.abort()
 
     def _release(self) -> Any:
-        for i in range(len(self._side.ring)):
+        for i in range(len(self._exports.ring)):
             self._drop_slot(i)
-        self._side = _Side()
-        self._pending.clear()
-        self._unacked.clear()
+        self._exports = _Exports()
+        self.receiver.release()
         return None
-
-
-def _encode(entries: list[tuple[str, tuple[Any, ...], int, int]]) -> str:
-    """JSON (the store is reachable from the network: nothing executable), handles as hex."""
-
-    def plain(v: Any) -> Any:
-        return {"hex": v.hex()} if isinstance(v, bytes) else v
-
-    return json.dumps([[key, [plain(v) for v in source], off, n] for key, source, off, n in entries])
-
-
-def _decode(raw: bytes) -> list[tuple[str, tuple[Any, ...], int, int]]:
-    def typed(v: Any) -> Any:
-        return bytes.fromhex(v["hex"]) if isinstance(v, dict) else v
-
-    return [(key, tuple(typed(v) for v in source), off, n) for key, source, off, n in json.loads(raw)]
-
-
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes, flat. The wire hands flat bytes already, which need no new view (a push's CPU
-    time is per tensor, and here it is not hidden behind a link); contiguous ones only: an export is
-    read as bytes [offset, offset + numel) of its storage, which a strided view's bytes are not."""
-    return t if t.dtype is torch.uint8 and t.dim() == 1 and t.is_contiguous() else as_bytes(t)
-
-
-def _aligned(n: int) -> int:
-    return (n + 255) // 256 * 256
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _alive(pid: int | None) -> bool:
-    """False only when ``pid`` surely exited (gone, or a zombie not reaped yet)."""
-    if pid is None:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True

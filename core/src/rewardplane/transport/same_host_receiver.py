@@ -1,0 +1,186 @@
+"""The receiving side of the same-host transport: read where the trainer's tensors are, open that
+memory once, copy each tensor straight into its target, and acknowledge the copies.
+
+A trainer pushes the same layout again and again, and its message for a bucket is then the same
+bytes every time: the source views a message names are made once and kept by the message's bytes,
+so a repeat push costs one store read and one ``copy_`` per tensor. They go when any memory they
+read from is closed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import CommunicatorError
+from .placement import POD_FIELD_HINT, Place
+from .same_host_memory import MESSAGE_RING, ack_key, decode, map_for_reading, message_key
+
+# (until this is true, what the wait is for, the ranks whose exit ends it at once): the group's bounded wait
+Wait = Callable[[Callable[[], bool], str, Sequence[int]], None]
+# Source views kept for this many distinct messages at most (a layout has one per bucket).
+KEPT_MESSAGES = 4096
+
+
+@dataclass
+class _Pending:
+    roots: list[int]  # whose broadcast it copied
+    done: torch.cuda.Event | None = None  # CUDA: when the copies are done
+
+
+class SameHostReceiver:
+    """One receiving rank's side of a same-host group."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        rank: int,
+        device: torch.device,
+        places: Sequence[Place],
+        wait: Wait,
+        wait_event: Callable[[torch.cuda.Event], None],
+    ) -> None:
+        self.store, self.rank, self.device = store, rank, device
+        self._places = list(places)
+        self._wait, self._wait_event = wait, wait_event
+        self.opened: dict[str, torch.Tensor] = {}  # the trainer's memory, by key, flat uint8
+        self._sources: dict[tuple[int, bytes], list[torch.Tensor | None]] = {}  # (root, message) -> views
+        self._written: set[tuple[int, int]] = set()  # (root, ring slot): message keys that exist
+        self._pending: list[_Pending] = []  # copies not acknowledged yet
+
+    def receive(
+        self, seq: int, tensors: Sequence[torch.Tensor], roots: list[int], senders: list[int]
+    ) -> None:
+        """Copy broadcast ``seq``'s tensors into ``tensors`` (CUDA: enqueued on the current stream)."""
+        for root in senders:
+            sources = self._sources_of(root, self._message(seq, root))
+            targets = [t for t, r in zip(tensors, roots, strict=True) if r == root]
+            if len(sources) != len(targets):
+                raise CommunicatorError(
+                    f"rank {root} sent {len(sources)} tensors where rank {self.rank} expected {len(targets)}: "
+                    "the two sides disagree on the layout"
+                )
+            for target, src in zip(targets, sources, strict=True):
+                dst = (
+                    target
+                    if target.dtype is torch.uint8 and target.dim() == 1
+                    else target.view(-1).view(torch.uint8)
+                )
+                nbytes = 0 if src is None else src.numel()
+                if dst.numel() != nbytes:
+                    raise CommunicatorError(
+                        f"rank {root} sent {nbytes} bytes for a {dst.numel()}-byte tensor: the two sides "
+                        "disagree on the layout"
+                    )
+                if src is not None:
+                    dst.copy_(src, non_blocking=True)
+        pending = _Pending(senders)
+        if self.device.type == "cuda":
+            pending.done = torch.cuda.Event()
+            pending.done.record(torch.cuda.current_stream(self.device))
+            self._pending.append(pending)
+            self.acknowledge(block=False)
+        else:
+            self._pending.append(pending)
+            self.acknowledge(block=True)
+
+    def _message(self, seq: int, root: int) -> bytes:
+        """The body of ``root``'s message for broadcast ``seq``, once it is there (bounded)."""
+        key, slot, prefix = message_key(seq, root), (root, seq % MESSAGE_RING), f"{seq}|".encode()
+        got: list[bytes] = []
+
+        def ready() -> bool:
+            if slot not in self._written:  # a get of a key never written would block
+                if not self.store.check([key]):
+                    return False
+                self._written.add(slot)
+            raw = bytes(self.store.get(key))
+            if not raw.startswith(prefix):  # still the broadcast MESSAGE_RING before this one
+                return False
+            got.append(raw[len(prefix) :])
+            return True
+
+        self._wait(ready, "waiting for the trainer's tensors", [root])
+        return got[0]
+
+    def _sources_of(self, root: int, body: bytes) -> list[torch.Tensor | None]:
+        kept = self._sources.get((root, body))
+        if kept is not None:
+            return kept
+        sources: list[torch.Tensor | None] = []
+        for key, source, offset, nbytes in decode(body):
+            sources.append(self._open(key, source, root)[offset : offset + nbytes] if nbytes else None)
+        if len(self._sources) >= KEPT_MESSAGES:
+            self._sources.clear()
+        self._sources[(root, body)] = sources
+        return sources
+
+    def _open(self, key: str, source: tuple, root: int) -> torch.Tensor:
+        opened = self.opened.get(key)
+        if opened is not None:
+            return opened
+        if not source:
+            raise CommunicatorError(
+                f"rank {root} read from memory {key} that rank {self.rank} never opened: the two sides "
+                "disagree on what is shared; form a new group"
+            )
+        try:
+            if source[0] == "cuda":
+                # the sender's device index is in its own numbering (CUDA_VISIBLE_DEVICES may differ)
+                storage = torch.UntypedStorage._new_shared_cuda(self._local_index(root), *source[2:])
+                opened = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            else:
+                _, path, nbytes = source
+                if not os.path.isfile(path):  # never create it: it must be the trainer's
+                    raise FileNotFoundError(f"{path} does not exist here")
+                opened = map_for_reading(path, nbytes)
+        except Exception as exc:
+            raise CommunicatorError(
+                f"rank {self.rank} could not open the trainer's memory ({type(exc).__name__}: {exc}); "
+                f"{POD_FIELD_HINT}"
+            ) from exc
+        self.opened[key] = opened
+        return opened
+
+    def _local_index(self, root: int) -> int:
+        gpu = self._places[root].gpu
+        if gpu == self._places[self.rank].gpu:
+            return int(self.device.index or 0)
+        for i in range(torch.cuda.device_count()):
+            if str(torch.cuda.get_device_properties(i).uuid) == gpu:
+                return i
+        raise CommunicatorError(
+            f"rank {root}'s GPU {gpu} is not visible to rank {self.rank} (CUDA_VISIBLE_DEVICES): a receiver "
+            "opens the trainer's memory on the trainer's GPU"
+        )
+
+    def acknowledge(self, block: bool) -> None:
+        """Acknowledge every broadcast whose copies finished, one increment per sender (``block``:
+        all of them, waiting for the GPU within the timeout)."""
+        done: Counter[int] = Counter()
+        while self._pending:
+            event = self._pending[0].done
+            if event is not None and not event.query():
+                if not block:
+                    break
+                self._wait_event(event)
+            done.update(self._pending.pop(0).roots)
+        for root, n in done.items():
+            self.store.add(ack_key(root, self.rank), n)
+
+    def close(self, keys: Sequence[str]) -> None:
+        """The trainer released this memory: close it (its handle, or the mapped file)."""
+        for key in keys:
+            self.opened.pop(key, None)
+        self._sources.clear()  # kept views would hold the closed memory open
+
+    def release(self) -> None:
+        self.opened.clear()
+        self._sources.clear()
+        self._pending.clear()
