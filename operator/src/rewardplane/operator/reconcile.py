@@ -25,7 +25,7 @@ from rewardplane.protocol import AdmissionRequest, settings
 
 from . import metrics
 from .children import Children
-from .cluster import ApiCluster, ClusterReader, plain
+from .cluster import ApiCluster, ClusterReader, Key, plain
 from .coalesce import Coalescer
 from .conditions import compute_status
 from .ownership import of_model
@@ -49,7 +49,6 @@ log = logging.getLogger("rewardplane.operator")
 # sends no further event until it is Ready, which needs the admission).
 ADMISSION_RETRY_S = 1.0
 
-Key = tuple[str, str]  # (namespace, name)
 Later = Callable[[float, Callable[[], None]], None]
 
 
