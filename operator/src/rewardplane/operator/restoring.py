@@ -34,7 +34,7 @@ log = logging.getLogger("rewardplane.operator")
 RESTORE_TIMEOUT_S = 300.0  # loading saved weights from disk, or receiving them from a peer
 PEER_RETRY_S = 5.0  # after a peer restore could not start (the source was busy, a call failed)
 
-Later = Callable[[float, Callable[[], None]], None]
+Later = Callable[[float, Callable[[], None]], None]  # run the work after a delay (s): a timer
 
 
 class Restorer:
