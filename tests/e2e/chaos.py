@@ -117,6 +117,7 @@ class TrainerHold:
         at_request: Callable[[], None] | None = None,
         timeout_s: float = 120,
     ) -> None:
+        from rewardplane.sdk.push.wire.objects import PushObjects
         from rewardplane.sdk.push.wire.operator import OperatorPush
 
         self.reached = threading.Event()
@@ -124,14 +125,14 @@ class TrainerHold:
         self._armed = True
         self._timeout_s = timeout_s
         if step == "request":
-            request = OperatorPush.request_push
+            request = PushObjects.request_push
 
-            def requested(this: OperatorPush, spec: dict[str, Any]) -> int:
+            def requested(this: PushObjects, spec: dict[str, Any]) -> int:
                 if self._take() and at_request is not None:
                     at_request()
                 return request(this, spec)
 
-            monkeypatch.setattr(OperatorPush, "request_push", requested)
+            monkeypatch.setattr(PushObjects, "request_push", requested)
         elif step == "join":
             join = OperatorPush.join_group
 

@@ -315,18 +315,18 @@ def test_cluster_push_end_to_end(
         metadata, _ = handle.prepare(delta_model.state_dict(), RewardModelTrainingMode.FULL)
         store = create_store("127.0.0.1", 0, is_master=True, world_size=None, timeout_s=120)
         try:
-            spec = pusher.push_spec(
+            spec = pusher.objects.push_spec(
                 8,
                 RewardModelTrainingMode.FULL,
                 host="127.0.0.1",
                 port=int(store.port),
-                manifest=pusher.store_manifest(metadata),
+                manifest=pusher.objects.store_manifest(metadata),
                 bucket_bytes=1 << 16,
                 timeout_s=120,  # the replicas' joins would wait this long
                 adapter=None,
                 base_version=5,
             )
-            generation = pusher.request_push(spec)
+            generation = pusher.objects.request_push(spec)
             refused = wait_for(
                 "the delta push refused",
                 lambda: (

@@ -1,6 +1,7 @@
 """How long the project's units are, read from the source with ``ast``: no class is over
 ``CLASS_LIMIT`` lines, counting the lines of the project's own classes it inherits from (a class
-spread over a chain of bases in other files is read as one). ``benchmarks/`` is left out.
+spread over a chain of bases in other files is read as one), and no function or method over
+``FUNCTION_LIMIT`` lines. ``benchmarks/`` is left out.
 
 The source is indexed once (``project_index``); a check of another kind of unit adds its own
 walk over ``index.modules`` and its own limit."""
@@ -15,12 +16,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE_ROOTS = ["core/src", "sdk/src", "operator/src", "images/reward-server/src", "src"]
 CLASS_LIMIT = 350
+FUNCTION_LIMIT = 100
 # Over the limit today, each split by other work: its size here, so that a class that grows fails
 # and one that shrinks under the limit is taken off this list.
-CLASSES_BEING_SPLIT: dict[str, int] = {
-    "rewardplane.operator.weightsync_driver.WeightSyncDriver": 450,
-    "rewardplane.sdk.push.wire.operator.OperatorPush": 415,
-}
+CLASSES_BEING_SPLIT: dict[str, int] = {}
 
 
 @dataclass
@@ -88,6 +87,50 @@ def project_index() -> Index:
 def classes_over(index: Index, limit: int) -> dict[str, int]:
     sizes = {q: index.inherited_lines(q) for q in index.classes}
     return {q: n for q, n in sizes.items() if n > limit}
+
+
+def functions_over(index: Index, limit: int) -> dict[str, int]:
+    """Every function and method (nested ones too, each measured alone, decorators included) over
+    ``limit`` lines: module.name, or module.Class.name for a method."""
+    over: dict[str, int] = {}
+    for module, tree in index.modules.items():
+        todo: list[tuple[str, ast.AST]] = [(module, tree)]
+        while todo:
+            prefix, node = todo.pop()
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    name = f"{prefix}.{child.name}"
+                    todo.append((name, child))
+                    if isinstance(child, ast.ClassDef):
+                        continue
+                    start = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                    lines = (child.end_lineno or child.lineno) - start + 1
+                    if lines > limit:
+                        over[name] = lines
+                else:
+                    todo.append((prefix, child))
+    return over
+
+
+def test_no_function_is_over_the_limit() -> None:
+    over = functions_over(project_index(), FUNCTION_LIMIT)
+    assert not over, f"functions over {FUNCTION_LIMIT} lines: split them by step: {over}"
+
+
+def test_a_long_function_or_method_is_caught_wherever_it_stands() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(100))
+    method = "\n".join(f"        x{i} = {i}" for i in range(99))
+    index = index_sources(
+        {
+            "pkg.long": f"def long():\n{body}\n\n\ndef short():\n    pass\n",
+            "pkg.cls": f"class C:\n    @property\n    def m(self):\n{method}\n\n    def n(self):\n        pass\n",
+            "pkg.nested": f"def outer():\n    def inner():\n{method}\n\n    return inner\n",
+        }
+    )
+    long = {"pkg.long.long": 101, "pkg.cls.C.m": 101, "pkg.nested.outer": 103}
+    assert functions_over(index, FUNCTION_LIMIT) == long
+    # a nested function is measured alone too (it counts in the one around it as well)
+    assert functions_over(index, FUNCTION_LIMIT - 1) == {**long, "pkg.nested.outer.inner": 100}
 
 
 def test_no_class_is_over_the_limit_counting_what_it_inherits() -> None:

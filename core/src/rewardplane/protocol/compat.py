@@ -42,26 +42,36 @@ def decode_base64_floats(data: str) -> list[float]:
     return list(struct.unpack(f"<{len(raw) // 4}f", raw))
 
 
-class PooledRequest(BaseModel):
-    """Fields common to vLLM's pooling-family requests (classify, pooling, embeddings).
-
-    Either ``input`` (text, texts, token ids) or ``messages`` (one chat, rendered through the
-    model's chat template). ``add_special_tokens`` defaults as in vLLM: true for ``input`` (the
-    tokenizer adds BOS), false for ``messages`` (the template writes its own). The activation is
-    off unless asked for (``use_activation``; older vLLM names ``activation`` and ``softmax``): a
-    reward model's raw score is what RL training uses.
-    """
+class ChatOrText(BaseModel):
+    """vLLM's fields of a request that takes text or one chat (``messages``, rendered through the
+    model's chat template). ``add_special_tokens`` defaults as in vLLM: true for text (the
+    tokenizer adds BOS), false for ``messages`` (the template writes its own)."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    input: PromptInput | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = False
     continue_final_message: StrictBool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def special_tokens(self) -> bool:
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
+
+
+class PooledRequest(ChatOrText):
+    """Fields common to vLLM's pooling-family requests (classify, pooling, embeddings).
+
+    Either ``input`` (text, texts, token ids) or ``messages`` (one chat). The activation is off
+    unless asked for (``use_activation``; older vLLM names ``activation`` and ``softmax``): a
+    reward model's raw score is what RL training uses.
+    """
+
+    input: PromptInput | None = None
     truncate_prompt_tokens: StrictInt | None = Field(
         default=None, description="Keep the last k tokens of each input; -1 = the model's max length."
     )
@@ -96,11 +106,6 @@ class PooledRequest(BaseModel):
             if flag is not None:
                 return flag
         return False
-
-    def special_tokens(self) -> bool:
-        if self.add_special_tokens is not None:
-            return self.add_special_tokens
-        return self.messages is None
 
 
 class ClassifyRequest(PooledRequest):
@@ -182,19 +187,10 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(BaseModel):
-    """``POST /tokenize`` (vLLM): ``prompt`` or ``messages``; defaults as in ``PooledRequest``."""
+class TokenizeRequest(ChatOrText):
+    """``POST /tokenize`` (vLLM): ``prompt`` or ``messages``."""
 
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: StrictBool | None = None
-    add_generation_prompt: StrictBool = False
-    continue_final_message: StrictBool = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: StrictBool = False
 
     @model_validator(mode="after")
@@ -202,11 +198,6 @@ class TokenizeRequest(BaseModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of 'prompt' (text) and 'messages' (a chat)")
         return self
-
-    def special_tokens(self) -> bool:
-        if self.add_special_tokens is not None:
-            return self.add_special_tokens
-        return self.messages is None
 
 
 class TokenizeResponse(BaseModel):

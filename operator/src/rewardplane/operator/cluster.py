@@ -23,7 +23,7 @@ from rewardplane.api.names import LABEL_MODEL, WS_PLURAL
 
 from .planning import NodeInfo, node_info
 
-Key = tuple[str, str]
+Key = tuple[str, str]  # (namespace, name) of a namespaced object: every operator module's key
 
 # The children a reconcile ensures besides Pods, by plural; their indexes are keyed (namespace, name).
 SECRETS, SERVICES, NETWORK_POLICIES = "secrets", "services", "networkpolicies"

@@ -25,7 +25,7 @@ from rewardplane.protocol import AdmissionRequest, settings
 
 from . import metrics
 from .children import Children
-from .cluster import ApiCluster, ClusterReader, plain
+from .cluster import ApiCluster, ClusterReader, Key, plain
 from .coalesce import Coalescer
 from .conditions import compute_status
 from .ownership import of_model
@@ -35,7 +35,7 @@ from .recovery import Identity, ReplicaView, admission_changes, replica_url, sta
 from .render import ANNOTATION_SPEC_HASH, render_children, selector
 from .replicas import HttpReplicas, ReplicaError, Replicas
 from .reporting import StatusWriter, now_rfc3339, post_event
-from .restoring import Restorer
+from .restoring import Later, Restorer
 from .retire import Retirement
 from .rollout import pod_actions
 from .status import Event, ProbeResult
@@ -48,9 +48,6 @@ log = logging.getLogger("rewardplane.operator")
 # A started replica that could not be probed or admitted yet is looked at again this soon (its Pod
 # sends no further event until it is Ready, which needs the admission).
 ADMISSION_RETRY_S = 1.0
-
-Key = tuple[str, str]  # (namespace, name)
-Later = Callable[[float, Callable[[], None]], None]
 
 
 def in_background(delay_s: float, work: Callable[[], None]) -> None:

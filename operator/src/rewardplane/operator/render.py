@@ -273,10 +273,10 @@ def _health_probe(plan: Plan, path: str = Endpoints.HEALTH, **timing: int) -> di
     return {"httpGet": {"path": path, "port": plan.ports.http}, **timing}
 
 
-def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[str, Any]:
-    """The Pod of one replica, placed by the operator itself (``spec.nodeName``: no scheduler needed)."""
-    labels = {**model_labels(plan.name), LABEL_REPLICA: str(replica.index), LABEL_COMPONENT: "reward-server"}
-    model = model_delivery(plan)
+def _server_container(
+    rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan, model: ModelDelivery
+) -> dict[str, Any]:
+    """The reward server's container of one replica: its command, ports, probes and mounts."""
     container: dict[str, Any] = {
         "name": CONTAINER_NAME,
         "image": plan.image,
@@ -320,6 +320,12 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
     resources = _resources(plan, replica)
     if resources:
         container["resources"] = resources
+    return container
+
+
+def _pod_volumes(plan: Plan, model: ModelDelivery, container: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Pod's volumes; the pushed weights' volume, where the spec keeps them, is mounted into
+    ``container`` too."""
     volumes: list[dict[str, Any]] = [
         # Mode 0440 + fsGroup: the non-root server reads the token, nobody else on the node does.
         {"name": TOKEN_VOLUME, "secret": {"secretName": token_secret_name(plan.name), "defaultMode": 0o440}},
@@ -336,6 +342,24 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
         # lives as long as the Pod: a restarted container finds the pushed weights here
         container["volumeMounts"].append({"name": WEIGHTS_VOLUME, "mountPath": POD_COPY_DIR})
         volumes.append({"name": WEIGHTS_VOLUME, "emptyDir": {}})
+    return volumes
+
+
+def _fetch_container(plan: Plan, fetch_spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The init container that downloads the model, with the server's pull policy and scratch."""
+    fetch = dict(fetch_spec, imagePullPolicy=plan.spec.engine.image_pull_policy)
+    # the root filesystem is read-only: the hub client's and Python's temporary files go here
+    fetch["volumeMounts"] = [*fetch["volumeMounts"], {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR}]
+    fetch["env"] = [{"name": "TMPDIR", "value": SCRATCH_DIR}, {"name": "HOME", "value": SCRATCH_DIR}]
+    return fetch
+
+
+def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[str, Any]:
+    """The Pod of one replica, placed by the operator itself (``spec.nodeName``: no scheduler needed)."""
+    labels = {**model_labels(plan.name), LABEL_REPLICA: str(replica.index), LABEL_COMPONENT: "reward-server"}
+    model = model_delivery(plan)
+    container = _server_container(rm, plan, replica, model)
+    volumes = _pod_volumes(plan, model, container)
     pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -367,11 +391,7 @@ def render_pod(rm: Mapping[str, Any], plan: Plan, replica: ReplicaPlan) -> dict[
         },
     }
     if model.fetch is not None:
-        fetch = dict(model.fetch, imagePullPolicy=plan.spec.engine.image_pull_policy)
-        # the root filesystem is read-only: the hub client's and Python's temporary files go here
-        fetch["volumeMounts"] = [*fetch["volumeMounts"], {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR}]
-        fetch["env"] = [{"name": "TMPDIR", "value": SCRATCH_DIR}, {"name": "HOME", "value": SCRATCH_DIR}]
-        pod["spec"]["initContainers"] = [fetch]
+        pod["spec"]["initContainers"] = [_fetch_container(plan, model.fetch)]
     if plan.spec.transport.host_network:
         # the host's NICs and addresses for NCCL; the cluster's DNS stays reachable
         pod["spec"] |= {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}

@@ -18,7 +18,7 @@ from rewardplane.api.names import API_VERSION
 from rewardplane.api.names import RM_KIND as KIND
 
 from . import metrics
-from .cluster import freshest, plain
+from .cluster import Key, freshest, plain
 from .status import Event, transition_events
 
 log = logging.getLogger("rewardplane.operator")
@@ -26,8 +26,6 @@ log = logging.getLogger("rewardplane.operator")
 COMPONENT = "rewardplane-operator"
 EVENT_MESSAGE_LIMIT = 1024  # the API server refuses longer Event messages
 PHASES = ("Pending", "Progressing", "Ready", "Degraded", "Failed")
-
-Key = tuple[str, str]  # (namespace, name)
 
 
 def now_rfc3339() -> str:

@@ -23,6 +23,7 @@ from rewardplane.api.names import ANNOTATION_GROUP_PORT
 from rewardplane.protocol import RestoreWeightsRequest
 
 from . import metrics
+from .cluster import Key
 from .pods import pod_restarts
 from .recovery import Identity, ReplicaView, identity, restore_plan
 from .replicas import Receiver, ReplicaError, Replicas, restore_from_peer
@@ -33,8 +34,7 @@ log = logging.getLogger("rewardplane.operator")
 RESTORE_TIMEOUT_S = 300.0  # loading saved weights from disk, or receiving them from a peer
 PEER_RETRY_S = 5.0  # after a peer restore could not start (the source was busy, a call failed)
 
-Key = tuple[str, str]  # (namespace, name)
-Later = Callable[[float, Callable[[], None]], None]
+Later = Callable[[float, Callable[[], None]], None]  # run the work after a delay (s): a timer
 
 
 class Restorer:

@@ -13,6 +13,7 @@ import httpx
 from rewardplane.api.kube import Kube, KubeError, core_path
 from rewardplane.protocol.model_sources import FETCH_CONTAINER, FetchProgress
 
+from .cluster import Key
 from .pods import downloading, waits_for_mount
 from .status import mount_problem
 
@@ -20,8 +21,6 @@ log = logging.getLogger("rewardplane.operator")
 
 MOUNT_RECHECK_S = 5.0  # a Pod stuck in ContainerCreating: its FailedMount Events are read again
 DOWNLOAD_RECHECK_S = 3.0  # a model download in progress: its log is read again for the status
-
-Key = tuple[str, str]  # (namespace, name)
 
 
 class PodWaits:

@@ -1,5 +1,6 @@
 """Drives WeightSync pushes: reads the cluster, asks the pure ``weightsync`` module what to do, calls
-each replica's control plane (through ``Replicas``) and writes the WeightSync's status.
+each replica's control plane (through its ``PushReplicas``, ``weightsync_replicas``) and writes the
+WeightSync's status.
 
 A push runs in the kopf handler of its WeightSync: kopf handles one object at a time, so a new
 generation arriving during a push is handled right after it, and no thread of our own is needed.
@@ -19,46 +20,19 @@ from typing import Any
 from rewardplane.api import weightsync as wsapi
 from rewardplane.api.kube import Kube, KubeError, core_path, custom_path
 from rewardplane.api.names import TOKEN_KEY, token_secret_name
-from rewardplane.protocol import (
-    STALE_BASE,
-    TRAINER_ABSENT,
-    UPDATE_IN_PROGRESS,
-    InitCommunicatorRequest,
-    ParamMeta,
-    UpdateParamBatchRequest,
-    settings,
-)
+from rewardplane.protocol import STALE_BASE, TRAINER_ABSENT, ParamMeta
 
 from . import weightsync as wsm
+from .cluster import Key
 from .ownership import of_model
-from .pods import pod_ready, replica_index
-from .render import HTTP_PORT_NAME, selector
 from .replicas import HttpReplicas, ReplicaError, Replicas
 from .reporting import now_rfc3339, post_event
 from .status import Event
+from .weightsync_replicas import PushReplicas
 
 log = logging.getLogger("rewardplane.operator.weightsync")
 
-Key = tuple[str, str]
-POLL_S = 0.02
-BUSY_POLL_S = 0.2  # a replica still ending an earlier update: how often to ask again
-MAX_JOIN_S = settings.MAX_JOIN_TIMEOUT_S.default
-
-
-def http_port(pod: Mapping[str, Any]) -> int | None:
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        for port in container.get("ports") or []:
-            if port.get("name") == HTTP_PORT_NAME:
-                return int(port["containerPort"])
-    return None
-
-
-def running(pod: Mapping[str, Any]) -> bool:
-    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-    if meta.get("deletionTimestamp") or not status.get("podIP"):
-        return False
-    states = [c.get("state") or {} for c in status.get("containerStatuses") or []]
-    return pod_ready(pod) or any("running" in s for s in states)
+POLL_S = 0.02  # the replicas' versions during a transfer: how often they are asked
 
 
 def model_token(kube: Kube, ns: str, model: str) -> str:
@@ -74,6 +48,8 @@ def model_token(kube: Kube, ns: str, model: str) -> str:
 
 
 class WeightSyncDriver:
+    """Runs each WeightSync's push, one per model at a time, and writes how it went."""
+
     def __init__(
         self,
         kube: Kube,
@@ -85,14 +61,16 @@ class WeightSyncDriver:
     ) -> None:
         self.kube = kube
         self.on_done = on_done  # (namespace, model): reconcile the RewardModel after a push
-        self.stale_pods = stale_pods or (lambda _key: set())
-        self.replicas: Replicas = replicas or HttpReplicas()
         self._clock = clock
         self._sleep = sleep
         # (namespace, model) → the WeightSync pushing to it: one push per model at a time (a second
         # one would hold the replicas' joins for its whole timeout, blocking the real push)
         self._pushing: dict[Key, str] = {}
         self._guard = threading.Lock()
+        # the replicas' side: candidates, joins, leaving the group, polls during the transfer
+        self.members = PushReplicas(
+            kube, replicas or HttpReplicas(), stale_pods or (lambda _key: set()), clock, sleep
+        )
 
     # ---------------------------------------------------------------- entry point
 
@@ -147,27 +125,7 @@ class WeightSyncDriver:
         except (wsm.WeightSyncRefused, KubeError) as exc:
             log.warning("could not cancel the joins of group %s: %s", group, exc)
             return
-        self._leave_group(str(group), urls, token)
-
-    def _leave_group(self, group: str, urls: Mapping[str, str], token: str) -> None:
-        """Ask each replica (pod → URL) to cancel its join of ``group`` or leave it. Scoped to that
-        group, so a replica that moved on is left alone; one busy with that group's update, or not
-        answering, is skipped: it ends by that push's deadline."""
-        for pod, url in urls.items():
-            try:
-                answer = self.replicas.close_communicator(url, token, group)
-            except ReplicaError as exc:
-                log.info("%s: could not close group %s (%s)", pod, group, exc)
-                continue
-            if answer.cancelled_join is not None:
-                log.info(
-                    "%s: cancelled its join of group %s (pending %.1fs)",
-                    pod,
-                    group,
-                    answer.cancelled_join.pending_s,
-                )
-            elif answer.closed:
-                log.info("%s: left group %s", pod, group)
+        self.members.leave_group(str(group), urls, token)
 
     def _started(self, ws: Mapping[str, Any]) -> float:
         """When the push started, on this driver's clock (from ``status.startedAt``, which survives
@@ -241,38 +199,6 @@ class WeightSyncDriver:
 
     # ---------------------------------------------------------------- the push
 
-    def _candidates(self, rm: Mapping[str, Any]) -> list[wsm.Candidate]:
-        ns, model = rm["metadata"]["namespace"], rm["metadata"]["name"]
-        stale = self.stale_pods((ns, model))
-        out: list[wsm.Candidate] = []
-        pods = self.kube.list(core_path("pods", ns), label_selector=selector(model))
-        for pod in of_model(pods, rm):  # not an earlier object's Pods, still terminating
-            port, index = http_port(pod), replica_index(pod)
-            if not running(pod) or port is None or index is None:
-                continue
-            url = f"http://{pod['status']['podIP']}:{port}"
-            try:
-                runtime = self.replicas.runtime(url)
-                world = self.replicas.world_size(url)
-                version = int(runtime["version"])
-            except (ReplicaError, KeyError, TypeError, ValueError) as exc:
-                log.info("replica %s left out of the push: %s", pod["metadata"]["name"], exc)
-                continue
-            name = pod["metadata"]["name"]
-            out.append(
-                wsm.Candidate(
-                    index,
-                    name,
-                    url,
-                    world,
-                    version,
-                    str(runtime.get("state") or ""),
-                    name in stale,
-                    runtime.get("agrees_slicing") is True,
-                )
-            )
-        return out
-
     def push(self, ws: Mapping[str, Any]) -> None:
         ns, name = ws["metadata"]["namespace"], ws["metadata"]["name"]
         model = str((ws.get("spec") or {}).get("rewardModelRef", ""))
@@ -341,7 +267,7 @@ class WeightSyncDriver:
                 )
             metadata = wsapi.decode_manifest(cm, req.manifest_key, req.manifest_sha256)
             token = model_token(self.kube, ns, model)
-            plan = wsm.plan_group(self._candidates(rm), current, req.training_mode, req.senders)
+            plan = wsm.plan_group(self.members.candidates(rm), current, req.training_mode, req.senders)
             self._run(ws, req, plan, metadata, token, started, deadline)
         except wsm.WeightSyncRefused as exc:
             self._finish(ws, wsm.FAILED, started, reason=exc.reason, message=str(exc))
@@ -357,21 +283,6 @@ class WeightSyncDriver:
                 reason=wsapi.OPERATOR_ERROR,
                 message=f"the operator failed during this push ({type(exc).__name__}: {exc}); push again",
             )
-
-    def _observe(self, url: str, token: str, version: int) -> wsm.Observation:
-        """One poll of a replica; what it did not answer stays None (the step waits for it)."""
-        try:
-            runtime = self.replicas.runtime(url)
-        except ReplicaError as exc:
-            log.debug("polling %s: %s", url, exc)
-            return wsm.Observation()
-        if int(runtime.get("version", -1)) >= version:
-            return wsm.Observation(runtime)
-        try:
-            return wsm.Observation(runtime, self.replicas.background_tasks(url, token))
-        except ReplicaError as exc:
-            log.debug("polling %s: %s", url, exc)
-            return wsm.Observation(runtime)
 
     def _run(
         self,
@@ -398,30 +309,27 @@ class WeightSyncDriver:
                 "message": note,
             },
         )
+
+        def waiting(why: str | None) -> None:
+            """A replica ending an earlier update is waited for (``why``), or joined after it (None:
+            the status's message as it was before the wait)."""
+            if why is not None:
+                log.info("WeightSync %s/%s: %s", ws["metadata"]["namespace"], ws["metadata"]["name"], why)
+            self._patch_status(ws, {"message": why if why is not None else note})
+
         asked: dict[str, str] = {}
         try:
             for t in plan.targets:
                 asked[t.pod] = t.url
-                self._join(ws, t, token, req, plan.world_size, deadline, note)
+                self.members.join(t, token, req, plan.world_size, deadline, waiting)
             # The first announce waits (server side) until the trainer has joined the group.
             for t in plan.targets:
-                left = max(1.0, deadline - self._clock())
-                announce = UpdateParamBatchRequest(
-                    metadata=metadata,
-                    training_mode=req.training_mode,
-                    version=req.version,
-                    bucket_bytes=req.bucket_bytes,
-                    timeout_s=left,
-                    adapter=req.adapter,
-                    base_version=req.base_version,
-                    agree_slicing=agree,
-                )
-                self.replicas.update_param_batch(t.url, token, announce, left + 5.0)
+                self.members.announce(t, token, req, metadata, agree, deadline)
                 entries[t.pod] = wsm.replica_entry(t, wsapi.TRANSFERRING)
         except BaseException as exc:
             # Before the push is failed: a replica whose join is still pending (the trainer has not
             # joined yet) would refuse the trainer's next push until this push's deadline.
-            self._leave_group(req.group_id, asked, token)
+            self.members.leave_group(req.group_id, asked, token)
             if isinstance(exc, ReplicaError) and exc.code == TRAINER_ABSENT:
                 raise wsm.WeightSyncRefused(wsapi.TRAINER_NOT_JOINED, wsm.trainer_absent(req)) from exc
             if isinstance(exc, ReplicaError):
@@ -442,68 +350,6 @@ class WeightSyncDriver:
         self._patch_status(ws, {"bytes": transfer.nbytes})
         self._follow(ws, transfer, token, started)
 
-    def _join(
-        self,
-        ws: Mapping[str, Any],
-        t: wsm.Target,
-        token: str,
-        req: wsm.PushRequest,
-        world_size: int,
-        deadline: float,
-        message: str | None,
-    ) -> None:
-        """Ask replica ``t`` to join the trainer's group. A replica still ending an earlier update
-        (it refuses, and reports a background task: the transfer of a push whose operator died,
-        which fails by itself once that trainer's group is gone) is waited for, as its answer
-        asks, until the push's deadline; one whose update ended between its refusal and the
-        question whether one runs is asked again at once; any other refusal fails the push at once."""
-        waiting = asked_again = False
-        while True:
-            try:
-                self.replicas.init_communicator(
-                    t.url,
-                    token,
-                    InitCommunicatorRequest(
-                        host=req.address,
-                        port=req.port,
-                        world_size=world_size,
-                        rank_offset=t.rank_offset,
-                        # a server refuses more than its maximum join (600 s unless set lower)
-                        timeout_s=min(MAX_JOIN_S, max(1.0, deadline - self._clock())),
-                        group_id=req.group_id,
-                        senders=req.senders,
-                    ),
-                )
-                if waiting:  # the status's message as it was before the wait
-                    self._patch_status(ws, {"message": message})
-                return
-            except ReplicaError as exc:
-                if self._clock() + BUSY_POLL_S > deadline:
-                    raise
-                if not self._busy(t.url, token):
-                    # refused for an update that ended before the question whether one runs: ask again
-                    if exc.code != UPDATE_IN_PROGRESS or asked_again:
-                        raise
-                    asked_again = True
-                    continue
-                asked_again = False
-                if not waiting:
-                    waiting = True
-                    note = f"waiting for {t.pod} to end an earlier update before it joins ({exc})"
-                    log.info(
-                        "WeightSync %s/%s: %s", ws["metadata"]["namespace"], ws["metadata"]["name"], note
-                    )
-                    self._patch_status(ws, {"message": note})
-            self._sleep(BUSY_POLL_S)
-
-    def _busy(self, url: str, token: str) -> bool:
-        """Whether the replica reports a weight update still running (its background task)."""
-        try:
-            tasks = self.replicas.background_tasks(url, token)
-            return int(tasks.get("num_background_tasks") or 0) > 0
-        except (ReplicaError, TypeError, ValueError):
-            return False
-
     def _follow(self, ws: Mapping[str, Any], transfer: wsm.Transfer, token: str, started: float) -> None:
         """Poll the replicas until ``step`` says how the transfer ended, then close the push."""
         observations: dict[str, wsm.Observation] = {}
@@ -513,7 +359,7 @@ class WeightSyncDriver:
                 break
             if observations:
                 self._sleep(POLL_S)
-            observations = {t.pod: self._observe(t.url, token, transfer.version) for t in polls}
+            observations = {t.pod: self.members.observe(t.url, token, transfer.version) for t in polls}
         self._finish(
             ws,
             outcome.phase,

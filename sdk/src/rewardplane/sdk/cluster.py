@@ -338,12 +338,29 @@ class RewardModelHandle:
                 return push_from_ranks(
                     OperatorPush(self), self._ranks_state, params, version, mode, options, started=started
                 )
-        if interface:
+        return self._push_from_one_process(params, version, mode, options, acked, started)
+
+    def _push_from_one_process(
+        self,
+        params: Mapping[str, torch.Tensor],
+        version: int,
+        mode: RewardModelTrainingMode,
+        options: PushOptions,
+        acked: Acknowledged | None,
+        started: float,
+    ) -> PushResult:
+        """``push_weights`` from one trainer process: a delta push against ``acked`` (the version
+        every replica last committed from a delta push) where asked, else everything."""
+        if options.interface:
             from .push.ranks.operator import use_interface
 
-            use_interface(interface)
+            use_interface(options.interface)
         metadata, tensors = self.prepare(
-            params, mode, keep_lora=keep_lora, head_name_patterns=options.head_patterns, adapter=adapter
+            params,
+            mode,
+            keep_lora=options.keep_lora,
+            head_name_patterns=options.head_patterns,
+            adapter=options.adapter,
         )
         push = functools.partial(
             OperatorPush(self).push, version=version, mode=mode, options=options, started=started
@@ -352,7 +369,7 @@ class RewardModelHandle:
 
         from .push.plan.delta import Acknowledged, delta_names, fingerprints, warn_refused
 
-        delta = delta and mode is RewardModelTrainingMode.FULL
+        delta = options.delta and mode is RewardModelTrainingMode.FULL
         try:
             prints = fingerprints(tensors) if delta else {}
             if delta and acked is not None:

@@ -82,54 +82,93 @@ OPENAI_SCORING_ERRORS = errors(400, 413, 422, 503, shape=OpenAIErrorResponse)
 
 
 def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]) -> APIRouter:
-    """``/score``, health and information (vLLM's shapes are in ``compat_routes``).
-    ``update_failed``: the last weight update failed and none runs (a trainer waiting on
-    ``/runtime_version`` learns it at once)."""
+    """``/score``, health and information (vLLM's shapes are in ``compat_routes``); one
+    ``ScoringEndpoints`` method each."""
     router = APIRouter(route_class=JSONRoute)
-    engine, metrics, info = scoring.engine, scoring.metrics, scoring.info
-
-    @router.get(
+    endpoints = ScoringEndpoints(scoring, update_failed)
+    router.add_api_route(
         Endpoints.HEALTH,
+        endpoints.health,
         response_model=HealthResponse,
         responses={503: {"model": HealthResponse, "description": _ERROR_DESCRIPTIONS[503]}},
     )
-    async def health(response: Response) -> HealthResponse:
-        g = engine.guard
+    router.add_api_route(
+        Endpoints.READY,
+        endpoints.ready,
+        response_model=ReadyResponse,
+        responses={503: {"model": ReadyResponse, "description": "not admitted (yet), or broken weights"}},
+    )
+    router.add_api_route(
+        Endpoints.RUNTIME_VERSION,
+        endpoints.runtime_version,
+        response_model=RuntimeVersionResponse,
+        responses=errors(422),
+    )
+    router.add_api_route(Endpoints.WORLD_SIZE, endpoints.world_size, response_model=WorldSizeResponse)
+    router.add_api_route(Endpoints.MODEL_INFO, endpoints.model_info, response_model=ModelInfo)
+    router.add_api_route(
+        Endpoints.METRICS,
+        endpoints.prometheus,
+        response_class=Response,
+        responses={
+            200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus metrics"}
+        },
+    )
+    router.add_api_route(
+        Endpoints.SCORE,
+        endpoints.score,
+        methods=["POST"],
+        response_model=ScoringResponse,
+        responses=SCORING_ERRORS,
+    )
+    return router
+
+
+class ScoringEndpoints:
+    """The scoring router's endpoints over one ``ScoringService``, a public method each.
+    ``update_failed``: the last weight update failed and none runs (a trainer waiting on
+    ``/runtime_version`` learns it at once)."""
+
+    def __init__(self, scoring: ScoringService, update_failed: Callable[[], bool]) -> None:
+        self.scoring = scoring
+        self.engine, self.metrics, self.info = scoring.engine, scoring.metrics, scoring.info
+        self.update_failed = update_failed
+
+    async def health(self, response: Response) -> HealthResponse:
+        g = self.engine.guard
         if g.state == "broken":
             response.status_code = 503  # not ready: take this replica out of rotation
         # Asleep is healthy (200): the replica stays reachable for /wake, and the operator shows it.
         return HealthResponse(
-            version=g.version, state=g.state, sleep_level=g.sleep_level, admitted=scoring.admission.admitted
+            version=g.version,
+            state=g.state,
+            sleep_level=g.sleep_level,
+            admitted=self.scoring.admission.admitted,
         )
 
-    @router.get(
-        Endpoints.READY,
-        response_model=ReadyResponse,
-        responses={503: {"model": ReadyResponse, "description": "not admitted (yet), or broken weights"}},
-    )
-    async def ready(response: Response) -> ReadyResponse:
+    async def ready(self, response: Response) -> ReadyResponse:
         """The readiness probe: 200 while this replica takes traffic, 503 with the reason while it
         does not (unadmitted: ``rewardplane.protocol.admission``; broken weights)."""
-        answer = scoring.admission.ready()
+        answer = self.scoring.admission.ready()
         if not answer.ready:
             response.status_code = 503
         return answer
 
-    @router.get(Endpoints.RUNTIME_VERSION, response_model=RuntimeVersionResponse, responses=errors(422))
     async def runtime_version(
+        self,
         wait_for_version: int | None = Query(default=None, ge=0),
         timeout_s: float = Query(default=30.0, ge=0, le=300),
     ) -> RuntimeVersionResponse:
         """With ``wait_for_version``, answer once that version serves, the update failed, or the
         timeout passed: a trainer learns the outcome of a push in one round trip."""
-        g = engine.guard
+        g = self.engine.guard
         if wait_for_version is not None:
             deadline = time.monotonic() + timeout_s
             while (
                 g.version < wait_for_version
                 and g.state != "broken"
                 and time.monotonic() < deadline
-                and not update_failed()
+                and not self.update_failed()
             ):
                 # woken by the commit or the update's end; the cap only bounds a missed wake-up
                 await g.wait_change(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -141,12 +180,11 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
             delta_base=g.delta_base,
         )
 
-    @router.get(Endpoints.WORLD_SIZE, response_model=WorldSizeResponse)
-    async def world_size() -> WorldSizeResponse:
-        return WorldSizeResponse(world_size=info.world_size)
+    async def world_size(self) -> WorldSizeResponse:
+        return WorldSizeResponse(world_size=self.info.world_size)
 
-    @router.get(Endpoints.MODEL_INFO, response_model=ModelInfo)
-    async def model_info() -> ModelInfo:
+    async def model_info(self) -> ModelInfo:
+        info = self.info
         return ModelInfo(
             model=info.served_model_name,
             engine=info.engine,
@@ -155,27 +193,20 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
             head_dtype=info.head_dtype,
             max_model_len=info.max_model_len,
             pooling_type=info.pooling_types[0],
-            version=engine.guard.version,
+            version=self.engine.guard.version,
             max_lora_rank=info.max_lora_rank,
             task=info.task,
-            max_items_per_request=scoring.limits.max_items,
+            max_items_per_request=self.scoring.limits.max_items,
             kind=info.kind,
             process=info.process,
         )
 
-    @router.get(
-        Endpoints.METRICS,
-        response_class=Response,
-        responses={
-            200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {}}, "description": "Prometheus metrics"}
-        },
-    )
-    async def prometheus() -> Response:
-        metrics.weights_version.set(engine.guard.version)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus(self) -> Response:
+        self.metrics.weights_version.set(self.engine.guard.version)
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @router.post(Endpoints.SCORE, response_model=ScoringResponse, responses=SCORING_ERRORS)
-    async def score(req: ScoringRequest, response: Response) -> ScoringResponse:
+    async def score(self, req: ScoringRequest, response: Response) -> ScoringResponse:
+        scoring, info = self.scoring, self.info
         scoring.check_model(req.model)
         scoring.require_task(ModelTask.SCORE)  # before the label check: a judge has no labels
         if req.n_labels is not None and req.n_labels != info.num_labels:
@@ -191,7 +222,7 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
             or req.prompts is not None
             or req.aggregation
         ):
-            return await score_steps(req, response)
+            return await self._score_steps(req, response)
         if req.pooling_type not in info.pooling_types:
             raise BadRequest(
                 f"pooling_type {req.pooling_type.value!r} is not available for this model; "
@@ -212,8 +243,9 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
             metadata={"version": version},
         )
 
-    async def score_steps(req: ScoringRequest, response: Response) -> ScoringResponse:
+    async def _score_steps(self, req: ScoringRequest, response: Response) -> ScoringResponse:
         """A process reward model's ``/score``: every step's score and their aggregate, one pass each."""
+        scoring = self.scoring
         process = scoring.process_config("steps, prompts and aggregation")
         solutions = await scoring.solutions(list(req.inputs), req.steps, req.prompts, req.first_step)
         rows, version = await scoring.run_steps(solutions)
@@ -221,7 +253,7 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
         how = resolve_aggregation(req.aggregation, process)
         ntok = sum(len(s.ids) for s in solutions)
         return ScoringResponse(
-            model=info.served_model_name,
+            model=self.info.served_model_name,
             data=[
                 step_result(i, r, s, process, how, normalize=req.normalize)
                 for i, (r, s) in enumerate(zip(rows, solutions, strict=True))
@@ -230,8 +262,6 @@ def scoring_router(scoring: ScoringService, *, update_failed: Callable[[], bool]
             version=version,
             metadata={"version": version},
         )
-
-    return router
 
 
 def _token_router(token: str | None, parameters: Callable[[], int] = lambda: 0) -> APIRouter:

@@ -205,7 +205,7 @@ def _lead(
         channel.tell(SenderStep(push=0, step="fail", version=version, error=f"{type(exc).__name__}: {exc}"))
 
     try:
-        op.wait_phase(
+        op.objects.wait_phase(
             invite.generation, {"Transferring", "Completed"}, deadline, "every replica to accept the announce"
         )
     except BaseException as exc:
