@@ -6,8 +6,9 @@ and copies them into one buffer of its own, tensor by tensor, as a per-tensor re
 reports, medians of ``--reps`` after a first copy:
 
 - opening the handles; the first copy after opening;
-- a ``copy_`` per tensor and one ``torch._foreach_copy_`` over all of them: the CPU's time to
-  enqueue the copies and the GPU's time to run them (CUDA events);
+- a ``copy_`` per tensor, one ``torch._foreach_copy_`` over all of them, and the ``copy_`` calls
+  captured once as a CUDA graph and replayed: the CPU's time to enqueue the copies and the GPU's
+  time to run them (CUDA events);
 - one flat copy out of a single shared buffer of the same bytes (the IPC limit).
 
     python benchmarks/ipc_copy.py --size 7b          # alone (colocated_push.py runs it as a part)
@@ -52,6 +53,16 @@ def _medians(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
+def _graph_of(enqueue: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """``enqueue``'s work captured as one CUDA graph (what a same-GPU receiver replays)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        graph.capture_begin(capture_error_mode="thread_local")
+        enqueue()
+        graph.capture_end()
+    return graph
+
+
 def _child(inbox: Any, outbox: Any, reps: int) -> None:
     try:
         t0 = time.perf_counter()
@@ -83,6 +94,7 @@ def _child(inbox: Any, outbox: Any, reps: int) -> None:
                     for _ in range(reps)
                 ]
             ),
+            "graph_copy": _medians([_timed(dev, _graph_of(loop).replay) for _ in range(reps)]),
             "flat_copy": _medians(
                 [_timed(dev, lambda: dst.copy_(flat, non_blocking=True)) for _ in range(reps)]
             ),
@@ -112,12 +124,13 @@ def cross_process_copy(
             child.kill()
     if status != "ok":
         raise RuntimeError(f"the copying process failed: {out}")
-    pt, fe, fl = out["per_tensor_copy"], out["foreach_copy"], out["flat_copy"]
+    pt, fe, gr, fl = out["per_tensor_copy"], out["foreach_copy"], out["graph_copy"], out["flat_copy"]
     print(
         f"   across processes, {out['tensors']} tensors, {out['bytes'] / 1e9:.2f} GB: open {out['open_ms']:.1f} ms, "
         f"first copy {out['first_copy']['wall_ms']:.2f} ms; per tensor {pt['wall_ms']:.2f} ms "
         f"(CPU {pt['cpu_enqueue_ms']:.2f}, GPU {pt['gpu_ms']:.2f}); foreach {fe['wall_ms']:.2f} ms "
-        f"(CPU {fe['cpu_enqueue_ms']:.2f}, GPU {fe['gpu_ms']:.2f}); flat {fl['gpu_ms']:.2f} ms",
+        f"(CPU {fe['cpu_enqueue_ms']:.2f}, GPU {fe['gpu_ms']:.2f}); graph {gr['wall_ms']:.2f} ms "
+        f"(CPU {gr['cpu_enqueue_ms']:.2f}, GPU {gr['gpu_ms']:.2f}); flat {fl['gpu_ms']:.2f} ms",
         flush=True,
     )
     return out

@@ -281,6 +281,18 @@ LAST_TOKEN_ONLY: Setting[bool] = _register(
     )
 )
 
+SAME_GPU_GRAPHS: Setting[bool] = _register(
+    Setting(
+        "REWARDPLANE_SAME_GPU_GRAPHS",
+        "1 or 0",
+        True,
+        "1: a worker receiving a same-GPU push of a layout it received before replays the bucket's "
+        "copies as one CUDA graph (one launch instead of one per tensor); 0: one copy per tensor",
+        "reward server (vLLM workers)",
+        _flag,
+    )
+)
+
 # ---- the SDK --------------------------------------------------------------------------------------
 URL: Setting[str | None] = _register(
     Setting(

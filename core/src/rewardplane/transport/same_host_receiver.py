@@ -3,12 +3,16 @@ memory once, copy each tensor straight into its target, and acknowledge the copi
 
 A trainer pushes the same layout again and again, and its message for a bucket is then the same
 bytes every time: the source views a message names are made once and kept by the message's bytes,
-so a repeat push costs one store read and one ``copy_`` per tensor. They go when any memory they
-read from is closed.
+so a repeat push costs one store read and one ``copy_`` per tensor. On a GPU, a bucket received
+twice into the same targets (the same list: ``transfer`` keeps a bucket's targets while its places
+stay the same) is captured as a CUDA graph of its copies and replayed from then on: one launch
+instead of one per tensor, where enqueueing the copies, not the GPU, bounds a push. Kept views and
+graphs go when any memory they read from is closed.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -17,14 +21,27 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rewardplane.protocol import settings
+
 from .comm import CommunicatorError
 from .placement import POD_FIELD_HINT, Place
 from .same_host_memory import MESSAGE_RING, ack_key, decode, map_for_reading, message_key
 
 # (until this is true, what the wait is for, the ranks whose exit ends it at once): the group's bounded wait
 Wait = Callable[[Callable[[], bool], str, Sequence[int]], None]
-# Source views kept for this many distinct messages at most (a layout has one per bucket).
+log = logging.getLogger(__name__)
+
+# Source views (and graphs) kept for this many distinct messages at most (a layout has one per bucket).
 KEPT_MESSAGES = 4096
+
+
+@dataclass
+class _Copies:
+    """A bucket's copies from one sender as last received: the targets list they went into, and
+    the CUDA graph replaying them once they were received into it twice."""
+
+    tensors: Sequence[torch.Tensor]
+    graph: torch.cuda.CUDAGraph | None = None
 
 
 @dataclass
@@ -53,33 +70,32 @@ class SameHostReceiver:
         self._sources: dict[tuple[int, bytes], list[torch.Tensor | None]] = {}  # (root, message) -> views
         self._written: set[tuple[int, int]] = set()  # (root, ring slot): message keys that exist
         self._pending: list[_Pending] = []  # copies not acknowledged yet
+        self._copies: dict[tuple[int, bytes], _Copies] = {}  # (root, message) -> as last received
+        self._graphs = device.type == "cuda" and settings.SAME_GPU_GRAPHS.get()
+        self._capture_stream: torch.cuda.Stream | None = None
 
     def receive(
         self, seq: int, tensors: Sequence[torch.Tensor], roots: list[int], senders: list[int]
     ) -> None:
         """Copy broadcast ``seq``'s tensors into ``tensors`` (CUDA: enqueued on the current stream)."""
         for root in senders:
-            sources = self._sources_of(root, self._message(seq, root))
-            targets = [t for t, r in zip(tensors, roots, strict=True) if r == root]
-            if len(sources) != len(targets):
-                raise CommunicatorError(
-                    f"rank {root} sent {len(sources)} tensors where rank {self.rank} expected {len(targets)}: "
-                    "the two sides disagree on the layout"
-                )
-            for target, src in zip(targets, sources, strict=True):
-                dst = (
-                    target
-                    if target.dtype is torch.uint8 and target.dim() == 1
-                    else target.view(-1).view(torch.uint8)
-                )
-                nbytes = 0 if src is None else src.numel()
-                if dst.numel() != nbytes:
-                    raise CommunicatorError(
-                        f"rank {root} sent {nbytes} bytes for a {dst.numel()}-byte tensor: the two sides "
-                        "disagree on the layout"
-                    )
-                if src is not None:
-                    dst.copy_(src, non_blocking=True)
+            body = self._message(seq, root)
+            last = self._copies.get((root, body))
+            if last is not None and last.tensors is tensors and last.graph is not None:
+                last.graph.replay()  # checked when it was captured: the same sources into the same targets
+                continue
+            pairs = self._pairs(root, body, [t for t, r in zip(tensors, roots, strict=True) if r == root])
+            if last is not None and last.tensors is tensors and self._graphs:
+                last.graph = self._capture(pairs)  # the second time alike: replayed from now on
+                if last.graph is not None:
+                    last.graph.replay()
+                    continue
+            elif self._graphs:
+                if len(self._copies) >= KEPT_MESSAGES:
+                    self._copies.clear()
+                self._copies[(root, body)] = _Copies(tensors)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
         pending = _Pending(senders)
         if self.device.type == "cuda":
             pending.done = torch.cuda.Event()
@@ -89,6 +105,58 @@ class SameHostReceiver:
         else:
             self._pending.append(pending)
             self.acknowledge(block=True)
+
+    def _pairs(
+        self, root: int, body: bytes, targets: list[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(destination bytes, source bytes) for each tensor of ``root``'s message that has bytes;
+        a target whose size is not the message's is refused before any copy."""
+        sources = self._sources_of(root, body)
+        if len(sources) != len(targets):
+            raise CommunicatorError(
+                f"rank {root} sent {len(sources)} tensors where rank {self.rank} expected {len(targets)}: "
+                "the two sides disagree on the layout"
+            )
+        pairs = []
+        for target, src in zip(targets, sources, strict=True):
+            dst = (
+                target
+                if target.dtype is torch.uint8 and target.dim() == 1
+                else target.view(-1).view(torch.uint8)
+            )
+            nbytes = 0 if src is None else src.numel()
+            if dst.numel() != nbytes:
+                raise CommunicatorError(
+                    f"rank {root} sent {nbytes} bytes for a {dst.numel()}-byte tensor: the two sides "
+                    "disagree on the layout"
+                )
+            if src is not None:
+                pairs.append((dst, src))
+        return pairs
+
+    def _capture(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.CUDAGraph | None:
+        """The copies as a CUDA graph (not run yet), or None where capturing failed (they are then
+        copied one by one). Captured on a stream of its own, thread-local: the engine's threads
+        go on using the GPU meanwhile."""
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self._capture_stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    for dst, src in pairs:
+                        dst.copy_(src, non_blocking=True)
+                finally:
+                    graph.capture_end()
+        except Exception:  # e.g. a driver that cannot capture copies out of IPC memory
+            log.warning(
+                "could not capture a same-GPU bucket's copies as a CUDA graph; copying them one by one",
+                exc_info=True,
+            )
+            self._graphs = False
+            return None
+        return graph
 
     def _message(self, seq: int, root: int) -> bytes:
         """The body of ``root``'s message for broadcast ``seq``, once it is there (bounded)."""
@@ -178,9 +246,11 @@ class SameHostReceiver:
         """The trainer released this memory: close it (its handle, or the mapped file)."""
         for key in keys:
             self.opened.pop(key, None)
-        self._sources.clear()  # kept views would hold the closed memory open
+        self._sources.clear()  # kept views and graphs would hold (or read) the closed memory
+        self._copies.clear()
 
     def release(self) -> None:
         self.opened.clear()
         self._sources.clear()
+        self._copies.clear()
         self._pending.clear()

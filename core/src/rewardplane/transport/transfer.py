@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -181,6 +182,32 @@ def receive_buckets(
 
 
 @dataclass
+class _Landed:
+    """A bucket received wholly in place, as worked out the last time: reused while ``place``
+    returns the same objects for its tensors (a copy plan keeps its parameter views), so a repeat
+    push does no per-tensor checks, and the transport sees the same targets list."""
+
+    bucket: Bucket
+    places: list[torch.Tensor | None]
+    targets: list[torch.Tensor]
+    roots: list[int]
+    rest: Bucket  # nothing left for the loader
+    in_place_bytes: int
+
+
+# Buckets worked out per group, by the bucket object's id (checked: the entry holds the bucket).
+KEPT_BUCKETS = 1024
+_LANDED: weakref.WeakKeyDictionary[Communicator, dict[int, _Landed]] = weakref.WeakKeyDictionary()
+
+
+def _landed(comm: Communicator) -> dict[int, _Landed]:
+    kept = _LANDED.get(comm)
+    if kept is None:
+        kept = _LANDED[comm] = {}
+    return kept
+
+
+@dataclass
 class _BucketReceiver:
     """One receive's copy: where each bucket's bytes land (in place, in the bucket buffer, or
     received contiguous and copied into a strided piece), and loading what landed in the buffer."""
@@ -192,9 +219,9 @@ class _BucketReceiver:
     out: Received
     place: Placer | None
 
-    def _landing(self, meta: ParamMeta, nbytes: int) -> torch.Tensor | None:
-        """The tensor's own bytes where it can be received in place, else None (the bucket buffer)."""
-        target = self.place(meta) if self.place is not None else None
+    def _landing(self, meta: ParamMeta, nbytes: int, target: torch.Tensor | None) -> torch.Tensor | None:
+        """The bytes of ``target`` (where ``place`` puts the tensor) if it can be received there in
+        place, else None (the bucket buffer)."""
         if (  # only an exact fit: a cast or a reshape is the loader's, a wrong buffer corrupts
             target is not None
             and target.is_contiguous()
@@ -210,13 +237,26 @@ class _BucketReceiver:
         """Post the bucket's receive (on the current stream); returns what of it lands in the
         bucket buffer (``buffer()``, asked for only when something does)."""
         device, out = self.comm.device, self.out
+        places = [self.place(self.metas[s.index]) for s in bucket.slots] if self.place is not None else None
+        landed = _landed(self.comm).get(id(bucket)) if places is not None else None
+        if (
+            landed is not None
+            and landed.bucket is bucket
+            and places is not None
+            and all(a is b for a, b in zip(places, landed.places, strict=True))
+        ):  # the same places as last time: the same targets, in place (a transport may key on the list)
+            out.in_place_bytes += landed.in_place_bytes
+            out.applied_any = True
+            self._broadcast(landed.targets, landed.roots, [], bucket.nbytes)
+            return landed.rest
+        in_place_before = out.in_place_bytes
         targets: list[torch.Tensor] = []
         roots: list[int] = []
         scattered: list[tuple[torch.Tensor, torch.Tensor]] = []  # (piece received, its place)
         left = []
-        for slot in bucket.slots:
+        for i, slot in enumerate(bucket.slots):
             meta = self.metas[slot.index]
-            whole = self._landing(meta, slot.nbytes)
+            whole = self._landing(meta, slot.nbytes, places[i] if places is not None else None)
             if whole is None:
                 whole = buffer()[slot.offset : slot.offset + slot.nbytes]
                 left.append(slot)
@@ -233,18 +273,36 @@ class _BucketReceiver:
                     typed = whole.view(torch_dtype(meta.dtype)).view(meta.shape)
                     scattered.append((contiguous, piece_view(typed, meta, piece)))
                 targets.append(contiguous)
+        rest = bucket
         if len(left) < len(bucket.slots):
             out.applied_any = True  # parameters are written as the bytes arrive
-            bucket = bucket.model_copy(update={"slots": tuple(left)})
+            rest = bucket.model_copy(update={"slots": tuple(left)})
+        if places is not None and not left and not scattered:
+            kept = _landed(self.comm)
+            if len(kept) >= KEPT_BUCKETS:
+                kept.clear()
+            kept[id(bucket)] = _Landed(
+                bucket, places, targets, roots, rest, out.in_place_bytes - in_place_before
+            )
+        self._broadcast(targets, roots, scattered, bucket.nbytes)
+        return rest
+
+    def _broadcast(
+        self,
+        targets: list[torch.Tensor],
+        roots: list[int],
+        scattered: list[tuple[torch.Tensor, torch.Tensor]],
+        nbytes: int,
+    ) -> None:
+        out = self.out
         if out.posting_at is None:
             out.posting_at = time.monotonic()
         self.comm.broadcast_group(targets, roots)
         for received, dst in scattered:  # stream-ordered after the receive (gloo: it is done)
             dst.copy_(received.view(dst.dtype).view(dst.shape))
-        out.bytes += bucket.nbytes
+        out.bytes += nbytes
         if out.posted_at is None:
             out.posted_at = time.monotonic()
-        return bucket
 
     def apply(self, bucket: Bucket, buf: torch.Tensor) -> None:
         """Load what landed in the bucket buffer; a failure is kept, and the receive goes on."""
