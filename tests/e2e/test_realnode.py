@@ -28,6 +28,7 @@ from rewardplane.localcluster.binaries import find_binary
 from rewardplane.localcluster.dev import helm_install_operator, local_image_tag
 from rewardplane.localcluster.diagnose import describe_namespace
 from rewardplane.protocol.steps import probability
+from rewardplane.sdk import RewardClient
 from rewardplane.tinymodel import PRM_STEP_TAG, build_tiny_process_reward_model, build_tiny_reward_model
 from tests.e2e.chaos import Freezer, SdkScoring, TrainerHold
 from tests.e2e.conftest import OPERATOR_NAMESPACE, OPERATOR_RELEASE, RealCluster, wait_for
@@ -148,10 +149,10 @@ def service_watch(c: RealCluster, allowed: set[int], name: str = RM) -> ServiceW
     return ServiceWatch(c.core, name, NS, set(allowed))
 
 
-def handle(c: RealCluster, name: str = RM) -> Any:
+def handle(c: RealCluster) -> Any:
     from rewardplane.sdk.cluster import RewardModelHandle
 
-    return RewardModelHandle(name, NS, kubeconfig=c.kubeconfig)
+    return RewardModelHandle(RM, NS, kubeconfig=c.kubeconfig)
 
 
 def load_model(path: Path) -> tuple[Any, Any]:
@@ -2007,10 +2008,11 @@ def test_deleting_the_model_garbage_collects_its_children(real_cluster: RealClus
 PRM = "e2e-prm"
 
 
-def test_a_process_reward_model_scores_each_step_from_the_host(real_cluster: RealCluster) -> None:
+def test_a_process_reward_model_scores_each_step_through_its_service(real_cluster: RealCluster) -> None:
     """A PRM (kind process, the tiny Qwen2.5-Math-PRM-shaped model built here) runs on the node:
-    ``kubectl get rm`` shows its kind, and a solution sent as a list of steps from the host gets a
-    score per step and their aggregate, as transformers computes them on the host."""
+    ``kubectl get rm`` shows its kind, and a solution sent from the host as a list of steps to the
+    address its Service routes to gets a score per step and their aggregate, as transformers
+    computes them on the host."""
     c = real_cluster
     model_dir = build_tiny_process_reward_model(c.volumes / "tiny-prm", seed=2)
     body = rm_body(1, f"file://{model_dir}", None, PRM)
@@ -2025,8 +2027,12 @@ def test_a_process_reward_model_scores_each_step_from_the_host(real_cluster: Rea
         table = kubectl(c, "get", "rm", PRM, "-n", NS)
         assert table_column(table, PRM, "KIND") == "process", table
         assert table_column(table, PRM, "PHASE") == "Ready", table
-        with handle(c, PRM) as rm:
-            [got] = rm.client().score_steps([PRM_SOLUTION], prompts=[PRM_QUESTION])
+        # the address a client resolving the Service reaches (its Endpoints: ready Pods only)
+        [(ip, port)] = wait_for(
+            "the Service to route to the PRM", service_watch(c, set(), PRM).addresses, 30, 0.5
+        ).items()
+        with RewardClient(f"http://{ip}:{port}") as client:
+            [got] = client.score_steps([PRM_SOLUTION], prompts=[PRM_QUESTION])
         reference = load_process_reward_model(model_dir)
         want = [probability(x) for x in step_log_odds(reference, model_dir, PRM_QUESTION, PRM_SOLUTION)]
         assert got.steps is not None and isinstance(got.score, float), got
