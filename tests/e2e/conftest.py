@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from rewardplane.localcluster.controlplane import api_client_for
 from rewardplane.localcluster.dev import OPERATOR_NAMESPACE, OPERATOR_RELEASE, helm_install_operator
 from rewardplane.localcluster.realnode.tools import KUBE_BINARIES
 from rewardplane.protocol import settings
+from tests.fixtures.operator import wait_for as poll
 
 NODE_BINARIES = (*KUBE_BINARIES, "kubectl", "helm")
 IMAGES = ("pause", "operator", "reward-server", "trainer")
@@ -53,14 +53,7 @@ def _unavailable() -> str | None:
 
 def wait_for(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 1.0) -> Any:
     """Poll ``check`` until it returns something truthy; fail the test with ``what`` on timeout."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(interval_s)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})")
+    return poll(what, check, timeout_s, interval_s=interval_s)
 
 
 @dataclass

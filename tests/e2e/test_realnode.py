@@ -27,7 +27,9 @@ from rewardplane.localcluster import realnode
 from rewardplane.localcluster.binaries import find_binary
 from rewardplane.localcluster.dev import helm_install_operator, local_image_tag
 from rewardplane.localcluster.diagnose import describe_namespace
-from rewardplane.tinymodel import build_tiny_reward_model
+from rewardplane.protocol.steps import probability
+from rewardplane.sdk import RewardClient
+from rewardplane.tinymodel import PRM_STEP_TAG, build_tiny_process_reward_model, build_tiny_reward_model
 from tests.e2e.chaos import Freezer, SdkScoring, TrainerHold
 from tests.e2e.conftest import OPERATOR_NAMESPACE, OPERATOR_RELEASE, RealCluster, wait_for
 from tests.e2e.model_stores import (
@@ -41,7 +43,13 @@ from tests.e2e.model_stores import (
     start_stores,
 )
 from tests.e2e.service_watch import ServiceWatch
-from tests.fixtures.models import TEXTS
+from tests.fixtures.models import (
+    PRM_QUESTION,
+    PRM_SOLUTION,
+    TEXTS,
+    load_process_reward_model,
+    step_log_odds,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -112,12 +120,14 @@ class NotReady(str):
         return False
 
 
-def ready_at(c: RealCluster, replicas: int, version: int | None = None) -> dict[str, Any] | NotReady:
+def ready_at(
+    c: RealCluster, replicas: int, version: int | None = None, name: str = RM
+) -> dict[str, Any] | NotReady:
     """The RewardModel once ``replicas`` replicas serve (at ``version``) and no other pod exists."""
-    rm = get_rm(c)
+    rm = get_rm(c, name)
     st = rm.get("status") or {}
     eps = [e for e in st.get("endpoints") or [] if e.get("ready")]
-    pods = model_pods(c)
+    pods = model_pods(c, name)
     wrong_count = st.get("readyReplicas") != replicas or len(eps) != replicas or len(pods) != replicas
     if wrong_count or (
         version is not None
@@ -168,39 +178,41 @@ def assert_scores(got: list[float], want: list[float]) -> None:
     assert worst < SCORE_TOL, f"served scores differ from the trainer's model by {worst:.2e}: {got} vs {want}"
 
 
-def kubectl(c: RealCluster, *args: str, timeout: float = 120) -> str:
+def run_tool(c: RealCluster, tool: str, *args: str, timeout: float, stdin: str | None = None) -> str:
+    """``tool`` (kubectl, helm) on the cluster's kubeconfig; its stdout, or the test fails with
+    its stderr."""
     done = subprocess.run(
-        [str(find_binary("kubectl")), "--kubeconfig", str(c.kubeconfig), *args],
+        [str(find_binary(tool)), "--kubeconfig", str(c.kubeconfig), *args],
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
-    assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stderr}"
+    assert done.returncode == 0, f"{tool} {' '.join(args)}: {done.stderr}"
     return done.stdout
+
+
+def kubectl(c: RealCluster, *args: str, timeout: float = 120) -> str:
+    return run_tool(c, "kubectl", *args, timeout=timeout)
 
 
 def kubectl_apply(c: RealCluster, obj: dict[str, Any]) -> str:
     """``kubectl apply -f -`` of one object, as a user would."""
-    done = subprocess.run(
-        [str(find_binary("kubectl")), "--kubeconfig", str(c.kubeconfig), "apply", "-f", "-"],
-        input=json.dumps(obj),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, f"kubectl apply: {done.stderr}"
-    return done.stdout
+    return run_tool(c, "kubectl", "apply", "-f", "-", timeout=60, stdin=json.dumps(obj))
 
 
 def helm(c: RealCluster, *args: str, timeout: float = 360) -> str:
-    done = subprocess.run(
-        [str(find_binary("helm")), "--kubeconfig", str(c.kubeconfig), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, f"helm {' '.join(args)}: {done.stderr}"
-    return done.stdout
+    return run_tool(c, "helm", *args, timeout=timeout)
+
+
+def table_column(table: str, row: str, column: str) -> str:
+    """The value in ``column`` of the row named ``row`` of a ``kubectl get`` table (read at the
+    header's offset: kubectl aligns the columns, and an empty one, as REASON is when Ready, leaves
+    no word to count)."""
+    header, *rows = table.splitlines()
+    at = header.index(column)
+    [line] = [r for r in rows if r.split()[0] == row]
+    return line[at:].split()[0]
 
 
 # ------------------------------------------------------------------------------------ state
@@ -1990,6 +2002,46 @@ def test_deleting_the_model_garbage_collects_its_children(real_cluster: RealClus
         return not owned and not ws
 
     wait_for("garbage collection of the model's pods, Service, Secret and push objects", gone, 120)
+
+
+# ------------------------------------------------------------------------------------ PRM
+PRM = "e2e-prm"
+
+
+def test_a_process_reward_model_scores_each_step_through_its_service(real_cluster: RealCluster) -> None:
+    """A PRM (kind process, the tiny Qwen2.5-Math-PRM-shaped model built here) runs on the node:
+    ``kubectl get rm`` shows its kind, and a solution sent from the host as a list of steps to the
+    address its Service routes to gets a score per step and their aggregate, as transformers
+    computes them on the host."""
+    c = real_cluster
+    model_dir = build_tiny_process_reward_model(c.volumes / "tiny-prm", seed=2)
+    body = rm_body(1, f"file://{model_dir}", None, PRM)
+    model = body["spec"]["model"]
+    del model["numLabels"], model["pooling"]  # a PRM's head reads its step tags: neither applies
+    model |= {"kind": "process", "process": {"stepTag": PRM_STEP_TAG, "aggregation": "min"}}
+    started = time.monotonic()
+    kubectl_apply(c, body)
+    try:
+        wait_for("the PRM's replica ready", lambda: ready_at(c, 1, name=PRM), READY_TIMEOUT_S, 1)
+        ready_s = time.monotonic() - started
+        table = kubectl(c, "get", "rm", PRM, "-n", NS)
+        assert table_column(table, PRM, "KIND") == "process", table
+        assert table_column(table, PRM, "PHASE") == "Ready", table
+        # the address a client resolving the Service reaches (its Endpoints: ready Pods only)
+        [(ip, port)] = wait_for(
+            "the Service to route to the PRM", service_watch(c, set(), PRM).addresses, 30, 0.5
+        ).items()
+        with RewardClient(f"http://{ip}:{port}") as client:
+            [got] = client.score_steps([PRM_SOLUTION], prompts=[PRM_QUESTION])
+        reference = load_process_reward_model(model_dir)
+        want = [probability(x) for x in step_log_odds(reference, model_dir, PRM_QUESTION, PRM_SOLUTION)]
+        assert got.steps is not None and isinstance(got.score, float), got
+        assert_scores([s.score for s in got.steps], want)
+        assert_scores([got.score], [min(want)])  # the spec's aggregation, applied by the server
+    finally:
+        kubectl(c, "delete", "rm", PRM, "-n", NS)  # returns once the operator retired the object
+    wait_for("the PRM's pod gone", lambda: not model_pods(c, PRM), 120, 1)
+    print(f"\nthe PRM was Ready {ready_s:.1f} s after kubectl apply")
 
 
 def test_helm_upgrade_then_uninstall_leaves_nothing(real_cluster: RealCluster) -> None:

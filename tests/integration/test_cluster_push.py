@@ -4,6 +4,7 @@ against a real kube-apiserver, the node agent running real servers, and real glo
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import logging
 import math
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from tests.fixtures.models import TEXTS
 from tests.fixtures.operator import (
     SERVER_READY_S,
     get_rm,
-    kubectl_path,
+    kubectl_get,
     pods_of,
     reward_model,
     wait_for,
@@ -63,6 +65,28 @@ def make_model(kube: Kube, ns: str, node: str, model_dir: Path, replicas: int, *
     body["spec"]["model"] = {"source": str(model_dir), "dtype": "float32"}
     kube.create(custom_path(ns), body)
     return name
+
+
+@contextlib.contextmanager
+def ready_rm(
+    kube: Kube,
+    ns: str,
+    operator: Any,
+    node_agent: Any,
+    control_plane: Any,
+    model_dir: Path,
+    replicas: int,
+    **extra: Any,
+) -> Iterator[tuple[str, RewardModelHandle, Callable[[], str]]]:
+    """A RewardModel of ``replicas`` replicas on the node agent (``make_model``), once Ready: its
+    name, a handle (closed after) and the operator's and node agent's logs, for failure messages."""
+    name = make_model(kube, ns, node_agent.name, model_dir, replicas, **extra)
+    handle = RewardModelHandle(name, ns, kubeconfig=str(control_plane.kubeconfig))
+    try:
+        handle.wait_ready(SERVER_READY_S)
+        yield name, handle, lambda: operator.logs() + "\n" + node_agent.log_tail()
+    finally:
+        handle.close()
 
 
 def ws_status(kube: Kube, ns: str, name: str) -> dict[str, Any]:
@@ -111,11 +135,7 @@ def test_cluster_push_end_to_end(
     capsys: pytest.CaptureFixture[str],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    name = make_model(kube, ns, node_agent.name, tiny_model_dir, replicas=2)
-    logs = lambda: operator.logs() + "\n" + node_agent.log_tail()  # noqa: E731
-    handle = RewardModelHandle(name, ns, kubeconfig=str(control_plane.kubeconfig))
-    try:
-        handle.wait_ready(SERVER_READY_S)
+    with ready_rm(kube, ns, operator, node_agent, control_plane, tiny_model_dir, 2) as (name, handle, logs):
         assert len(handle.get_endpoints()) == 2
 
         # head_only: one broadcast into both replicas.
@@ -158,15 +178,9 @@ def test_cluster_push_end_to_end(
             [s if isinstance(s, list) else [s] for s in via_client], logits(full_model, tiny_model_dir, TEXTS)
         )
         # kubectl shows the push.
-        kubectl = kubectl_path()
-        if kubectl:
-            table = subprocess.run(
-                [kubectl, "--kubeconfig", str(control_plane.kubeconfig), "get", "ws", "-n", ns],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            ).stdout
-            header, row = table.splitlines()[:2]
+        table = kubectl_get(control_plane, "ws", ns)
+        if table:
+            header, row = table
             assert header.split()[:6] == ["NAME", "MODEL", "VERSION", "HANDLED", "MODE", "PHASE"]
             cells = row.split()
             # HANDLED: the generation the phase describes (this object's own, as the push completed)
@@ -342,8 +356,6 @@ def test_cluster_push_end_to_end(
         finally:
             del store
         every_replica_scores_like(handle, delta_model, tiny_model_dir, 8)
-    finally:
-        handle.close()
 
 
 def _watch_statuses(
@@ -529,11 +541,7 @@ def test_two_trainer_ranks_push_through_the_operator(
     # them in the first push and publish them into the next push's new group as they join it.
     # With the Pod's own copy (podCopy, the default): each worker saves what it received.
     monkeypatch.setenv("REWARDPLANE_PUSH_SLICING", "always")
-    name = make_model(kube, ns, node_agent.name, tiny_model_dir, replicas=2)
-    logs = lambda: operator.logs() + "\n" + node_agent.log_tail()  # noqa: E731
-    handle = RewardModelHandle(name, ns, kubeconfig=str(control_plane.kubeconfig))
-    try:
-        handle.wait_ready(SERVER_READY_S)
+    with ready_rm(kube, ns, operator, node_agent, control_plane, tiny_model_dir, 2) as (name, handle, logs):
         results = run_sharded_trainers(
             tmp_path / "out",
             via="operator",
@@ -592,5 +600,3 @@ def test_two_trainer_ranks_push_through_the_operator(
         assert example.returncode == 0, example.stdout[-3000:] + example.stderr[-3000:] + logs()[-3000:]
         assert "pushed version 6 from 2 ranks" in example.stdout, example.stdout
         assert get_rm(kube, ns, name)["status"]["weightsVersion"] == 6
-    finally:
-        handle.close()

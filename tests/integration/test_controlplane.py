@@ -88,19 +88,15 @@ def test_custom_resources_work(kube_api: Any) -> None:
 
     objs = client.CustomObjectsApi(kube_api)
     args = ("test.rewardplane.io", "v1", "default", "widgets")
+
+    def create(name: str, size: int) -> None:
+        body = {"apiVersion": "test.rewardplane.io/v1", "kind": "Widget", "metadata": {"name": name}}
+        objs.create_namespaced_custom_object(*args, {**body, "spec": {"size": size}}, _request_timeout=10)
+
     # The served API may lag Established by a moment: retry the first create briefly.
     for attempt in range(50):
         try:
-            objs.create_namespaced_custom_object(
-                *args,
-                {
-                    "apiVersion": "test.rewardplane.io/v1",
-                    "kind": "Widget",
-                    "metadata": {"name": "w1"},
-                    "spec": {"size": 3},
-                },
-                _request_timeout=10,
-            )
+            create("w1", 3)
             break
         except ApiException as exc:
             if exc.status != 404 or attempt == 49:
@@ -110,16 +106,7 @@ def test_custom_resources_work(kube_api: Any) -> None:
     assert got["spec"]["size"] == 3
     # schema validation is enforced
     with pytest.raises(ApiException) as bad:
-        objs.create_namespaced_custom_object(
-            *args,
-            {
-                "apiVersion": "test.rewardplane.io/v1",
-                "kind": "Widget",
-                "metadata": {"name": "w2"},
-                "spec": {"size": 0},
-            },
-            _request_timeout=10,
-        )
+        create("w2", 0)
     assert bad.value.status == 422
     # the status subresource takes patches
     objs.patch_namespaced_custom_object_status(

@@ -18,7 +18,14 @@ from rewardplane.sdk.retry import RewardServerError
 from rewardplane.testing.servers import free_port
 from tests.fixtures.models import TEXTS
 from tests.fixtures.trainer import load_model, logits, perturbed, run_dying_trainer
-from tests.integration.test_weight_sync import DATA_PLANE_TIMELINE, TOKEN, close, served, sync_for
+from tests.integration.test_weight_sync import (
+    DATA_PLANE_TIMELINE,
+    TOKEN,
+    assert_a_push_is_served,
+    close,
+    served,
+    sync_for,
+)
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -168,13 +175,7 @@ def test_trainer_killed_mid_data_plane_push(server, tiny_model_dir, atomic):
     else:  # streamed: part of the weights was overwritten → refuse to score
         assert state["state"] == "broken", state
         assert httpx.post(f"{server.url}/score", json={"input": TEXTS}).status_code == 503
-    model = perturbed(tiny_model_dir, seed=8)
-    sync = sync_for(server)
-    try:
-        sync.push(model.state_dict(), version=3)
-        assert served(server)[1] == 3 and close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
-    finally:
-        sync.close()
+    assert_a_push_is_served(server, tiny_model_dir, 3)
 
 
 def test_atomic_and_http_only_pushes(server, tiny_model_dir):

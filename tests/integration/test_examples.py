@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,19 +17,24 @@ pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "reward_model"
 
 
-@pytest.mark.parametrize(
-    "script", ["train_rm_head_only", "train_rm_lora", "train_rm_full", "cold_start_rlhf"]
-)
-def test_example_trains_in_the_preferred_direction(script: str) -> None:
+def run_quick(script: str, timeout_s: float) -> dict[str, Any]:
+    """``examples/reward_model/SCRIPT.py --quick`` run to success; its ``RESULT {json}`` line."""
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / f"{script}.py"), "--quick"],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout_s,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    result = json.loads(line.removeprefix("RESULT "))
+    return dict(json.loads(line.removeprefix("RESULT ")))
+
+
+@pytest.mark.parametrize(
+    "script", ["train_rm_head_only", "train_rm_lora", "train_rm_full", "cold_start_rlhf"]
+)
+def test_example_trains_in_the_preferred_direction(script: str) -> None:
+    result = run_quick(script, timeout_s=240)
     assert result["margin_after"] > result["margin_before"]
     assert result["after"] >= 0.9 > result["before"]
     if script == "cold_start_rlhf":
@@ -38,15 +44,7 @@ def test_example_trains_in_the_preferred_direction(script: str) -> None:
 @pytest.mark.timeout(480)
 def test_llm_judge_example_learns_its_verdicts() -> None:
     # 3 min on two busy cores (the suite's other worker beside it): room for a slower machine
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "llm_judge.py"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    result = json.loads(line.removeprefix("RESULT "))
+    result = run_quick("llm_judge", timeout_s=420)
     # the random judge's answers are unreadable (counted, written as the default); the pushed one's are scores
     assert result["failures_before"] > 0 and result["failures_after"] == 0
     assert result["after"] >= 0.9 > result["before"]

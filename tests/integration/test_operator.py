@@ -23,6 +23,7 @@ from tests.fixtures.operator import (
     OperatorProcess,
     condition,
     get_rm,
+    kubectl_get,
     kubectl_path,
     pods_of,
     reward_model,
@@ -298,15 +299,9 @@ def test_tiny_model_becomes_ready_with_endpoints(
         condition(rm, "Available")["status"] == "True" and condition(rm, "WeightsInSync")["status"] == "True"
     )
 
-    kubectl = kubectl_path()
-    if kubectl:
-        table = subprocess.run(
-            [kubectl, "--kubeconfig", str(control_plane.kubeconfig), "get", "rm", "-n", ns],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
-        header, row = table.splitlines()[:2]
+    table = kubectl_get(control_plane, "rm", ns)
+    if table:
+        header, row = table
         assert header.split() == [
             "NAME",
             "READY",

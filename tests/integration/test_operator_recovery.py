@@ -12,12 +12,11 @@ from typing import Any
 import pytest
 
 from rewardplane.api.kube import Kube, core_path, custom_path
-from rewardplane.sdk.cluster import RewardModelHandle
 from rewardplane.transport import comm as transport_comm
 from tests.fixtures.models import TEXTS
 from tests.fixtures.operator import SERVER_READY_S, pods_of, start_operator, wait_for
 from tests.fixtures.trainer import logits, perturbed
-from tests.integration.test_cluster_push import WS_PLURAL, close, make_model, scores, ws_status
+from tests.integration.test_cluster_push import WS_PLURAL, close, ready_rm, scores, ws_status
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -31,11 +30,7 @@ def test_scaled_up_replica_gets_the_current_weights_from_a_peer_without_the_trai
 ) -> None:
     """No persistDir: a replica added by scaling 1 → 2 starts on base weights; the operator has the
     healthy replica send it the current version over gloo, and the model becomes Ready."""
-    name = make_model(kube, ns, node_agent.name, tiny_model_dir, replicas=1)
-    logs = lambda: operator.logs() + "\n" + node_agent.log_tail()  # noqa: E731
-    handle = RewardModelHandle(name, ns, kubeconfig=str(control_plane.kubeconfig))
-    try:
-        handle.wait_ready(SERVER_READY_S)
+    with ready_rm(kube, ns, operator, node_agent, control_plane, tiny_model_dir, 1) as (name, handle, logs):
         model = perturbed(tiny_model_dir, seed=41)
         handle.push_weights(
             model.state_dict(), 2, "full", bucket_bytes=1 << 16, timeout_s=60, trainer_host="127.0.0.1"
@@ -57,8 +52,6 @@ def test_scaled_up_replica_gets_the_current_weights_from_a_peer_without_the_trai
         assert "ReplicaRestoring" in reasons and "RestoreFailed" not in reasons
         rm = kube.get(custom_path(ns, name)) or {}
         assert rm["status"]["phase"] == "Ready" and rm["status"]["weightsVersion"] == 2
-    finally:
-        handle.close()
 
 
 def test_operator_killed_mid_push_resumes_the_transfer_without_duplicates(
@@ -71,11 +64,7 @@ def test_operator_killed_mid_push_resumes_the_transfer_without_duplicates(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    name = make_model(kube, ns, node_agent.name, tiny_model_dir, replicas=2)
-    logs = lambda: operator.logs() + "\n" + node_agent.log_tail()  # noqa: E731
-    handle = RewardModelHandle(name, ns, kubeconfig=str(control_plane.kubeconfig))
-    try:
-        handle.wait_ready(SERVER_READY_S)
+    with ready_rm(kube, ns, operator, node_agent, control_plane, tiny_model_dir, 2) as (name, handle, logs):
         before = {n: p["metadata"]["uid"] for n, p in pods_of(kube, ns, name).items()}
         assert len(before) == 2
 
@@ -145,5 +134,3 @@ def test_operator_killed_mid_push_resumes_the_transfer_without_duplicates(
             logs,
         )
         assert len(kube.list(custom_path(ns, plural=WS_PLURAL))) == 1
-    finally:
-        handle.close()

@@ -16,11 +16,8 @@ def test_checksums_of_every_live_parameter_equal_the_trainers_after_a_full_push(
 ):
     server = server_factory(tiny_model_dir, token=TOKEN)
     model = perturbed(tiny_model_dir, seed=21)
-    sync = sync_for(server, bucket_bytes=1 << 16)
-    try:
+    with sync_for(server, bucket_bytes=1 << 16) as sync:
         sync.push(model.state_dict(), version=1, training_mode=Mode.FULL)
-    finally:
-        sync.close()
     r = httpx.get(
         server.url + Endpoints.PARAM_CHECKSUMS, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
     )

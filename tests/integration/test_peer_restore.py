@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 
 from rewardplane.operator.replicas import HttpReplicas, Receiver, ReplicaError, restore_from_peer
 from rewardplane.protocol import RewardModelTrainingMode as Mode
@@ -31,16 +32,14 @@ def _wait_version(url: str, version: int, timeout_s: float = 60.0) -> int:
 def test_fresh_replica_gets_the_current_weights_from_a_peer(server_factory, tiny_model_dir) -> None:
     source, fresh = server_factory.several(tiny_model_dir, {"token": TOKEN}, {"token": TOKEN})
     trained = perturbed(tiny_model_dir, seed=21)
-    sync = sync_for(source, bucket_bytes=1 << 16)
-    try:
+    with sync_for(source, bucket_bytes=1 << 16) as sync:
         sync.push(trained.state_dict(), version=3, training_mode=Mode.FULL)
-    finally:
-        sync.close()
     want = logits(trained, tiny_model_dir, TEXTS)
     assert served(fresh)[1] == 0 and not close(served(fresh)[0], want)
 
     replicas = HttpReplicas()
-    try:
+
+    def restore(version: int, timeout_s: float, group_id: str) -> None:
         restore_from_peer(
             replicas,
             TOKEN,
@@ -48,10 +47,13 @@ def test_fresh_replica_gets_the_current_weights_from_a_peer(server_factory, tiny
             source_host="127.0.0.1",
             port=free_port(),
             receivers=[Receiver("fresh", fresh.url, 1)],
-            version=3,
-            timeout_s=60,
-            group_id="peer-test",
+            version=version,
+            timeout_s=timeout_s,
+            group_id=group_id,
         )
+
+    try:
+        restore(3, 60, "peer-test")
         assert _wait_version(fresh.url, 3) == 3, (
             f"--- source log\n{source.log()[-3000:]}\n--- fresh log\n{fresh.log()[-3000:]}"
         )
@@ -61,21 +63,8 @@ def test_fresh_replica_gets_the_current_weights_from_a_peer(server_factory, tiny
         assert served(source)[1] == 3 and close(served(source)[0], want)
 
         # A source that does not serve the asked version refuses before anything moves.
-        try:
-            restore_from_peer(
-                replicas,
-                TOKEN,
-                source_url=source.url,
-                source_host="127.0.0.1",
-                port=free_port(),
-                receivers=[Receiver("fresh", fresh.url, 1)],
-                version=4,
-                timeout_s=10,
-                group_id="peer-test-2",
-            )
-        except ReplicaError as exc:
-            assert "409" in str(exc) and "serves version 3" in str(exc)
-        else:
-            raise AssertionError("a source on version 3 must refuse to send version 4")
+        with pytest.raises(ReplicaError, match="serves version 3") as refused:
+            restore(4, 10, "peer-test-2")
+        assert "409" in str(refused.value)
     finally:
         replicas.close()

@@ -13,16 +13,15 @@ import torch
 from rewardplane.protocol import Endpoints, ParamChecksumsResponse
 from rewardplane.protocol import RewardModelTrainingMode as Mode
 from rewardplane.protocol.naming import WeightValidationError, select_head
-from rewardplane.protocol.steps import good_log_odds
 from rewardplane.sdk import LoraSync
 from rewardplane.sdk.lora import merge_sync_reinit
-from rewardplane.server.engines.prm_model import Qwen2ForProcessRewardModel
 from rewardplane.tinymodel import PRM_STEP_TAG as TAG
 from rewardplane.tinymodel import build_tiny_process_reward_model
+from tests.fixtures.models import PRM_QUESTION as QUESTION
+from tests.fixtures.models import PRM_SOLUTION, load_process_reward_model, step_log_odds
 from tests.integration.test_weight_sync import TOKEN, sync_for
 
-QUESTION = "What is 2 plus 3?\n"
-SOLUTIONS = [["Add 2 and 3.", "That gives 5.", "So the answer is 5."], ["The answer is 6.", "Done."]]
+SOLUTIONS = [PRM_SOLUTION, ["The answer is 6.", "Done."]]
 TOL = 1e-4
 PRM = {"token": TOKEN, "model_kind": "process", "step_tag": TAG}
 
@@ -32,10 +31,6 @@ def prm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_process_reward_model(tmp_path_factory.mktemp("prm-push"), seed=3)
 
 
-def load(prm_dir: Path) -> torch.nn.Module:
-    return Qwen2ForProcessRewardModel.from_pretrained(prm_dir, dtype=torch.float32).eval()
-
-
 def served(url: str) -> tuple[list[float], int]:
     body = httpx.post(
         url + "/score", json={"steps": SOLUTIONS, "prompts": [QUESTION] * 2, "normalize": False}, timeout=60
@@ -43,19 +38,9 @@ def served(url: str) -> tuple[list[float], int]:
     return [s["score"] for d in body["data"] for s in d["steps"]], body["version"]
 
 
-@torch.inference_mode()
 def expected(model: torch.nn.Module, prm_dir: Path) -> list[float]:
     """The trainer's model's step log-odds on the texts with the tags written in."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(prm_dir)
-    tag_id = tok.convert_tokens_to_ids(TAG)
-    out: list[float] = []
-    for steps in SOLUTIONS:
-        ids = tok(QUESTION + "".join(s + TAG for s in steps), return_tensors="pt")["input_ids"]
-        logits = model(input_ids=ids).logits[0]
-        out += [good_log_odds(r, 1) for r in logits[ids[0] == tag_id].tolist()]
-    return out
+    return [x for steps in SOLUTIONS for x in step_log_odds(model, prm_dir, QUESTION, steps)]
 
 
 def noise(model: torch.nn.Module, seed: int, *, only: str | None = None, scale: float = 0.05) -> None:
@@ -77,7 +62,7 @@ def test_full_head_only_lora_merged_and_delta_pushes(server_factory, prm_dir: Pa
     sync = sync_for(server, bucket_bytes=1 << 16)
     try:
         # full
-        model = load(prm_dir)
+        model = load_process_reward_model(prm_dir)
         noise(model, 1)
         assert sync.push(model.state_dict(), version=1, training_mode=Mode.FULL) == 1
         got, version = served(server.url)
@@ -106,7 +91,7 @@ def test_full_head_only_lora_merged_and_delta_pushes(server_factory, prm_dir: Pa
         assert served(server.url)[0] == pytest.approx(want, abs=TOL)
         assert expected(fresh, prm_dir) == pytest.approx(want, abs=TOL)
         # delta: only what changed moves, and the server holds the trainer's model
-        model = load(prm_dir)
+        model = load_process_reward_model(prm_dir)
         noise(model, 4)
         sync.push(model.state_dict(), version=4)
         with torch.no_grad():
@@ -123,7 +108,7 @@ def test_adapter_push_into_a_prm(server_factory, prm_dir: Path) -> None:  # type
     server = server_factory(prm_dir, enable_lora=True, max_lora_rank=8, **PRM)
     base = checksums(server.url)
     model = get_peft_model(
-        load(prm_dir),
+        load_process_reward_model(prm_dir),
         LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["score"]),
     )
     noise(model, 5, scale=0.3)

@@ -16,10 +16,11 @@ from rewardplane.protocol.steps import good_log_odds, probability
 from rewardplane.testing.servers import ServerHandle, start_servers
 from rewardplane.tinymodel import PRM_STEP_TAG as TAG
 from rewardplane.tinymodel import build_tiny_process_reward_model, build_tiny_reward_model
+from tests.fixtures.models import PRM_QUESTION as QUESTION
+from tests.fixtures.models import PRM_SOLUTION, load_process_reward_model, step_log_odds
 
 MAX_LEN = 128
-QUESTION = "What is 2 plus 3?\n"
-STEPS = [["Add 2 and 3.", "That gives 5.", "So the answer is 5."], ["The answer is 6."]]
+STEPS = [PRM_SOLUTION, ["The answer is 6."]]
 
 
 @pytest.fixture(scope="module")
@@ -56,29 +57,13 @@ def post(url: str, path: str, body: dict[str, object], status: int = 200) -> dic
     return dict(r.json())
 
 
-def reference(prm_dir: Path, prompt: str, steps: list[str]) -> list[float]:
-    """The model's own token classification of the text with the tags written in, read at the tags."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from rewardplane.server.engines.prm_model import Qwen2ForProcessRewardModel
-
-    tok = AutoTokenizer.from_pretrained(prm_dir)
-    model = Qwen2ForProcessRewardModel.from_pretrained(prm_dir, dtype=torch.float32).eval()
-    ids = tok(prompt + "".join(s + TAG for s in steps), return_tensors="pt")["input_ids"]
-    with torch.inference_mode():
-        logits = model(input_ids=ids).logits[0]
-    tag_rows = logits[ids[0] == tok.convert_tokens_to_ids(TAG)]
-    return [good_log_odds(r, 1) for r in tag_rows.tolist()]
-
-
 def test_step_scores_equal_the_models_token_classification(
     servers: dict[str, ServerHandle], prm_dir: Path
 ) -> None:
     body = post(servers["prm"].url, "/score", {"steps": STEPS, "prompts": [QUESTION] * 2, "normalize": False})
     data = sorted(body["data"], key=lambda d: d["index"])  # type: ignore[arg-type, index]
     for steps, item in zip(STEPS, data, strict=True):
-        ref = reference(prm_dir, QUESTION, steps)
+        ref = step_log_odds(load_process_reward_model(prm_dir), prm_dir, QUESTION, steps)
         got = [s["score"] for s in item["steps"]]
         assert got == pytest.approx(ref, abs=1e-4)
         assert item["score"] == pytest.approx(got, abs=1e-9)  # no aggregation: the step scores

@@ -65,6 +65,15 @@ def sync_for(*handles, **kw):
     )
 
 
+def assert_a_push_is_served(server, model_dir, version, seed=8):
+    """A full push of a new model goes through and ``server`` scores with it at ``version``: what a
+    replica left broken (or refusing) by a failed push must still take."""
+    model = perturbed(model_dir, seed=seed)
+    with sync_for(server) as sync:
+        sync.push(model.state_dict(), version=version)
+    assert served(server)[1] == version and close(served(server)[0], logits(model, model_dir, TEXTS))
+
+
 @pytest.fixture
 def server(server_factory, tiny_model_dir):
     return server_factory(tiny_model_dir, token=TOKEN)
@@ -359,13 +368,7 @@ def test_trainer_killed_mid_broadcast(server, tiny_model_dir, atomic):
         assert state["state"] == "broken", state
         assert r.status_code == 503 and "failed update" in r.json()["error"]
         assert httpx.get(f"{server.url}/health").status_code == 503
-    model = perturbed(tiny_model_dir, seed=8)
-    sync = sync_for(server)
-    try:
-        sync.push(model.state_dict(), version=2)
-        assert served(server)[1] == 2 and close(served(server)[0], logits(model, tiny_model_dir, TEXTS))
-    finally:
-        sync.close()
+    assert_a_push_is_served(server, tiny_model_dir, 2)
 
 
 def test_dead_server_makes_the_push_raise_in_time(server_factory, tiny_model_dir):

@@ -30,6 +30,19 @@ MANIFEST = {
 ADAPTER = AdapterConfig(rank=4, alpha=8)
 
 
+def _trained_lora(base: torch.nn.Module, alpha: int, targets: list[str]) -> torch.nn.Module:
+    """``base`` with rank-2 LoRA adapters on ``targets``, both factors random (as after training:
+    PEFT starts lora_B at zero, which would make the adapter a no-op)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=alpha, target_modules=targets))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_()
+    return model
+
+
 def lora(module: str, out_f: int, in_f: int, rank: int = 4) -> list[ParamMeta]:
     return [
         ParamMeta(name=f"{module}.lora_A.weight", dtype="float32", shape=(rank, in_f)),
@@ -110,7 +123,7 @@ def test_a_push_without_lora_tensors_is_not_an_adapter() -> None:
 
 def test_written_adapter_loads_in_peft_and_computes_what_was_pushed(tmp_path) -> None:
     """The directory vLLM loads is a real PEFT adapter: PEFT reads it back to the same function."""
-    from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+    from peft import PeftModel, get_peft_model_state_dict
 
     from rewardplane.protocol.naming import normalize_params
     from rewardplane.server.weight_sync.worker.adapters import write_peft_adapter
@@ -127,11 +140,7 @@ def test_written_adapter_loads_in_peft_and_computes_what_was_pushed(tmp_path) ->
     torch.manual_seed(0)
     base = Net()
     base_state = {k: v.clone() for k, v in base.state_dict().items()}
-    trained = get_peft_model(base, LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():
-        for n, p in trained.named_parameters():
-            if "lora_" in n:
-                p.normal_()
+    trained = _trained_lora(base, alpha=6, targets=["q_proj", "v_proj"])
     x = torch.randn(3, 8)
     want = trained(x)
     wire = normalize_params(get_peft_model_state_dict(trained), keep_lora=True)  # the names a push carries
@@ -149,7 +158,7 @@ def test_written_adapter_loads_in_peft_and_computes_what_was_pushed(tmp_path) ->
 
 
 def test_hf_hooks_compute_peft_lora_and_swap_whole() -> None:
-    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from peft import get_peft_model_state_dict
 
     from rewardplane.protocol.naming import normalize_params
     from rewardplane.server.engines.lora_hooks import LoraHooks
@@ -158,11 +167,7 @@ def test_hf_hooks_compute_peft_lora_and_swap_whole() -> None:
     served = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     base = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     base.load_state_dict(served.state_dict())
-    trainer = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["0", "2"]))
-    with torch.no_grad():
-        for n, p in trainer.named_parameters():
-            if "lora_" in n:
-                p.normal_()
+    trainer = _trained_lora(base, alpha=4, targets=["0", "2"])
     x = torch.randn(5, 8)
     plain = served(x)
     hooks = LoraHooks(served)

@@ -6,7 +6,6 @@ receivers (threads of one process), split by rows and by columns, in place and t
 from __future__ import annotations
 
 import gc
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -27,9 +26,10 @@ from rewardplane.sdk.push.plan.layout import (
     plan_senders,
 )
 from rewardplane.testing.servers import free_port
-from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.comm import Communicator
 from rewardplane.transport.slices import receive_slices, send_slices
 from rewardplane.transport.transfer import receive_buckets, send_buckets
+from tests.fixtures.gloo import run_gloo_world
 
 
 def _full() -> dict[str, torch.Tensor]:
@@ -224,42 +224,6 @@ def test_pieces_travel_in_the_metadata_and_the_layout_id_only_when_present() -> 
         InitCommunicatorRequest(host="h", port=1, world_size=3, rank_offset=1, senders=2)
 
 
-def _run_world(bodies: list[Callable[[Communicator], Any]], senders: int) -> list[Any]:
-    """Ranks 0..n-1 on threads of one gloo group; the last ``senders`` ranks are the trainer's."""
-    port, n = free_port(), len(bodies)
-    results: dict[int, Any] = {}
-    errors: list[BaseException] = []
-
-    def rank(r: int) -> None:
-        try:
-            store = create_store("127.0.0.1", port, is_master=r == n - 1, world_size=n, timeout_s=30)
-            comm = Communicator(
-                store,
-                rank=r,
-                world_size=n,
-                device=torch.device("cpu"),
-                backend="gloo",
-                timeout_s=30,
-                senders=senders,
-            )
-            try:
-                results[r] = bodies[r](comm)
-            finally:
-                comm.close()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "the transfer hung"
-    if errors:
-        raise errors[0]
-    return [results[r] for r in range(n)]
-
-
 @pytest.mark.parametrize("in_place", [False, True])
 def test_two_senders_deliver_every_tensor_whole_to_every_receiver(in_place: bool) -> None:
     full = _full()
@@ -286,7 +250,7 @@ def test_two_senders_deliver_every_tensor_whole_to_every_receiver(in_place: bool
         tensors = states[i][0]
         return lambda c: send_buckets(c, metas, tensors, bucket, c.first_sender, sender=i)
 
-    got = _run_world([receiver(0), receiver(1), sender(0), sender(1)], senders=2)
+    got = run_gloo_world([receiver(0), receiver(1), sender(0), sender(1)], senders=2)
     assert got[2] == got[3] == sum(b.nbytes for b in plan_buckets(metas, bucket))
     for r in (0, 1):
         assert got[r].error is None
@@ -336,7 +300,7 @@ def test_a_sliced_push_gives_each_receiver_only_what_it_keeps(bucket_bytes: int)
     def sender(i: int) -> Callable[[Communicator], Any]:
         return lambda c: send_slices(c, metas, states[i][0], schedule, sender=i)
 
-    got = _run_world([receiver(0), receiver(1), sender(0), sender(1)], senders=2)
+    got = run_gloo_world([receiver(0), receiver(1), sender(0), sender(1)], senders=2)
     for r in (0, 1):
         for i, m in enumerate(metas):
             expected = _kept(full[m.name], needs[r][i]).to(targets[r][i].dtype)

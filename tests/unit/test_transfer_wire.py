@@ -5,7 +5,6 @@ variable changes it."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -14,10 +13,10 @@ import torch
 
 from rewardplane.protocol import ParamMeta, layout_id, plan_buckets
 from rewardplane.protocol import weights as wire
-from rewardplane.testing.servers import free_port
 from rewardplane.transport.buckets import meta_of, unpack_bucket
-from rewardplane.transport.comm import Communicator, create_store
+from rewardplane.transport.comm import Communicator
 from rewardplane.transport.transfer import Received, receive_buckets, send_buckets
+from tests.fixtures.gloo import run_gloo_world
 
 BUCKET = 4096  # small: several buckets, several tensors in some
 
@@ -36,32 +35,7 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 def _run_pair(sender: Callable[[Communicator], Any], receiver: Callable[[Communicator], Any]) -> Any:
     """Rank 1 sends, rank 0 receives, each on its own thread over one gloo group."""
-    port = free_port()
-    results: dict[int, Any] = {}
-    errors: list[BaseException] = []
-
-    def rank(r: int, body: Callable[[Communicator], Any]) -> None:
-        try:
-            store = create_store("127.0.0.1", port, is_master=r == 1, world_size=2, timeout_s=30)
-            comm = Communicator(
-                store, rank=r, world_size=2, device=torch.device("cpu"), backend="gloo", timeout_s=30
-            )
-            try:
-                results[r] = body(comm)
-            finally:
-                comm.close()
-        except BaseException as exc:  # surfaced in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank, args=(r, b)) for r, b in ((1, sender), (0, receiver))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "the transfer hung"
-    if errors:
-        raise errors[0]
-    return results[0]
+    return run_gloo_world([receiver, sender])[0]
 
 
 def test_every_tensor_arrives_through_the_loader() -> None:
