@@ -1,6 +1,7 @@
 """CPU time of loading a push into vLLM: the model's own ``load_weights`` against the copy plan
 (``rewardplane.server.weight_sync.copy_plan``), on vLLM's real ``LlamaForSequenceClassification`` (or
-``Qwen2ForSequenceClassification``: ``--arch qwen2``).
+another family's ``<Family>ForSequenceClassification``: ``--arch qwen2``, ``qwen3``, ``gemma2``,
+``mistral``, ``qwen3_moe``, ``mixtral``; ``rewardplane.tinymodel.FAMILIES``).
 
 The tensors are small CPU tensors, so the figures are the Python time per call that a GPU push
 spends beside the copies themselves (the copies are the same either way). Each call gets one
@@ -29,6 +30,7 @@ import torch
 
 from rewardplane.server.weight_sync.copy_plan import CopyPlan
 from rewardplane.testing.servers import free_port
+from rewardplane.tinymodel import FAMILIES, family_config
 
 
 def force_cpu_platform() -> None:
@@ -41,23 +43,18 @@ def force_cpu_platform() -> None:
 
 
 def checkpoint(root: Path, arch: str, layers: int) -> Path:
-    """A config-only checkpoint of a small ``<Arch>ForSequenceClassification``: vLLM builds it with
-    random weights (Qwen2 adds q/k/v biases to Llama's layout)."""
-    from transformers import LlamaConfig, Qwen2Config
-
-    config_class, name = {"llama": (LlamaConfig, "Llama"), "qwen2": (Qwen2Config, "Qwen2")}[arch]
-    cfg = config_class(
+    """A config-only checkpoint of a small ``<Family>ForSequenceClassification`` of family ``arch``:
+    vLLM builds it with random weights."""
+    config = family_config(
+        arch,
         vocab_size=512,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_labels=1,
-        architectures=[f"{name}ForSequenceClassification"],
-        tie_word_embeddings=False,
+        num_layers=layers,
+        num_heads=4,
+        num_kv_heads=2,
     )
-    cfg.save_pretrained(root)
+    config.save_pretrained(root)
     return root
 
 
@@ -102,7 +99,7 @@ def push(shapes: list[tuple[str, tuple[int, ...]]], seed: int) -> list[tuple[str
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", choices=["llama", "qwen2"], default="llama")
+    ap.add_argument("--arch", choices=list(FAMILIES), default="llama", help="the decoder family")
     ap.add_argument("--layers", type=int, default=32, help="decoder layers (a 7B Llama has 32)")
     ap.add_argument("--per-bucket", type=int, default=25, help="tensors per load call")
     ap.add_argument("--reps", type=int, default=20)

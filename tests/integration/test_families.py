@@ -1,0 +1,97 @@
+"""Every served decoder family on the transformers engine (real server processes on CPU): a tiny
+random ``<Family>ForSequenceClassification`` per family (``rewardplane.tinymodel.FAMILIES``) is
+served with the model's own raw scores, and a full push over gloo makes every live parameter the
+trainer's, bit for bit (``/param_checksums``) — q/k norms, Gemma 2's four norms per layer, the
+experts' fused 3-D tensors and their router included."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rewardplane.protocol import Endpoints, ParamChecksumsResponse
+from rewardplane.protocol import RewardModelTrainingMode as Mode
+from rewardplane.testing.servers import ServerHandle
+from rewardplane.tinymodel import FAMILIES, TINY_SLIDING_WINDOW, build_tiny_reward_model
+from rewardplane.transport.checksums import digests
+from tests.fixtures.models import TEXTS as SHORT_TEXTS
+from tests.fixtures.models import reference_logits
+from tests.fixtures.trainer import logits, perturbed
+from tests.integration.test_weight_sync import TOKEN, sync_for
+
+HIDDEN = 64
+# one text well past the sliding window of Gemma 2 and Mistral, so the window is exercised
+LONG = " ".join(["The reward model reads every step of the answer before it gives a score."] * 4)
+TEXTS = [*SHORT_TEXTS, LONG]
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {
+        family: build_tiny_reward_model(root / family, family=family, head_std=HIDDEN**-0.5, seed=i)
+        for i, family in enumerate(FAMILIES)
+    }
+
+
+@pytest.fixture(scope="module")
+def servers(
+    models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, ServerHandle]]:
+    """One server per family, all started side by side (each start is mostly importing torch)."""
+    from rewardplane.testing.servers import launch_server, wait_healthy
+
+    log_dir = tmp_path_factory.mktemp("family-logs")
+    handles = {f: launch_server(path, log_dir, token=TOKEN) for f, path in models.items()}
+    try:
+        yield {f: wait_healthy(h, 300) for f, h in handles.items()}
+    finally:
+        for h in handles.values():
+            h.stop()
+
+
+def served(url: str) -> list[float]:
+    r = httpx.post(url + "/score", json={"input": TEXTS, "normalize": False}, timeout=60)
+    assert r.status_code == 200, r.text
+    return [d["score"] for d in sorted(r.json()["data"], key=lambda d: d["index"])]
+
+
+def one_label(rows: list[list[float]]) -> list[float]:
+    return [score for (score,) in rows]
+
+
+def checksums(url: str) -> dict[str, tuple[object, ...]]:
+    r = httpx.get(url + Endpoints.PARAM_CHECKSUMS, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return {
+        n: tuple(c) for n, c in ParamChecksumsResponse.model_validate(r.json()).workers[0].checksums.items()
+    }
+
+
+def test_the_long_text_crosses_the_sliding_window(models: dict[str, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(models["mistral"])(LONG)["input_ids"]) > 2 * TINY_SLIDING_WINDOW
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_scores_equal_transformers_and_a_full_push_lands_bit_for_bit(
+    family: str, models: dict[str, Path], servers: dict[str, ServerHandle]
+) -> None:
+    server, model_dir = servers[family], models[family]
+    assert served(server.url) == pytest.approx(one_label(reference_logits(model_dir, TEXTS)), abs=TOL)
+    model = perturbed(model_dir, seed=11)
+    sync = sync_for(server, bucket_bytes=1 << 16)  # several buckets
+    try:
+        assert sync.push(model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+    finally:
+        sync.close()
+    want = digests(model.named_parameters())
+    got = checksums(server.url)
+    assert set(got) == set(want)
+    assert [n for n in want if got[n] != tuple(want[n])] == []
+    assert served(server.url) == pytest.approx(one_label(logits(model, model_dir, TEXTS)), abs=TOL)
