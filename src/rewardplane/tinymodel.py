@@ -70,6 +70,7 @@ def _gemma2(sizes: dict[str, Any]) -> dict[str, Any]:
         "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0,
         "sliding_window": TINY_SLIDING_WINDOW,  # every other layer, from layer_types' default
+        "tie_word_embeddings": True,  # as every Gemma 2; vLLM's Gemma2 refuses an untied one
     }
 
 
