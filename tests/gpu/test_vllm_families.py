@@ -1,0 +1,97 @@
+"""Every served decoder family on vLLM, one GPU: a tiny random bf16
+``<Family>ForSequenceClassification`` per family of ``rewardplane.tinymodel.FAMILIES`` (Llama,
+Qwen2, Qwen3 with q/k norms, Gemma 2 with soft-capping, a sliding window and tied embeddings,
+Mistral with a sliding window, Qwen3-MoE and Mixtral with 4 experts), each served by its own vLLM
+server (``--enforce-eager``: the shortest start), the trainer in this process on the same GPU.
+
+- Raw scores equal transformers' (fp32 reference of the same weights) within bf16 noise; the
+  texts cross the 16-token sliding window.
+- A full push over the same-GPU transport (CUDA IPC, which ``backend="auto"`` picks) makes the
+  server score like the trainer and hold the trainer's bytes in every parameter
+  (``/param_checksums``): fused q/k/v and gate/up, Gemma 2's four norms a layer, the experts'
+  fused tensors and their router.
+
+The copy plan against vLLM's own loaders for every family is ``test_copy_plan_vllm.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from rewardplane.tinymodel import FAMILIES
+from tests.gpu.conftest import SIZES, build_seqcls
+from tests.gpu.vllm_support import (
+    TEXTS,
+    Trainer,
+    assert_close,
+    assert_same_parameters,
+    check_after_push,
+    direct_sync,
+    fill_prefix_cache,
+    load_trainer_model,
+    reference_scores,
+    served,
+    server_checksums,
+    start_vllm_server,
+    stop,
+    vllm_family_checksums,
+    wait_ready,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600), pytest.mark.gpus(1)]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_trainer(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Trainer]]:
+    """(family, the trainer's view of its server): one server at a time, stopped after its tests."""
+    import torch
+    from transformers import AutoTokenizer
+
+    family: str = request.param
+    model_dir = build_seqcls(
+        tmp_path_factory.mktemp(f"family-{family}"), SIZES["tiny"], family=family, seed=3
+    )
+    handle = wait_ready(
+        start_vllm_server(model_dir, tmp_path_factory.mktemp(f"logs-{family}"), gpu=0, enforce_eager=True)
+    )
+    device = torch.device("cuda", 0)  # the server's GPU: the push goes over CUDA IPC
+    sync = direct_sync([handle.url], device)
+    try:
+        model = load_trainer_model(model_dir, device)
+        yield family, Trainer(model, AutoTokenizer.from_pretrained(model_dir), sync, device, handle.url)
+    finally:
+        sync.close()
+        stop(handle)
+
+
+def test_scores_equal_transformers_within_bf16_noise(family_trainer: tuple[str, Trainer]) -> None:
+    family, t = family_trainer
+    got, version = served(t.url)
+    assert version == 0
+    assert_close(
+        got, reference_scores(t.model, t.tokenizer, TEXTS, t.device), f"{family}: vLLM vs transformers"
+    )
+
+
+def test_full_push_over_the_same_gpu_transport_lands_bit_for_bit(family_trainer: tuple[str, Trainer]) -> None:
+    import torch
+
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+
+    family, t = family_trainer
+    before = fill_prefix_cache(t.url)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in t.model.parameters():
+            p.mul_(1.0 + 0.1 * torch.randn_like(p))
+    assert t.sync.push(t.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+    assert str(getattr(t.sync.open().comm, "backend", "?")) == "ipc"
+    check_after_push(t, 1, before, f"{family}: full push over CUDA IPC")
+    got_version, got = server_checksums(t.url)
+    assert got_version == 1
+    want = vllm_family_checksums(t.model.state_dict(), family)
+    assert_same_parameters(got, want, f"{family}: full push over CUDA IPC")
