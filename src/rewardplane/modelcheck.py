@@ -126,6 +126,11 @@ def check(cfg: dict[str, Any], tokenizer: TokenizerFacts, *, dtype: str, max_mod
     limit = cfg.get("max_position_embeddings")
     if limit and max_model_len > limit:
         failures.append(f"--max-model-len {max_model_len} exceeds max_position_embeddings {limit}")
+    if family == "gemma2" and cfg.get("tie_word_embeddings") is False:
+        failures.append(
+            "tie_word_embeddings is false: vLLM's Gemma2 loads only tied embeddings; set it true "
+            "(a reward model scores with its score head, not the LM head)"
+        )
     if not tokenizer.present:
         failures.append("no tokenizer files (tokenizer.json or tokenizer_config.json) beside config.json")
     elif tokenizer.pad_token is None and cfg.get("pad_token_id") is None:

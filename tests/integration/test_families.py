@@ -2,7 +2,8 @@
 random ``<Family>ForSequenceClassification`` per family (``rewardplane.tinymodel.FAMILIES``) is
 served with the model's own raw scores, and a full push over gloo makes every live parameter the
 trainer's, bit for bit (``/param_checksums``) — q/k norms, Gemma 2's four norms per layer, the
-experts' fused 3-D tensors and their router included."""
+experts' fused 3-D tensors and their router included; head-only and LoRA-merged pushes follow
+the trainer too."""
 
 from __future__ import annotations
 
@@ -95,3 +96,42 @@ def test_scores_equal_transformers_and_a_full_push_lands_bit_for_bit(
     assert set(got) == set(want)
     assert [n for n in want if got[n] != tuple(want[n])] == []
     assert served(server.url) == pytest.approx(one_label(logits(model, model_dir, TEXTS)), abs=TOL)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_head_only_and_lora_merged_pushes_follow_the_trainer(
+    family: str, models: dict[str, Path], servers: dict[str, ServerHandle]
+) -> None:
+    """Head-only moves the score head alone; a LoRA on the attention's q/v (the targets every
+    family has, MoE included) merged before the push serves what the adapted model computes."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from rewardplane.protocol.naming import select_head
+    from rewardplane.sdk.lora import merge_sync_reinit
+
+    server, model_dir = servers[family], models[family]
+    model = perturbed(model_dir, seed=12)
+    sync = sync_for(server)
+    try:
+        sync.push(model.state_dict(), version=2, training_mode=Mode.FULL)
+        before = checksums(server.url)
+        with torch.no_grad():
+            model.score.weight.add_(torch.randn_like(model.score.weight) * HIDDEN**-0.5)
+        sync.push(select_head(model.state_dict()), version=3, training_mode=Mode.HEAD_ONLY)
+        after = checksums(server.url)
+        assert [n for n in after if after[n] != before[n]] == ["score.weight"]
+        assert served(server.url) == pytest.approx(one_label(logits(model, model_dir, TEXTS)), abs=TOL)
+        peft_model = get_peft_model(
+            model,
+            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], modules_to_save=["score"]),
+        )
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.05)
+        want = one_label(logits(peft_model, model_dir, TEXTS))
+        merge_sync_reinit(peft_model, lambda sd: sync.push(sd, version=4, training_mode=Mode.LORA))
+        assert served(server.url) == pytest.approx(want, abs=TOL)
+    finally:
+        sync.close()

@@ -184,3 +184,9 @@ def test_tiny_model_cli_builds_the_family_asked_for(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(tmp_path / "g")
     rc, report = run(tmp_path / "g", capsys, "--max-model-len", "256")
     assert rc == 0 and report["architecture"] == "Gemma2ForSequenceClassification"
+
+
+def test_an_untied_gemma2_fails_naming_vllms_need(tmp_path, capsys):
+    cfg = Gemma2Config(**SIZES, head_dim=16, tie_word_embeddings=False)
+    rc, report = run(save(tmp_path, cfg, "Gemma2ForSequenceClassification"), capsys, "--max-model-len", "256")
+    assert rc == 1 and any("tie_word_embeddings" in f for f in report["failures"]), report["failures"]
