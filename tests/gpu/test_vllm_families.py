@@ -5,7 +5,8 @@ Mistral with a sliding window, Qwen3-MoE and Mixtral with 4 experts), each serve
 server (``--enforce-eager``: the shortest start), the trainer in this process on the same GPU.
 
 - Raw scores equal transformers' (fp32 reference of the same weights) within bf16 noise; the
-  texts cross the 16-token sliding window.
+  texts cross the 16-token sliding window. Llama and Mistral run the final layer on the pooled
+  rows (the server's log says so), the others every row.
 - A full push over the same-GPU transport (CUDA IPC, which ``backend="auto"`` picks) makes the
   server score like the trainer and hold the trainer's bytes in every parameter
   (``/param_checksums``): fused q/k/v and gate/up, Gemma 2's four norms a layer, the experts'
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from rewardplane.testing.servers import ServerHandle
 from rewardplane.tinymodel import FAMILIES
 from tests.gpu.conftest import SIZES, build_seqcls
 from tests.gpu.vllm_support import (
@@ -46,8 +48,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600), pyt
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_trainer(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, Trainer]]:
-    """(family, the trainer's view of its server): one server at a time, stopped after its tests."""
+) -> Iterator[tuple[str, Trainer, ServerHandle]]:
+    """(family, the trainer's view of its server, the server): one server at a time, stopped after
+    its tests."""
     import torch
     from transformers import AutoTokenizer
 
@@ -62,7 +65,11 @@ def family_trainer(
     sync = direct_sync([handle.url], device)
     try:
         model = load_trainer_model(model_dir, device)
-        yield family, Trainer(model, AutoTokenizer.from_pretrained(model_dir), sync, device, handle.url)
+        yield (
+            family,
+            Trainer(model, AutoTokenizer.from_pretrained(model_dir), sync, device, handle.url),
+            handle,
+        )
     finally:
         sync.close()
         stop(handle)
@@ -77,12 +84,14 @@ def test_scores_equal_transformers_within_bf16_noise(family_trainer: tuple[str, 
     )
 
 
-def test_full_push_over_the_same_gpu_transport_lands_bit_for_bit(family_trainer: tuple[str, Trainer]) -> None:
+def test_full_push_over_the_same_gpu_transport_lands_bit_for_bit(
+    family_trainer: tuple[str, Trainer, ServerHandle],
+) -> None:
     import torch
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
 
-    family, t = family_trainer
+    family, t, _ = family_trainer
     before = fill_prefix_cache(t.url)
     torch.manual_seed(5)
     with torch.no_grad():

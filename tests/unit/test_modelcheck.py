@@ -47,7 +47,7 @@ def run(path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int
         (Qwen2Config(**SIZES), "Qwen2ForSequenceClassification", False),
         (Qwen3Config(**SIZES, head_dim=16), "Qwen3ForSequenceClassification", False),
         (Gemma2Config(**SIZES, head_dim=16), "Gemma2ForSequenceClassification", False),
-        (MistralConfig(**SIZES), "MistralForSequenceClassification", False),
+        (MistralConfig(**SIZES), "MistralForSequenceClassification", True),
     ],
 )
 def test_dense_families_pass(tmp_path, capsys, config, arch, pooled):

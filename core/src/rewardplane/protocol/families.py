@@ -9,8 +9,11 @@ KNOWN_FAMILIES: frozenset[str] = frozenset(
     {"llama", "qwen2", "qwen3", "gemma2", "mistral", "qwen3_moe", "mixtral"}
 )
 
-# Each is served on vLLM by ``rewardplane.server.engines.vllm_last_token:LastToken<architecture>``.
-POOLED_ROWS_ARCHS: frozenset[str] = frozenset({"LlamaForSequenceClassification"})
+# Each is served on vLLM by ``rewardplane.server.engines.vllm_last_token:LastToken<architecture>``
+# (vLLM serves Mistral with its Llama model).
+POOLED_ROWS_ARCHS: frozenset[str] = frozenset(
+    {"LlamaForSequenceClassification", "MistralForSequenceClassification"}
+)
 
 
 def vllm_layer_types(cfg: dict[str, object]) -> list[str] | None:
