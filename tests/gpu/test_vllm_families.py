@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from rewardplane.protocol.families import POOLED_ROWS_ARCHS
 from rewardplane.testing.servers import ServerHandle
 from rewardplane.tinymodel import FAMILIES
 from tests.gpu.conftest import SIZES, build_seqcls
@@ -75,13 +76,18 @@ def family_trainer(
         stop(handle)
 
 
-def test_scores_equal_transformers_within_bf16_noise(family_trainer: tuple[str, Trainer]) -> None:
-    family, t = family_trainer
+def test_scores_equal_transformers_within_bf16_noise(
+    family_trainer: tuple[str, Trainer, ServerHandle],
+) -> None:
+    """With the pooled rows where the family has them (``POOLED_ROWS_ARCHS``: the server logs it)."""
+    family, t, handle = family_trainer
     got, version = served(t.url)
     assert version == 0
     assert_close(
         got, reference_scores(t.model, t.tokenizer, TEXTS, t.device), f"{family}: vLLM vs transformers"
     )
+    pooled = "MLP and norm on each prompt's last token" in handle.log()
+    assert pooled is (FAMILIES[family].model_class in POOLED_ROWS_ARCHS), handle.log()[-3000:]
 
 
 def test_full_push_over_the_same_gpu_transport_lands_bit_for_bit(
