@@ -118,7 +118,14 @@ def check(cfg: dict[str, Any], tokenizer: TokenizerFacts, *, dtype: str, max_mod
             failures.append(f"{heads} attention heads are not divisible by {kv} key/value heads")
         if not cfg.get("head_dim") and h % heads:
             failures.append(f"hidden_size {h} is not divisible by {heads} attention heads")
-        tp = [n for n in TP_CANDIDATES if heads % n == 0 and (kv % n == 0 or n % kv == 0)]
+        # vLLM splits heads (key/value heads, or replicates them) and the MLP's (or each expert's)
+        # intermediate rows across the ranks
+        widths = [int(cfg.get(k) or 0) for k in ("intermediate_size", "moe_intermediate_size")]
+        tp = [
+            n
+            for n in TP_CANDIDATES
+            if heads % n == 0 and (kv % n == 0 or n % kv == 0) and all(w % n == 0 for w in widths)
+        ]
         params = count_params(cfg)
     width = DTYPE_BYTES.get(dtype, 2)
     head_dim = int(cfg.get("head_dim") or (h // heads if heads else 0))

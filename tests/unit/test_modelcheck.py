@@ -190,3 +190,11 @@ def test_an_untied_gemma2_fails_naming_vllms_need(tmp_path, capsys):
     cfg = Gemma2Config(**SIZES, head_dim=16, tie_word_embeddings=False)
     rc, report = run(save(tmp_path, cfg, "Gemma2ForSequenceClassification"), capsys, "--max-model-len", "256")
     assert rc == 1 and any("tie_word_embeddings" in f for f in report["failures"]), report["failures"]
+
+
+def test_tensor_parallel_sizes_divide_the_experts_width(tmp_path, capsys):
+    cfg = Qwen3MoeConfig(**SIZES, head_dim=16, num_experts=4, moe_intermediate_size=30)
+    rc, report = run(
+        save(tmp_path, cfg, "Qwen3MoeForSequenceClassification"), capsys, "--max-model-len", "256"
+    )
+    assert rc == 0 and report["tensor_parallel_sizes"] == [1, 2]  # 4 heads would allow 4; 30 rows do not
