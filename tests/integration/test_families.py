@@ -15,7 +15,7 @@ import pytest
 
 from rewardplane.protocol import Endpoints, ParamChecksumsResponse
 from rewardplane.protocol import RewardModelTrainingMode as Mode
-from rewardplane.testing.servers import ServerHandle
+from rewardplane.testing.servers import ServerHandle, launch_server, wait_healthy
 from rewardplane.tinymodel import FAMILIES, TINY_SLIDING_WINDOW, build_tiny_reward_model
 from rewardplane.transport.checksums import digests
 from tests.fixtures.models import TEXTS as SHORT_TEXTS
@@ -44,8 +44,6 @@ def servers(
     models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, ServerHandle]]:
     """One server per family, all started side by side (each start is mostly importing torch)."""
-    from rewardplane.testing.servers import launch_server, wait_healthy
-
     log_dir = tmp_path_factory.mktemp("family-logs")
     handles = {f: launch_server(path, log_dir, token=TOKEN) for f, path in models.items()}
     try:
