@@ -143,6 +143,7 @@ def main() -> None:
         "tensors": n_tensors,
         "per_bucket": args.per_bucket,
         "learned": len(plan.direct_names),
+        "left_to_loader": [n for n, _ in shapes if n not in plan.direct_names],
         "loader_ms_per_bucket": round(med["loader"], 4),
         "plan_ms_per_bucket": round(med["plan"], 4),
         "ratio_plan_over_loader": round(med["plan"] / med["loader"], 4),
@@ -151,9 +152,7 @@ def main() -> None:
     print(f"vLLM {type(planned).__name__}, {args.layers} layers, {n_tensors} tensors")
     print(f"  learned by the plan      : {len(plan.direct_names)} of {n_tensors} names")
     # fused 3-D experts reach the loader split per expert (views the plan does not follow)
-    print(
-        f"  left to vLLM's loader    : {' '.join(n for n, _ in shapes if n not in plan.direct_names) or '-'}"
-    )
+    print(f"  left to vLLM's loader    : {' '.join(result['left_to_loader']) or '-'}")
     print(
         f"  loader, per bucket of {args.per_bucket} : {med['loader']:.3f} ms (median of {len(times['loader'])})"
     )
