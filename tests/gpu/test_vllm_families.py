@@ -7,10 +7,10 @@ server (``--enforce-eager``: the shortest start), the trainer in this process on
 - Raw scores equal transformers' (fp32 reference of the same weights) within bf16 noise; the
   texts cross the 16-token sliding window. Llama and Mistral run the final layer on the pooled
   rows (the server's log says so), the others every row.
-- A full push over the same-GPU transport (CUDA IPC, which ``backend="auto"`` picks) makes the
-  server score like the trainer and hold the trainer's bytes in every parameter
-  (``/param_checksums``): fused q/k/v and gate/up, Gemma 2's four norms a layer, the experts'
-  fused tensors and their router.
+- Full, head-only, LoRA-merged and delta pushes over the same-GPU transport (CUDA IPC, which
+  ``backend="auto"`` picks) make the server score like the trainer and hold the trainer's bytes
+  in every parameter (``/param_checksums``): fused q/k/v and gate/up, Gemma 2's four norms a
+  layer, the experts' fused tensors and their router.
 
 The copy plan against vLLM's own loaders for every family is ``test_copy_plan_vllm.py``.
 """
@@ -106,7 +106,56 @@ def test_full_push_over_the_same_gpu_transport_lands_bit_for_bit(
     assert t.sync.push(t.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
     assert str(getattr(t.sync.open().comm, "backend", "?")) == "ipc"
     check_after_push(t, 1, before, f"{family}: full push over CUDA IPC")
+    _exact(family, t, 1, "full push over CUDA IPC")
+
+
+def test_head_only_lora_merged_and_delta_pushes_land_bit_for_bit(
+    family_trainer: tuple[str, Trainer, ServerHandle],
+) -> None:
+    """After the full push: the head alone; a LoRA on the attention's q/v (the targets every family
+    has, MoE included) merged before the push, its head in ``modules_to_save``; a delta push of
+    the one tensor changed since."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+    from rewardplane.protocol.naming import select_head
+    from rewardplane.sdk.lora import merge_sync_reinit
+
+    family, t, _ = family_trainer
+    before = fill_prefix_cache(t.url)
+    torch.manual_seed(6)
+    with torch.no_grad():
+        head = t.model.score.weight
+        head.copy_(torch.randn_like(head) * head.shape[1] ** -0.5)
+    assert t.sync.push(select_head(t.model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY) == 2
+    check_after_push(t, 2, before, f"{family}: head-only")
+    _exact(family, t, 2, "head-only")
+
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], modules_to_save=["score"])
+    peft_model = get_peft_model(t.model, config)
+    with torch.no_grad():  # as if trained: non-zero B, a changed head copy
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+            if "modules_to_save" in name:
+                p.add_(torch.randn_like(p) * 0.2 * p.shape[-1] ** -0.5)
+    before = fill_prefix_cache(t.url)
+    peft_model = merge_sync_reinit(peft_model, lambda sd: t.sync.push(sd, version=3, training_mode=Mode.LORA))
+    t.model = peft_model.merge_and_unload()  # fresh adapters have B = 0: the same function
+    check_after_push(t, 3, before, f"{family}: LoRA merged")
+    _exact(family, t, 3, "LoRA merged")
+
+    before = fill_prefix_cache(t.url)
+    with torch.no_grad():
+        o_proj = dict(t.model.named_parameters())["model.layers.0.self_attn.o_proj.weight"]
+        o_proj.mul_(1.0 + 0.3 * torch.randn_like(o_proj))
+    assert t.sync.push(t.model.state_dict(), version=4, delta=True) == 4
+    check_after_push(t, 4, before, f"{family}: delta")
+    _exact(family, t, 4, "delta")
+
+
+def _exact(family: str, t: Trainer, version: int, what: str) -> None:
     got_version, got = server_checksums(t.url)
-    assert got_version == 1
-    want = vllm_family_checksums(t.model.state_dict(), family)
-    assert_same_parameters(got, want, f"{family}: full push over CUDA IPC")
+    assert got_version == version
+    assert_same_parameters(got, vllm_family_checksums(t.model.state_dict(), family), f"{family}: {what}")
