@@ -18,6 +18,7 @@ The copy plan against vLLM's own loaders for every family is ``test_copy_plan_vl
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,29 @@ from tests.gpu.vllm_support import (
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600), pytest.mark.gpus(1)]
+
+
+def test_engine_args_give_vllm_mistrals_window_on_every_layer(tmp_path: Path) -> None:
+    """No server start: a Mistral config (no ``layer_types``) gets them as ``hf_overrides``; a
+    user's own ``--hf-overrides`` value is kept; other families get none."""
+    import json
+
+    from rewardplane.server.config import ServerConfig
+    from rewardplane.server.engines.vllm_engine import build_engine_args
+    from rewardplane.tinymodel import family_config
+
+    cfg = ServerConfig(model=str(tmp_path), engine="vllm")
+    mistral = family_config("mistral", num_layers=3).to_dict()
+    args = build_engine_args(cfg, 1024, hf_config=mistral)
+    assert args.hf_overrides["layer_types"] == ["sliding_attention"] * 3  # type: ignore[index]
+    own = ServerConfig(
+        model=str(tmp_path),
+        engine="vllm",
+        extra_engine_args=["--hf-overrides", json.dumps({"layer_types": ["x"]})],
+    )
+    assert build_engine_args(own, 1024, hf_config=mistral).hf_overrides["layer_types"] == ["x"]  # type: ignore[index]
+    llama = family_config("llama").to_dict()
+    assert "layer_types" not in build_engine_args(cfg, 1024, hf_config=llama).hf_overrides  # type: ignore[operator]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
