@@ -36,7 +36,8 @@ from rewardplane.testing.servers import launch_server, wait_healthy
 TOKEN = "bench-sleep-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 # ~1.35B parameters: the scoring benchmark's (benchmarks/scoring_gpu.py) 1.4b size
-SIZE_1_4B = {
+# a Llama's sizes (build_tiny_reward_model's keywords; all ints)
+SIZE_1_4B: dict[str, Any] = {
     "hidden_size": 2048,
     "num_layers": 24,
     "num_heads": 16,

@@ -11,12 +11,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rewardplane.protocol.families import KNOWN_FAMILIES, POOLED_ROWS_ARCHS, vllm_layer_types
 from rewardplane.tinymodel import PRM_STEP_TAG
 
-# Families the server serves, by the ``model_type`` of their config.
-KNOWN_FAMILIES = {"llama", "qwen2", "qwen3", "gemma2", "mistral", "qwen3_moe", "mixtral"}
-# Architectures whose final layer runs on the pooled rows only on vLLM (engines/vllm_worker.py).
-POOLED_ROWS_ARCHS = {"LlamaForSequenceClassification"}
 # LoRA targets of a standard decoder: attention and MLP projections, by their module names.
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP_TARGETS = ["gate_proj", "up_proj", "down_proj"]
@@ -46,6 +43,8 @@ class Report:
     lora_targets: list[str]
     prm_step_tag: bool | None
     failures: list[str]
+    # what the server tells vLLM of this config (hf_overrides) so that it attends as transformers
+    vllm_overrides: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -53,22 +52,44 @@ class Report:
 
 
 def count_params(cfg: dict[str, Any]) -> int:
-    """Parameters of a decoder of this shape (embeddings, attention, MLP or experts, norms, head)."""
-    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
-    heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or h // heads
+    """Parameters of a ``*ForSequenceClassification`` decoder of this shape, exactly as transformers
+    builds it: embeddings; per layer attention (with Qwen2's q/k/v biases, ``attention_bias``,
+    Qwen3's q/k norms), the MLP or the experts and their router (Qwen3-MoE's dense
+    ``mlp_only_layers`` and ``decoder_sparse_step``, a shared expert and its gate) and the norms
+    (four in Gemma 2); the final norm and the score head."""
+    h, vocab = int(cfg["hidden_size"]), int(cfg["vocab_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or h // heads)
+    family = cfg.get("model_type", "")
+    bias = bool(cfg.get("attention_bias"))
     attn = h * head_dim * (heads + 2 * kv) + heads * head_dim * h
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
-    inter = (
-        cfg.get("moe_intermediate_size")
-        if experts and cfg.get("moe_intermediate_size")
-        else cfg["intermediate_size"]
-    )
-    mlp = 3 * h * inter * max(1, experts) + (h * experts if experts else 0)
-    embed = vocab * h
-    head = h * cfg.get("num_labels", 1)
-    return embed + layers * (attn + mlp + 2 * h) + h + head
+    if bias or family in ("qwen2", "qwen2_moe"):  # Qwen2: q/k/v biases; attention_bias: o_proj's too
+        attn += head_dim * (heads + 2 * kv)
+    attn += h if bias else 0
+    if family in ("qwen3", "qwen3_moe"):
+        attn += 2 * head_dim  # q_norm, k_norm
+    norms = (4 if family == "gemma2" else 2) * h
+    layers = int(cfg["num_hidden_layers"])
+    # to_dict() keeps the labels as id2label, not num_labels
+    labels = int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 1)
+    total = vocab * h + layers * (attn + norms) + h + h * labels
+    return total + sum(_mlp_params(cfg, i) for i in range(layers))
+
+
+def _mlp_params(cfg: dict[str, Any], layer: int) -> int:
+    """One layer's MLP: dense (``intermediate_size``, ``mlp_bias``) or experts and their router."""
+    h = int(cfg["hidden_size"])
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    sparse = experts and layer not in (cfg.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+    if not sparse:
+        inter = int(cfg["intermediate_size"])
+        return 3 * h * inter + ((2 * inter + h) if cfg.get("mlp_bias") else 0)
+    inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    # experts, router; a shared expert and its one-output gate
+    return experts * 3 * h * inter + experts * h + (3 * h * shared + h if shared else 0)
 
 
 def check(cfg: dict[str, Any], tokenizer: TokenizerFacts, *, dtype: str, max_model_len: int) -> Report:
@@ -97,7 +118,14 @@ def check(cfg: dict[str, Any], tokenizer: TokenizerFacts, *, dtype: str, max_mod
             failures.append(f"{heads} attention heads are not divisible by {kv} key/value heads")
         if not cfg.get("head_dim") and h % heads:
             failures.append(f"hidden_size {h} is not divisible by {heads} attention heads")
-        tp = [n for n in TP_CANDIDATES if heads % n == 0 and (kv % n == 0 or n % kv == 0)]
+        # vLLM splits heads (key/value heads, or replicates them) and the MLP's (or each expert's)
+        # intermediate rows across the ranks
+        widths = [int(cfg.get(k) or 0) for k in ("intermediate_size", "moe_intermediate_size")]
+        tp = [
+            n
+            for n in TP_CANDIDATES
+            if heads % n == 0 and (kv % n == 0 or n % kv == 0) and all(w % n == 0 for w in widths)
+        ]
         params = count_params(cfg)
     width = DTYPE_BYTES.get(dtype, 2)
     head_dim = int(cfg.get("head_dim") or (h // heads if heads else 0))
@@ -105,6 +133,11 @@ def check(cfg: dict[str, Any], tokenizer: TokenizerFacts, *, dtype: str, max_mod
     limit = cfg.get("max_position_embeddings")
     if limit and max_model_len > limit:
         failures.append(f"--max-model-len {max_model_len} exceeds max_position_embeddings {limit}")
+    if family == "gemma2" and cfg.get("tie_word_embeddings") is False:
+        failures.append(
+            "tie_word_embeddings is false: vLLM's Gemma2 loads only tied embeddings; set it true "
+            "(a reward model scores with its score head, not the LM head)"
+        )
     if not tokenizer.present:
         failures.append("no tokenizer files (tokenizer.json or tokenizer_config.json) beside config.json")
     elif tokenizer.pad_token is None and cfg.get("pad_token_id") is None:
@@ -116,6 +149,7 @@ def check(cfg: dict[str, Any], tokenizer: TokenizerFacts, *, dtype: str, max_mod
     if prm and not step_tag:
         failures.append(f"a process reward model whose tokenizer lacks the step tag {PRM_STEP_TAG}")
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    layer_types = vllm_layer_types(cfg)
     return Report(
         architecture=arch,
         family=family,
@@ -129,6 +163,7 @@ def check(cfg: dict[str, Any], tokenizer: TokenizerFacts, *, dtype: str, max_mod
         lora_targets=ATTENTION_TARGETS if experts else ATTENTION_TARGETS + MLP_TARGETS,
         prm_step_tag=step_tag,
         failures=failures,
+        vllm_overrides={"layer_types": layer_types} if layer_types else {},
     )
 
 
@@ -143,6 +178,10 @@ def render(report: Report) -> str:
         f"pushes: {', '.join(report.pushes)}",
         f"LoRA targets: {', '.join(report.lora_targets)}",
     ]
+    if report.vllm_overrides:
+        lines.append(
+            f"vLLM overrides: {', '.join(report.vllm_overrides)} (sliding window on every layer, as transformers)"
+        )
     if report.prm_step_tag is not None:
         lines.append(f"PRM step tag {PRM_STEP_TAG}: {'present' if report.prm_step_tag else 'missing'}")
     lines += [f"FAIL: {f}" for f in report.failures] or ["OK: nothing would fail"]

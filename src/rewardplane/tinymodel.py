@@ -4,6 +4,8 @@ development cluster. No downloads: the tokenizer is trained here on a corpus shi
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +36,86 @@ def train_tokenizer(vocab_size: int = 512):  # -> transformers.PreTrainedTokeniz
     )
 
 
+@dataclass(frozen=True)
+class Family:
+    """A served decoder family: its transformers classes (``<prefix>Config``,
+    ``<prefix>ForSequenceClassification``) and the config fields that make a tiny one of its shape
+    (``extra``, from the resolved sizes)."""
+
+    prefix: str
+    extra: Callable[[dict[str, Any]], dict[str, Any]] = lambda sizes: {}
+
+    @property
+    def config_class(self) -> str:
+        return f"{self.prefix}Config"
+
+    @property
+    def model_class(self) -> str:
+        return f"{self.prefix}ForSequenceClassification"
+
+
+# Short enough that the test texts cross it: a sliding window that no text reaches tests nothing.
+TINY_SLIDING_WINDOW = 16
+
+
+def _head_dim(sizes: dict[str, Any]) -> int:
+    return int(sizes["hidden_size"]) // int(sizes["num_attention_heads"])
+
+
+def _gemma2(sizes: dict[str, Any]) -> dict[str, Any]:
+    # Gemma 2's own soft-caps and query scale; its defaults (head_dim 256) assume a 9B shape
+    return {
+        "head_dim": _head_dim(sizes),
+        "query_pre_attn_scalar": _head_dim(sizes),
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "sliding_window": TINY_SLIDING_WINDOW,  # every other layer, from layer_types' default
+        "tie_word_embeddings": True,  # as every Gemma 2; vLLM's Gemma2 refuses an untied one
+    }
+
+
+def _qwen3_moe(sizes: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "head_dim": _head_dim(sizes),
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": max(1, int(sizes["intermediate_size"]) // 2),
+        "norm_topk_prob": True,
+    }
+
+
+# model_type -> family. Qwen3 and Qwen3-MoE default to head_dim 128, so it is set from the sizes.
+FAMILIES: dict[str, Family] = {
+    "llama": Family("Llama"),
+    "qwen2": Family("Qwen2"),
+    "qwen3": Family("Qwen3", lambda sizes: {"head_dim": _head_dim(sizes)}),
+    "gemma2": Family("Gemma2", _gemma2),
+    "mistral": Family("Mistral", lambda sizes: {"sliding_window": TINY_SLIDING_WINDOW}),
+    "qwen3_moe": Family("Qwen3Moe", _qwen3_moe),
+    "mixtral": Family("Mixtral", lambda sizes: {"num_local_experts": 4, "num_experts_per_tok": 2}),
+}
+
+
+def family_config(
+    family: str, *, num_labels: int = 1, special_ids: dict[str, int | None] | None = None, **sizes: Any
+) -> Any:  # -> transformers.PretrainedConfig
+    """The config of a tiny ``family`` reward model (``FAMILIES``): ``sizes`` as for
+    :func:`build_tiny_reward_model`; ``special_ids``: pad/bos/eos token ids."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}: one of {', '.join(FAMILIES)}")
+    spec = FAMILIES[family]
+    fields = _config_fields(special_ids or {}, **sizes)
+    # num_labels and architectures: PretrainedConfig arguments that the typed __init__ omits
+    fields |= {"num_labels": num_labels, "architectures": [spec.model_class], **spec.extra(fields)}
+    return getattr(transformers, spec.config_class)(**fields)
+
+
 def build_tiny_reward_model(
     out_dir: str | Path,
     *,
+    family: str = "llama",
     num_labels: int = 1,
     hidden_size: int = 64,
     num_layers: int = 2,
@@ -49,31 +128,34 @@ def build_tiny_reward_model(
     dtype: str = "float32",
     seed: int = 0,
 ) -> Path:
-    """Save a random-weight ``LlamaForSequenceClassification`` and its tokenizer to ``out_dir``.
+    """Save a random-weight ``<Family>ForSequenceClassification`` and its tokenizer to ``out_dir``;
+    ``family``: a key of ``FAMILIES`` (``llama``, ``qwen2``, ``qwen3``, ``gemma2``, ``mistral``,
+    ``qwen3_moe``, ``mixtral``).
 
     ``head_std``: random init gives near-zero scores; a wider head makes scores differ visibly
     between texts (``hidden_size ** -0.5`` gives scores of order 1). ``vocab_size`` defaults to the
     tokenizer's; a larger one mimics real models (the extra ids are simply never produced).
     """
     import torch
-    from transformers import LlamaForSequenceClassification
+    import transformers
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
-    config = _llama_config(
-        tokenizer,
+    config = family_config(
+        family,
+        num_labels=num_labels,
+        special_ids=_special_ids(tokenizer),
+        vocab_size=max(vocab_size or 0, len(tokenizer)),
         hidden_size=hidden_size,
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
         intermediate_size=intermediate_size,
-        vocab_size=vocab_size,
-        num_labels=num_labels,
     )
     torch.manual_seed(seed)
-    model = LlamaForSequenceClassification(config)
+    model = getattr(transformers, FAMILIES[family].model_class)(config)
     with torch.no_grad():
         model.score.weight.normal_(0.0, head_std)
     return _save(model, tokenizer, out, dtype)
@@ -102,7 +184,7 @@ def build_tiny_process_reward_model(
     tokenizer = train_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": [PRM_STEP_TAG]})
     # num_labels and architectures: PretrainedConfig arguments that the typed __init__ omits
-    fields = _config_fields(tokenizer, **sizes)
+    fields = _tokenizer_fields(tokenizer, sizes)
     config = Qwen2Config(**{**fields, "num_labels": 2, "architectures": ["Qwen2ForProcessRewardModel"]})
     hidden_size = int(fields["hidden_size"])
     torch.manual_seed(seed)
@@ -156,11 +238,25 @@ def build_tiny_causal_lm(
 def _llama_config(tokenizer: Any, **sizes: Any) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(**_config_fields(tokenizer, **sizes))
+    return LlamaConfig(**_tokenizer_fields(tokenizer, sizes))
+
+
+def _tokenizer_fields(tokenizer: Any, sizes: dict[str, Any]) -> dict[str, Any]:
+    """Config fields for a model of ``tokenizer``: every id it produces is in the vocabulary."""
+    vocab = max(sizes.get("vocab_size") or 0, len(tokenizer))
+    return _config_fields(_special_ids(tokenizer), **{**sizes, "vocab_size": vocab})
+
+
+def _special_ids(tokenizer: Any) -> dict[str, int | None]:
+    return {
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
 
 
 def _config_fields(
-    tokenizer: Any,
+    special_ids: dict[str, int | None],
     *,
     hidden_size: int = 64,
     num_layers: int = 2,
@@ -168,21 +264,19 @@ def _config_fields(
     num_kv_heads: int | None = None,
     max_position_embeddings: int = 512,
     intermediate_size: int | None = None,
-    vocab_size: int | None = None,
+    vocab_size: int = 512,
     **extra: Any,
 ) -> dict[str, Any]:
-    """A decoder's config fields: its sizes, ``tokenizer``'s special ids, an untied head."""
+    """A decoder's config fields: its sizes, the tokenizer's special ids, an untied head."""
     return {
-        "vocab_size": max(vocab_size or 0, len(tokenizer)),
+        "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size or hidden_size * 2,
         "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads or max(1, num_heads // 2),
         "max_position_embeddings": max_position_embeddings,
-        "pad_token_id": tokenizer.pad_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
+        **special_ids,
         "tie_word_embeddings": False,
         **extra,
     }
@@ -198,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-labels", type=int, default=1, help="outputs of the score head")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument(
+        "--family", choices=list(FAMILIES), default="llama", help="the decoder family of the reward model"
+    )
+    p.add_argument(
         "--causal-lm", action="store_true", help="a tiny causal LM with a chat template (a generative judge)"
     )
     p.add_argument(
@@ -211,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.process:
         path = build_tiny_process_reward_model(args.out, seed=args.seed)
     else:
-        path = build_tiny_reward_model(args.out, num_labels=args.num_labels, seed=args.seed)
+        path = build_tiny_reward_model(
+            args.out, family=args.family, num_labels=args.num_labels, seed=args.seed
+        )
     print(path)
     return 0
 

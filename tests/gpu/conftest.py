@@ -1,7 +1,8 @@
 """GPU tests: skipped (not errors) without a CUDA GPU; vLLM tests skipped without vllm.
 
-Models are random-weight ``LlamaForSequenceClassification`` checkpoints built here (bf16 on disk,
-tokenizer trained with ``rewardplane.tinymodel.train_tokenizer``): no downloads.
+Models are random-weight ``LlamaForSequenceClassification`` checkpoints (other families:
+``build_seqcls``) built here (bf16 on disk, tokenizer trained with
+``rewardplane.tinymodel.train_tokenizer``): no downloads.
 """
 
 from __future__ import annotations
@@ -79,8 +80,11 @@ SIZES: dict[str, LlamaSize] = {
 }
 
 
-def build_llama_seqcls(out_dir: Path, size: LlamaSize, *, num_labels: int = 1, seed: int = 0) -> Path:
-    """Save a random-weight bf16 ``LlamaForSequenceClassification`` plus a trained tokenizer.
+def build_seqcls(
+    out_dir: Path, size: LlamaSize, *, family: str = "llama", num_labels: int = 1, seed: int = 0
+) -> Path:
+    """Save a random-weight bf16 ``<Family>ForSequenceClassification`` of ``size`` (``family``: a key
+    of ``rewardplane.tinymodel.FAMILIES``) plus a trained tokenizer.
 
     Scores of order 1 that differ between texts: the final norm's output has norm ~sqrt(hidden),
     so a head with std 1/sqrt(hidden) gives unit-scale scores."""
@@ -88,6 +92,7 @@ def build_llama_seqcls(out_dir: Path, size: LlamaSize, *, num_labels: int = 1, s
 
     return build_tiny_reward_model(
         out_dir,
+        family=family,
         num_labels=num_labels,
         hidden_size=size.hidden,
         num_layers=size.layers,
@@ -100,6 +105,11 @@ def build_llama_seqcls(out_dir: Path, size: LlamaSize, *, num_labels: int = 1, s
         dtype="bfloat16",
         seed=seed,
     )
+
+
+def build_llama_seqcls(out_dir: Path, size: LlamaSize, *, num_labels: int = 1, seed: int = 0) -> Path:
+    """``build_seqcls`` of the Llama family."""
+    return build_seqcls(out_dir, size, num_labels=num_labels, seed=seed)
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from rewardplane.testing.servers import free_port
+from rewardplane.tinymodel import FAMILIES
 
 pytestmark = [pytest.mark.vllm]
 
@@ -97,9 +98,11 @@ def test_the_copy_plan_learns_every_name_of_vllms_llama_layers_and_loads_them_bi
     )
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", list(FAMILIES))
 def test_the_copy_plan_learns_every_name_of_vllms_sequence_classification_models(arch: str) -> None:
-    # the benchmark checks every parameter bit for bit against vLLM's loader after every push
+    """Every family; the benchmark checks every parameter bit for bit against vLLM's loader after
+    every push. The plan learns every name but the experts that transformers 5 holds fused (3-D):
+    they reach vLLM's loader split per expert (``weight_sync/expert_names.py``)."""
     bench = Path(__file__).resolve().parents[2] / "benchmarks" / "copy_plan.py"
     done = subprocess.run(
         [sys.executable, str(bench), "--arch", arch, "--layers", "2", "--reps", "2"],
@@ -108,8 +111,15 @@ def test_the_copy_plan_learns_every_name_of_vllms_sequence_classification_models
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    learned = next(line for line in done.stdout.splitlines() if "learned by the plan" in line)
-    assert learned.split(":")[1].split()[0] == learned.split("of")[1].split()[0], learned
+    lines = done.stdout.splitlines()
+    learned = next(line for line in lines if "learned by the plan" in line)
+    left = next(line for line in lines if "left to vLLM's loader" in line).split(":", 1)[1].split()
+    assert int(learned.split(":")[1].split()[0]) + len(left) == int(learned.split("of")[1].split()[0]), (
+        learned
+    )
+    fused = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    assert all(name.endswith(fused) for name in left if name != "-"), left
+    assert (left != ["-"]) is (arch in ("qwen3_moe", "mixtral")), left
 
 
 WORKER_PUSHES = """
@@ -117,6 +127,7 @@ import sys, threading, tempfile, contextlib
 from pathlib import Path
 import torch
 from benchmarks.copy_plan import build_models, checkpoint, push, trainer_shapes
+from rewardplane.server.weight_sync.expert_names import expert_splitter
 from rewardplane.protocol import ParamMeta
 from rewardplane.server.weight_sync.worker_extension import RewardWeightSyncExtension
 from rewardplane.transport.comm import Communicator, create_store
@@ -124,7 +135,7 @@ from rewardplane.transport.group import open_group
 from rewardplane.transport.transfer import send_buckets
 
 port = int(sys.argv[1])
-ckpt = checkpoint(Path(tempfile.mkdtemp()), "llama", 4)
+ckpt = checkpoint(Path(tempfile.mkdtemp()), sys.argv[2], 4)
 shapes = trainer_shapes(ckpt)
 served, reference = build_models(ckpt, contextlib.ExitStack())
 
@@ -166,21 +177,24 @@ for version in range(3):
     assert result["ok"], result
     # learned on the first push, received in place from the second on
     assert (result["in_place_bytes"] > 0) == (version > 0), (version, result)
-    reference.load_weights(weights)
+    reference.load_weights(expert_splitter(reference)(weights))  # as the worker hands its loader
     for (name, a), (_, b) in zip(served.named_parameters(), reference.named_parameters()):
         assert torch.equal(a, b), (version, name)
-assert worker.rp_parts.state.host.copy_plan.direct_names == {n for n, _ in shapes}
+fused = {n for n, s in shapes if len(s) == 3}  # experts: left to the loader, split per expert
+assert worker.rp_parts.state.host.copy_plan.direct_names == {n for n, _ in shapes} - fused
 print("OK")
 """
 
 
-def test_the_vllm_worker_receives_pushes_through_the_copy_plan_bit_for_bit() -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "mixtral"])
+def test_the_vllm_worker_receives_pushes_through_the_copy_plan_bit_for_bit(arch: str) -> None:
     """The worker extension's own path (join the group, receive the buckets, load each through
     the copy plan) into vLLM's model, over gloo: three pushes, each equal to vLLM's loader; what
-    the plan learned is received straight into vLLM's parameters."""
+    the plan learned is received straight into vLLM's parameters. The MoE families' fused experts
+    reach the loader split per expert, as the worker hands them."""
     repo = Path(__file__).resolve().parents[2]
     done = subprocess.run(
-        [sys.executable, "-c", WORKER_PUSHES, str(free_port())],
+        [sys.executable, "-c", WORKER_PUSHES, str(free_port()), arch],
         capture_output=True,
         text=True,
         timeout=300,

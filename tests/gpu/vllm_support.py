@@ -256,6 +256,31 @@ def vllm_llama_checksums(
     return out
 
 
+# vLLM 0.24's names for what transformers 5 holds fused per MoE layer (FusedMoE's w13 is gate
+# then up, as gate_up_proj); Mixtral's block is ``block_sparse_moe`` there, ``mlp`` in transformers.
+_EXPERTS = {
+    ".mlp.experts.gate_up_proj": ".mlp.experts.routed_experts.w13_weight",
+    ".mlp.experts.down_proj": ".mlp.experts.routed_experts.w2_weight",
+}
+
+
+def vllm_family_checksums(
+    state: dict[str, Any], family: str, *, tp_size: int = 1
+) -> dict[int, dict[str, tuple[str, str, list[int]]]]:
+    """``vllm_llama_checksums`` for any family of ``rewardplane.tinymodel.FAMILIES``: the same
+    fusing, the experts and Mixtral's MoE block under vLLM's names (experts: tensor-parallel size
+    1 only, their sharding is not modelled here)."""
+    renamed: dict[str, Any] = {}
+    for name, t in state.items():
+        served = next((name.replace(k, v) for k, v in _EXPERTS.items() if name.endswith(k)), name)
+        if family == "mixtral":
+            served = served.replace(".mlp.", ".block_sparse_moe.")
+        renamed[served] = t
+    if tp_size > 1 and any(".experts." in n for n in renamed):
+        raise NotImplementedError("expected checksums of sharded experts")
+    return vllm_llama_checksums(renamed, tp_size=tp_size)
+
+
 def as_served(
     state: Mapping[str, Any], served: Mapping[str, tuple[str, str, list[int]]]
 ) -> tuple[dict[str, Any], list[str]]:

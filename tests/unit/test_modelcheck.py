@@ -18,6 +18,8 @@ from transformers import (
 
 from rewardplane.cli import main as cli_main
 from rewardplane.modelcheck import PRM_STEP_TAG, count_params
+from rewardplane.protocol.families import KNOWN_FAMILIES
+from rewardplane.tinymodel import FAMILIES, build_tiny_reward_model
 
 SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
 SIZES |= {"num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512}
@@ -45,7 +47,7 @@ def run(path: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int
         (Qwen2Config(**SIZES), "Qwen2ForSequenceClassification", False),
         (Qwen3Config(**SIZES, head_dim=16), "Qwen3ForSequenceClassification", False),
         (Gemma2Config(**SIZES, head_dim=16), "Gemma2ForSequenceClassification", False),
-        (MistralConfig(**SIZES), "MistralForSequenceClassification", False),
+        (MistralConfig(**SIZES), "MistralForSequenceClassification", True),
     ],
 )
 def test_dense_families_pass(tmp_path, capsys, config, arch, pooled):
@@ -108,3 +110,91 @@ def test_missing_tokenizer_fails(tmp_path, capsys):
     LlamaConfig(**SIZES, architectures=["LlamaForSequenceClassification"]).save_pretrained(tmp_path)
     rc, report = run(tmp_path, capsys)
     assert rc == 1 and any("no tokenizer files" in f for f in report["failures"])
+
+
+def built_params(config: Any, model_class: str) -> int:
+    """What transformers builds of ``config`` (on the meta device: no memory, no init)."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = getattr(transformers, model_class)(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_every_tiny_family_is_a_served_family() -> None:
+    assert set(FAMILIES) == KNOWN_FAMILIES
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_passes_with_exactly_its_parameters(family, tmp_path, capsys):
+    """The tiny model of each family, as built and saved (weights, trained tokenizer), checks OK,
+    and its parameter count is transformers' own: q/k norms (Qwen3), four norms per layer
+    (Gemma 2), experts and their router (Qwen3-MoE, Mixtral)."""
+    path = build_tiny_reward_model(tmp_path / family, family=family, num_labels=2)
+    rc, report = run(path, capsys, "--max-model-len", "256", "--dtype", "float32")
+    assert rc == 0 and report["ok"], report["failures"]
+    assert (report["family"], report["architecture"]) == (family, FAMILIES[family].model_class)
+    from transformers import AutoConfig
+
+    assert report["params"] == built_params(AutoConfig.from_pretrained(path), FAMILIES[family].model_class)
+    assert report["weights_bytes"] == 4 * report["params"]
+    assert ("gate_proj" in report["lora_targets"]) is (family not in ("qwen3_moe", "mixtral"))
+    # Mistral's window is on every layer in transformers; vLLM is told so (its config has no layer_types)
+    want = {"layer_types": ["sliding_attention"] * 2} if family == "mistral" else {}
+    assert report["vllm_overrides"] == want
+
+
+@pytest.mark.parametrize(
+    ("config", "model_class"),
+    [
+        # biases everywhere: attention_bias (q/k/v/o) and mlp_bias (gate/up/down)
+        (LlamaConfig(**SIZES, attention_bias=True, mlp_bias=True), "LlamaForSequenceClassification"),
+        (Gemma2Config(**SIZES, head_dim=16, attention_bias=True), "Gemma2ForSequenceClassification"),
+        # dense layers among the sparse ones: layer 0 by name, every second by the step
+        (
+            Qwen3MoeConfig(
+                **{**SIZES, "num_hidden_layers": 4},
+                head_dim=16,
+                num_experts=4,
+                moe_intermediate_size=32,
+                mlp_only_layers=[0],
+                decoder_sparse_step=2,
+            ),
+            "Qwen3MoeForSequenceClassification",
+        ),
+    ],
+)
+def test_count_params_is_exact_for_biases_and_mixed_layers(config, model_class):
+    config.num_labels = 3
+    assert count_params(config.to_dict()) == built_params(config, model_class)
+
+
+def test_count_params_counts_a_shared_expert_and_its_gate():
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(
+        **SIZES, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=48
+    )
+    assert count_params(config.to_dict()) == built_params(config, "Qwen2MoeForSequenceClassification")
+
+
+def test_tiny_model_cli_builds_the_family_asked_for(tmp_path, capsys):
+    assert cli_main(["tiny-model", "--family", "gemma2", "--out", str(tmp_path / "g")]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "g")
+    rc, report = run(tmp_path / "g", capsys, "--max-model-len", "256")
+    assert rc == 0 and report["architecture"] == "Gemma2ForSequenceClassification"
+
+
+def test_an_untied_gemma2_fails_naming_vllms_need(tmp_path, capsys):
+    cfg = Gemma2Config(**SIZES, head_dim=16, tie_word_embeddings=False)
+    rc, report = run(save(tmp_path, cfg, "Gemma2ForSequenceClassification"), capsys, "--max-model-len", "256")
+    assert rc == 1 and any("tie_word_embeddings" in f for f in report["failures"]), report["failures"]
+
+
+def test_tensor_parallel_sizes_divide_the_experts_width(tmp_path, capsys):
+    cfg = Qwen3MoeConfig(**SIZES, head_dim=16, num_experts=4, moe_intermediate_size=30)
+    rc, report = run(
+        save(tmp_path, cfg, "Qwen3MoeForSequenceClassification"), capsys, "--max-model-len", "256"
+    )
+    assert rc == 0 and report["tensor_parallel_sizes"] == [1, 2]  # 4 heads would allow 4; 30 rows do not

@@ -4,7 +4,7 @@ Imported by the server, the SDK and the operator. It depends only on pydantic, s
 client needs neither torch nor the server's dependencies. Submodules: ``modes`` (training modes,
 pooling), ``endpoints`` (paths, headers, token variables), ``ports`` (port derivation), ``scoring``
 (scoring requests and answers), ``compat`` (the vLLM, OpenAI and OpenRLHF shapes), ``weights`` (the weight-sync control plane and bucket layout),
-``joins`` (bounds on joining a trainer's group, cancelling a join), ``push_phases`` (a push's phases on one server), ``sleep`` (sleep and wake), ``steps`` (process reward models: step marking, scores, aggregates), ``admission`` (when an operator-run replica takes traffic), ``auth`` (control-plane token), ``naming`` (parameter-name normalisation),
+``joins`` (bounds on joining a trainer's group, cancelling a join), ``push_phases`` (a push's phases on one server), ``sleep`` (sleep and wake), ``steps`` (process reward models: step marking, scores, aggregates), ``admission`` (when an operator-run replica takes traffic), ``auth`` (control-plane token), ``naming`` (parameter-name normalisation), ``families`` (the served decoder families, the pooled-rows architectures),
 ``settings`` (every ``REWARDPLANE_*`` environment variable, ``docs/settings.md``).
 """
 

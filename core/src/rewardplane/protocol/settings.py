@@ -273,7 +273,7 @@ LAST_TOKEN_ONLY: Setting[bool] = _register(
         "REWARDPLANE_LAST_TOKEN_ONLY",
         "1 or 0",
         True,
-        "1: a Llama reward model on vLLM with LAST pooling runs its final decoder layer's output "
+        "1: a Llama or Mistral reward model on vLLM with LAST pooling runs its final decoder layer's output "
         "projection, MLP and norm on each prompt's last token only (the rows the score reads; 2-4% "
         "of the work at 0.4B-7B); 0: vLLM's own model, every row",
         "reward server (vLLM workers)",

@@ -64,6 +64,7 @@ except ImportError as _exc:  # pragma: no cover - exercised where vllm is absent
 import torch
 
 from rewardplane.protocol import ModelKind, ModelTask, ParamMeta, PoolingType, settings
+from rewardplane.protocol.families import vllm_layer_types
 from rewardplane.protocol.naming import DEFAULT_HEAD_PATTERNS, is_head_key
 from rewardplane.server.config import ServerConfig
 from rewardplane.server.engines.checkpoint import checkpoint_files
@@ -174,9 +175,13 @@ def _pooler_config(cfg: ServerConfig, tag_id: int | None) -> PoolerConfig:
 
 
 def build_engine_args(
-    cfg: ServerConfig, max_model_len: int, step_tag_id: int | None = None
+    cfg: ServerConfig,
+    max_model_len: int,
+    step_tag_id: int | None = None,
+    hf_config: dict[str, Any] | None = None,
 ) -> AsyncEngineArgs:
-    """``AsyncEngineArgs`` from the server's options plus the user's extra vLLM flags."""
+    """``AsyncEngineArgs`` from the server's options plus the user's extra vLLM flags;
+    ``hf_config``: the model's config (``to_dict()``), for what vLLM must be told of it."""
     generate = cfg.task == ModelTask.GENERATE
     base: dict[str, Any] = {
         "model": cfg.model,
@@ -249,6 +254,9 @@ def build_engine_args(
     overrides = dict(overrides)
     if not generate:  # the score head's dtype; a causal LM's lm_head runs in the model dtype
         overrides.setdefault("head_dtype", _head_dtype_override(cfg.head_dtype))
+    layer_types = vllm_layer_types(hf_config or {})
+    if layer_types is not None:  # Mistral's sliding window, on every layer as in transformers
+        overrides.setdefault("layer_types", layer_types)
     return AsyncEngineArgs(**{**base, **user, "hf_overrides": overrides})
 
 
@@ -366,7 +374,7 @@ class VLLMEngine:
         )
         if process is not None:
             check_good_label(process, num_labels, cfg.model)
-        self.engine_args = build_engine_args(cfg, max_len, self.step_tag_id)
+        self.engine_args = build_engine_args(cfg, max_len, self.step_tag_id, config.to_dict())
         dtype = _vllm_dtype(cfg.dtype)
         # What vLLM will hold: the hf_overrides head_dtype (ours, or the user's --hf-overrides).
         override = (self.engine_args.hf_overrides or {}).get("head_dtype")  # type: ignore[union-attr, unused-ignore]

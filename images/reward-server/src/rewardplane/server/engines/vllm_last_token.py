@@ -1,4 +1,4 @@
-"""A Llama reward model on vLLM whose final decoder layer finishes on the pooled rows only.
+"""A Llama (or Mistral) reward model on vLLM whose final decoder layer finishes on the pooled rows only.
 
 LAST pooling reads one row per prompt: the last scheduled token of each request, row
 ``query_start_loc[1:] - 1`` of the model's output (vLLM's ``build_pooling_cursor``). The stock
@@ -18,7 +18,8 @@ CUDA-graph capture) or the attention backend does not carry ``query_start_loc``,
 computed, as in the stock model. ``last_token_tail.why_every_row`` says when the model must not
 be used at all; the class then builds the stock trunk.
 
-``vllm_worker`` registers it for ``LlamaForSequenceClassification`` in vLLM's worker processes,
+``vllm_worker`` registers it for ``LlamaForSequenceClassification`` (and its subclass for
+``MistralForSequenceClassification``, which vLLM serves with the same model) in vLLM's worker processes,
 which build the model (by name: this module is imported only then); ``REWARDPLANE_LAST_TOKEN_ONLY=0``
 leaves vLLM's own model in place.
 """
@@ -191,3 +192,8 @@ class LastTokenLlamaForSequenceClassification(as_seq_cls_model(LlamaForCausalLM)
         if isinstance(self.model, LastTokenLlamaModel):
             return self.model.finish(*out)
         return out
+
+
+class LastTokenMistralForSequenceClassification(LastTokenLlamaForSequenceClassification):
+    """Mistral: vLLM serves it with its Llama model (its sliding window in ``layer_types``, which
+    the attention applies on every token as before)."""

@@ -6,20 +6,23 @@ weight-sync extension, the batch-invariant linear layers' matmul and residual RM
 from __future__ import annotations
 
 from rewardplane.protocol import settings
+from rewardplane.protocol.families import POOLED_ROWS_ARCHS
 from rewardplane.server.engines.vllm_deterministic import residual_norm_rows_exact, route_linear_layers
 from rewardplane.server.weight_sync.worker_extension import RewardWeightSyncExtension
 
-LAST_TOKEN_MODEL = "rewardplane.server.engines.vllm_last_token:LastTokenLlamaForSequenceClassification"
+LAST_TOKEN_MODULE = "rewardplane.server.engines.vllm_last_token"
 
 
 def register_last_token_model() -> bool:
-    """Serve ``LlamaForSequenceClassification`` with ``LAST_TOKEN_MODEL`` unless turned off. By name:
-    vLLM imports it when it builds the model, after the worker has picked its device."""
+    """Serve each architecture of ``POOLED_ROWS_ARCHS`` with ``LAST_TOKEN_MODULE``'s
+    ``LastToken<architecture>`` unless turned off. By name: vLLM imports it when it builds the
+    model, after the worker has picked its device."""
     if not settings.LAST_TOKEN_ONLY.get():
         return False
     from vllm import ModelRegistry
 
-    ModelRegistry.register_model("LlamaForSequenceClassification", LAST_TOKEN_MODEL)
+    for arch in sorted(POOLED_ROWS_ARCHS):
+        ModelRegistry.register_model(arch, f"{LAST_TOKEN_MODULE}:LastToken{arch}")
     return True
 
 

@@ -11,6 +11,7 @@ import torch
 from rewardplane.protocol import AdapterConfig
 from rewardplane.protocol.slices import Region
 from rewardplane.server.weight_sync.copy_plan import CopyPlan
+from rewardplane.server.weight_sync.expert_names import expert_splitter
 from rewardplane.server.weight_sync.worker.adapters import VLLMAdapters
 
 
@@ -45,11 +46,13 @@ class VLLMHost:
     def load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         # vLLM's loader takes HF names and full tensors; it fuses q/k/v, gate/up and shards for TP.
         # The copy plan learns from it where each name lands and then copies there directly.
+        # Experts fused by transformers 5 reach the loader under their checkpoint names.
         plan = self.copy_plan
         if plan is None:
             model = self.model()
+            split = expert_splitter(model)
             plan = self.copy_plan = CopyPlan(
-                lambda w: cast("_VLLMModel", model).load_weights(weights=w), model
+                lambda w: cast("_VLLMModel", model).load_weights(weights=split(w)), model
             )
         plan.load(weights)
 
