@@ -493,6 +493,17 @@ def vllm_native(ckpt: Path, params: dict[str, torch.Tensor], args: argparse.Name
             child.wait(timeout=30)
 
 
+def same_gpu_log_lines(text: str, after: int = 25) -> list[str]:
+    """What the server logged about the same-GPU receive's CUDA graphs (a capture that failed,
+    with its traceback): whether repeat pushes replayed their copies as graphs."""
+    lines = text.splitlines()
+    out: list[str] = []
+    for i, line in enumerate(lines):
+        if "CUDA graph" in line:
+            out.extend(lines[i : i + after])
+    return out[:200]
+
+
 def run_size(size: str, args: argparse.Namespace, work: Path, cycle: bool) -> dict[str, Any]:
     log(f"\n######## {size} ########")
     res: dict[str, Any] = {"size": size}
@@ -523,6 +534,9 @@ def run_size(size: str, args: argparse.Namespace, work: Path, cycle: bool) -> di
             part(res, "cycle", lambda: colocated_cycle(url, model, args, versions))
     finally:
         if server is not None:
+            res["server_log_same_gpu"] = same_gpu_log_lines(server.log())
+            for line in res["server_log_same_gpu"]:
+                log(f"   server: {line}")
             server.stop()
     if push_part and not args.no_vllm_native:
         part(res, "vllm_native", lambda: vllm_native(ckpt, model.state_dict(), args))

@@ -156,6 +156,8 @@ class SameHostReceiver:
             )
             self._graphs = False
             return None
+        if all(c.graph is None for c in self._copies.values()):  # the first: say so once
+            log.info("same-GPU pushes: replaying each bucket's copies as one CUDA graph from now on")
         return graph
 
     def _message(self, seq: int, root: int) -> bytes:
