@@ -135,6 +135,9 @@ class ShardedPusher:
         self._layout: ShardedLayout | None = None
         self._pushes = 0
         self._slice_book: SliceBook | None = None
+        # the leader's channel of the last push it ended with ``done``: heard by every rank before
+        # the store closes
+        self._done: StepChannel | None = None
         self._parts_book = PartsBook()
         # the last push's phases on this rank: the leader's publisher's, and those around them
         # (parts_s: describing this rank's parts; plan_s: the ranks agreeing on the plan; done_s:
@@ -371,6 +374,7 @@ class ShardedPusher:
             publisher.tell = None
         published = time.perf_counter()
         tell("done")
+        self._done = channel
         self.last_stats = {**publisher.last_stats, "done_s": time.perf_counter() - published}
         return v
 
@@ -434,6 +438,9 @@ class ShardedPusher:
 
     # ---- upkeep -------------------------------------------------------------------------------
     def reset(self) -> None:
+        if self._done is not None:
+            self._done.wait_heard(self.senders - 1)
+            self._done = None
         if self.comm is not None:
             try:
                 self.comm.close()
