@@ -71,6 +71,7 @@ class StepChannel:
         self.push = push
         self.timeout_s = timeout_s
         self._n = 0
+        self.done = False  # the leader told ``done``: ``wait_heard`` waits for the others to hear it
 
     def _key(self) -> str:
         key = f"trainers/{self.push}/{self._n}"
@@ -79,6 +80,7 @@ class StepChannel:
 
     def tell(self, step: SenderStep) -> None:
         put(self.store, self._key(), step)
+        self.done = step.step == "done"
 
     def _heard_key(self) -> str:
         return f"trainers/{self.push}/heard"
@@ -100,8 +102,11 @@ class StepChannel:
         return step
 
     def wait_heard(self, followers: int, timeout_s: float = HEARD_WAIT_S) -> None:
-        """The leader, before its store goes: until ``followers`` ranks heard the final step, or
-        ``timeout_s`` passed (a rank that died meanwhile is not waited for longer)."""
+        """The leader, before its store goes, after it told ``done``: until ``followers`` ranks heard
+        it, or ``timeout_s`` passed (a rank that died meanwhile is not waited for longer). After
+        ``fail`` it returns at once: a failed push's ranks may be gone."""
+        if not self.done:
+            return
         deadline = time.monotonic() + timeout_s
         try:
             while self.store.add(self._heard_key(), 0) < followers and time.monotonic() < deadline:
