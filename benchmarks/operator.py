@@ -52,6 +52,7 @@ import yaml
 from rewardplane.api.kube import Kube, core_path, custom_path
 from rewardplane.api.names import pod_name
 from rewardplane.localcluster.controlplane import LocalControlPlane, free_port
+from rewardplane.localcluster.dev import operator_command
 from rewardplane.testing.processes import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,6 +61,20 @@ NODE = "bench-node"
 NAMESPACE = "bench"
 # The operator's default reward-server image: no Pod here pulls an image (fake kubelet or node agent).
 BENCH_SERVER_IMAGE = "localhost/rewardplane/reward-server:bench"
+
+
+def bench_operator(kubeconfig: Path, metrics_port: int, *extra: str) -> list[str]:
+    """The operator's command line in these benchmarks (``extra``: further options)."""
+    return operator_command(
+        kubeconfig,
+        "--default-server-image",
+        BENCH_SERVER_IMAGE,
+        "--metrics-port",
+        str(metrics_port),
+        *extra,
+        "--log-level",
+        "WARNING",
+    )
 
 
 def wait(what: str, check: Callable[[], bool], timeout_s: float, poll_s: float = 0.02) -> None:
@@ -445,22 +460,7 @@ def run_push(args: argparse.Namespace) -> dict[str, Any]:
             )
             procs.append(
                 subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "rewardplane.operator",
-                        "--kubeconfig",
-                        str(cp.kubeconfig),
-                        "--delete-children",
-                        "--default-server-image",
-                        BENCH_SERVER_IMAGE,
-                        "--metrics-port",
-                        "0",
-                        "--resync-interval",
-                        "1",
-                        "--log-level",
-                        "WARNING",
-                    ],
+                    bench_operator(cp.kubeconfig, 0, "--resync-interval", "1"),
                     stdout=logs[1],
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -521,20 +521,7 @@ def main() -> int:
         log = open(Path(tmp) / "operator.log", "wb")  # noqa: SIM115 (closed below, after the process)
         metrics_port = free_port()
         operator = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "rewardplane.operator",
-                "--kubeconfig",
-                str(cp.kubeconfig),
-                "--delete-children",
-                "--default-server-image",
-                BENCH_SERVER_IMAGE,
-                "--metrics-port",
-                str(metrics_port),
-                "--log-level",
-                "WARNING",
-            ],
+            bench_operator(cp.kubeconfig, metrics_port),
             stdout=log,
             stderr=subprocess.STDOUT,
         )

@@ -12,7 +12,6 @@ waiting on the store; and how fast each wakes: a set key → the waiting thread,
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -27,6 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results_out import report  # noqa: E402
 from rewardplane.testing.gpus import visible_gpus  # noqa: E402
 from rewardplane.testing.servers import free_port  # noqa: E402
 from rewardplane.transport.comm import Communicator, create_store  # noqa: E402
@@ -152,9 +152,7 @@ def main() -> int:
         "small_broadcast_ms_median": 1000 * statistics.median(bcast),
         "store_wake_ms_median": 1000 * statistics.median(wakes),
     }
-    print(json.dumps(res, indent=1))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "pending_receive.json").write_text(json.dumps(res, indent=2))
+    report(res, "pending_receive.json")
     return 0
 
 

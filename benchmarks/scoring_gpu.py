@@ -1780,15 +1780,22 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         print(goal_line(g))
 
 
+def run_settings(args: argparse.Namespace, inputs: str) -> str:
+    """The tables' header tail: the settings every phase ran with (``inputs``: prompts or chats)."""
+    return (
+        (", enforce_eager" if args.enforce_eager else "")
+        + f"; medians of {args.rounds} round(s) on fresh {inputs}"
+        + f"; vllm serve with {SERVE_SETTINGS[args.vllm_serve_settings]}"
+        + ("; interleaved: both servers up at once, half the memory fraction each" if args.interleave else "")
+    )
+
+
 def print_scoring_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print("\n==== scoring throughput (tokens/s), one GPU, same prompts ====")
     print(
         f"prompts {args.prompts}, lengths U[{args.min_len}, {args.max_len}], HTTP: {args.concurrency} in flight, "
         f"{args.items_per_request_list[0]} prompts/request; transformers: batches of {args.hf_batch}, padded"
-        + (", enforce_eager" if args.enforce_eager else "")
-        + f"; medians of {args.rounds} round(s) on fresh prompts"
-        + f"; vllm serve with {SERVE_SETTINGS[args.vllm_serve_settings]}"
-        + ("; interleaved: both servers up at once, half the memory fraction each" if args.interleave else "")
+        + run_settings(args, "prompts")
     )
     print(
         f"{'model':>6} {'params':>7} {'offline':>10} {'server':>10} {'vllm serve':>10} {'hf':>10} "
@@ -1890,11 +1897,7 @@ def print_judge_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> N
     print(
         f"{args.judge_prompts} chats per round, one user message of U[{args.min_len}, {args.max_len}] tokens "
         f"(+3 of the template), {args.judge_output_tokens} answer tokens each (max_tokens, greedy, "
-        f"ignore_eos); HTTP: {args.concurrency} in flight, one chat per request"
-        + (", enforce_eager" if args.enforce_eager else "")
-        + f"; medians of {args.rounds} round(s) on fresh chats"
-        + f"; vllm serve with {SERVE_SETTINGS[args.vllm_serve_settings]}"
-        + ("; interleaved: both servers up at once, half the memory fraction each" if args.interleave else "")
+        f"ignore_eos); HTTP: {args.concurrency} in flight, one chat per request" + run_settings(args, "chats")
     )
     print(
         f"{'model':>6} {'params':>7} {'server':>10} {'srv req/s':>9} {'vllm serve':>10} {'serve req/s':>11} "

@@ -276,6 +276,15 @@ def run_timeline(tl: Timeline, args: argparse.Namespace, reserve_s: float) -> No
     print(
         f"[setup] {', '.join(f'{p.kind} {1000 * ((p.t_return or 0) - p.t_call):.0f} ms via {p.via}' for p in tl.pushes)}"
     )
+
+    def pushes(name: str, label: str, count: int, **push: Any) -> tuple[str, float, Callable[[], None]]:
+        """A phase of ``count`` pushes of one kind (``push``: ``Timeline.push``'s options)."""
+
+        def series() -> None:
+            tl.series(name, label, count, lambda: tl.push(name, **push), reserve_s)
+
+        return (name, 2 * a.spacing_s + 5, series)
+
     steps: list[tuple[str, float, Callable[[], None]]] = [
         ("group_idle", a.phase_s, lambda: tl.phase("group_idle", "2 group joined, idle", a.phase_s)),
         (
@@ -289,35 +298,9 @@ def run_timeline(tl: Timeline, args: argparse.Namespace, reserve_s: float) -> No
                 reserve_s,
             ),
         ),
-        (
-            "full",
-            2 * a.spacing_s + 5,
-            lambda: tl.series(
-                "full", "4 full pushes (whole phase)", a.pushes, lambda: tl.push("full"), reserve_s
-            ),
-        ),
-        (
-            "head_only",
-            2 * a.spacing_s + 5,
-            lambda: tl.series(
-                "head_only",
-                "5 head-only pushes (whole phase)",
-                a.pushes,
-                lambda: tl.push("head_only", head_only=True),
-                reserve_s,
-            ),
-        ),
-        (
-            "full_atomic",
-            2 * a.spacing_s + 5,
-            lambda: tl.series(
-                "full_atomic",
-                "6 atomic full pushes (whole phase)",
-                a.atomic_pushes,
-                lambda: tl.push("full_atomic", atomic=True),
-                reserve_s,
-            ),
-        ),
+        pushes("full", "4 full pushes (whole phase)", a.pushes),
+        pushes("head_only", "5 head-only pushes (whole phase)", a.pushes, head_only=True),
+        pushes("full_atomic", "6 atomic full pushes (whole phase)", a.atomic_pushes, atomic=True),
     ]
     for name, need, step in steps:
         if name == "receive_pending" and not a.holds or name == "full_atomic" and not a.atomic_pushes:

@@ -36,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import scoring_gpu  # noqa: E402
 from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
 from rewardplane.protocol.naming import select_head  # noqa: E402
 from rewardplane.sdk.push.pusher import WeightPusher  # noqa: E402
@@ -56,33 +57,23 @@ class LlamaShape(TypedDict):
     vocab_size: int
 
 
+def llama_shape(size: str) -> LlamaShape:
+    """``scoring_gpu.SIZES[size]`` (the scoring benchmarks' models) as LlamaConfig arguments."""
+    s = scoring_gpu.SIZES[size]
+    return LlamaShape(
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        vocab_size=scoring_gpu.VOCAB,
+    )
+
+
 SIZES: dict[str, LlamaShape] = {
-    # Llama-2-7B's shape: 6.6B parameters in the backbone
-    "7b": LlamaShape(
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        vocab_size=32000,
-    ),
-    "small": LlamaShape(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=32000,
-    ),
-    # the GPU tests' 1.4B shape (tests/gpu/conftest.py)
-    "1.4b": LlamaShape(
-        hidden_size=2048,
-        intermediate_size=6656,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        vocab_size=32000,
-    ),
+    "7b": llama_shape("7b"),  # Llama-2-7B's shape: 6.6B parameters in the backbone
+    "small": llama_shape("0.4b"),
+    "1.4b": llama_shape("1.4b"),  # the GPU tests' 1.4B shape (tests/gpu/conftest.py)
 }
 SIZES["0.4b"] = SIZES["small"]
 TOKEN = "bench"

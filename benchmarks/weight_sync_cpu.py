@@ -8,8 +8,6 @@ few MB, so what is timed is the control path around the transfer (call → serve
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
@@ -19,6 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.results_out import report  # noqa: E402
 from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
 from rewardplane.protocol.naming import select_head  # noqa: E402
 from rewardplane.sdk.push.pusher import WeightPusher  # noqa: E402
@@ -76,9 +75,7 @@ def main() -> int:
         print(
             f"{name:9s}: HTTP-started {http:6.2f} ms, data-plane-started {dp:6.2f} ms, ratio {dp / http:.2f}"
         )
-    print(json.dumps(out, indent=1))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "weight_sync_cpu.json").write_text(json.dumps(out, indent=2))
+    report(out, "weight_sync_cpu.json")
     return 0
 
 

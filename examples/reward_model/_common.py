@@ -13,7 +13,7 @@ import json
 import random
 import secrets
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,15 +93,32 @@ def train(
     batch_size: int = 16,
     seed: int = 0,
 ) -> list[float]:
-    """A few Adam steps on the trainable parameters; returns the loss of each step."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=lr)
+    """``steps`` Adam steps of the Bradley–Terry loss; returns the loss of each step."""
+    return optimize(
+        model,
+        lambda rng: bradley_terry_loss(model, tok, rng.sample(list(pairs), min(batch_size, len(pairs)))),
+        lambda losses: len(losses) < steps,
+        lr=lr,
+        seed=seed,
+    )
+
+
+def optimize(
+    model: torch.nn.Module,
+    loss_of: Callable[[random.Random], torch.Tensor],
+    more: Callable[[list[float]], bool],
+    *,
+    lr: float,
+    seed: int = 0,
+) -> list[float]:
+    """Adam steps on the trainable parameters, each on ``loss_of`` a batch drawn with the seeded
+    generator, while ``more`` (the losses so far) holds; returns the loss of each step."""
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
     rng = random.Random(seed)
-    losses = []
+    losses: list[float] = []
     model.train()
-    for _ in range(steps):
-        batch = rng.sample(list(pairs), min(batch_size, len(pairs)))
-        loss = bradley_terry_loss(model, tok, batch)
+    while more(losses):
+        loss = loss_of(rng)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -127,8 +144,13 @@ class Setup:
     pusher: WeightPusher
     tokenizer: PreTrainedTokenizerBase
 
-    def load_model(self) -> torch.nn.Module:
-        return AutoModelForSequenceClassification.from_pretrained(self.model_dir, dtype=torch.float32)
+    def load_model(self, head_only: bool = False) -> torch.nn.Module:
+        """The served base model, to train (``head_only``: only the score head trains)."""
+        model = AutoModelForSequenceClassification.from_pretrained(self.model_dir, dtype=torch.float32)
+        if head_only:
+            for name, p in model.named_parameters():
+                p.requires_grad = name.startswith("score.")
+        return model
 
 
 @contextmanager
@@ -164,6 +186,32 @@ def arguments(description: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="fewer pairs and steps (what CI runs)")
     return p.parse_args()
+
+
+@dataclass
+class PreferenceRun:
+    """One example's run: its options, the training and held-out pairs, the local server, and the
+    held-out result before training (``report`` measures it again)."""
+
+    args: argparse.Namespace
+    train_pairs: list[Pair]
+    held_out: list[Pair]
+    setup: Setup
+    before: tuple[float, float]
+
+    def report(self, name: str, **extra: object) -> None:
+        """The held-out result after training, against ``before`` (``report``)."""
+        report(name, self.before, preference_accuracy(self.setup.client, self.held_out), **extra)
+
+
+@contextmanager
+def preference_run(description: str) -> Iterator[PreferenceRun]:
+    """What every preference example does around its training: parse the options, make the pairs,
+    start the local server and score the held-out pairs through it."""
+    args = arguments(description)
+    train_pairs, held_out = split_sets(args.quick)
+    with local_server() as setup:
+        yield PreferenceRun(args, train_pairs, held_out, setup, preference_accuracy(setup.client, held_out))
 
 
 def report(name: str, before: tuple[float, float], after: tuple[float, float], **extra: object) -> None:

@@ -17,7 +17,7 @@ import asyncio
 import math
 import random
 
-from _common import BAD, GOOD, TOPICS, arguments, local_server, preference_accuracy, report, split_sets, train
+from _common import BAD, GOOD, TOPICS, preference_run, train
 
 from rewardplane.sdk import (
     AsyncRewardClient,
@@ -95,24 +95,18 @@ async def improve_policy(url: str, token: str | None, iterations: int) -> tuple[
 
 
 def main() -> None:
-    args = arguments(__doc__ or "")
-    train_pairs, held_out = split_sets(args.quick)
-    with local_server() as setup:
-        before = preference_accuracy(setup.client, held_out)
-        model = setup.load_model()
-        for name, p in model.named_parameters():
-            p.requires_grad = name.startswith("score.")
-        train(model, setup.tokenizer, train_pairs, steps=60 if args.quick else 200, lr=0.05)
+    with preference_run(__doc__ or "") as run:
+        setup, quick = run.setup, run.args.quick
+        model = setup.load_model(head_only=True)
+        train(model, setup.tokenizer, run.train_pairs, steps=60 if quick else 200, lr=0.05)
         version = setup.pusher.push(
             select_head(model.state_dict()), training_mode=RewardModelTrainingMode.HEAD_ONLY
         )
-        after = preference_accuracy(setup.client, held_out)
         print(f"reward model trained and pushed as version {version}")
-        start, end = asyncio.run(
-            improve_policy(setup.server.url, setup.client.token, 10 if args.quick else 30)
-        )
+        start, end = asyncio.run(improve_policy(setup.server.url, setup.client.token, 10 if quick else 30))
         print(f"policy: P(on-topic and polite) {start:.2f} -> {end:.2f}")
-        report("cold_start_rlhf", before, after, policy_before=start, policy_after=end)
+        # the policy's scoring leaves the served weights as they are: the held-out result stands
+        run.report("cold_start_rlhf", policy_before=start, policy_after=end)
         assert end > start + 0.2, "the policy did not move towards the answers the reward model prefers"
 
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TypedDict
 
 import torch
-from _common import Pair, arguments, local_server, split_sets
+from _common import Pair, arguments, local_server, optimize, split_sets
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from rewardplane.sdk import (
@@ -91,18 +90,14 @@ def teach(
 ) -> list[float]:
     """Supervised fine-tuning until the loss shows the judge tells the answers apart (below
     ``LEARNED_LOSS`` over the last 5 steps), or ``max_steps``."""
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    rng = random.Random(0)
-    losses: list[float] = []
-    model.train()
-    while len(losses) < max_steps and not (len(losses) >= 5 and sum(losses[-5:]) / 5 < LEARNED_LOSS):
-        loss = model(**sft_batch(judge, tok, rng.sample(train, min(16, len(train))))).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    model.eval()
-    return losses
+    return optimize(
+        model,
+        lambda rng: model(**sft_batch(judge, tok, rng.sample(train, min(16, len(train))))).loss,
+        lambda losses: (
+            len(losses) < max_steps and not (len(losses) >= 5 and sum(losses[-5:]) / 5 < LEARNED_LOSS)
+        ),
+        lr=3e-3,
+    )
 
 
 def accuracy(rollouts: Sequence[Rollout]) -> float:

@@ -9,25 +9,22 @@ push sends the complete state dict, so it is the largest.
 
 from __future__ import annotations
 
-from _common import arguments, local_server, preference_accuracy, report, split_sets, train
+from _common import preference_run, train
 
 from rewardplane.sdk import RewardModelTrainingMode
 
 
 def main() -> None:
-    args = arguments(__doc__ or "")
-    train_pairs, held_out = split_sets(args.quick)
-    with local_server() as setup:
-        before = preference_accuracy(setup.client, held_out)
+    with preference_run(__doc__ or "") as run:
+        setup = run.setup
         model = setup.load_model()
-        losses = train(model, setup.tokenizer, train_pairs, steps=40 if args.quick else 150, lr=3e-3)
+        losses = train(model, setup.tokenizer, run.train_pairs, steps=40 if run.args.quick else 150, lr=3e-3)
         print(f"Bradley-Terry loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         version = setup.pusher.push(model.state_dict(), training_mode=RewardModelTrainingMode.FULL)
         print(
             f"pushed the full model as version {version} (server now serves {setup.client.get_model_version()})"
         )
-        after = preference_accuracy(setup.client, held_out)
-        report("full", before, after, version=version)
+        run.report("full", version=version)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ optimizer for it, since the old adapters' state is gone.
 
 from __future__ import annotations
 
-from _common import arguments, local_server, preference_accuracy, report, split_sets, train
+from _common import preference_run, train
 from peft import LoraConfig, get_peft_model
 
 from rewardplane.sdk import RewardModelTrainingMode
@@ -19,10 +19,8 @@ from rewardplane.sdk.lora import merge_sync_reinit
 
 
 def main() -> None:
-    args = arguments(__doc__ or "")
-    train_pairs, held_out = split_sets(args.quick)
-    with local_server() as setup:
-        before = preference_accuracy(setup.client, held_out)
+    with preference_run(__doc__ or "") as run:
+        setup = run.setup
         config = LoraConfig(
             r=8,
             lora_alpha=16,
@@ -31,7 +29,7 @@ def main() -> None:
             task_type="SEQ_CLS",
         )
         model = get_peft_model(setup.load_model(), config)
-        losses = train(model, setup.tokenizer, train_pairs, steps=60 if args.quick else 200, lr=0.01)
+        losses = train(model, setup.tokenizer, run.train_pairs, steps=60 if run.args.quick else 200, lr=0.01)
         print(f"Bradley-Terry loss {losses[0]:.3f} -> {losses[-1]:.3f}")
         pushed: list[int] = []
         model = merge_sync_reinit(
@@ -41,8 +39,7 @@ def main() -> None:
         print(
             f"pushed the merged weights as version {pushed[0]} (server now serves {setup.client.get_model_version()})"
         )
-        after = preference_accuracy(setup.client, held_out)
-        report("lora", before, after, version=pushed[0])
+        run.report("lora", version=pushed[0])
 
 
 if __name__ == "__main__":

@@ -174,6 +174,20 @@ def _stop(state: Path, name: str) -> bool:
     return True
 
 
+def operator_command(kubeconfig: Path, *options: str) -> list[str]:
+    """The operator's command line against a local control plane, with further ``options``: it
+    deletes children itself (no controller-manager here, so no garbage collector)."""
+    return [
+        sys.executable,
+        "-m",
+        "rewardplane.operator",
+        "--kubeconfig",
+        str(kubeconfig),
+        "--delete-children",
+        *options,
+    ]
+
+
 def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as logf:
@@ -242,17 +256,7 @@ def cmd_up(state: Path, *, gpus: int, timeout_s: float) -> int:
         and importlib.util.find_spec("rewardplane.operator.__main__") is not None
     ):
         op = _spawn(
-            # no controller-manager here, so no garbage collector: the operator deletes children itself
-            [
-                sys.executable,
-                "-m",
-                "rewardplane.operator",
-                "--kubeconfig",
-                str(kubeconfig),
-                "--delete-children",
-                "--default-server-image",
-                agent_server_image(),
-            ],
+            operator_command(kubeconfig, "--default-server-image", agent_server_image()),
             logs / "operator.log",
         )
         _write_pid(state, "operator", op.pid)

@@ -26,12 +26,13 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("rewardplane:requests", "HTTP requests", ["endpoint", "status"], registry=r)
-        self.latency = Histogram(
-            "rewardplane:e2e_request_latency_seconds",
-            "Request latency, arrival to answer",
-            ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+
+        def seconds(name: str, documentation: str, labels: tuple[str, ...] = ()) -> Histogram:
+            """A latency histogram of this registry (seconds: the same buckets for all)."""
+            return Histogram(name, documentation, labels, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.latency = seconds(
+            "rewardplane:e2e_request_latency_seconds", "Request latency, arrival to answer", ("endpoint",)
         )
         self.stage_seconds = Histogram(
             "rewardplane:request_stage_seconds",
@@ -56,11 +57,8 @@ class ServerMetrics:
             "Requests waiting for the engine (a batch slot, or the weights lock during a push)",
             registry=r,
         )
-        self.queue_time = Histogram(
-            "rewardplane:request_queue_time_seconds",
-            "Time a request waited before the engine ran it",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.queue_time = seconds(
+            "rewardplane:request_queue_time_seconds", "Time a request waited before the engine ran it"
         )
         self.batch_items = Histogram(
             "rewardplane:batch_items", "Items per engine micro-batch", buckets=_SIZE_BUCKETS, registry=r
@@ -89,18 +87,14 @@ class ServerMetrics:
             ["training_mode", "result"],
             registry=r,
         )
-        self.push_seconds = Histogram(
+        self.push_seconds = seconds(
             "rewardplane:weight_push_duration_seconds",
             "Weight push duration, announce to committed (or failed)",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
         )
-        self.push_phase_seconds = Histogram(
+        self.push_phase_seconds = seconds(
             "rewardplane:weight_push_phase_seconds",
             f"Time of each phase of a weight push ({', '.join(PHASES)}; rewardplane.protocol.push_phases)",
-            ["phase"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            ("phase",),
         )
         self.push_bytes = Counter(
             "rewardplane:weight_push_bytes", "Bytes received by weight pushes", ["training_mode"], registry=r

@@ -39,6 +39,7 @@ from rewardplane.server.http.service import ScoringService
 from rewardplane.server.metrics import ServerMetrics
 from rewardplane.server.threads import tokenizer_pool
 from rewardplane.server.weight_sync.control_plane import WeightSyncService
+from rewardplane.server.weight_sync.control_state import ControlPlaneState
 from rewardplane.server.weight_sync.persistence import WeightsStore
 
 log = logging.getLogger(__name__)
@@ -114,11 +115,13 @@ def build_app(
 ) -> FastAPI:
     """The server's app. The control plane is built here, once, from ``engine.weight_port()``."""
     service = WeightSyncService(
-        engine.guard,
-        engine.weight_port(),
-        metrics,
-        store=WeightsStore(weights_dir) if weights_dir is not None else None,
-        max_lora_rank=engine.info.max_lora_rank,
+        ControlPlaneState(
+            engine.guard,
+            engine.weight_port(),
+            metrics,
+            store=WeightsStore(weights_dir) if weights_dir is not None else None,
+            max_lora_rank=engine.info.max_lora_rank,
+        )
     )
     tokenizers = tokenizer_pool()
     admission = Admission(engine.guard, required=require_admission)

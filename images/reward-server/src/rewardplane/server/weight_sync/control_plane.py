@@ -15,8 +15,6 @@ from rewardplane.protocol import (
     UpdateParamBatchRequest,
 )
 from rewardplane.server.engines.engine import ServedAdapter, WeightSyncPort
-from rewardplane.server.locking import WeightsGuard
-from rewardplane.server.metrics import ServerMetrics
 from rewardplane.server.weight_sync.control_data_plane import DataPlanePushes
 from rewardplane.server.weight_sync.control_http import AnnouncedPushes, GroupMembership
 from rewardplane.server.weight_sync.control_restore import Restores
@@ -30,16 +28,8 @@ class WeightSyncService:
     group and pushes announced over HTTP (``control_http``), pushes started from the data plane
     (``control_data_plane``), restores (``control_restore``) and sends to peers (``peer``)."""
 
-    def __init__(
-        self,
-        guard: WeightsGuard,
-        port: WeightSyncPort,
-        metrics: ServerMetrics,
-        store: WeightsStore | None = None,
-        *,
-        max_lora_rank: int = 0,
-    ) -> None:
-        self.state = ControlPlaneState(guard, port, metrics, store, max_lora_rank=max_lora_rank)
+    def __init__(self, state: ControlPlaneState) -> None:
+        self.state = state
         self.data_plane = DataPlanePushes(self.state)
         self.group = GroupMembership(self.state, self.data_plane)
         self.announced = AnnouncedPushes(self.state)

@@ -181,6 +181,7 @@ def push_from_ranks(
 
         if ranks.leader:
             result = _lead(op, send, sending.comm, channel, invite, version, mode, started, deadline)
+            channel.wait_heard(ranks.size - 1)  # the store closes below
         else:
             done = follow_leader(channel, lambda _: send(), _failed)
             assert done.detail is not None

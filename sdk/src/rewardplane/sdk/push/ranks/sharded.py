@@ -135,6 +135,7 @@ class ShardedPusher:
         self._layout: ShardedLayout | None = None
         self._pushes = 0
         self._slice_book: SliceBook | None = None
+        self._led: StepChannel | None = None  # the leader's last push: heard by all before the store goes
         self._parts_book = PartsBook()
         # the last push's phases on this rank: the leader's publisher's, and those around them
         # (parts_s: describing this rank's parts; plan_s: the ranks agreeing on the plan; done_s:
@@ -326,7 +327,7 @@ class ShardedPusher:
     ) -> int:
         publisher = self._publisher
         assert publisher is not None and self.control is not None and self.comm is not None
-        channel = StepChannel(self.comm.store, push, self.options.timeout_s + 60.0)
+        channel = self._led = StepChannel(self.comm.store, push, self.options.timeout_s + 60.0)
         v = -1
 
         def tell(
@@ -434,6 +435,9 @@ class ShardedPusher:
 
     # ---- upkeep -------------------------------------------------------------------------------
     def reset(self) -> None:
+        if self._led is not None:
+            self._led.wait_heard(self.senders - 1)
+        self._led = None
         if self.comm is not None:
             try:
                 self.comm.close()

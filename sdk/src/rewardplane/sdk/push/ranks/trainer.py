@@ -5,12 +5,15 @@
 - ``StepChannel``: rank 0 (the leader) → the other sending ranks, through the push group's store:
   the step to take next, and exactly one final step (``done`` or ``fail`` with the reason), so that
   every rank returns or raises alike. A leader that dies takes its store with it: the others learn
-  it at once instead of waiting for a timeout.
+  it at once instead of waiting for a timeout; a leader that closes its store after ``done`` first
+  waits until the others heard it (``wait_heard``), so that none of them takes a committed push for
+  a lost leader.
 - ``ShardedLayout``: the servers' names and order for every rank's parts (the same on every rank).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -36,6 +39,10 @@ from rewardplane.transport.slices import send_slices
 from rewardplane.transport.transfer import send_buckets
 
 StepName = Literal["ready", "send", "done", "fail"]
+
+# How long a leader waits, before closing its store, for the other ranks to hear ``done``: they took
+# part in the commit, so they are alive and hear it at once; the bound guards a rank killed since.
+HEARD_WAIT_S = 30.0
 
 
 class SenderStep(BaseModel):
@@ -64,6 +71,7 @@ class StepChannel:
         self.push = push
         self.timeout_s = timeout_s
         self._n = 0
+        self.done = False  # the leader told ``done``: ``wait_heard`` waits for the others to hear it
 
     def _key(self) -> str:
         key = f"trainers/{self.push}/{self._n}"
@@ -72,15 +80,39 @@ class StepChannel:
 
     def tell(self, step: SenderStep) -> None:
         put(self.store, self._key(), step)
+        self.done = step.step == "done"
+
+    def _heard_key(self) -> str:
+        return f"trainers/{self.push}/heard"
 
     def hear(self) -> SenderStep:
-        """The leader's next step; raises ``WeightSyncError`` when the leader is gone or silent."""
+        """The leader's next step; raises ``WeightSyncError`` when the leader is gone or silent.
+        Hearing the final step is counted for the leader (``wait_heard``)."""
         try:
             raw = wait_value(self.store, self._key(), self.timeout_s)
         except (StoreClosed, TimeoutError) as exc:
             raise WeightSyncError(f"trainer rank 0 stopped leading push {self.push}: {exc}") from exc
         assert raw is not None  # no stop event: a value or an exception
-        return SenderStep.model_validate_json(raw)
+        step = SenderStep.model_validate_json(raw)
+        if step.step in ("done", "fail"):
+            try:
+                self.store.add(self._heard_key(), 1)
+            except dist.DistError:
+                pass  # the leader is gone already: it waits for no one
+        return step
+
+    def wait_heard(self, followers: int, timeout_s: float = HEARD_WAIT_S) -> None:
+        """The leader, before its store goes, after it told ``done``: until ``followers`` ranks heard
+        it, or ``timeout_s`` passed (a rank that died meanwhile is not waited for longer). After
+        ``fail`` it returns at once: a failed push's ranks may be gone."""
+        if not self.done:
+            return
+        deadline = time.monotonic() + timeout_s
+        try:
+            while self.store.add(self._heard_key(), 0) < followers and time.monotonic() < deadline:
+                time.sleep(0.005)
+        except dist.DistError:
+            pass  # the store is gone: there is nothing left to hear
 
 
 class RankSends:
