@@ -14,7 +14,7 @@ same GPU, pushes over the same-host transport (CUDA IPC), side by side in one ru
 
     python benchmarks/colocated_push.py                       # 7B push, cycle at 1.4B and 7B
     python benchmarks/colocated_push.py --quick               # 0.4B only, few reps: a smoke run
-    python benchmarks/colocated_push.py --sizes 7b --reps 5 --cycle-sizes 1.4b,7b
+    python benchmarks/colocated_push.py --sizes 7b --reps 10 --cycle-sizes 1.4b,7b
 
 Servers load random weights (``--load-format dummy``) from a config-only checkpoint
 (``weight_sync.make_checkpoint``). Prints each figure as it is measured, and a summary; writes
@@ -276,7 +276,7 @@ def rewardplane_pushes(
     try:
         params = model.state_dict()
         out: dict[str, Any] = timed_pushes(
-            sync, params, versions, args.reps, args.head_reps, torch.device("cuda", 0), [url]
+            sync, params, versions, args.reps, args.head_reps, torch.device("cuda", 0), [url], args.warmup
         )
         out["transport"] = str(getattr(sync.open().comm, "backend", "?"))
         full = out["full_push_median_s"]
@@ -289,13 +289,6 @@ def rewardplane_pushes(
         log(f"   head-only timeline (ms): {json.dumps(out['head_only_timeline_ms'])}")
         last = out["breakdown"][-1] if out["breakdown"] else {}
         log(f"   trainer's breakdown of the last full push: {json.dumps(last)}")
-        # of the last push's bytes, how many the worker received straight into parameters
-        update = (
-            httpx.get(f"{url}/get_num_background_tasks", headers=AUTH, timeout=10).json().get("last_update")
-            or {}
-        )
-        out["last_in_place_bytes"] = update.get("in_place_bytes")
-        log(f"   received in place: {out['last_in_place_bytes']} of {update.get('bytes')} bytes")
         out["checksums_full"] = checksums_match(url, params, "full pushes")
         # every parameter changed in place, head included, then a full push: the served version
         # must hold the new bytes (the unchanged timed pushes above cannot tell stale from fresh)
@@ -304,6 +297,12 @@ def rewardplane_pushes(
         out["checksums_changed_full"] = checksums_match(
             url, model.state_dict(), "a full push of changed weights"
         )
+        # of that full push's bytes, how many the worker received straight into vLLM's parameters
+        # (the rest went through its loader, bucket by bucket)
+        update = httpx.get(f"{url}/get_num_background_tasks", headers=AUTH, timeout=10).json()
+        last = update.get("last_update") or {}
+        out["full_push_in_place"] = {"bytes": last.get("bytes"), "in_place_bytes": last.get("in_place_bytes")}
+        log(f"   a full push received in place: {last.get('in_place_bytes')} of {last.get('bytes')} bytes")
         out["score_after_push"] = {**trainer_scores(model, ckpt), "served": served_score(url)}
         log(f"   score after it: {json.dumps(out['score_after_push'])}")
         head = select_head(model.state_dict())
@@ -569,7 +568,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="7b", help="comma-separated sizes for (a)-(c): " + ",".join(SIZES))
     ap.add_argument("--cycle-sizes", default="1.4b,7b", help="sizes for the colocated cycle (d); empty: none")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="untimed full pushes after the first: the copy plan learns on the first, the worker "
+        "keeps a bucket's targets from the second and replays its copies as a CUDA graph from the third",
+    )
     ap.add_argument("--head-reps", type=int, default=20)
     ap.add_argument("--cycles", type=int, default=3)
     ap.add_argument("--bucket-mib", type=int, default=1024)
@@ -582,6 +588,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.cycle_sizes, args.reps, args.head_reps, args.cycles = "0.4b", "0.4b", 2, 5, 1
+        args.warmup = 1
     args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     cycle_sizes = [s.strip() for s in args.cycle_sizes.split(",") if s.strip()]
     unknown = sorted(set(args.sizes + cycle_sizes) - set(SIZES))

@@ -214,11 +214,15 @@ def timed_pushes(
     head_reps: int,
     trainer: torch.device,
     urls: list[str],
+    warmup: int = 0,
 ) -> dict[str, object]:
-    """One warm-up push (forms the group), ``reps`` timed full pushes, ``head_reps`` head-only pushes."""
+    """One warm-up push (forms the group), ``warmup`` more untimed ones, ``reps`` timed full
+    pushes, ``head_reps`` head-only pushes."""
     t0 = time.perf_counter()
     sync.push(params, version=next(versions))
     first = time.perf_counter() - t0
+    for _ in range(warmup):
+        sync.push(params, version=next(versions))
     full, stats, timelines = [], [], []
     for _ in range(reps):
         if trainer.type == "cuda":
