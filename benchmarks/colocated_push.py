@@ -493,12 +493,12 @@ def vllm_native(ckpt: Path, params: dict[str, torch.Tensor], args: argparse.Name
 
 
 def same_gpu_log_lines(text: str, after: int = 25) -> list[str]:
-    """What the server logged about the same-GPU receive's CUDA graphs (a capture that failed,
-    with its traceback): whether repeat pushes replayed their copies as graphs."""
+    """What the server logged about the same-GPU receive: its CUDA graphs (a capture that failed,
+    with its traceback) and what of a repeat push went through vLLM's loader, and why."""
     lines = text.splitlines()
     out: list[str] = []
     for i, line in enumerate(lines):
-        if "CUDA graph" in line:
+        if "CUDA graph" in line or "went through the loader" in line:
             out.extend(lines[i : i + after])
     return out[:200]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,8 @@ from rewardplane.protocol import Bucket, ParamMeta, plan_buckets
 
 from .buckets import as_bytes, piece_bytes, piece_view, torch_dtype, unpack_bucket
 from .comm import Communicator, TensorCommunicator
+
+log = logging.getLogger(__name__)
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
 # Where a server would receive one announced tensor in place (e.g. the slice of a fused parameter
@@ -142,6 +145,10 @@ class Received:
     posted_at: float | None = None
     # ... and when every bucket's receive was enqueued (the final wait for the GPU follows)
     enqueued_at: float | None = None
+    # loading with ``place``: bytes that went through the loader instead, by why (``why_not_in_place``),
+    # and the first tensor of each kind with its detail
+    through_loader: dict[str, int] = field(default_factory=dict)
+    through_loader_example: dict[str, str] = field(default_factory=dict)
 
 
 def _same(buf: torch.Tensor) -> torch.Tensor:
@@ -177,8 +184,59 @@ def receive_buckets(
     )
     plan = plan if plan is not None else plan_buckets(metas, bucket_bytes)
     if load is None or comm.device.type != "cuda":
-        return _receive_in_turn(receiver, plan)
-    return _receive_pipelined(receiver, plan)
+        got = _receive_in_turn(receiver, plan)
+    else:
+        got = _receive_pipelined(receiver, plan)
+    _say_once_what_went_through_the_loader(comm, plan, got)
+    return got
+
+
+# per group, how many pushes of each layout (by its plan's id) were received: the first of a layout
+# goes through the loader by design (the copy plan learns where each name lands from it)
+_PUSHES: weakref.WeakKeyDictionary[Communicator, dict[int, int]] = weakref.WeakKeyDictionary()
+
+
+def _say_once_what_went_through_the_loader(comm: Communicator, plan: list[Bucket], got: Received) -> None:
+    """One log line per group and layout where its second push, which could land in place, did
+    not, wholly: a push through the loader costs CPU time per tensor, every time."""
+    seen = _PUSHES.setdefault(comm, {})
+    n = seen[id(plan)] = seen.get(id(plan), 0) + 1
+    if n != 2 or not got.through_loader or got.error is not None:
+        return
+    log.info(
+        "%d of %d bytes of this push went through the loader, not straight into the parameters: %s",
+        sum(got.through_loader.values()),
+        got.bytes,
+        "; ".join(
+            f"{kind} ({nbytes} bytes, e.g. {got.through_loader_example[kind]})"
+            for kind, nbytes in got.through_loader.items()
+        ),
+    )
+
+
+def why_not_in_place(
+    meta: ParamMeta, target: torch.Tensor | None, device: torch.device
+) -> tuple[str, str] | None:
+    """Why a pushed tensor cannot be received straight into ``target`` (its parameter view), as
+    (kind, detail), or None where it can: only an exact fit is, since a cast or a reshape is the
+    loader's and a wrong buffer corrupts."""
+    if target is None:
+        return "no place", "no parameter view is known for it (not learned yet, or the loader transforms it)"
+    pushed = torch_dtype(meta.dtype)
+    if target.dtype != pushed:
+        return "dtype", f"served as {target.dtype}, pushed as {pushed}"
+    if tuple(target.shape) != tuple(meta.shape):
+        return "shape", f"served as {tuple(target.shape)}, pushed as {tuple(meta.shape)}"
+    if not target.is_contiguous():
+        return "layout", f"its parameter view is strided {tuple(target.stride())}"
+    if target.device != device:
+        return "device", f"served on {target.device}, received on {device}"
+    return None
+
+
+def _bytes_of(target: torch.Tensor | None) -> torch.Tensor:
+    assert target is not None
+    return target.view(-1).view(torch.uint8)
 
 
 @dataclass
@@ -221,16 +279,16 @@ class _BucketReceiver:
 
     def _landing(self, meta: ParamMeta, nbytes: int, target: torch.Tensor | None) -> torch.Tensor | None:
         """The bytes of ``target`` (where ``place`` puts the tensor) if it can be received there in
-        place, else None (the bucket buffer)."""
-        if (  # only an exact fit: a cast or a reshape is the loader's, a wrong buffer corrupts
-            target is not None
-            and target.is_contiguous()
-            and target.dtype == torch_dtype(meta.dtype)
-            and tuple(target.shape) == tuple(meta.shape)
-            and target.device == self.comm.device
-        ):
+        place, else None (the bucket buffer; why is counted in ``out.through_loader``)."""
+        if self.place is None:
+            return None
+        why = why_not_in_place(meta, target, self.comm.device)
+        if why is None:
             self.out.in_place_bytes += nbytes
-            return target.view(-1).view(torch.uint8)
+            return _bytes_of(target)
+        kind, detail = why
+        self.out.through_loader[kind] = self.out.through_loader.get(kind, 0) + nbytes
+        self.out.through_loader_example.setdefault(kind, f"{meta.name}: {detail}")
         return None
 
     def post(self, bucket: Bucket, buffer: Callable[[], torch.Tensor]) -> Bucket:
