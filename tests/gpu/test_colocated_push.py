@@ -32,6 +32,7 @@ from tests.gpu.vllm_support import (
     check_after_push,
     fill_prefix_cache,
     load_trainer_model,
+    perturb,
     record_result,
     reference_scores,
     served,
@@ -127,23 +128,17 @@ def test_nccl_on_one_gpu_is_refused_naming_the_same_gpu_transport(server: str) -
 
 
 def test_full_push_over_cuda_ipc_bit_for_bit(trainer: Trainer) -> None:
-    import torch
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
 
     before = fill_prefix_cache(trainer.url)
-    torch.manual_seed(4)
-    with torch.no_grad():
-        for p in trainer.model.parameters():
-            p.mul_(1.0 + 0.1 * torch.randn_like(p))
+    perturb(trainer.model, 0.1, seed=4)
     assert trainer.sync.push(trainer.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
     assert _transport(trainer) == "ipc"
     check_after_push(trainer, 1, before, "full over CUDA IPC")
     _exact(trainer, 1, "full over CUDA IPC")
     # the second push of the same parameters reads them in place (exported once, cached)
-    with torch.no_grad():
-        for p in trainer.model.parameters():
-            p.mul_(1.0 + 0.05 * torch.randn_like(p))
+    perturb(trainer.model, 0.05)
     before = fill_prefix_cache(trainer.url)
     assert trainer.sync.push(trainer.model.state_dict(), version=2, training_mode=Mode.FULL) == 2
     check_after_push(trainer, 2, before, "second full over CUDA IPC")
@@ -215,10 +210,7 @@ def test_successive_full_pushes_with_a_bf16_head_bit_for_bit_each_time(trainer: 
     trainer.model.score.to(torch.bfloat16)  # a new storage and a new layout (its dtype)
     try:
         for version, seed in ((6, 11), (7, 12), (8, 13)):
-            torch.manual_seed(seed)
-            with torch.no_grad():
-                for p in trainer.model.parameters():
-                    p.mul_(1.0 + 0.05 * torch.randn_like(p))
+            perturb(trainer.model, 0.05, seed=seed)
             before = fill_prefix_cache(trainer.url)
             assert (
                 trainer.sync.push(trainer.model.state_dict(), version=version, training_mode=Mode.FULL)
@@ -263,9 +255,7 @@ def test_colocated_cycle_level_2_push_without_the_checkpoint(trainer: Trainer) -
     _control(url, "/sleep", {"level": 2})
     for cycle, version in enumerate((10, 11)):
         t0 = time.perf_counter()
-        with torch.no_grad():  # a training step's worth of change, in place (the trainer's own memory)
-            for p in trainer.model.parameters():
-                p.mul_(1.0 + 0.05 * torch.randn_like(p))
+        perturb(trainer.model, 0.05)  # a training step's worth of change, in place (the trainer's own memory)
         step(f"{cycle}: train", t0)
         t0 = time.perf_counter()
         with trainer.sync.awake(2, reload=False) as awake:

@@ -35,6 +35,7 @@ from tests.gpu.vllm_support import (
     direct_sync,
     fill_prefix_cache,
     load_trainer_model,
+    perturb,
     post,
     reference_scores,
     served,
@@ -271,15 +272,11 @@ def test_push_lora_merged(trainer: Trainer) -> None:
 
 @pytest.mark.gpus(2)
 def test_push_full(trainer: Trainer) -> None:
-    import torch
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
 
     before = fill_prefix_cache(trainer.url)
-    torch.manual_seed(4)
-    with torch.no_grad():
-        for p in trainer.model.parameters():
-            p.mul_(1.0 + 0.1 * torch.randn_like(p))
+    perturb(trainer.model, 0.1, seed=4)
     assert trainer.sync.push(trainer.model.state_dict(), version=3, training_mode=Mode.FULL) == 3
     check_after_push(trainer, 3, before, "full")
     version, got = server_checksums(trainer.url)
@@ -344,9 +341,7 @@ def test_later_pushes_start_from_the_data_plane(trainer: Trainer) -> None:
     for step, version in enumerate((served_version + 1, served_version + 2)):
         before = fill_prefix_cache(trainer.url)
         torch.manual_seed(10 + step)
-        with torch.no_grad():
-            for p in trainer.model.parameters():
-                p.mul_(1.0 + 0.1 * torch.randn_like(p))
+        perturb(trainer.model, 0.1)
         assert (
             trainer.sync.push(trainer.model.state_dict(), version=version, training_mode=Mode.FULL) == version
         )
@@ -392,9 +387,7 @@ def test_atomic_pushes_stage_beside_the_memory_fraction(trainer: Trainer) -> Non
         scorer.start()
         for step in (1, 2):
             torch.manual_seed(20 + step)
-            with torch.no_grad():
-                for p in trainer.model.parameters():
-                    p.mul_(1.0 + 0.05 * torch.randn_like(p))
+            perturb(trainer.model, 0.05)
             refs[version + step] = reference_scores(trainer.model, trainer.tokenizer, TEXTS, trainer.device)
             assert trainer.sync.push(trainer.model.state_dict(), version=version + step) == version + step
         stop.set()
@@ -411,9 +404,7 @@ def test_atomic_pushes_stage_beside_the_memory_fraction(trainer: Trainer) -> Non
         served_now = version + 2
         assert_close(served(trainer.url)[0], refs[served_now], "atomic: after the swap")
 
-        with torch.no_grad():
-            for p in trainer.model.parameters():
-                p.mul_(1.0 + 0.05 * torch.randn_like(p))
+        perturb(trainer.model, 0.05)
         free = torch.cuda.mem_get_info(0)[0]
         hog = torch.empty(max(0, free - (64 << 20)), dtype=torch.uint8, device="cuda:0")
         try:
@@ -476,10 +467,7 @@ def test_full_push_0_4b(seqcls_0_4b: Path, tmp_path: Path) -> None:
             served(handle.url)[0], reference_scores(t.model, t.tokenizer, TEXTS, device), "0.4B at start"
         )
         before = fill_prefix_cache(handle.url)
-        torch.manual_seed(5)
-        with torch.no_grad():
-            for p in t.model.parameters():
-                p.mul_(1.0 + 0.1 * torch.randn_like(p))
+        perturb(t.model, 0.1, seed=5)
         assert sync.push(t.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
         check_after_push(t, 1, before, "0.4B full")
     finally:

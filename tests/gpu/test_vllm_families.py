@@ -35,6 +35,7 @@ from tests.gpu.vllm_support import (
     direct_sync,
     fill_prefix_cache,
     load_trainer_model,
+    perturb,
     reference_scores,
     served,
     server_checksums,
@@ -117,16 +118,12 @@ def test_scores_equal_transformers_within_bf16_noise(
 def test_full_push_over_the_same_gpu_transport_lands_bit_for_bit(
     family_trainer: tuple[str, Trainer, ServerHandle],
 ) -> None:
-    import torch
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
 
     family, t, _ = family_trainer
     before = fill_prefix_cache(t.url)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for p in t.model.parameters():
-            p.mul_(1.0 + 0.1 * torch.randn_like(p))
+    perturb(t.model, 0.1, seed=5)
     assert t.sync.push(t.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
     assert str(getattr(t.sync.open().comm, "backend", "?")) == "ipc"
     check_after_push(t, 1, before, f"{family}: full push over CUDA IPC")

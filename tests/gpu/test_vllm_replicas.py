@@ -14,6 +14,7 @@ from tests.gpu.vllm_support import (
     Trainer,
     check_after_push,
     fill_prefix_cache,
+    perturb,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.gpus(3)]
@@ -25,16 +26,12 @@ TRAINER_GPU = 2
 
 
 def test_one_broadcast_updates_both_replicas(trainers: list[Trainer]) -> None:
-    import torch
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
 
     t0 = trainers[0]
     before = [fill_prefix_cache(t.url) for t in trainers]
-    torch.manual_seed(11)
-    with torch.no_grad():
-        for p in t0.model.parameters():
-            p.mul_(1.0 + 0.1 * torch.randn_like(p))
+    perturb(t0.model, 0.1, seed=11)
     assert t0.sync.push(t0.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
     # both replicas' workers and the trainer are one group: the trainer sent each bucket once
     assert t0.sync.open().comm.world_size == 3

@@ -21,6 +21,7 @@ from tests.gpu.vllm_support import (
     assert_close,
     direct_sync,
     load_trainer_model,
+    perturb,
     reference_scores,
     served,
     server_checksums,
@@ -68,10 +69,7 @@ def test_pushed_weights_survive_a_restart(tiny_seqcls_1label: Path, tmp_path: Pa
     try:
         sync = direct_sync([server.url], device)
         try:
-            torch.manual_seed(7)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(1.0 + 0.1 * torch.randn_like(p))
+            perturb(model, 0.1, seed=7)
             sync.push(model.state_dict(), version=1, training_mode=Mode.FULL)
             with torch.no_grad():
                 model.score.weight.copy_(
@@ -155,10 +153,7 @@ def test_a_fresh_replica_gets_the_weights_from_a_vllm_peer(tiny_seqcls_1label: P
 
         sync = direct_sync([source.url], device)
         try:
-            torch.manual_seed(11)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(1.0 + 0.1 * torch.randn_like(p))
+            perturb(model, 0.1, seed=11)
             sync.push(select_head(model.state_dict()), version=1, training_mode=Mode.HEAD_ONLY)
             # only the head came by a push: the backbone is where vLLM's loader put it from disk
             with pytest.raises(ReplicaError, match="cannot send its weights to peers"):

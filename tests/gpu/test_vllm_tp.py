@@ -21,6 +21,7 @@ from tests.gpu.vllm_support import (
     assert_same_parameters,
     check_after_push,
     fill_prefix_cache,
+    perturb,
     server_checksums,
     vllm_llama_checksums,
 )
@@ -54,16 +55,12 @@ def test_world_size_and_rank_offsets(trainers: list[Trainer]) -> None:
 
 
 def test_full_push_reaches_every_shard(trainers: list[Trainer]) -> None:
-    import torch
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
 
     t0 = trainers[0]
     before = [fill_prefix_cache(t.url) for t in trainers]
-    torch.manual_seed(21)
-    with torch.no_grad():
-        for p in t0.model.parameters():
-            p.mul_(1.0 + 0.1 * torch.randn_like(p))
+    perturb(t0.model, 0.1, seed=21)
     assert t0.sync.push(t0.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
     assert t0.sync.open().comm.world_size == 4
     _check(trainers, 1, before, "full")

@@ -185,6 +185,18 @@ class Trainer:
     url: str
 
 
+def perturb(model: Any, scale: float, seed: int | None = None) -> None:
+    """A training step's worth of change, in place (the trainer's own storages stay): every
+    parameter scaled by ``1 + scale * N(0, 1)``, after ``torch.manual_seed(seed)`` where given."""
+    import torch
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.0 + scale * torch.randn_like(p))
+
+
 def fill_prefix_cache(url: str) -> float:
     first = served(url, [REPEATED])[0][0][0]
     again = served(url, [REPEATED])[0][0][0]  # served from cached prefix blocks
