@@ -234,11 +234,6 @@ def why_not_in_place(
     return None
 
 
-def _bytes_of(target: torch.Tensor | None) -> torch.Tensor:
-    assert target is not None
-    return target.view(-1).view(torch.uint8)
-
-
 @dataclass
 class _Landed:
     """A bucket received wholly in place, as worked out the last time: reused while ``place``
@@ -256,13 +251,6 @@ class _Landed:
 # Buckets worked out per group, by the bucket object's id (checked: the entry holds the bucket).
 KEPT_BUCKETS = 1024
 _LANDED: weakref.WeakKeyDictionary[Communicator, dict[int, _Landed]] = weakref.WeakKeyDictionary()
-
-
-def _landed(comm: Communicator) -> dict[int, _Landed]:
-    kept = _LANDED.get(comm)
-    if kept is None:
-        kept = _LANDED[comm] = {}
-    return kept
 
 
 @dataclass
@@ -283,20 +271,21 @@ class _BucketReceiver:
         if self.place is None:
             return None
         why = why_not_in_place(meta, target, self.comm.device)
-        if why is None:
-            self.out.in_place_bytes += nbytes
-            return _bytes_of(target)
-        kind, detail = why
-        self.out.through_loader[kind] = self.out.through_loader.get(kind, 0) + nbytes
-        self.out.through_loader_example.setdefault(kind, f"{meta.name}: {detail}")
-        return None
+        if why is not None:
+            kind, detail = why
+            self.out.through_loader[kind] = self.out.through_loader.get(kind, 0) + nbytes
+            self.out.through_loader_example.setdefault(kind, f"{meta.name}: {detail}")
+            return None
+        assert target is not None  # no reason: a target that fits
+        self.out.in_place_bytes += nbytes
+        return target.view(-1).view(torch.uint8)
 
     def post(self, bucket: Bucket, buffer: Callable[[], torch.Tensor]) -> Bucket:
         """Post the bucket's receive (on the current stream); returns what of it lands in the
         bucket buffer (``buffer()``, asked for only when something does)."""
         device, out = self.comm.device, self.out
         places = [self.place(self.metas[s.index]) for s in bucket.slots] if self.place is not None else None
-        landed = _landed(self.comm).get(id(bucket)) if places is not None else None
+        landed = _LANDED.setdefault(self.comm, {}).get(id(bucket)) if places is not None else None
         if (
             landed is not None
             and landed.bucket is bucket
@@ -336,7 +325,7 @@ class _BucketReceiver:
             out.applied_any = True  # parameters are written as the bytes arrive
             rest = bucket.model_copy(update={"slots": tuple(left)})
         if places is not None and not left and not scattered:
-            kept = _landed(self.comm)
+            kept = _LANDED.setdefault(self.comm, {})
             if len(kept) >= KEPT_BUCKETS:
                 kept.clear()
             kept[id(bucket)] = _Landed(
