@@ -498,7 +498,7 @@ def same_gpu_log_lines(text: str, after: int = 25) -> list[str]:
     lines = text.splitlines()
     out: list[str] = []
     for i, line in enumerate(lines):
-        if "CUDA graph" in line or "went through the loader" in line:
+        if any(k in line for k in ("CUDA graph", "went through the loader", "copy plan:")):
             out.extend(lines[i : i + after])
     return out[:200]
 

@@ -3,6 +3,9 @@ names it may copy straight into the parameters (copy_plan.py)."""
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import torch
 
 from rewardplane.protocol.slices import Region
@@ -80,6 +83,27 @@ def test_the_plan_loads_what_the_loader_loads_and_copies_directly_where_it_may()
     # later pushes hand the loader only what it alone can load
     assert planned.calls[0] == [n for n, _ in push(0)]
     assert planned.calls[1] == planned.calls[2] == ["scaled", "moved", "rotary.inv_freq"]
+
+
+def test_the_plan_says_why_a_name_stays_with_the_loader(caplog: pytest.LogCaptureFixture) -> None:
+    model = FusedModel()
+    plan = CopyPlan(model.load_weights, model)
+    with caplog.at_level(logging.INFO, logger="rewardplane.server.weight_sync.copy_plan"):
+        plan.load(push(0))
+    why = plan.why_loader("scaled")
+    assert why is not None and why.startswith("the loader called ") and why.endswith(".mul on it")
+    assert plan.why_loader("moved") == "the loader copied it into a tensor that is not a parameter"
+    assert plan.why_loader("rotary.inv_freq") == (
+        "the loader did not copy it (skipped, or read its values another way)"
+    )
+    assert plan.why_loader("q") is None
+    (line,) = [r.getMessage() for r in caplog.records if "copy plan:" in r.getMessage()]
+    assert line.startswith("copy plan: 3 of 8 names stay with the model's loader: ")
+    assert ".mul on it: 1, e.g. scaled" in line
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rewardplane.server.weight_sync.copy_plan"):
+        plan.load(push(1))  # nothing new learned: nothing said again
+    assert not [r for r in caplog.records if "copy plan:" in r.getMessage()]
 
 
 def test_forget_sends_everything_through_the_loader_again() -> None:

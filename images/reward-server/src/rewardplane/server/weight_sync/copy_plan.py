@@ -22,6 +22,7 @@ discards the weights) calls ``forget``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,8 @@ from torch.utils._pytree import tree_leaves
 from rewardplane.protocol.slices import Region
 
 Loader = Callable[[list[tuple[str, torch.Tensor]]], Any]
+
+log = logging.getLogger(__name__)
 
 # Always on. Checked against vLLM 0.24's own models (bit-identical, 0.08 of the loader's CPU time
 # per bucket) and on 2x H100, where the GPU suite's checksum tests passed with it and a head-only
@@ -115,6 +118,7 @@ class _Watch(TorchFunctionMode):
             id(t): (n, t, None) for n, t in sources.items()
         }
         self.copies: dict[str, list[tuple[torch.Tensor, Region | None]] | None] = {n: [] for n in sources}
+        self.spoiled_by: dict[str, str] = {}  # name -> the first call that left it to the loader
 
     def _hit(self, value: Any) -> tuple[str, torch.Tensor, Region | None] | None:
         hit = self._alias.get(id(value))
@@ -124,8 +128,9 @@ class _Watch(TorchFunctionMode):
         hit = self._hit(value)
         return hit[0] if hit is not None else None
 
-    def _spoil(self, name: str) -> None:
+    def _spoil(self, name: str, func: Any) -> None:
         self.copies[name] = None
+        self.spoiled_by.setdefault(name, getattr(func, "__qualname__", None) or repr(func))
 
     def __torch_function__(
         self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
@@ -162,7 +167,7 @@ class _Watch(TorchFunctionMode):
                     self._alias[id(result)] = (name, result, narrowed)  # a range of the pushed tensor
                     return result
         for name in involved:
-            self._spoil(name)
+            self._spoil(name, func)
         return result
 
 
@@ -192,7 +197,7 @@ class CopyPlan:
         self._load = load
         self._model = model
         self._places: dict[str, list[_Place]] = {}  # name -> the parameter views it is copied into
-        self._opaque: set[str] = set()  # names only the loader can load
+        self._opaque: dict[str, str] = {}  # names only the loader can load, and why
 
     def forget(self) -> None:
         self._places.clear()
@@ -201,6 +206,11 @@ class CopyPlan:
     @property
     def direct_names(self) -> frozenset[str]:
         return frozenset(self._places)
+
+    def why_loader(self, name: str) -> str | None:
+        """Why ``name`` stays with the loader for good (what the loader did with it), or None
+        (learned, or not seen yet)."""
+        return self._opaque.get(name)
 
     def target(self, name: str) -> torch.Tensor | None:
         """The one parameter view the whole of ``name`` is copied into, or None (not learned,
@@ -254,13 +264,37 @@ class CopyPlan:
             self._load(through_loader)
         # a copy into a scratch tensor that the loader then placed elsewhere is no plan
         live = {p.untyped_storage().data_ptr() for p in self._model.parameters()}
+        left: dict[str, str] = {}
         for name, copies in watch.copies.items():
             if copies and all(v.untyped_storage().data_ptr() in live for v, _ in copies):
                 # copied, unchanged, into parameters: a plain copy from now on
                 shape = tuple(learning[name].shape)
                 self._places[name] = [_Place(v, region, shape) for v, region in copies]
-            else:  # transformed, skipped or copied elsewhere: the loader's, for good
-                self._opaque.add(name)
+                continue
+            # transformed, skipped or copied elsewhere: the loader's, for good
+            if copies is None:
+                left[name] = f"the loader called {watch.spoiled_by.get(name, 'something')} on it"
+            elif copies:
+                left[name] = "the loader copied it into a tensor that is not a parameter"
+            else:
+                left[name] = "the loader did not copy it (skipped, or read its values another way)"
+        self._opaque.update(left)
+        if left:
+            _say_what_stays_with_the_loader(left, len(learning))
+
+
+def _say_what_stays_with_the_loader(left: dict[str, str], learned: int) -> None:
+    """One line per learning load: which names every later push still loads through the model's
+    loader (CPU time per tensor, every push), grouped by why."""
+    by_why: dict[str, list[str]] = {}
+    for name, why in left.items():
+        by_why.setdefault(why, []).append(name)
+    log.info(
+        "copy plan: %d of %d names stay with the model's loader: %s",
+        len(left),
+        learned,
+        "; ".join(f"{why}: {len(names)}, e.g. {names[0]}" for why, names in by_why.items()),
+    )
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
