@@ -8,6 +8,7 @@ with the platform forced to CPU.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from rewardplane.protocol.families import MOE_FAMILIES
 from rewardplane.testing.servers import free_port
 from rewardplane.tinymodel import FAMILIES
 
@@ -99,27 +101,27 @@ def test_the_copy_plan_learns_every_name_of_vllms_llama_layers_and_loads_them_bi
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
-def test_the_copy_plan_learns_every_name_of_vllms_sequence_classification_models(arch: str) -> None:
+def test_the_copy_plan_learns_every_name_of_vllms_sequence_classification_models(
+    arch: str, tmp_path: Path
+) -> None:
     """Every family; the benchmark checks every parameter bit for bit against vLLM's loader after
     every push. The plan learns every name but the experts that transformers 5 holds fused (3-D):
     they reach vLLM's loader split per expert (``weight_sync/expert_names.py``)."""
     bench = Path(__file__).resolve().parents[2] / "benchmarks" / "copy_plan.py"
+    out = tmp_path / "copy_plan.json"
     done = subprocess.run(
-        [sys.executable, str(bench), "--arch", arch, "--layers", "2", "--reps", "2"],
+        [sys.executable, str(bench), "--arch", arch, "--layers", "2", "--reps", "2", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    lines = done.stdout.splitlines()
-    learned = next(line for line in lines if "learned by the plan" in line)
-    left = next(line for line in lines if "left to vLLM's loader" in line).split(":", 1)[1].split()
-    assert int(learned.split(":")[1].split()[0]) + len(left) == int(learned.split("of")[1].split()[0]), (
-        learned
-    )
+    result = json.loads(out.read_text())
+    left = result["left_to_loader"]
+    assert result["bit_identical"] and result["learned"] + len(left) == result["tensors"], result
     fused = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-    assert all(name.endswith(fused) for name in left if name != "-"), left
-    assert (left != ["-"]) is (arch in ("qwen3_moe", "mixtral")), left
+    assert all(name.endswith(fused) for name in left), left
+    assert bool(left) is (arch in MOE_FAMILIES), left
 
 
 WORKER_PUSHES = """

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from rewardplane.protocol.families import POOLED_ROWS_ARCHS
+from rewardplane.protocol.families import MOE_FAMILIES, POOLED_ROWS_ARCHS
 from rewardplane.testing.servers import ServerHandle
 from rewardplane.tinymodel import FAMILIES
 from tests.gpu.conftest import SIZES, build_seqcls
@@ -42,6 +42,7 @@ from tests.gpu.vllm_support import (
     start_vllm_server,
     stop,
     vllm_family_checksums,
+    vllm_lacks_moe_kernels,
     wait_ready,
 )
 
@@ -81,6 +82,8 @@ def family_trainer(
     from transformers import AutoTokenizer
 
     family: str = request.param
+    if family in MOE_FAMILIES and (why := vllm_lacks_moe_kernels()) is not None:
+        pytest.skip(why)
     model_dir = build_seqcls(
         tmp_path_factory.mktemp(f"family-{family}"), SIZES["tiny"], family=family, seed=3
     )

@@ -59,6 +59,19 @@ def device_count() -> int:
     return torch.cuda.device_count()
 
 
+def vllm_lacks_moe_kernels() -> str | None:
+    """Why this vLLM build cannot run a mixture-of-experts model, or None: a build stripped for
+    pooling runs (the device bundle drops ``vllm/_moe_C*.so``) has no fused-MoE kernels."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return "vLLM is not installed"
+    if not any(Path(spec.origin).parent.glob("_moe_C*.so")):
+        return f"this vLLM build has no MoE kernels (no _moe_C*.so beside {spec.origin})"
+    return None
+
+
 def start_vllm_server(
     model_dir: Path,
     log_dir: Path,

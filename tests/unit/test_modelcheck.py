@@ -18,7 +18,7 @@ from transformers import (
 
 from rewardplane.cli import main as cli_main
 from rewardplane.modelcheck import PRM_STEP_TAG, count_params
-from rewardplane.protocol.families import KNOWN_FAMILIES
+from rewardplane.protocol.families import KNOWN_FAMILIES, MOE_FAMILIES
 from rewardplane.tinymodel import FAMILIES, build_tiny_reward_model
 
 SIZES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
@@ -139,7 +139,7 @@ def test_every_family_passes_with_exactly_its_parameters(family, tmp_path, capsy
 
     assert report["params"] == built_params(AutoConfig.from_pretrained(path), FAMILIES[family].model_class)
     assert report["weights_bytes"] == 4 * report["params"]
-    assert ("gate_proj" in report["lora_targets"]) is (family not in ("qwen3_moe", "mixtral"))
+    assert ("gate_proj" in report["lora_targets"]) is (family not in MOE_FAMILIES)
     # Mistral's window is on every layer in transformers; vLLM is told so (its config has no layer_types)
     want = {"layer_types": ["sliding_attention"] * 2} if family == "mistral" else {}
     assert report["vllm_overrides"] == want

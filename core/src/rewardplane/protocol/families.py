@@ -8,6 +8,8 @@ from __future__ import annotations
 KNOWN_FAMILIES: frozenset[str] = frozenset(
     {"llama", "qwen2", "qwen3", "gemma2", "mistral", "qwen3_moe", "mixtral"}
 )
+# Mixture-of-experts families: their expert weights reach vLLM's loader one expert at a time.
+MOE_FAMILIES: frozenset[str] = frozenset({"qwen3_moe", "mixtral"})
 
 # Each is served on vLLM by ``rewardplane.server.engines.vllm_last_token:LastToken<architecture>``
 # (vLLM serves Mistral with its Llama model).
