@@ -10,6 +10,7 @@ import functools
 import glob
 import os
 import threading
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -26,6 +27,7 @@ from rewardplane.transport.comm import CommunicatorError, create_store
 from rewardplane.transport.group import open_group
 from rewardplane.transport.placement import Place
 from rewardplane.transport.same_host import SHM_DIR, SameHostCommunicator
+from rewardplane.transport.same_host_board import FLAG_VALUE_LIMIT
 from tests.fixtures.models import TEXTS
 from tests.integration.test_weight_sync import TOKEN
 
@@ -186,6 +188,48 @@ def test_a_staging_buffer_that_cannot_be_opened_names_the_pod_field():
     assert errors and isinstance(errors[0], CommunicatorError), errors
     assert "hostIPC: true" in str(errors[0]) and "one Pod" in str(errors[0])
     sender.close()
+
+
+def test_status_reductions_agree_round_after_round_through_the_shared_flags():
+    """Two ranks' reductions over the signal boards, more rounds than the flag ring holds, with
+    values too large for a flag's word (a note in the store): every round gives both the max, and
+    no file is left in shared memory."""
+    port, group_id = free_port(), f"flags-{uuid.uuid4().hex[:8]}"
+    places = [_place("h"), _place("h")]
+    rounds = [(0, 0), (1, 0), (0, 1), (FLAG_VALUE_LIMIT + 5, 3), (2, FLAG_VALUE_LIMIT)] * 4
+    out: dict[int, list[int]] = {}
+
+    def rank0() -> None:
+        store = create_store("127.0.0.1", port, is_master=False, world_size=2, timeout_s=10)
+        comm = SameHostCommunicator(
+            store,
+            rank=0,
+            world_size=2,
+            device=torch.device("cpu"),
+            places=places,
+            timeout_s=10,
+            group_id=group_id,
+        )
+        out[0] = [comm.max_flag(a) for a, _ in rounds]
+        comm.close()
+
+    store = create_store("127.0.0.1", port, is_master=True, world_size=2, timeout_s=10)
+    comm = SameHostCommunicator(
+        store,
+        rank=1,
+        world_size=2,
+        device=torch.device("cpu"),
+        places=places,
+        timeout_s=10,
+        group_id=group_id,
+    )
+    t = threading.Thread(target=rank0)
+    t.start()
+    out[1] = [comm.max_flag(b) for _, b in rounds]
+    t.join(timeout=30)
+    comm.close()
+    assert out[0] == out[1] == [max(a, b) for a, b in rounds]
+    assert not glob.glob(os.path.join(SHM_DIR, f"rewardplane-{group_id}-*"))
 
 
 def test_auto_on_cpu_keeps_gloo():

@@ -1,6 +1,8 @@
 """The same-host transport: a ``Communicator`` whose bytes move through memory both processes
 map (CUDA IPC on one GPU, shared memory on CPU) instead of NCCL or gloo, for a trainer whose reward
-server runs on its own GPUs (or host). The signalling goes through the group's TCPStore.
+server runs on its own GPUs (or host). Where each broadcast's tensors are goes through the group's
+TCPStore; the status reductions' flags and the copies' acknowledgements are words in shared memory
+that each rank polls (``same_host_board``).
 
 A broadcast is one copy: the sender publishes where each tensor lives, and every receiver copies
 it straight into its target (a parameter, or a bucket buffer for its loader). What the sender
@@ -44,11 +46,11 @@ import torch.distributed as dist
 
 from .comm import SPIN_S, Communicator, CommunicatorError
 from .placement import Place
+from .same_host_board import FLAG_VALUE_LIMIT, SignalBoard
 from .same_host_memory import (
     MESSAGE_RING,
     SHM_DIR,
     Entry,
-    ack_key,
     aligned,
     alive,
     create_for_readers,
@@ -133,6 +135,13 @@ class SameHostCommunicator(Communicator):
         self._flags = 0
         self._moved = False  # a broadcast since the last end of a push
         self._exports = _Exports()
+        self._token = uuid.uuid4().hex[:8]
+        self._keys = 0  # exports made: each gets a key of its own
+        # flags and acknowledgements in shared memory; the store keeps only what does not fit a word
+        self._board = SignalBoard(
+            self.store, rank=rank, world_size=world_size, name=f"{group_id}-{self._token}"
+        )
+        self._noted: list[int] = []  # reductions whose flag this rank wrote to the store as a note
         self.receiver = SameHostReceiver(
             self.store,
             rank=rank,
@@ -140,9 +149,8 @@ class SameHostCommunicator(Communicator):
             places=places,
             wait=self._poll,
             wait_event=self.wait_event,
+            acknowledge=self._board.add_acks,
         )
-        self._token = uuid.uuid4().hex[:8]
-        self._keys = 0  # exports made: each gets a key of its own
 
     # ---- waiting ------------------------------------------------------------------------------
 
@@ -304,9 +312,9 @@ class SameHostCommunicator(Communicator):
             return
         need = ex.acked + count
         receivers = list(range(self.first_sender))
-        keys = [ack_key(self.rank, r) for r in receivers]
+        board, me = self._board, self.rank
         self._poll(
-            lambda: all(int(self.store.add(k, 0)) >= need for k in keys),
+            lambda: all(board.acks(r, me) >= need for r in receivers),
             "waiting for the receivers' copies",
             receivers,
         )
@@ -327,8 +335,8 @@ class SameHostCommunicator(Communicator):
         self._await_acks()
 
     def max_flag(self, value: int) -> int:
-        """The largest ``value`` of every rank, through the store. It also ends a push: what the
-        push did not use is dropped on both sides."""
+        """The largest ``value`` of every rank, through the ranks' shared flags. It also ends a
+        push: what the push did not use is dropped on both sides."""
         self._check_open()
         self.synchronize()
         if self._moved:
@@ -336,28 +344,50 @@ class SameHostCommunicator(Communicator):
         n, self._flags = self._flags, self._flags + 1
         self.flag_calling = time.monotonic()
         released, self._exports.released = self._exports.released, []
-        # what the receivers are to close rides on this sender's flag: no extra round trip
-        self.store.set(f"f/{n}/{self.rank}", f"{value}|{json.dumps(released)}" if released else str(value))
+        # what the receivers are to close (or a value too large for the word) is a note in the store
+        note = bool(released) or not 0 <= value < FLAG_VALUE_LIMIT
+        if note:
+            self._set(f"f/{n}/{self.rank}", f"{value}|{json.dumps(released)}")
+            self._noted.append(n)
+        board = self._board
+        board.write_flag(n, 0 if note else value, note)
         self.flag_enqueued = time.monotonic()
-        keys = [f"f/{n}/{r}" for r in range(self.world_size)]
         others = [r for r in range(self.world_size) if r != self.rank]
-        self._poll(lambda: bool(self.store.check(keys)), "status reduction", others)
+        self._poll(lambda: all(board.flag(r, n) is not None for r in others), "status reduction", others)
+        values = [value]
+        for r in others:
+            flag = board.flag(r, n)
+            assert flag is not None  # written: the poll saw it, and a ring slot is reused two rounds on
+            if not flag[1]:
+                values.append(flag[0])
+                continue
+            got, _, closing = self._get(f"f/{n}/{r}").partition("|")
+            values.append(int(got))
+            if closing and self.rank < self.first_sender:
+                self.receiver.close(json.loads(closing))
+        if n == 1:  # every rank read round 0, so every rank mapped this rank's board
+            board.unlink()
+        while self._noted and self._noted[0] <= n - 2:  # every rank read round n-2 before writing n-1
+            self.store.delete_key(f"f/{self._noted.pop(0)}/{self.rank}")
+        return max(values)
+
+    def _set(self, key: str, value: str) -> None:
         try:
-            raw = [bytes(v).decode() for v in self.store.multi_get(keys)]
+            self.store.set(key, value)
         except dist.DistNetworkError as exc:
             self.abort()
             raise CommunicatorError(
                 f"status reduction failed on rank {self.rank}: the trainer's store is gone ({exc})"
             ) from exc
-        values = []
-        for v in raw:
-            flag, _, closing = v.partition("|")
-            values.append(int(flag))
-            if closing and self.rank < self.first_sender:
-                self.receiver.close(json.loads(closing))
-        if n >= 2:  # every rank read round n-2 before it wrote round n-1, which this one read
-            self.store.delete_key(f"f/{n - 2}/{self.rank}")
-        return max(values)
+
+    def _get(self, key: str) -> str:
+        try:
+            return bytes(self.store.get(key)).decode()
+        except dist.DistNetworkError as exc:
+            self.abort()
+            raise CommunicatorError(
+                f"status reduction failed on rank {self.rank}: the trainer's store is gone ({exc})"
+            ) from exc
 
     def _end_push(self) -> None:
         """Sender: exports of storages the trainer freed are released (the receivers close them
@@ -400,4 +430,5 @@ class SameHostCommunicator(Communicator):
             self._drop_slot(i)
         self._exports = _Exports()
         self.receiver.release()
+        self._board.close()
         return None

@@ -7,9 +7,10 @@ Store keys, in the group's namespace:
   are, as ``"{seq}|{entries}"``. A ring of keys, overwritten, never deleted: a receiver reads the
   one it needs without first asking whether it exists, and a push costs no deletes. The sender
   reuses a key only once every receiver acknowledged the broadcast that used it before.
-- ``a/{root}/{rank}``: how many of ``root``'s broadcasts receiver ``rank`` has copied (a counter:
-  acknowledging several at once is one increment, and the sender reads it with one call).
-- ``f/{n}/{rank}``: the status reductions' flags (``SameHostCommunicator.max_flag``).
+- ``b/{rank}``: the path of ``rank``'s signal board (``same_host_board``: its status-reduction
+  flags and acknowledgement counters, in shared memory).
+- ``f/{n}/{rank}``: a status reduction's flag that does not fit the board's word, with what the
+  receivers are to close (``SameHostCommunicator.max_flag``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 MESSAGE_RING = 64
 # The version of these messages; ranks that speak different ones refuse to form a group
 # (``placement.choose_transport``) instead of waiting for keys the other never writes.
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 # (key of the memory, how to open it (sent the first time only), offset, bytes)
 Entry = tuple[str, tuple[Any, ...], int, int]
@@ -39,10 +40,6 @@ Entry = tuple[str, tuple[Any, ...], int, int]
 
 def message_key(seq: int, root: int) -> str:
     return f"d/{seq % MESSAGE_RING}/{root}"
-
-
-def ack_key(root: int, rank: int) -> str:
-    return f"a/{root}/{rank}"
 
 
 def encode(seq: int, entries: list[Entry]) -> str:

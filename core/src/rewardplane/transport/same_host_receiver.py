@@ -25,7 +25,7 @@ from rewardplane.protocol import settings
 
 from .comm import CommunicatorError
 from .placement import POD_FIELD_HINT, Place
-from .same_host_memory import MESSAGE_RING, ack_key, decode, map_for_reading, message_key
+from .same_host_memory import MESSAGE_RING, decode, map_for_reading, message_key
 
 # (until this is true, what the wait is for, the ranks whose exit ends it at once): the group's bounded wait
 Wait = Callable[[Callable[[], bool], str, Sequence[int]], None]
@@ -62,8 +62,10 @@ class SameHostReceiver:
         places: Sequence[Place],
         wait: Wait,
         wait_event: Callable[[torch.cuda.Event], None],
+        acknowledge: Callable[[int, int], None],
     ) -> None:
         self.store, self.rank, self.device = store, rank, device
+        self._ack = acknowledge  # (sender, how many more of its broadcasts are copied)
         self._places = list(places)
         self._wait, self._wait_event = wait, wait_event
         self.opened: dict[str, torch.Tensor] = {}  # the trainer's memory, by key, flat uint8
@@ -242,7 +244,7 @@ class SameHostReceiver:
                 self._wait_event(event)
             done.update(self._pending.pop(0).roots)
         for root, n in done.items():
-            self.store.add(ack_key(root, self.rank), n)
+            self._ack(root, n)
 
     def close(self, keys: Sequence[str]) -> None:
         """The trainer released this memory: close it (its handle, or the mapped file)."""
