@@ -10,14 +10,23 @@ import uuid
 import pytest
 import torch.distributed as dist
 
-from rewardplane.transport.same_host_board import FLAG_RING, FLAG_VALUE_LIMIT, SignalBoard
-from rewardplane.transport.same_host_memory import SHM_DIR
+from rewardplane.transport.same_host_board import (
+    FLAG_RING,
+    FLAG_VALUE_LIMIT,
+    MESSAGE_BODY_LIMIT,
+    SignalBoard,
+)
+from rewardplane.transport.same_host_memory import MESSAGE_RING, SHM_DIR
 
 
 def boards(world_size: int) -> tuple[str, list[SignalBoard]]:
     store = dist.HashStore()
     name = f"test-{uuid.uuid4().hex[:8]}"
-    return name, [SignalBoard(store, rank=r, world_size=world_size, name=name) for r in range(world_size)]
+    # the last rank sends, as a trainer's rank does
+    return name, [
+        SignalBoard(store, rank=r, world_size=world_size, name=name, sender=r == world_size - 1)
+        for r in range(world_size)
+    ]
 
 
 def files(name: str) -> list[str]:
@@ -37,7 +46,7 @@ def test_a_flag_is_seen_by_every_peer_only_for_its_own_reduction() -> None:
 
 
 def test_acknowledgements_count_per_sender() -> None:
-    _, (receiver, sender, other) = boards(3)
+    _, (receiver, sender, other) = boards(3)  # any rank may read any counter
     receiver.add_acks(1, 2)
     receiver.add_acks(1, 3)
     receiver.add_acks(2, 1)
@@ -63,6 +72,20 @@ def test_closing_removes_a_board_nobody_mapped() -> None:
     for board in group:
         board.close()
     assert files(name) == []
+
+
+def test_a_senders_message_is_read_once_posted_and_a_long_one_says_it_is_in_the_store() -> None:
+    _, (receiver, sender) = boards(2)
+    assert receiver.message(1, 0) == (False, None)
+    sender.post_message(0, b'[["1.1", [], 0, 256]]')
+    assert receiver.message(1, 0) == (True, b'[["1.1", [], 0, 256]]')
+    sender.post_message(1, None)
+    assert receiver.message(1, 1) == (True, None)
+    sender.post_message(MESSAGE_RING, b"x" * MESSAGE_BODY_LIMIT)  # slot 0 again, a full one
+    assert receiver.message(1, 0) == (False, None)
+    assert receiver.message(1, MESSAGE_RING) == (True, b"x" * MESSAGE_BODY_LIMIT)
+    with pytest.raises(ValueError, match="does not fit"):
+        sender.post_message(2, b"x" * (MESSAGE_BODY_LIMIT + 1))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -1,8 +1,9 @@
 """The same-host transport: a ``Communicator`` whose bytes move through memory both processes
 map (CUDA IPC on one GPU, shared memory on CPU) instead of NCCL or gloo, for a trainer whose reward
-server runs on its own GPUs (or host). Where each broadcast's tensors are goes through the group's
-TCPStore; the status reductions' flags and the copies' acknowledgements are words in shared memory
-that each rank polls (``same_host_board``).
+server runs on its own GPUs (or host). The signalling goes through shared memory that each rank
+polls (``same_host_board``): the messages saying where each broadcast's tensors are, the status
+reductions' flags and the copies' acknowledgements; the group's TCPStore carries only where each
+rank's board is and what does not fit it.
 
 A broadcast is one copy: the sender publishes where each tensor lives, and every receiver copies
 it straight into its target (a parameter, or a bucket buffer for its loader). What the sender
@@ -46,7 +47,7 @@ import torch.distributed as dist
 
 from .comm import SPIN_S, Communicator, CommunicatorError
 from .placement import Place
-from .same_host_board import FLAG_VALUE_LIMIT, SignalBoard
+from .same_host_board import FLAG_VALUE_LIMIT, MESSAGE_BODY_LIMIT, SignalBoard
 from .same_host_memory import (
     MESSAGE_RING,
     SHM_DIR,
@@ -139,7 +140,11 @@ class SameHostCommunicator(Communicator):
         self._keys = 0  # exports made: each gets a key of its own
         # flags and acknowledgements in shared memory; the store keeps only what does not fit a word
         self._board = SignalBoard(
-            self.store, rank=rank, world_size=world_size, name=f"{group_id}-{self._token}"
+            self.store,
+            rank=rank,
+            world_size=world_size,
+            name=f"{group_id}-{self._token}",
+            sender=rank >= self.first_sender,
         )
         self._noted: list[int] = []  # reductions whose flag this rank wrote to the store as a note
         self.receiver = SameHostReceiver(
@@ -149,7 +154,7 @@ class SameHostCommunicator(Communicator):
             places=places,
             wait=self._poll,
             wait_event=self.wait_event,
-            acknowledge=self._board.add_acks,
+            board=self._board,
         )
 
     # ---- waiting ------------------------------------------------------------------------------
@@ -247,7 +252,12 @@ class SameHostCommunicator(Communicator):
         unacked = self._exports.unacked
         if unacked and unacked[0] <= seq - MESSAGE_RING:  # its message key is still being read
             self._await_acks(upto=seq - MESSAGE_RING)
-        self.store.set(message_key(seq, self.rank), encode(seq, entries))
+        body = encode(entries)
+        if len(body) <= MESSAGE_BODY_LIMIT:
+            self._board.post_message(seq, body)
+        else:  # too long for a board slot (handles sent the first time of many tensors): the store's
+            self.store.set(message_key(seq, self.rank), f"{seq}|{body.decode()}")
+            self._board.post_message(seq, None)
         unacked.append(seq)
 
     def _direct(self, t: torch.Tensor) -> _Export | None:

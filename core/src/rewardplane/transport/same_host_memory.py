@@ -1,14 +1,13 @@
-"""What both sides of the same-host transport share: the store messages that say where a
-broadcast's tensors are, and the shared memory they are read from (files in ``/dev/shm`` on CPU;
+"""What both sides of the same-host transport share: the messages that say where a broadcast's
+tensors are, and the shared memory they are read from (files in ``/dev/shm`` on CPU;
 CUDA IPC handles travel inside the messages).
 
-Store keys, in the group's namespace:
+Store keys, in the group's namespace (the rest is in each rank's board, ``same_host_board``):
+- ``b/{rank}``: the size and path of ``rank``'s signal board; ``b/{rank}/mapped``: how many peers
+  mapped it (the last removes its file).
 - ``d/{seq % MESSAGE_RING}/{root}``: where broadcast ``seq``'s tensors of sending rank ``root``
-  are, as ``"{seq}|{entries}"``. A ring of keys, overwritten, never deleted: a receiver reads the
-  one it needs without first asking whether it exists, and a push costs no deletes. The sender
-  reuses a key only once every receiver acknowledged the broadcast that used it before.
-- ``b/{rank}``: the path of ``rank``'s signal board (``same_host_board``: its status-reduction
-  flags and acknowledgement counters, in shared memory).
+  are, as ``"{seq}|{entries}"``, for a message too long for its board slot (the board says so).
+  A ring of keys, overwritten, never deleted.
 - ``f/{n}/{rank}``: a status reduction's flag that does not fit the board's word, with what the
   receivers are to close (``SameHostCommunicator.max_flag``).
 """
@@ -27,12 +26,12 @@ import torch
 from .buckets import as_bytes
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-# How many broadcasts' messages a sender keeps in the store: more than a push has buckets in
-# flight (two staging buffers, or a few buckets read in place), so a sender seldom waits to reuse one.
+# How many broadcasts' messages a sender keeps posted: more than a push has buckets in flight (two
+# staging buffers, or a few buckets read in place), so a sender seldom waits to reuse a slot.
 MESSAGE_RING = 64
 # The version of these messages; ranks that speak different ones refuse to form a group
 # (``placement.choose_transport``) instead of waiting for keys the other never writes.
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 
 # (key of the memory, how to open it (sent the first time only), offset, bytes)
 Entry = tuple[str, tuple[Any, ...], int, int]
@@ -42,19 +41,18 @@ def message_key(seq: int, root: int) -> str:
     return f"d/{seq % MESSAGE_RING}/{root}"
 
 
-def encode(seq: int, entries: list[Entry]) -> str:
-    """JSON (the store is reachable from the network: nothing executable), handles as hex, after
-    the broadcast's number."""
+def encode(entries: list[Entry]) -> bytes:
+    """A message's body: JSON (the store is reachable from the network: nothing executable),
+    handles as hex."""
 
     def plain(v: Any) -> Any:
         return {"hex": v.hex()} if isinstance(v, bytes) else v
 
-    body = json.dumps([[key, [plain(v) for v in source], off, n] for key, source, off, n in entries])
-    return f"{seq}|{body}"
+    return json.dumps([[key, [plain(v) for v in source], off, n] for key, source, off, n in entries]).encode()
 
 
 def decode(body: bytes) -> list[Entry]:
-    """The entries of a message's body (what follows ``"{seq}|"``)."""
+    """The entries of a message's body (in the store, what follows ``"{seq}|"``)."""
 
     def typed(v: Any) -> Any:
         return bytes.fromhex(v["hex"]) if isinstance(v, dict) else v

@@ -3,7 +3,7 @@ memory once, copy each tensor straight into its target, and acknowledge the copi
 
 A trainer pushes the same layout again and again, and its message for a bucket is then the same
 bytes every time: the source views a message names are made once and kept by the message's bytes,
-so a repeat push costs one store read and one ``copy_`` per tensor. On a GPU, a bucket received
+so a repeat push costs one read of shared memory and one ``copy_`` per tensor. On a GPU, a bucket received
 twice into the same targets (the same list: ``transfer`` keeps a bucket's targets while its places
 stay the same) is captured as a CUDA graph of its copies and replayed from then on: one launch
 instead of one per tensor, where enqueueing the copies, not the GPU, bounds a push. Kept views and
@@ -25,7 +25,8 @@ from rewardplane.protocol import settings
 
 from .comm import CommunicatorError
 from .placement import POD_FIELD_HINT, Place
-from .same_host_memory import MESSAGE_RING, decode, map_for_reading, message_key
+from .same_host_board import SignalBoard
+from .same_host_memory import decode, map_for_reading, message_key
 
 # (until this is true, what the wait is for, the ranks whose exit ends it at once): the group's bounded wait
 Wait = Callable[[Callable[[], bool], str, Sequence[int]], None]
@@ -62,15 +63,14 @@ class SameHostReceiver:
         places: Sequence[Place],
         wait: Wait,
         wait_event: Callable[[torch.cuda.Event], None],
-        acknowledge: Callable[[int, int], None],
+        board: SignalBoard,
     ) -> None:
         self.store, self.rank, self.device = store, rank, device
-        self._ack = acknowledge  # (sender, how many more of its broadcasts are copied)
+        self._board = board  # the senders' messages are read, and this rank's acknowledgements written, there
         self._places = list(places)
         self._wait, self._wait_event = wait, wait_event
         self.opened: dict[str, torch.Tensor] = {}  # the trainer's memory, by key, flat uint8
         self._sources: dict[tuple[int, bytes], list[torch.Tensor | None]] = {}  # (root, message) -> views
-        self._written: set[tuple[int, int]] = set()  # (root, ring slot): message keys that exist
         self._pending: list[_Pending] = []  # copies not acknowledged yet
         self._copies: dict[tuple[int, bytes], _Copies] = {}  # (root, message) -> as last received
         self._graphs = device.type == "cuda" and settings.SAME_GPU_GRAPHS.get()
@@ -164,18 +164,20 @@ class SameHostReceiver:
 
     def _message(self, seq: int, root: int) -> bytes:
         """The body of ``root``'s message for broadcast ``seq``, once it is there (bounded)."""
-        key, slot, prefix = message_key(seq, root), (root, seq % MESSAGE_RING), f"{seq}|".encode()
         got: list[bytes] = []
 
         def ready() -> bool:
-            if slot not in self._written:  # a get of a key never written would block
-                if not self.store.check([key]):
-                    return False
-                self._written.add(slot)
-            raw = bytes(self.store.get(key))
-            if not raw.startswith(prefix):  # still the broadcast MESSAGE_RING before this one
+            posted, body = self._board.message(root, seq)
+            if not posted:
                 return False
-            got.append(raw[len(prefix) :])
+            if body is None:  # too long for its slot: in the store, written before it was posted
+                raw, prefix = bytes(self.store.get(message_key(seq, root))), f"{seq}|".encode()
+                if not raw.startswith(prefix):
+                    raise CommunicatorError(
+                        f"rank {root}'s message for broadcast {seq} is not in the store: form a new group"
+                    )
+                body = raw[len(prefix) :]
+            got.append(body)
             return True
 
         self._wait(ready, "waiting for the trainer's tensors", [root])
@@ -244,7 +246,7 @@ class SameHostReceiver:
                 self._wait_event(event)
             done.update(self._pending.pop(0).roots)
         for root, n in done.items():
-            self._ack(root, n)
+            self._board.add_acks(root, n)
 
     def close(self, keys: Sequence[str]) -> None:
         """The trainer released this memory: close it (its handle, or the mapped file)."""
