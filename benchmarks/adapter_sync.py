@@ -27,9 +27,9 @@ import torch
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode
 from rewardplane.sdk.lora import adapter_payload
-from rewardplane.sdk.push.pusher import WeightPusher
 from rewardplane.testing.gpus import visible_gpus
-from rewardplane.testing.servers import free_port, launch_server, wait_healthy
+from rewardplane.testing.pushers import loopback_pusher
+from rewardplane.testing.servers import launch_server, wait_healthy
 
 TEXTS = [
     "The reward model reads a prompt and a completion and returns a score.",
@@ -134,11 +134,9 @@ def run(
     sync = None
     try:
         wait_healthy(server, 900, poll_s=1.0)
-        sync = WeightPusher(
+        sync = loopback_pusher(
             [server.url],
-            group_port=free_port(),
-            token=token,
-            trainer_host="127.0.0.1",
+            token,
             device=trainer,
             bucket_bytes=args.bucket_mib << 20,
             connect_timeout_s=300,

@@ -55,7 +55,8 @@ from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
 from rewardplane.protocol.naming import select_head  # noqa: E402
 from rewardplane.sdk.push.pusher import WeightPusher  # noqa: E402
 from rewardplane.testing.gpus import gpu_memory_used_mib, visible_gpus  # noqa: E402
-from rewardplane.testing.servers import ServerHandle, free_port, launch_server, wait_healthy  # noqa: E402
+from rewardplane.testing.pushers import loopback_pusher  # noqa: E402
+from rewardplane.testing.servers import ServerHandle, launch_server, wait_healthy  # noqa: E402
 
 TOKEN = "bench"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -190,11 +191,9 @@ def start_server(ckpt: Path, work: Path, args: argparse.Namespace) -> ServerHand
 
 
 def pusher(url: str, args: argparse.Namespace) -> WeightPusher:
-    return WeightPusher(
+    return loopback_pusher(
         [url],
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
+        TOKEN,
         device=torch.device("cuda", 0),
         backend="auto",
         bucket_bytes=args.bucket_mib << 20,

@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.weight_sync import SIZES, TOKEN, build_trainer_model, make_checkpoint  # noqa: E402
 from rewardplane.testing.gpus import visible_gpus  # noqa: E402
+from rewardplane.testing.pushers import loopback_pusher  # noqa: E402
 from rewardplane.testing.servers import free_port, launch_server, wait_healthy  # noqa: E402
 
 SERVER_GPUS = "0,1"  # the TP=2 server
@@ -122,7 +123,6 @@ def trainer_main(cfg: dict[str, Any]) -> int:
     import torch.distributed as dist
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
-    from rewardplane.sdk import WeightPusher
     from rewardplane.sdk.push.plan.layout import local_parts, plan_senders
 
     rank, world = int(cfg["rank"]), int(cfg["world"])
@@ -156,11 +156,10 @@ def trainer_main(cfg: dict[str, Any]) -> int:
         plan = plan_senders([local_parts(halves(full, r, world))[1] for r in range(world)])
         result["sent_by"] = [plan.sent_by(r) for r in range(world)]
     wait_serving(cfg["url"], float(cfg["health_timeout_s"]))
-    pusher = WeightPusher(
+    pusher = loopback_pusher(
         [cfg["url"]],
+        TOKEN,
         group_port=int(cfg["group_port"]),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
         device=device,
         bucket_bytes=int(cfg["bucket_bytes"]),
         connect_timeout_s=120,

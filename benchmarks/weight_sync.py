@@ -41,6 +41,7 @@ from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
 from rewardplane.protocol.naming import select_head  # noqa: E402
 from rewardplane.sdk.push.pusher import WeightPusher  # noqa: E402
 from rewardplane.testing.gpus import visible_gpus  # noqa: E402
+from rewardplane.testing.pushers import loopback_pusher  # noqa: E402
 from rewardplane.testing.servers import free_port, launch_server, wait_healthy  # noqa: E402
 from rewardplane.tinymodel import train_tokenizer  # noqa: E402
 from rewardplane.transport.comm import Communicator, create_store  # noqa: E402
@@ -406,11 +407,9 @@ def main() -> int:
             reps: int = args.reps,
             head_reps: int = args.head_reps,
         ) -> dict[str, object]:
-            sync = WeightPusher(
+            sync = loopback_pusher(
                 target,
-                group_port=free_port(),
-                token=TOKEN,
-                trainer_host="127.0.0.1",
+                TOKEN,
                 device=trainer,
                 bucket_bytes=bucket_bytes,
                 connect_timeout_s=60,  # also bounds every collective: a stuck push fails within it

@@ -21,7 +21,6 @@ import httpx
 import pytest
 
 from rewardplane.testing.gpus import gpu_memory_used_mib
-from rewardplane.testing.servers import free_port
 from tests.gpu.vllm_support import (
     TEXTS,
     TOKEN,
@@ -30,6 +29,7 @@ from tests.gpu.vllm_support import (
     assert_close,
     assert_same_parameters,
     check_after_push,
+    direct_sync,
     fill_prefix_cache,
     load_trainer_model,
     perturb,
@@ -52,19 +52,7 @@ RESULT = "colocated_push.json"
 
 
 def _pusher(url: str, device: Any, backend: str = "auto") -> Any:
-    from rewardplane.sdk.push.pusher import WeightPusher
-
-    return WeightPusher(
-        [url],
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
-        device=device,
-        backend=backend,  # type: ignore[arg-type]
-        bucket_bytes=1 << 20,
-        timeout_s=300,
-        connect_timeout_s=120,
-    )
+    return direct_sync([url], device, backend=backend)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ import httpx
 import pytest
 import torch
 
+from rewardplane.testing.pushers import loopback_pusher
 from rewardplane.testing.servers import ServerHandle, free_port
 from tests.gpu.vllm_support import (
     TOKEN,
@@ -129,7 +130,6 @@ def trainer_main(cfg: dict[str, Any]) -> None:
     ``die`` on the push where this rank exits (17) after its third bucket. Writes ``out.<rank>``."""
     import torch.distributed as dist
 
-    from rewardplane.sdk import WeightPusher
     from rewardplane.sdk.push.plan.layout import local_parts, plan_senders
 
     rank = int(cfg["rank"])
@@ -147,11 +147,10 @@ def trainer_main(cfg: dict[str, Any]) -> None:
     )
     # sent_by: per push, the bytes each rank sends (the layout every rank computes alike)
     result: dict[str, Any] = {"rank": rank, "pushed": [], "sent_by": [], "error": None}
-    pusher = WeightPusher(
+    pusher = loopback_pusher(
         [cfg["url"]],
+        TOKEN,
         group_port=int(cfg["group_port"]),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
         device=device,
         bucket_bytes=1 << 16,  # tens of buckets: a rank can die mid-push
         timeout_s=float(cfg["timeout_s"]),

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rewardplane.testing.servers import ServerHandle, free_port
+from rewardplane.testing.servers import ServerHandle
 from tests.gpu.vllm_support import (
     TEXTS,
     TOKEN,
@@ -442,19 +442,11 @@ def test_full_push_0_4b(seqcls_0_4b: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
-    from rewardplane.sdk.push.pusher import WeightPusher
+    from rewardplane.testing.pushers import loopback_pusher
 
     handle = wait_ready(start_vllm_server(seqcls_0_4b, tmp_path, gpu=0, gpu_memory_utilization=0.4))
     device = torch.device("cuda", 1)
-    sync = WeightPusher(
-        [handle.url],
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
-        device=device,
-        timeout_s=300,
-        connect_timeout_s=120,
-    )
+    sync = loopback_pusher([handle.url], TOKEN, device=device, timeout_s=300, connect_timeout_s=120)
     try:
         t = Trainer(
             load_trainer_model(seqcls_0_4b, device),

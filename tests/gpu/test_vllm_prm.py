@@ -21,10 +21,9 @@ from typing import Any
 
 import pytest
 
-from rewardplane.testing.servers import ServerHandle, free_port
+from rewardplane.testing.servers import ServerHandle
 from tests.gpu.vllm_support import (
     MAX_ABS,
-    TOKEN,
     assert_close,
     device_count,
     direct_sync,
@@ -211,17 +210,7 @@ def _pusher(url: str, device: Any) -> Any:
 
     if "backend" not in inspect.signature(WeightPusher).parameters:
         return direct_sync([url], device)
-    return WeightPusher(
-        [url],
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
-        device=device,
-        backend="auto",  # type: ignore[call-arg]
-        bucket_bytes=1 << 20,
-        timeout_s=300,
-        connect_timeout_s=120,
-    )
+    return direct_sync([url], device, backend="auto")
 
 
 def test_full_push_into_prm_follows_the_trainer(

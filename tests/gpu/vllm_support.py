@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 
 from rewardplane.testing.gpus import visible_gpus
-from rewardplane.testing.servers import ServerHandle, free_port, launch_server, wait_healthy
+from rewardplane.testing.pushers import loopback_pusher
+from rewardplane.testing.servers import ServerHandle, launch_server, wait_healthy
 
 TOKEN = "gpu-test-token"
 MAX_ABS = 0.05  # bf16 noise on unit-scale scores (README: 0.020 measured on 0.39B)
@@ -364,19 +365,11 @@ def running_replicas(
             stop(h)
 
 
-def direct_sync(urls: list[str], device: Any) -> Any:
-    """The trainer's ``WeightPusher`` to ``urls`` as every GPU test configures it."""
-    from rewardplane.sdk.push.pusher import WeightPusher
-
-    return WeightPusher(
-        urls,
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
-        device=device,
-        bucket_bytes=1 << 20,
-        timeout_s=300,
-        connect_timeout_s=120,
+def direct_sync(urls: list[str], device: Any, **options: Any) -> Any:
+    """The trainer's ``WeightPusher`` to ``urls`` as every GPU test configures it; ``options``: the
+    pusher's further keywords (``backend``)."""
+    return loopback_pusher(
+        urls, TOKEN, device=device, bucket_bytes=1 << 20, timeout_s=300, connect_timeout_s=120, **options
     )
 
 
