@@ -37,6 +37,7 @@ from tests.gpu.vllm_support import (
     check_after_push,
     fill_prefix_cache,
     load_trainer_model,
+    lora_config,
     server_checksums,
     vllm_llama_checksums,
 )
@@ -47,7 +48,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800), pyt
 PLACEMENTS = [{"gpu": "0,1", "tensor_parallel_size": 2}]
 TRAINER_GPUS = (2, 3)  # trainer rank r on this process's device TRAINER_GPUS[r]
 ROOT = Path(__file__).resolve().parents[2]
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # A weights spec: {"full": seed, "head": seed, "lora": seed}, applied in that order to the checkpoint
 # (each optional): every parameter scaled by 1 + 0.1·noise; a new head; merged LoRA adapters (and a
@@ -83,11 +83,10 @@ def build_model(model_dir: Path, weights: Weights) -> Any:
 
 def merged_lora(model: Any, seed: int) -> Any:
     """As test_vllm_tp's LoRA push: adapters on every projection, a trained head, merged."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     torch.manual_seed(seed)  # PEFT draws lora_A from the global generator (forked by the caller)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, modules_to_save=["score"])
-    peft_model = get_peft_model(model, config)
+    peft_model = get_peft_model(model, lora_config())
     g = torch.Generator().manual_seed(seed + 1)
     for name, p in peft_model.named_parameters():
         if "lora_B" in name:

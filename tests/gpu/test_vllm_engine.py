@@ -35,6 +35,8 @@ from tests.gpu.vllm_support import (
     direct_sync,
     fill_prefix_cache,
     load_trainer_model,
+    lora_config,
+    new_head,
     perturb,
     post,
     reference_scores,
@@ -42,6 +44,7 @@ from tests.gpu.vllm_support import (
     server_checksums,
     start_vllm_server,
     stop,
+    train_lora,
     vllm_llama_checksums,
     wait_ready,
 )
@@ -225,9 +228,7 @@ def test_push_head_only_fp32_head(trainer: Trainer) -> None:
     from rewardplane.protocol.naming import select_head
 
     before = fill_prefix_cache(trainer.url)
-    with torch.no_grad():
-        head = trainer.model.score.weight
-        head.copy_(torch.randn_like(head) * head.shape[1] ** -0.5)
+    new_head(trainer.model)
     params = select_head(trainer.model.state_dict())
     assert params["score.weight"].dtype == torch.float32
     assert trainer.sync.push(params, version=1, training_mode=Mode.HEAD_ONLY) == 1
@@ -236,27 +237,14 @@ def test_push_head_only_fp32_head(trainer: Trainer) -> None:
 
 @pytest.mark.gpus(2)
 def test_push_lora_merged(trainer: Trainer) -> None:
-    import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
     from rewardplane.sdk.lora import merge_sync_reinit
 
     before = fill_prefix_cache(trainer.url)
-    config = LoraConfig(
-        r=8,
-        lora_alpha=16,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        modules_to_save=["score"],
-    )
-    peft_model = get_peft_model(trainer.model, config)
-    torch.manual_seed(3)
-    with torch.no_grad():  # as if trained: non-zero B, and a changed head copy
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.05)
-            if "modules_to_save" in name:
-                p.add_(torch.randn_like(p) * 0.2 * p.shape[-1] ** -0.5)
+    peft_model = get_peft_model(trainer.model, lora_config())
+    train_lora(peft_model, seed=3)
 
     def push(sd: Mapping[str, Any]) -> None:
         trainer.sync.push(sd, version=2, training_mode=Mode.LORA)

@@ -198,6 +198,48 @@ def perturb(model: Any, scale: float, seed: int | None = None) -> None:
             p.mul_(1.0 + scale * torch.randn_like(p))
 
 
+def new_head(model: Any) -> None:
+    """A freshly drawn head in place: std ``1/sqrt(hidden)``, so scores of order 1 that change."""
+    import torch
+
+    with torch.no_grad():
+        head = model.score.weight
+        head.copy_(torch.randn_like(head) * head.shape[1] ** -0.5)
+
+
+def push_a_new_head(t: Trainer, version: int) -> int:
+    """``new_head`` on the trainer's model, then a head-only push of it: the version pushed."""
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+    from rewardplane.protocol.naming import select_head
+
+    new_head(t.model)
+    return t.sync.push(select_head(t.model.state_dict()), version=version, training_mode=Mode.HEAD_ONLY)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_config() -> Any:
+    """The GPU tests' adapters: rank 8 on every projection, and a trainable copy of the head."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS), modules_to_save=["score"])
+
+
+def train_lora(peft_model: Any, seed: int) -> None:
+    """As if trained, after ``torch.manual_seed(seed)``: non-zero B (so the adapter changes scores)
+    and a changed head copy."""
+    import torch
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+            if "modules_to_save" in name:
+                p.add_(torch.randn_like(p) * 0.2 * p.shape[-1] ** -0.5)
+
+
 def fill_prefix_cache(url: str) -> float:
     first = served(url, [REPEATED])[0][0][0]
     again = served(url, [REPEATED])[0][0][0]  # served from cached prefix blocks
