@@ -35,6 +35,7 @@ from tests.gpu.vllm_support import (
     lora_config,
     perturb,
     push_a_new_head,
+    push_a_training_step,
     record_result,
     reference_scores,
     served,
@@ -119,12 +120,10 @@ def test_nccl_on_one_gpu_is_refused_naming_the_same_gpu_transport(server: str) -
 
 
 def test_full_push_over_cuda_ipc_bit_for_bit(trainer: Trainer) -> None:
-
     from rewardplane.protocol import RewardModelTrainingMode as Mode
 
     before = fill_prefix_cache(trainer.url)
-    perturb(trainer.model, 0.1, seed=4)
-    assert trainer.sync.push(trainer.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+    assert push_a_training_step(trainer, 1, seed=4) == 1
     assert _transport(trainer) == "ipc"
     check_after_push(trainer, 1, before, "full over CUDA IPC")
     _exact(trainer, 1, "full over CUDA IPC")

@@ -39,6 +39,7 @@ from tests.gpu.vllm_support import (
     new_head,
     perturb,
     post,
+    push_a_training_step,
     reference_scores,
     served,
     server_checksums,
@@ -260,12 +261,8 @@ def test_push_lora_merged(trainer: Trainer) -> None:
 
 @pytest.mark.gpus(2)
 def test_push_full(trainer: Trainer) -> None:
-
-    from rewardplane.protocol import RewardModelTrainingMode as Mode
-
     before = fill_prefix_cache(trainer.url)
-    perturb(trainer.model, 0.1, seed=4)
-    assert trainer.sync.push(trainer.model.state_dict(), version=3, training_mode=Mode.FULL) == 3
+    assert push_a_training_step(trainer, 3, seed=4) == 3
     check_after_push(trainer, 3, before, "full")
     version, got = server_checksums(trainer.url)
     assert version == 3
@@ -429,7 +426,6 @@ def test_full_push_0_4b(seqcls_0_4b: Path, tmp_path: Path) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from rewardplane.protocol import RewardModelTrainingMode as Mode
     from rewardplane.testing.pushers import loopback_pusher
 
     handle = wait_ready(start_vllm_server(seqcls_0_4b, tmp_path, gpu=0, gpu_memory_utilization=0.4))
@@ -447,8 +443,7 @@ def test_full_push_0_4b(seqcls_0_4b: Path, tmp_path: Path) -> None:
             served(handle.url)[0], reference_scores(t.model, t.tokenizer, TEXTS, device), "0.4B at start"
         )
         before = fill_prefix_cache(handle.url)
-        perturb(t.model, 0.1, seed=5)
-        assert sync.push(t.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+        assert push_a_training_step(t, 1, seed=5) == 1
         check_after_push(t, 1, before, "0.4B full")
     finally:
         sync.close()

@@ -22,8 +22,8 @@ from tests.gpu.vllm_support import (
     check_after_push,
     fill_prefix_cache,
     lora_config,
-    perturb,
     push_a_new_head,
+    push_a_training_step,
     server_checksums,
     train_lora,
     vllm_llama_checksums,
@@ -58,13 +58,9 @@ def test_world_size_and_rank_offsets(trainers: list[Trainer]) -> None:
 
 
 def test_full_push_reaches_every_shard(trainers: list[Trainer]) -> None:
-
-    from rewardplane.protocol import RewardModelTrainingMode as Mode
-
     t0 = trainers[0]
     before = [fill_prefix_cache(t.url) for t in trainers]
-    perturb(t0.model, 0.1, seed=21)
-    assert t0.sync.push(t0.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+    assert push_a_training_step(t0, 1, seed=21) == 1
     assert t0.sync.open().comm.world_size == 4
     _check(trainers, 1, before, "full")
 

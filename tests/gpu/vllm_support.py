@@ -198,6 +198,15 @@ def perturb(model: Any, scale: float, seed: int | None = None) -> None:
             p.mul_(1.0 + scale * torch.randn_like(p))
 
 
+def push_a_training_step(t: Trainer, version: int, seed: int) -> int:
+    """``perturb`` (scale 0.1, ``seed``) on the trainer's model, then a full push of it: the version
+    pushed."""
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+
+    perturb(t.model, 0.1, seed=seed)
+    return t.sync.push(t.model.state_dict(), version=version, training_mode=Mode.FULL)
+
+
 def new_head(model: Any) -> None:
     """A freshly drawn head in place: std ``1/sqrt(hidden)``, so scores of order 1 that change."""
     import torch
