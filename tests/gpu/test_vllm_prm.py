@@ -24,6 +24,7 @@ import pytest
 from rewardplane.testing.servers import ServerHandle
 from tests.gpu.vllm_support import (
     MAX_ABS,
+    TINY_LLAMA,
     assert_close,
     device_count,
     direct_sync,
@@ -57,18 +58,9 @@ SERVER_FLAGS = {"model_kind": "process", "step_tag": TAG, "step_aggregation": "m
 def prm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rewardplane.tinymodel import build_tiny_process_reward_model
 
-    # head dims of 64 (FlashAttention needs multiples of 8); a vocabulary a little over the tokenizer's
+    # a vocabulary a little over the tokenizer's
     return build_tiny_process_reward_model(
-        tmp_path_factory.mktemp("vllm-prm"),
-        hidden_size=256,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=512,
-        vocab_size=1024,
-        max_position_embeddings=1024,
-        dtype="bfloat16",
-        seed=5,
+        tmp_path_factory.mktemp("vllm-prm"), **TINY_LLAMA, intermediate_size=512, vocab_size=1024, seed=5
     )
 
 

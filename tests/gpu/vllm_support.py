@@ -23,6 +23,16 @@ from rewardplane.testing.servers import ServerHandle, launch_server, wait_health
 TOKEN = "gpu-test-token"
 MAX_ABS = 0.05  # bf16 noise on unit-scale scores (README: 0.020 measured on 0.39B)
 MIN_PEARSON = 0.999
+# The tiny bf16 Llama of the judge and PRM tests: head dims of 64 (FlashAttention needs multiples
+# of 8); the keywords of rewardplane.tinymodel's builders.
+TINY_LLAMA: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "max_position_embeddings": 1024,
+    "dtype": "bfloat16",
+}
 STARTUP_S = float(os.environ.get("RP_VLLM_STARTUP_S", "600"))
 
 # A long text, scored before each push so its prefix blocks sit in vLLM's prefix cache.
