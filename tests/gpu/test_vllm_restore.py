@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rewardplane.testing.servers import ServerHandle, free_port
+from rewardplane.testing.pushers import loopback_peer_restore
+from rewardplane.testing.servers import ServerHandle
 from tests.gpu.vllm_support import (
     TEXTS,
     TOKEN,
@@ -113,7 +114,7 @@ def test_a_fresh_replica_gets_the_weights_from_a_vllm_peer(tiny_seqcls_1label: P
     import torch
     from transformers import AutoTokenizer
 
-    from rewardplane.operator.replicas import HttpReplicas, Receiver, ReplicaError, restore_from_peer
+    from rewardplane.operator.replicas import HttpReplicas, ReplicaError
     from rewardplane.protocol import RewardModelTrainingMode as Mode
     from rewardplane.protocol.naming import select_head
 
@@ -130,16 +131,8 @@ def test_a_fresh_replica_gets_the_weights_from_a_vllm_peer(tiny_seqcls_1label: P
         wait_ready(fresh)
 
         def restore(version: int, group: str) -> None:
-            restore_from_peer(
-                replicas,
-                TOKEN,
-                source_url=source.url,
-                source_host="127.0.0.1",
-                port=free_port(),
-                receivers=[Receiver("fresh", fresh.url, 1)],
-                version=version,
-                timeout_s=120,
-                group_id=group,
+            loopback_peer_restore(
+                replicas, TOKEN, source.url, fresh.url, version=version, timeout_s=120, group_id=group
             )
 
         sync = direct_sync([source.url], device)
