@@ -16,20 +16,19 @@ import copy
 import itertools
 import json
 import os
-import shlex
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode
 from rewardplane.sdk.lora import adapter_payload
-from rewardplane.sdk.push.pusher import WeightPusher
-from rewardplane.testing.gpus import visible_gpus
-from rewardplane.testing.servers import free_port, launch_server, wait_healthy
+from rewardplane.testing.pushers import loopback_pusher
+from rewardplane.testing.servers import wait_healthy
 
 TEXTS = [
     "The reward model reads a prompt and a completion and returns a score.",
@@ -102,13 +101,11 @@ def run(
 ) -> int:
     from peft import LoraConfig, get_peft_model
 
-    from benchmarks.weight_sync import median_timeline, timeline
+    from benchmarks.weight_sync import launch_on_dummy_weights, median_timeline, timeline
 
     trainer = torch.device("cuda", 1)
     torch.cuda.set_device(trainer)
-    opts: dict[str, object] = {
-        "dtype": "bfloat16",
-        "load_format": "dummy",
+    opts: dict[str, Any] = {
         "engine": args.engine,
         "enable_lora": True,
         "max_lora_rank": max(16, args.lora_rank),
@@ -117,14 +114,7 @@ def run(
         opts["device"] = "cuda"
     else:
         opts.update(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024)
-    server = launch_server(
-        ckpt,
-        work,
-        token=token,
-        extra_args=shlex.split(args.server_args),
-        env_extra={"CUDA_VISIBLE_DEVICES": visible_gpus(0), "VLLM_USE_FLASHINFER_SAMPLER": "0"},
-        **opts,
-    )
+    server = launch_on_dummy_weights(ckpt, work, 0, args.server_args, token=token, **opts)
     versions = itertools.count(1)
     results: dict[str, object] = {
         "size": args.size,
@@ -134,11 +124,9 @@ def run(
     sync = None
     try:
         wait_healthy(server, 900, poll_s=1.0)
-        sync = WeightPusher(
+        sync = loopback_pusher(
             [server.url],
-            group_port=free_port(),
-            token=token,
-            trainer_host="127.0.0.1",
+            token,
             device=trainer,
             bucket_bytes=args.bucket_mib << 20,
             connect_timeout_s=300,

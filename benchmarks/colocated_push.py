@@ -31,7 +31,6 @@ import json
 import os
 import pickle
 import secrets
-import shlex
 import statistics
 import subprocess
 import sys
@@ -55,7 +54,8 @@ from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
 from rewardplane.protocol.naming import select_head  # noqa: E402
 from rewardplane.sdk.push.pusher import WeightPusher  # noqa: E402
 from rewardplane.testing.gpus import gpu_memory_used_mib, visible_gpus  # noqa: E402
-from rewardplane.testing.servers import ServerHandle, free_port, launch_server, wait_healthy  # noqa: E402
+from rewardplane.testing.pushers import loopback_pusher  # noqa: E402
+from rewardplane.testing.servers import ServerHandle, wait_healthy  # noqa: E402
 
 TOKEN = "bench"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -172,29 +172,27 @@ def device_copy(params: dict[str, torch.Tensor], reps: int) -> dict[str, float]:
 
 
 def start_server(ckpt: Path, work: Path, args: argparse.Namespace) -> ServerHandle:
-    handle = launch_server(
+    from benchmarks.weight_sync import launch_on_dummy_weights
+
+    handle = launch_on_dummy_weights(
         ckpt,
         work,
+        0,
+        args.server_args,
         token=TOKEN,
         engine="vllm",
-        dtype="bfloat16",
-        load_format="dummy",
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=1024,
         enable_sleep_mode=True,
-        extra_args=shlex.split(args.server_args),
-        env_extra={"CUDA_VISIBLE_DEVICES": visible_gpus(0), "VLLM_USE_FLASHINFER_SAMPLER": "0"},
     )
     wait_healthy(handle, 900, poll_s=1.0)
     return handle
 
 
 def pusher(url: str, args: argparse.Namespace) -> WeightPusher:
-    return WeightPusher(
+    return loopback_pusher(
         [url],
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
+        TOKEN,
         device=torch.device("cuda", 0),
         backend="auto",
         bucket_bytes=args.bucket_mib << 20,

@@ -169,18 +169,15 @@ class Timeline:
         print(f"[{name}] {seconds:.0f} s done", flush=True)
 
     def join(self) -> None:
-        from rewardplane.sdk.push.pusher import WeightPusher
-        from rewardplane.testing.servers import free_port
+        from rewardplane.testing.pushers import loopback_pusher
 
         a = self.args
         # bounds forming the group and every collective: a ready reduction waits for the server's lock
         # (every request in flight answered), a held push for the hold
         group_timeout = min(600.0, max(120.0, 3 * a.hold_s + 60))
-        self.pusher = WeightPusher(
+        self.pusher = loopback_pusher(
             [self.url],
-            group_port=free_port(),
-            token=TOKEN,
-            trainer_host="127.0.0.1",
+            TOKEN,
             device=a.trainer_device,
             bucket_bytes=a.bucket_mib << 20,
             connect_timeout_s=group_timeout,

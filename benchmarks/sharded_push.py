@@ -36,7 +36,6 @@ import argparse
 import datetime
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -53,8 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.weight_sync import SIZES, TOKEN, build_trainer_model, make_checkpoint  # noqa: E402
-from rewardplane.testing.gpus import visible_gpus  # noqa: E402
-from rewardplane.testing.servers import free_port, launch_server, wait_healthy  # noqa: E402
+from rewardplane.testing.pushers import loopback_pusher  # noqa: E402
+from rewardplane.testing.servers import free_port, wait_healthy  # noqa: E402
 
 SERVER_GPUS = "0,1"  # the TP=2 server
 TRAINER_GPUS = (2, 3)  # rank 0 (and the one sender), rank 1
@@ -122,7 +121,6 @@ def trainer_main(cfg: dict[str, Any]) -> int:
     import torch.distributed as dist
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
-    from rewardplane.sdk import WeightPusher
     from rewardplane.sdk.push.plan.layout import local_parts, plan_senders
 
     rank, world = int(cfg["rank"]), int(cfg["world"])
@@ -156,11 +154,10 @@ def trainer_main(cfg: dict[str, Any]) -> int:
         plan = plan_senders([local_parts(halves(full, r, world))[1] for r in range(world)])
         result["sent_by"] = [plan.sent_by(r) for r in range(world)]
     wait_serving(cfg["url"], float(cfg["health_timeout_s"]))
-    pusher = WeightPusher(
+    pusher = loopback_pusher(
         [cfg["url"]],
+        TOKEN,
         group_port=int(cfg["group_port"]),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
         device=device,
         bucket_bytes=int(cfg["bucket_bytes"]),
         connect_timeout_s=120,
@@ -311,24 +308,20 @@ def run_transport(
     versions: Iterator[int],
 ) -> dict[str, Any]:
     """A fresh server; one sender, then two senders into it; the checksums compared."""
+    from benchmarks.weight_sync import launch_on_dummy_weights
+
     extra = SOCKETS_ENV if transport == "sockets" else {}
     env = {**os.environ, **extra}
-    server = launch_server(
+    server = launch_on_dummy_weights(
         ckpt,
         work,
-        token=TOKEN,
+        SERVER_GPUS,
+        args.server_args,
+        env=extra,
         engine="vllm",
-        dtype="bfloat16",
-        load_format="dummy",
         tensor_parallel_size=2,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_model_len=1024,
-        extra_args=shlex.split(args.server_args),
-        env_extra={
-            "CUDA_VISIBLE_DEVICES": visible_gpus(SERVER_GPUS),
-            "VLLM_USE_FLASHINFER_SAMPLER": "0",
-            **extra,
-        },
     )
     out: dict[str, Any] = {"transport": transport}
     try:

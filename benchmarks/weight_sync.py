@@ -26,9 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import httpx
 import torch
@@ -41,7 +41,8 @@ from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
 from rewardplane.protocol.naming import select_head  # noqa: E402
 from rewardplane.sdk.push.pusher import WeightPusher  # noqa: E402
 from rewardplane.testing.gpus import visible_gpus  # noqa: E402
-from rewardplane.testing.servers import free_port, launch_server, wait_healthy  # noqa: E402
+from rewardplane.testing.pushers import loopback_pusher  # noqa: E402
+from rewardplane.testing.servers import ServerHandle, free_port, launch_server, wait_healthy  # noqa: E402
 from rewardplane.tinymodel import train_tokenizer  # noqa: E402
 from rewardplane.transport.comm import Communicator, create_store  # noqa: E402
 
@@ -159,6 +160,37 @@ def make_checkpoint(size: str, root: Path) -> Path:
     )
     cfg.save_pretrained(out)
     return out
+
+
+def launch_on_dummy_weights(
+    ckpt: Path,
+    work: Path,
+    gpus: int | str,
+    server_args: str,
+    *,
+    token: str = TOKEN,
+    env: Mapping[str, str] | None = None,
+    **opts: Any,
+) -> ServerHandle:
+    """A reward server on ``make_checkpoint``'s checkpoint that sees only ``gpus``, returned as it
+    starts (``wait_healthy`` waits for it): bf16 weights left random (``load_format=dummy``: the
+    pushes bring them), the flags in ``server_args`` (``--server-args``), FlashInfer's sampler off.
+    ``env``: more of its environment; ``opts``: more of ``launch_server``'s flags (the engine, its
+    memory)."""
+    return launch_server(
+        ckpt,
+        work,
+        token=token,
+        dtype="bfloat16",
+        load_format="dummy",
+        extra_args=shlex.split(server_args),
+        env_extra={
+            "CUDA_VISIBLE_DEVICES": visible_gpus(gpus),
+            "VLLM_USE_FLASHINFER_SAMPLER": "0",
+            **(env or {}),
+        },
+        **opts,
+    )
 
 
 def build_trainer_model(ckpt: Path, device: torch.device) -> torch.nn.Module:
@@ -359,22 +391,12 @@ def main() -> int:
     ckpt = make_checkpoint(args.size, work)
     bucket_bytes = args.bucket_mib << 20
 
-    opts: dict[str, object] = {"dtype": "bfloat16", "load_format": "dummy", "engine": args.engine}
+    opts: dict[str, Any] = {"engine": args.engine}
     if args.engine == "hf":
         opts["device"] = "cuda"
     else:
         opts.update(gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=1024)
-    servers = [
-        launch_server(
-            ckpt,
-            work,
-            token=TOKEN,
-            extra_args=shlex.split(args.server_args),
-            env_extra={"CUDA_VISIBLE_DEVICES": visible_gpus(i), "VLLM_USE_FLASHINFER_SAMPLER": "0"},
-            **opts,
-        )
-        for i in range(n)
-    ]
+    servers = [launch_on_dummy_weights(ckpt, work, i, args.server_args, **opts) for i in range(n)]
     results: dict[str, object] = {
         "size": args.size,
         "engine": args.engine,
@@ -406,11 +428,9 @@ def main() -> int:
             reps: int = args.reps,
             head_reps: int = args.head_reps,
         ) -> dict[str, object]:
-            sync = WeightPusher(
+            sync = loopback_pusher(
                 target,
-                group_port=free_port(),
-                token=TOKEN,
-                trainer_host="127.0.0.1",
+                TOKEN,
                 device=trainer,
                 bucket_bytes=bucket_bytes,
                 connect_timeout_s=60,  # also bounds every collective: a stuck push fails within it

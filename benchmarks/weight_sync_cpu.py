@@ -20,8 +20,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.results_out import report  # noqa: E402
 from rewardplane.protocol import RewardModelTrainingMode as Mode  # noqa: E402
 from rewardplane.protocol.naming import select_head  # noqa: E402
-from rewardplane.sdk.push.pusher import WeightPusher  # noqa: E402
-from rewardplane.testing.servers import free_port, start_server  # noqa: E402
+from rewardplane.testing.pushers import loopback_pusher  # noqa: E402
+from rewardplane.testing.servers import start_server  # noqa: E402
 from rewardplane.tinymodel import build_tiny_reward_model  # noqa: E402
 from tests.fixtures.trainer import perturbed  # noqa: E402
 
@@ -44,13 +44,7 @@ def main() -> int:
     }
     try:
         for data_plane in (False, True):
-            pusher = WeightPusher(
-                [server.url],
-                group_port=free_port(),
-                token=TOKEN,
-                trainer_host="127.0.0.1",
-                data_plane=data_plane,
-            )
+            pusher = loopback_pusher([server.url], TOKEN, data_plane=data_plane)
             try:
                 for name, sd, mode in (("full", params, Mode.FULL), ("head_only", head, Mode.HEAD_ONLY)):
                     version += 1

@@ -21,7 +21,6 @@ import httpx
 import pytest
 
 from rewardplane.testing.gpus import gpu_memory_used_mib
-from rewardplane.testing.servers import free_port
 from tests.gpu.vllm_support import (
     TEXTS,
     TOKEN,
@@ -30,15 +29,20 @@ from tests.gpu.vllm_support import (
     assert_close,
     assert_same_parameters,
     check_after_push,
+    direct_sync,
     fill_prefix_cache,
     load_trainer_model,
+    lora_config,
     perturb,
+    push_a_new_head,
+    push_a_training_step,
     record_result,
     reference_scores,
     served,
     server_checksums,
     start_vllm_server,
     stop,
+    train_lora,
     vllm_llama_checksums,
     wait_ready,
 )
@@ -52,19 +56,7 @@ RESULT = "colocated_push.json"
 
 
 def _pusher(url: str, device: Any, backend: str = "auto") -> Any:
-    from rewardplane.sdk.push.pusher import WeightPusher
-
-    return WeightPusher(
-        [url],
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
-        device=device,
-        backend=backend,  # type: ignore[arg-type]
-        bucket_bytes=1 << 20,
-        timeout_s=300,
-        connect_timeout_s=120,
-    )
+    return direct_sync([url], device, backend=backend)
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +120,10 @@ def test_nccl_on_one_gpu_is_refused_naming_the_same_gpu_transport(server: str) -
 
 
 def test_full_push_over_cuda_ipc_bit_for_bit(trainer: Trainer) -> None:
-
     from rewardplane.protocol import RewardModelTrainingMode as Mode
 
     before = fill_prefix_cache(trainer.url)
-    perturb(trainer.model, 0.1, seed=4)
-    assert trainer.sync.push(trainer.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+    assert push_a_training_step(trainer, 1, seed=4) == 1
     assert _transport(trainer) == "ipc"
     check_after_push(trainer, 1, before, "full over CUDA IPC")
     _exact(trainer, 1, "full over CUDA IPC")
@@ -146,47 +136,24 @@ def test_full_push_over_cuda_ipc_bit_for_bit(trainer: Trainer) -> None:
 
 
 def test_head_only_push_over_cuda_ipc_bit_for_bit(trainer: Trainer) -> None:
-    import torch
-
-    from rewardplane.protocol import RewardModelTrainingMode as Mode
-    from rewardplane.protocol.naming import select_head
-
     before = fill_prefix_cache(trainer.url)
-    with torch.no_grad():
-        head = trainer.model.score.weight
-        head.copy_(torch.randn_like(head) * head.shape[1] ** -0.5)
-    assert (
-        trainer.sync.push(select_head(trainer.model.state_dict()), version=3, training_mode=Mode.HEAD_ONLY)
-        == 3
-    )
+    assert push_a_new_head(trainer, 3) == 3
     check_after_push(trainer, 3, before, "head_only over CUDA IPC")
     _exact(trainer, 3, "head_only over CUDA IPC")
 
 
 def test_lora_merged_push_over_cuda_ipc_bit_for_bit(trainer: Trainer) -> None:
     """Merged weights are new tensors on every push: they go through the staging ring."""
-    import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
     from rewardplane.sdk.lora import merge_sync_reinit
 
-    config = LoraConfig(
-        r=8,
-        lora_alpha=16,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        modules_to_save=["score"],
-    )
+    config = lora_config()
     for version, seed in ((4, 3), (5, 5)):  # twice: the second merge's storages are new again
         peft_model = get_peft_model(trainer.model, config)
         before = fill_prefix_cache(trainer.url)
-        torch.manual_seed(seed)
-        with torch.no_grad():  # as if trained: non-zero B, and a changed head copy
-            for name, p in peft_model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(0.0, 0.05)
-                if "modules_to_save" in name:
-                    p.add_(torch.randn_like(p) * 0.2 * p.shape[-1] ** -0.5)
+        train_lora(peft_model, seed)
 
         def push(sd: Mapping[str, Any], version: int = version) -> None:
             trainer.sync.push(sd, version=version, training_mode=Mode.LORA)

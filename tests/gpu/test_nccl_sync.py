@@ -16,8 +16,8 @@ import torch
 
 from rewardplane.protocol import RewardModelTrainingMode as Mode
 from rewardplane.protocol.naming import select_head
-from rewardplane.sdk.push.pusher import WeightPusher
 from rewardplane.testing.gpus import visible_gpus
+from rewardplane.testing.pushers import loopback_pusher
 from rewardplane.testing.servers import free_port, start_server
 from tests.fixtures.models import TEXTS
 from tests.fixtures.trainer import load_model, perturbed, run_dying_trainer
@@ -75,15 +75,7 @@ def trainer_scores(model, model_dir):
 
 
 def push(h, params, version, mode, **kw):
-    sync = WeightPusher(
-        [h.url],
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
-        device=TRAINER,
-        connect_timeout_s=60,
-        **kw,
-    )
+    sync = loopback_pusher([h.url], TOKEN, device=TRAINER, connect_timeout_s=60, **kw)
     try:
         assert sync.open().comm.backend == "nccl"
         sync.push(params, version=version, training_mode=mode)

@@ -28,6 +28,7 @@ import httpx
 import pytest
 import torch
 
+from rewardplane.testing.pushers import loopback_pusher
 from rewardplane.testing.servers import ServerHandle, free_port
 from tests.gpu.vllm_support import (
     TOKEN,
@@ -36,6 +37,7 @@ from tests.gpu.vllm_support import (
     check_after_push,
     fill_prefix_cache,
     load_trainer_model,
+    lora_config,
     server_checksums,
     vllm_llama_checksums,
 )
@@ -46,7 +48,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800), pyt
 PLACEMENTS = [{"gpu": "0,1", "tensor_parallel_size": 2}]
 TRAINER_GPUS = (2, 3)  # trainer rank r on this process's device TRAINER_GPUS[r]
 ROOT = Path(__file__).resolve().parents[2]
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 # A weights spec: {"full": seed, "head": seed, "lora": seed}, applied in that order to the checkpoint
 # (each optional): every parameter scaled by 1 + 0.1·noise; a new head; merged LoRA adapters (and a
@@ -82,11 +83,10 @@ def build_model(model_dir: Path, weights: Weights) -> Any:
 
 def merged_lora(model: Any, seed: int) -> Any:
     """As test_vllm_tp's LoRA push: adapters on every projection, a trained head, merged."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     torch.manual_seed(seed)  # PEFT draws lora_A from the global generator (forked by the caller)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, modules_to_save=["score"])
-    peft_model = get_peft_model(model, config)
+    peft_model = get_peft_model(model, lora_config())
     g = torch.Generator().manual_seed(seed + 1)
     for name, p in peft_model.named_parameters():
         if "lora_B" in name:
@@ -129,7 +129,6 @@ def trainer_main(cfg: dict[str, Any]) -> None:
     ``die`` on the push where this rank exits (17) after its third bucket. Writes ``out.<rank>``."""
     import torch.distributed as dist
 
-    from rewardplane.sdk import WeightPusher
     from rewardplane.sdk.push.plan.layout import local_parts, plan_senders
 
     rank = int(cfg["rank"])
@@ -147,11 +146,10 @@ def trainer_main(cfg: dict[str, Any]) -> None:
     )
     # sent_by: per push, the bytes each rank sends (the layout every rank computes alike)
     result: dict[str, Any] = {"rank": rank, "pushed": [], "sent_by": [], "error": None}
-    pusher = WeightPusher(
+    pusher = loopback_pusher(
         [cfg["url"]],
+        TOKEN,
         group_port=int(cfg["group_port"]),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
         device=device,
         bucket_bytes=1 << 16,  # tens of buckets: a rank can die mid-push
         timeout_s=float(cfg["timeout_s"]),

@@ -30,9 +30,11 @@ from tests.gpu.vllm_support import (
     direct_sync,
     fill_prefix_cache,
     load_trainer_model,
+    lora_config,
     server_checksums,
     start_vllm_server,
     stop,
+    train_lora,
     vllm_llama_checksums,
     wait_ready,
 )
@@ -40,7 +42,6 @@ from tests.gpu.vllm_support import (
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.gpus(2)]
 
 MAX_RANK = 16
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def test_engine_args_enable_lora(tiny_seqcls_1label: Path) -> None:
@@ -103,26 +104,13 @@ def lora_server(
         stop(handle)
 
 
-def _train(peft_model: Any, seed: int) -> None:
-    """As if trained: non-zero B (so the adapter changes scores) and a changed head copy."""
-    import torch
-
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.05)
-            if "modules_to_save" in name:
-                p.add_(torch.randn_like(p) * 0.2 * p.shape[-1] ** -0.5)
-
-
 def _merged(peft_model: Any) -> Any:
     """The function the adapter computes, as a plain model: the reference scores."""
     return copy.deepcopy(peft_model).merge_and_unload()
 
 
 def test_adapter_push_scores_equal_trainer_base_untouched_and_replaced(lora_server: AdapterServer) -> None:
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     from rewardplane.protocol import WeightSyncMode
     from rewardplane.sdk import LoraSync
@@ -132,10 +120,8 @@ def test_adapter_push_scores_equal_trainer_base_untouched_and_replaced(lora_serv
     assert info["max_lora_rank"] == MAX_RANK, info
     base_version, base = server_checksums(t.url)
     assert base_version == 0
-    peft_model = get_peft_model(
-        t.model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, modules_to_save=["score"])
-    )
-    _train(peft_model, seed=3)
+    peft_model = get_peft_model(t.model, lora_config())
+    train_lora(peft_model, seed=3)
     handle = LoraSync(t.sync, mode="auto", fallback_to_full=False)  # a failure must fail the test
     assert handle.mode is WeightSyncMode.ADAPTER
 
@@ -157,7 +143,7 @@ def test_adapter_push_scores_equal_trainer_base_untouched_and_replaced(lora_serv
 
     # version 2: a new adapter id replaces the first; scores follow it, the prefix cache is not stale
     before = fill_prefix_cache(t.url)
-    _train(peft_model, seed=4)
+    train_lora(peft_model, seed=4)
     handle.sync(peft_model, version=2)
     check_after_push(
         Trainer(_merged(peft_model), t.tokenizer, t.sync, t.device, t.url), 2, before, "adapter v2"
@@ -173,7 +159,7 @@ def test_adapter_push_scores_equal_trainer_base_untouched_and_replaced(lora_serv
     # a merged full push (mode full) replaces the adapter: the base layers hold the merged weights
     # bit for bit, though vLLM wraps them for LoRA, and scores equal the merged model without the adapter
     before = fill_prefix_cache(t.url)
-    _train(peft_model, seed=5)
+    train_lora(peft_model, seed=5)
     merged = _merged(peft_model)
     LoraSync(t.sync, mode="full").sync(peft_model, version=3)
     check_after_push(Trainer(merged, t.tokenizer, t.sync, t.device, t.url), 3, before, "merged after adapter")

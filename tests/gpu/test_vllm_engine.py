@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rewardplane.testing.servers import ServerHandle, free_port
+from rewardplane.testing.servers import ServerHandle
 from tests.gpu.vllm_support import (
     TEXTS,
     TOKEN,
@@ -35,13 +35,17 @@ from tests.gpu.vllm_support import (
     direct_sync,
     fill_prefix_cache,
     load_trainer_model,
+    lora_config,
+    new_head,
     perturb,
     post,
+    push_a_training_step,
     reference_scores,
     served,
     server_checksums,
     start_vllm_server,
     stop,
+    train_lora,
     vllm_llama_checksums,
     wait_ready,
 )
@@ -225,9 +229,7 @@ def test_push_head_only_fp32_head(trainer: Trainer) -> None:
     from rewardplane.protocol.naming import select_head
 
     before = fill_prefix_cache(trainer.url)
-    with torch.no_grad():
-        head = trainer.model.score.weight
-        head.copy_(torch.randn_like(head) * head.shape[1] ** -0.5)
+    new_head(trainer.model)
     params = select_head(trainer.model.state_dict())
     assert params["score.weight"].dtype == torch.float32
     assert trainer.sync.push(params, version=1, training_mode=Mode.HEAD_ONLY) == 1
@@ -236,27 +238,14 @@ def test_push_head_only_fp32_head(trainer: Trainer) -> None:
 
 @pytest.mark.gpus(2)
 def test_push_lora_merged(trainer: Trainer) -> None:
-    import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
     from rewardplane.sdk.lora import merge_sync_reinit
 
     before = fill_prefix_cache(trainer.url)
-    config = LoraConfig(
-        r=8,
-        lora_alpha=16,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        modules_to_save=["score"],
-    )
-    peft_model = get_peft_model(trainer.model, config)
-    torch.manual_seed(3)
-    with torch.no_grad():  # as if trained: non-zero B, and a changed head copy
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.05)
-            if "modules_to_save" in name:
-                p.add_(torch.randn_like(p) * 0.2 * p.shape[-1] ** -0.5)
+    peft_model = get_peft_model(trainer.model, lora_config())
+    train_lora(peft_model, seed=3)
 
     def push(sd: Mapping[str, Any]) -> None:
         trainer.sync.push(sd, version=2, training_mode=Mode.LORA)
@@ -272,12 +261,8 @@ def test_push_lora_merged(trainer: Trainer) -> None:
 
 @pytest.mark.gpus(2)
 def test_push_full(trainer: Trainer) -> None:
-
-    from rewardplane.protocol import RewardModelTrainingMode as Mode
-
     before = fill_prefix_cache(trainer.url)
-    perturb(trainer.model, 0.1, seed=4)
-    assert trainer.sync.push(trainer.model.state_dict(), version=3, training_mode=Mode.FULL) == 3
+    assert push_a_training_step(trainer, 3, seed=4) == 3
     check_after_push(trainer, 3, before, "full")
     version, got = server_checksums(trainer.url)
     assert version == 3
@@ -441,20 +426,11 @@ def test_full_push_0_4b(seqcls_0_4b: Path, tmp_path: Path) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from rewardplane.protocol import RewardModelTrainingMode as Mode
-    from rewardplane.sdk.push.pusher import WeightPusher
+    from rewardplane.testing.pushers import loopback_pusher
 
     handle = wait_ready(start_vllm_server(seqcls_0_4b, tmp_path, gpu=0, gpu_memory_utilization=0.4))
     device = torch.device("cuda", 1)
-    sync = WeightPusher(
-        [handle.url],
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
-        device=device,
-        timeout_s=300,
-        connect_timeout_s=120,
-    )
+    sync = loopback_pusher([handle.url], TOKEN, device=device, timeout_s=300, connect_timeout_s=120)
     try:
         t = Trainer(
             load_trainer_model(seqcls_0_4b, device),
@@ -467,8 +443,7 @@ def test_full_push_0_4b(seqcls_0_4b: Path, tmp_path: Path) -> None:
             served(handle.url)[0], reference_scores(t.model, t.tokenizer, TEXTS, device), "0.4B at start"
         )
         before = fill_prefix_cache(handle.url)
-        perturb(t.model, 0.1, seed=5)
-        assert sync.push(t.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+        assert push_a_training_step(t, 1, seed=5) == 1
         check_after_push(t, 1, before, "0.4B full")
     finally:
         sync.close()

@@ -19,6 +19,7 @@ import pytest
 
 from rewardplane.testing.servers import ServerHandle
 from tests.gpu.vllm_support import (
+    TINY_LLAMA,
     assert_same_parameters,
     direct_sync,
     post,
@@ -52,16 +53,7 @@ def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random bf16 LlamaForCausalLM with a chat template (head dim 64, vocab 512: no padding)."""
     from rewardplane.tinymodel import build_tiny_causal_lm
 
-    return build_tiny_causal_lm(
-        tmp_path_factory.mktemp("tiny-lm"),
-        hidden_size=256,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_position_embeddings=1024,
-        dtype="bfloat16",
-        seed=0,
-    )
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("tiny-lm"), **TINY_LLAMA, seed=0)
 
 
 def test_engine_args_in_generate_mode(tiny_lm: Path) -> None:

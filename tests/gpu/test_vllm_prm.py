@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from rewardplane.testing.servers import ServerHandle, free_port
+from rewardplane.testing.servers import ServerHandle
 from tests.gpu.vllm_support import (
     MAX_ABS,
-    TOKEN,
+    TINY_LLAMA,
     assert_close,
     device_count,
     direct_sync,
@@ -58,18 +58,9 @@ SERVER_FLAGS = {"model_kind": "process", "step_tag": TAG, "step_aggregation": "m
 def prm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from rewardplane.tinymodel import build_tiny_process_reward_model
 
-    # head dims of 64 (FlashAttention needs multiples of 8); a vocabulary a little over the tokenizer's
+    # a vocabulary a little over the tokenizer's
     return build_tiny_process_reward_model(
-        tmp_path_factory.mktemp("vllm-prm"),
-        hidden_size=256,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=512,
-        vocab_size=1024,
-        max_position_embeddings=1024,
-        dtype="bfloat16",
-        seed=5,
+        tmp_path_factory.mktemp("vllm-prm"), **TINY_LLAMA, intermediate_size=512, vocab_size=1024, seed=5
     )
 
 
@@ -211,17 +202,7 @@ def _pusher(url: str, device: Any) -> Any:
 
     if "backend" not in inspect.signature(WeightPusher).parameters:
         return direct_sync([url], device)
-    return WeightPusher(
-        [url],
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
-        device=device,
-        backend="auto",  # type: ignore[call-arg]
-        bucket_bytes=1 << 20,
-        timeout_s=300,
-        connect_timeout_s=120,
-    )
+    return direct_sync([url], device, backend="auto")
 
 
 def test_full_push_into_prm_follows_the_trainer(

@@ -14,7 +14,8 @@ from tests.gpu.vllm_support import (
     Trainer,
     check_after_push,
     fill_prefix_cache,
-    perturb,
+    push_a_new_head,
+    push_a_training_step,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800), pytest.mark.gpus(3)]
@@ -26,13 +27,9 @@ TRAINER_GPU = 2
 
 
 def test_one_broadcast_updates_both_replicas(trainers: list[Trainer]) -> None:
-
-    from rewardplane.protocol import RewardModelTrainingMode as Mode
-
     t0 = trainers[0]
     before = [fill_prefix_cache(t.url) for t in trainers]
-    perturb(t0.model, 0.1, seed=11)
-    assert t0.sync.push(t0.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+    assert push_a_training_step(t0, 1, seed=11) == 1
     # both replicas' workers and the trainer are one group: the trainer sent each bucket once
     assert t0.sync.open().comm.world_size == 3
     for t, b in zip(trainers, before, strict=True):
@@ -40,17 +37,9 @@ def test_one_broadcast_updates_both_replicas(trainers: list[Trainer]) -> None:
 
 
 def test_head_only_push_reaches_both_replicas(trainers: list[Trainer]) -> None:
-    import torch
-
-    from rewardplane.protocol import RewardModelTrainingMode as Mode
-    from rewardplane.protocol.naming import select_head
-
     t0 = trainers[0]
     before = [fill_prefix_cache(t.url) for t in trainers]
-    with torch.no_grad():
-        head = t0.model.score.weight
-        head.copy_(torch.randn_like(head) * head.shape[1] ** -0.5)
-    assert t0.sync.push(select_head(t0.model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY) == 2
+    assert push_a_new_head(t0, 2) == 2
     for t, b in zip(trainers, before, strict=True):
         check_after_push(t, 2, b, f"head_only push, replica {t.url}")
     versions = [httpx.get(f"{t.url}/runtime_version", timeout=30).json()["version"] for t in trainers]

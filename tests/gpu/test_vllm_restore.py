@@ -14,13 +14,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rewardplane.testing.servers import free_port
+from rewardplane.testing.pushers import loopback_peer_restore
+from rewardplane.testing.servers import ServerHandle
 from tests.gpu.vllm_support import (
     TEXTS,
     TOKEN,
     assert_close,
     direct_sync,
     load_trainer_model,
+    new_head,
     perturb,
     reference_scores,
     served,
@@ -46,6 +48,15 @@ def _persisted_version(weights: Path, timeout_s: float = 120) -> int | None:
     return json.loads(path.read_text()).get("version") if path.exists() else None
 
 
+def _saving_server(model_dir: Path, log_dir: Path, weights: Path) -> ServerHandle:
+    """A vLLM server on GPU 0 that saves what it loads into ``weights`` (``--weights-dir``), ready."""
+    return wait_ready(
+        start_vllm_server(
+            model_dir, log_dir, gpu=0, gpu_memory_utilization=GPU_MEMORY_UTILIZATION, weights_dir=weights
+        )
+    )
+
+
 def test_pushed_weights_survive_a_restart(tiny_seqcls_1label: Path, tmp_path: Path) -> None:
     import torch
     from transformers import AutoTokenizer
@@ -57,24 +68,13 @@ def test_pushed_weights_survive_a_restart(tiny_seqcls_1label: Path, tmp_path: Pa
     device = torch.device("cuda", 1)
     model = load_trainer_model(tiny_seqcls_1label, device)
     tok = AutoTokenizer.from_pretrained(tiny_seqcls_1label)
-    server = wait_ready(
-        start_vllm_server(
-            tiny_seqcls_1label,
-            tmp_path,
-            gpu=0,
-            gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
-            weights_dir=weights,
-        )
-    )
+    server = _saving_server(tiny_seqcls_1label, tmp_path, weights)
     try:
         sync = direct_sync([server.url], device)
         try:
             perturb(model, 0.1, seed=7)
             sync.push(model.state_dict(), version=1, training_mode=Mode.FULL)
-            with torch.no_grad():
-                model.score.weight.copy_(
-                    torch.randn_like(model.score.weight) * model.score.weight.shape[1] ** -0.5
-                )
+            new_head(model)
             sync.push(select_head(model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY)
         finally:
             sync.close()
@@ -85,15 +85,7 @@ def test_pushed_weights_survive_a_restart(tiny_seqcls_1label: Path, tmp_path: Pa
     finally:
         stop(server)
 
-    restarted = wait_ready(
-        start_vllm_server(
-            tiny_seqcls_1label,
-            tmp_path,
-            gpu=0,
-            gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
-            weights_dir=weights,
-        )
-    )
+    restarted = _saving_server(tiny_seqcls_1label, tmp_path, weights)
     try:
         got, version = served(restarted.url)
         assert version == 0
@@ -122,7 +114,7 @@ def test_a_fresh_replica_gets_the_weights_from_a_vllm_peer(tiny_seqcls_1label: P
     import torch
     from transformers import AutoTokenizer
 
-    from rewardplane.operator.replicas import HttpReplicas, Receiver, ReplicaError, restore_from_peer
+    from rewardplane.operator.replicas import HttpReplicas, ReplicaError
     from rewardplane.protocol import RewardModelTrainingMode as Mode
     from rewardplane.protocol.naming import select_head
 
@@ -139,16 +131,8 @@ def test_a_fresh_replica_gets_the_weights_from_a_vllm_peer(tiny_seqcls_1label: P
         wait_ready(fresh)
 
         def restore(version: int, group: str) -> None:
-            restore_from_peer(
-                replicas,
-                TOKEN,
-                source_url=source.url,
-                source_host="127.0.0.1",
-                port=free_port(),
-                receivers=[Receiver("fresh", fresh.url, 1)],
-                version=version,
-                timeout_s=120,
-                group_id=group,
+            loopback_peer_restore(
+                replicas, TOKEN, source.url, fresh.url, version=version, timeout_s=120, group_id=group
             )
 
         sync = direct_sync([source.url], device)

@@ -21,8 +21,11 @@ from tests.gpu.vllm_support import (
     assert_same_parameters,
     check_after_push,
     fill_prefix_cache,
-    perturb,
+    lora_config,
+    push_a_new_head,
+    push_a_training_step,
     server_checksums,
+    train_lora,
     vllm_llama_checksums,
 )
 
@@ -55,55 +58,30 @@ def test_world_size_and_rank_offsets(trainers: list[Trainer]) -> None:
 
 
 def test_full_push_reaches_every_shard(trainers: list[Trainer]) -> None:
-
-    from rewardplane.protocol import RewardModelTrainingMode as Mode
-
     t0 = trainers[0]
     before = [fill_prefix_cache(t.url) for t in trainers]
-    perturb(t0.model, 0.1, seed=21)
-    assert t0.sync.push(t0.model.state_dict(), version=1, training_mode=Mode.FULL) == 1
+    assert push_a_training_step(t0, 1, seed=21) == 1
     assert t0.sync.open().comm.world_size == 4
     _check(trainers, 1, before, "full")
 
 
 def test_head_only_push(trainers: list[Trainer]) -> None:
-    import torch
-
-    from rewardplane.protocol import RewardModelTrainingMode as Mode
-    from rewardplane.protocol.naming import select_head
-
     t0 = trainers[0]
     before = [fill_prefix_cache(t.url) for t in trainers]
-    with torch.no_grad():
-        head = t0.model.score.weight
-        head.copy_(torch.randn_like(head) * head.shape[1] ** -0.5)
-    assert t0.sync.push(select_head(t0.model.state_dict()), version=2, training_mode=Mode.HEAD_ONLY) == 2
+    assert push_a_new_head(t0, 2) == 2
     _check(trainers, 2, before, "head_only")
 
 
 def test_lora_push(trainers: list[Trainer]) -> None:
-    import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     from rewardplane.protocol import RewardModelTrainingMode as Mode
     from rewardplane.sdk.lora import merge_sync_reinit
 
     t0 = trainers[0]
     before = [fill_prefix_cache(t.url) for t in trainers]
-    config = LoraConfig(
-        r=8,
-        lora_alpha=16,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        modules_to_save=["score"],
-    )
-    peft_model = get_peft_model(t0.model, config)
-    torch.manual_seed(23)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.05)
-            if "modules_to_save" in name:
-                p.add_(torch.randn_like(p) * 0.2 * p.shape[-1] ** -0.5)
+    peft_model = get_peft_model(t0.model, lora_config())
+    train_lora(peft_model, seed=23)
 
     def push(sd: Mapping[str, Any]) -> None:
         t0.sync.push(sd, version=3, training_mode=Mode.LORA)

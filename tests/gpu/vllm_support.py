@@ -17,11 +17,22 @@ from typing import Any
 import httpx
 
 from rewardplane.testing.gpus import visible_gpus
-from rewardplane.testing.servers import ServerHandle, free_port, launch_server, wait_healthy
+from rewardplane.testing.pushers import loopback_pusher
+from rewardplane.testing.servers import ServerHandle, launch_server, wait_healthy
 
 TOKEN = "gpu-test-token"
 MAX_ABS = 0.05  # bf16 noise on unit-scale scores (README: 0.020 measured on 0.39B)
 MIN_PEARSON = 0.999
+# The tiny bf16 Llama of the judge and PRM tests: head dims of 64 (FlashAttention needs multiples
+# of 8); the keywords of rewardplane.tinymodel's builders.
+TINY_LLAMA: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "max_position_embeddings": 1024,
+    "dtype": "bfloat16",
+}
 STARTUP_S = float(os.environ.get("RP_VLLM_STARTUP_S", "600"))
 
 # A long text, scored before each push so its prefix blocks sit in vLLM's prefix cache.
@@ -210,6 +221,57 @@ def perturb(model: Any, scale: float, seed: int | None = None) -> None:
             p.mul_(1.0 + scale * torch.randn_like(p))
 
 
+def push_a_training_step(t: Trainer, version: int, seed: int) -> int:
+    """``perturb`` (scale 0.1, ``seed``) on the trainer's model, then a full push of it: the version
+    pushed."""
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+
+    perturb(t.model, 0.1, seed=seed)
+    return t.sync.push(t.model.state_dict(), version=version, training_mode=Mode.FULL)
+
+
+def new_head(model: Any) -> None:
+    """A freshly drawn head in place: std ``1/sqrt(hidden)``, so scores of order 1 that change."""
+    import torch
+
+    with torch.no_grad():
+        head = model.score.weight
+        head.copy_(torch.randn_like(head) * head.shape[1] ** -0.5)
+
+
+def push_a_new_head(t: Trainer, version: int) -> int:
+    """``new_head`` on the trainer's model, then a head-only push of it: the version pushed."""
+    from rewardplane.protocol import RewardModelTrainingMode as Mode
+    from rewardplane.protocol.naming import select_head
+
+    new_head(t.model)
+    return t.sync.push(select_head(t.model.state_dict()), version=version, training_mode=Mode.HEAD_ONLY)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_config() -> Any:
+    """The GPU tests' adapters: rank 8 on every projection, and a trainable copy of the head."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, target_modules=list(LORA_TARGETS), modules_to_save=["score"])
+
+
+def train_lora(peft_model: Any, seed: int) -> None:
+    """As if trained, after ``torch.manual_seed(seed)``: non-zero B (so the adapter changes scores)
+    and a changed head copy."""
+    import torch
+
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+            if "modules_to_save" in name:
+                p.add_(torch.randn_like(p) * 0.2 * p.shape[-1] ** -0.5)
+
+
 def fill_prefix_cache(url: str) -> float:
     first = served(url, [REPEATED])[0][0][0]
     again = served(url, [REPEATED])[0][0][0]  # served from cached prefix blocks
@@ -377,19 +439,11 @@ def running_replicas(
             stop(h)
 
 
-def direct_sync(urls: list[str], device: Any) -> Any:
-    """The trainer's ``WeightPusher`` to ``urls`` as every GPU test configures it."""
-    from rewardplane.sdk.push.pusher import WeightPusher
-
-    return WeightPusher(
-        urls,
-        group_port=free_port(),
-        token=TOKEN,
-        trainer_host="127.0.0.1",
-        device=device,
-        bucket_bytes=1 << 20,
-        timeout_s=300,
-        connect_timeout_s=120,
+def direct_sync(urls: list[str], device: Any, **options: Any) -> Any:
+    """The trainer's ``WeightPusher`` to ``urls`` as every GPU test configures it; ``options``: the
+    pusher's further keywords (``backend``)."""
+    return loopback_pusher(
+        urls, TOKEN, device=device, bucket_bytes=1 << 20, timeout_s=300, connect_timeout_s=120, **options
     )
 
 

@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from rewardplane.operator.replicas import HttpReplicas, Receiver, ReplicaError, restore_from_peer
+from rewardplane.operator.replicas import HttpReplicas, ReplicaError
 from rewardplane.protocol import RewardModelTrainingMode as Mode
-from rewardplane.testing.servers import free_port
+from rewardplane.testing.pushers import loopback_peer_restore
 from tests.fixtures.models import TEXTS
 from tests.fixtures.trainer import logits, perturbed
 from tests.integration.test_weight_sync import TOKEN, close, served, sync_for
@@ -40,16 +40,8 @@ def test_fresh_replica_gets_the_current_weights_from_a_peer(server_factory, tiny
     replicas = HttpReplicas()
 
     def restore(version: int, timeout_s: float, group_id: str) -> None:
-        restore_from_peer(
-            replicas,
-            TOKEN,
-            source_url=source.url,
-            source_host="127.0.0.1",
-            port=free_port(),
-            receivers=[Receiver("fresh", fresh.url, 1)],
-            version=version,
-            timeout_s=timeout_s,
-            group_id=group_id,
+        loopback_peer_restore(
+            replicas, TOKEN, source.url, fresh.url, version=version, timeout_s=timeout_s, group_id=group_id
         )
 
     try:

@@ -193,18 +193,24 @@ def test_the_digest_changes_with_any_part() -> None:
     assert parts_digest(a) != parts_digest([LocalPart("w", "float32", (4, 4), 0, 0, 3)])
 
 
+def _rows_from_two_senders(shape: tuple[int, int], first_rows: int) -> ParamMeta:
+    """``w`` of ``shape`` split along its rows: sender 0 sends the first ``first_rows``, sender 1 the
+    rest."""
+    return ParamMeta(
+        name="w",
+        dtype="float32",
+        shape=shape,
+        split_dim=0,
+        pieces=(Piece(sender=0, start=0, stop=first_rows), Piece(sender=1, start=first_rows, stop=shape[0])),
+    )
+
+
 def test_pieces_travel_in_the_metadata_and_the_layout_id_only_when_present() -> None:
     whole = ParamMeta(name="w", dtype="float32", shape=(4, 3))
     assert whole.model_dump(mode="json") == {"name": "w", "dtype": "float32", "shape": [4, 3]}
     # a one-sender layout keeps its id (servers of every version name it alike)
     assert layout_id([whole], 1024) == "707ba81473244abb"
-    split = ParamMeta(
-        name="w",
-        dtype="float32",
-        shape=(4, 3),
-        split_dim=0,
-        pieces=(Piece(sender=0, start=0, stop=1), Piece(sender=1, start=1, stop=4)),
-    )
+    split = _rows_from_two_senders((4, 3), 1)
     assert ParamMeta.model_validate(split.model_dump(mode="json")) == split
     assert layout_id([split], 1024) != layout_id([whole], 1024)
     assert layout_id([whole.model_copy(update={"sender": 1})], 1024) != layout_id([whole], 1024)
@@ -316,13 +322,7 @@ def test_a_sliced_push_gives_each_receiver_only_what_it_keeps(bucket_bytes: int)
 
 
 def test_the_schedule_pairs_pieces_with_what_each_receiver_keeps() -> None:
-    meta = ParamMeta(
-        name="w",
-        dtype="float32",
-        shape=(4, 6),
-        split_dim=0,
-        pieces=(Piece(sender=0, start=0, stop=2), Piece(sender=1, start=2, stop=4)),
-    )
+    meta = _rows_from_two_senders((4, 6), 2)
     plan = plan_buckets([meta], 1 << 20)
     rows = slice_schedule([meta], plan, {0: [Region(0, 0, 2)], 1: [Region(0, 2, 4)]})
     assert [(t.sender, t.receiver, t.box) for t in rows[0]] == [

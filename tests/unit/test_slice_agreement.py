@@ -5,6 +5,8 @@ engine's worker and real gloo groups on threads."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -46,48 +48,44 @@ def _always_slice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("REWARDPLANE_PUSH_SLICING", "always")
 
 
-def test_a_worker_takes_its_places_into_the_next_group_and_the_push_there_is_sliced() -> None:
+def _worker_after_a_first_push() -> Any:
+    """A worker that took one push in a group now closed: nothing was published before it, so the
+    trainer and the worker agreed on a broadcast."""
     first = Joined()
-    out, sliced = _push(first, _weights(1))  # nothing published yet: both agree on a broadcast
+    out, sliced = _push(first, _weights(1))
     assert (out["sliced"], sliced) == (False, False)
     worker = first.worker
     first.close()
-    second = Joined(worker)  # a new group and store, as the operator forms for every push
+    return worker
+
+
+def _push_in_a_new_group(worker: Any, version: int) -> tuple[bool, bool]:
+    """``_weights(version)`` pushed to ``worker`` in a new group and store, as the operator forms for
+    every push; checks that the worker holds them after. Whether (the worker, the trainer) sliced."""
+    second = Joined(worker)
     try:
-        out, sliced = _push(second, _weights(2))
-        assert (out["sliced"], sliced) == (True, True)
-        assert all(torch.equal(_params(worker)[k], _weights(2)[k]) for k in ("weight", "bias"))
+        out, sliced = _push(second, _weights(version))
+        assert all(torch.equal(_params(worker)[k], _weights(version)[k]) for k in ("weight", "bias"))
+        return out["sliced"], sliced
     finally:
         second.close()
+
+
+def test_a_worker_takes_its_places_into_the_next_group_and_the_push_there_is_sliced() -> None:
+    worker = _worker_after_a_first_push()
+    assert _push_in_a_new_group(worker, 2) == (True, True)
 
 
 def test_a_worker_without_room_to_stage_its_share_makes_the_push_a_broadcast(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    first = Joined()
-    _push(first, _weights(1))
-    worker = first.worker
-    first.close()
+    worker = _worker_after_a_first_push()
     monkeypatch.setenv("REWARDPLANE_STAGING_MAX_BYTES", "10")  # less than one bucket's 60 bytes
-    second = Joined(worker)
-    try:
-        out, sliced = _push(second, _weights(2))  # the trainer wanted it sliced; the worker did not
-        assert (out["sliced"], sliced) == (False, False)
-        assert all(torch.equal(_params(worker)[k], _weights(2)[k]) for k in ("weight", "bias"))
-    finally:
-        second.close()
+    # the trainer wanted it sliced; the worker did not
+    assert _push_in_a_new_group(worker, 2) == (False, False)
 
 
 def test_reloaded_weights_leave_nothing_to_publish_in_the_next_group() -> None:
-    first = Joined()
-    _push(first, _weights(1))
-    worker = first.worker
-    first.close()
+    worker = _worker_after_a_first_push()
     worker.rp_parts.slices.forget_places()  # what reloading the weights (a level-2 wake) does
-    second = Joined(worker)
-    try:
-        out, sliced = _push(second, _weights(3))
-        assert (out["sliced"], sliced) == (False, False)
-        assert all(torch.equal(_params(worker)[k], _weights(3)[k]) for k in ("weight", "bias"))
-    finally:
-        second.close()
+    assert _push_in_a_new_group(worker, 3) == (False, False)
