@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from rewardplane.protocol import AdapterConfig, ParamMeta
+from rewardplane.protocol import ParamMeta
 from rewardplane.protocol.slices import Region
 from rewardplane.server.engines.lora_hooks import LoraHooks
 from rewardplane.server.weight_sync.worker.group import GroupJoin
 from rewardplane.server.weight_sync.worker.parts import WorkerParts
 from rewardplane.server.weight_sync.worker.persistence import load_checkpoint
-from rewardplane.server.weight_sync.worker.state import WorkerHost
+from rewardplane.server.weight_sync.worker.state import PushedAdapter, WorkerHost
 from rewardplane.server.weight_sync.worker.vllm_host import VLLMHost
 from rewardplane.transport.checksums import digests
 
@@ -237,16 +237,10 @@ class HFHost:
     def forget_places(self) -> None:
         """Nothing learned: the parameters are the model's own tensors."""
 
-    def set_adapter(
-        self,
-        tensors: dict[str, torch.Tensor],
-        adapter: AdapterConfig,
-        adapter_id: int,
-        times: dict[str, float],
-    ) -> str | None:
+    def set_adapter(self, adapter: PushedAdapter) -> str | None:
         with torch.no_grad():
-            self._lora.set({n: t.to(self._device) for n, t in tensors.items()}, adapter)
-        times["adapter_added"] = time.monotonic()
+            self._lora.set({n: t.to(self._device) for n, t in adapter.tensors.items()}, adapter.config)
+        adapter.times["adapter_added"] = time.monotonic()
         return None
 
     def clear_adapter(self) -> None:
