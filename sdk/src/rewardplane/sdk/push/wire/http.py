@@ -1,4 +1,4 @@
-"""Trainer side of a weight push: a ``ControlPlane`` (HTTP) announces, a
+"""Trainer side of a weight push: an ``HTTPControlPlane`` announces, a
 ``TensorCommunicator`` (torch.distributed) moves the bytes, ``RewardModelPublisher`` ties them.
 
 A push: normalise names and validate for the training mode → announce to every server (each
@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import torch
@@ -51,31 +51,6 @@ log = logging.getLogger(__name__)
 # How long the early long-poll for a pushed version waits on the server (finalize_update polls on
 # after it, up to the control plane's timeout): long enough for a large push on a fast link.
 EARLY_WAIT_S = 10.0
-
-
-# --------------------------------------------------------------------------------------------
-# Interfaces
-# --------------------------------------------------------------------------------------------
-
-
-class ControlPlane(Protocol):
-    def manifest(self) -> dict[str, ParamMeta] | None: ...
-
-    def announce_update_batch(
-        self,
-        metadata: list[ParamMeta],
-        *,
-        version: int,
-        training_mode: RewardModelTrainingMode,
-        bucket_bytes: int,
-        atomic: bool,
-        adapter: AdapterConfig | None = None,
-        base_version: int | None = None,
-    ) -> None: ...
-
-    def delta_bases(self) -> list[int | None]: ...
-
-    def finalize_update(self, version: int) -> None: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -373,7 +348,7 @@ class RewardModelPublisher:
 
     def __init__(
         self,
-        control: ControlPlane,
+        control: HTTPControlPlane,
         comm: TensorCommunicator,
         src_rank: int,
         options: PushOptions | None = None,
