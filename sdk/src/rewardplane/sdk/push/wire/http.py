@@ -13,7 +13,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -480,15 +480,7 @@ class RewardModelPublisher:
             self._phase("send")
             return True
 
-        total = send_buckets(
-            self.comm,
-            metadata,
-            tensors,
-            self.options.bucket_bytes,
-            self.src_rank,
-            plan=plan,
-            before_first=announce,
-        )
+        total = self._broadcast(metadata, tensors, plan, before_first=announce)
         synchronized = time.perf_counter()
         if self.comm.max_flag(0) != 0:
             raise WeightSyncError(
@@ -512,6 +504,26 @@ class RewardModelPublisher:
             "flagged_at_s": sent - start,
         }
         return version
+
+    def _broadcast(
+        self,
+        metadata: list[ParamMeta],
+        tensors: dict[str, torch.Tensor],
+        plan: list[Bucket],
+        *,
+        before_first: Callable[[], bool],
+    ) -> int:
+        """``plan``'s buckets broadcast from this rank, whole (not sliced); ``before_first`` runs
+        before any byte is sent (False: nothing is sent). Returns the bytes sent."""
+        return send_buckets(
+            self.comm,
+            metadata,
+            tensors,
+            self.options.bucket_bytes,
+            self.src_rank,
+            plan=plan,
+            before_first=before_first,
+        )
 
     def _check_delta_bases(self, base_version: int) -> None:
         """Before a delta push is announced over HTTP: every server says it holds ``base_version``
@@ -571,15 +583,7 @@ class RewardModelPublisher:
             return True
 
         if schedule is None:
-            total = send_buckets(
-                self.comm,
-                metadata,
-                tensors,
-                self.options.bucket_bytes,
-                self.src_rank,
-                plan=plan,
-                before_first=agreed,
-            )
+            total = self._broadcast(metadata, tensors, plan, before_first=agreed)
         else:
             assert isinstance(self.comm, Communicator)  # a data plane has one group
             total = send_slices(self.comm, metadata, tensors, schedule) if agreed() else 0
