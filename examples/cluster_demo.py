@@ -10,24 +10,11 @@ import argparse
 import time
 
 import torch
+from _demo import TEXTS, one_label
 from transformers import AutoModelForSequenceClassification
 
-from rewardplane.protocol import Score
 from rewardplane.sdk import RewardModelTrainingMode, select_head
 from rewardplane.sdk.cluster import RewardModelHandle
-
-TEXTS = ["The answer is clear, correct and kind.", "no idea lol", "Here is a careful step-by-step proof."]
-
-
-def one_label(scores: list[Score]) -> list[float]:
-    """The scores of a one-label model (the tiny one): a float per text, where several labels
-    would give a list per text."""
-    out = []
-    for s in scores:
-        if isinstance(s, list):
-            raise TypeError(f"expected one score per text, got {len(s)} labels")
-        out.append(s)
-    return out
 
 
 def wait_ready_saying_why(rm: RewardModelHandle, timeout_s: float) -> None:

@@ -31,14 +31,12 @@ import sys
 
 import torch
 import torch.distributed as dist
+from _demo import TEXTS, one_label
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from rewardplane.protocol import Score
 from rewardplane.sdk import RewardClient, RewardModelHandle, RewardModelTrainingMode, WeightPusher
-
-TEXTS = ["The answer is clear, correct and kind.", "no idea lol", "Here is a careful step-by-step proof."]
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,13 +51,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interface", help="the network interface NCCL and gloo use on every rank")
     p.add_argument("--timeout-s", type=float, default=300.0, help="bound on the push")
     return p.parse_args(argv)
-
-
-def one_label(scores: list[Score]) -> list[float]:
-    """One float per text (a model of one label)."""
-    if any(isinstance(s, list) for s in scores):
-        raise TypeError("this example expects a reward model of one label")
-    return [float(s) for s in scores]  # type: ignore[arg-type]
 
 
 @torch.no_grad()

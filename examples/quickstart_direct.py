@@ -16,30 +16,17 @@ import time
 from pathlib import Path
 
 import torch
+from _demo import TEXTS, one_label
 from transformers import AutoModelForSequenceClassification
 
-from rewardplane.protocol import Score
 from rewardplane.sdk import RewardClient, RewardModelTrainingMode, WeightPusher, select_head
 from rewardplane.tinymodel import build_tiny_reward_model
-
-TEXTS = ["The answer is clear, correct and kind.", "no idea lol", "Here is a careful step-by-step proof."]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def one_label(scores: list[Score]) -> list[float]:
-    """The scores of a one-label model (the tiny one): a float per text, where several labels
-    would give a list per text."""
-    out = []
-    for s in scores:
-        if isinstance(s, list):
-            raise TypeError(f"expected one score per text, got {len(s)} labels")
-        out.append(s)
-    return out
 
 
 def main() -> int:

@@ -126,11 +126,13 @@ def test_the_copy_plan_learns_every_name_of_vllms_sequence_classification_models
 
 WORKER_PUSHES = """
 import sys, threading, tempfile, contextlib
+from dataclasses import asdict
 from pathlib import Path
 import torch
 from benchmarks.copy_plan import build_models, checkpoint, push, trainer_shapes
 from rewardplane.server.weight_sync.expert_names import expert_splitter
 from rewardplane.protocol import ParamMeta
+from rewardplane.server.weight_sync.worker.group import GroupJoin
 from rewardplane.server.weight_sync.worker_extension import RewardWeightSyncExtension
 from rewardplane.transport.comm import Communicator, create_store
 from rewardplane.transport.group import open_group
@@ -173,7 +175,7 @@ for version in range(3):
     thread = threading.Thread(target=send)
     thread.start()
     if version == 0:
-        worker.rp_init_communicator("127.0.0.1", port, 2, 0, "gloo", 60, "g")
+        worker.rp_init_communicator(asdict(GroupJoin("127.0.0.1", port, 2, 0, "gloo", 60, "g")))
     result = worker.rp_receive([m.model_dump() for m in metas], bucket, True, "layout")
     thread.join()
     assert result["ok"], result

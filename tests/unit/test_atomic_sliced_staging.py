@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from rewardplane.protocol import ParamMeta, plan_buckets
 from rewardplane.protocol.slices import needs_from_json, needs_key, slice_schedule
+from rewardplane.server.weight_sync.worker.group import GroupJoin
 from rewardplane.server.weight_sync.worker_extension import HFWeightSyncWorker, RewardWeightSyncExtension
 from rewardplane.testing.servers import free_port
 from rewardplane.transport.comm import Communicator, create_store
@@ -49,7 +51,7 @@ class Joined:
 
         t = threading.Thread(target=trainer_joins)
         t.start()
-        self.worker.rp_init_communicator("127.0.0.1", port, 2, 0, "gloo", 30, "g")
+        self.worker.rp_init_communicator(asdict(GroupJoin("127.0.0.1", port, 2, 0, "gloo", 30, "g")))
         t.join(30)
         self.trainer = made[0]
 

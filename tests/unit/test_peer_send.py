@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from rewardplane.protocol import ParamMeta
+from rewardplane.protocol import ParamMeta, SendWeightsRequest
 from rewardplane.testing.servers import free_port
 from rewardplane.transport.buckets import meta_of
 from rewardplane.transport.comm import create_store
@@ -70,6 +70,14 @@ def receive(port: int, metas: list[ParamMeta], group_id: str) -> dict[str, torch
     return got
 
 
+def send_to(port: int, timeout_s: float, group_id: str) -> dict[str, object]:
+    """The worker call's request: a two-rank group on ``port``, one receiver."""
+    req = SendWeightsRequest(
+        port=port, world_size=2, version=1, bucket_bytes=BUCKET, timeout_s=timeout_s, group_id=group_id
+    )
+    return req.model_dump(mode="json")
+
+
 def outcome_of(worker: CpuWorker, timeout_s: float = 30) -> tuple[bool, str]:
     deadline = time.monotonic() + timeout_s
     while (outcome := worker.rp_peer_send_outcome()) is None:
@@ -87,7 +95,7 @@ def test_a_vllm_shaped_worker_sends_what_the_last_push_loaded() -> None:
     assert worker.rp_peer_send_problem([m.name for m in metas]) is None
 
     port = free_port()
-    worker.rp_peer_send_start([m.model_dump(mode="json") for m in metas], port, 2, BUCKET, 30.0, "peer-unit")
+    worker.rp_peer_send_start([m.model_dump(mode="json") for m in metas], send_to(port, 30.0, "peer-unit"))
     got = receive(port, metas, "peer-unit")
     ok, detail = outcome_of(worker)
     assert ok, detail
@@ -109,8 +117,6 @@ def test_a_peer_that_never_joins_ends_the_send_as_failed_not_hung() -> None:
     worker = CpuWorker(FusedModel())
     worker.rp_load(list(pushed(0).items()))
     metas = [meta_of(n, t) for n, t in pushed(0).items()]
-    worker.rp_peer_send_start(
-        [m.model_dump(mode="json") for m in metas], free_port(), 2, BUCKET, 1.0, "nobody"
-    )
+    worker.rp_peer_send_start([m.model_dump(mode="json") for m in metas], send_to(free_port(), 1.0, "nobody"))
     ok, detail = outcome_of(worker, timeout_s=60)
     assert not ok and detail

@@ -519,6 +519,11 @@ class SendWeightsRequest(BaseModel):
     timeout_s: float = Field(default=300.0, gt=0)
     group_id: str | None = None
 
+    @property
+    def group(self) -> str:
+        """The group's id: ``group_id``, else one named after the version sent."""
+        return self.group_id or f"peer-v{self.version}"
+
 
 # ---- pushes started from the data plane (docs/weight-sync.md) ------------------------------------
 # After a layout was announced over HTTP once, a trainer starts a push by writing a header into its

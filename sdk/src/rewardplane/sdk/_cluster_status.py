@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from rewardplane.api.status import WEIGHTS_LOST, EndpointStatus, RewardModelStatus
@@ -40,16 +40,8 @@ class ReplicaEndpoint:
 
 
 def replica_of(e: EndpointStatus) -> ReplicaEndpoint:
-    return ReplicaEndpoint(
-        replica=e.replica,
-        pod=e.pod,
-        url=e.url,
-        weights_version=e.weights_version,
-        state=e.state,
-        ready=e.ready,
-        rank_offset=e.rank_offset,
-        world_size=e.world_size,
-    )
+    """The handle's view of ``e``: every field of ``ReplicaEndpoint``, read from the status under its name."""
+    return ReplicaEndpoint(**{f.name: getattr(e, f.name) for f in fields(ReplicaEndpoint)})
 
 
 def ready_replicas(endpoints: Sequence[ReplicaEndpoint]) -> list[ReplicaEndpoint]:

@@ -43,26 +43,38 @@ def _common(p: argparse.ArgumentParser, name_nargs: str | None = "?") -> None:
     )
 
 
+# Each subcommand: its one-line help, and the description its own --help shows.
+_COMMANDS = {
+    "status": (
+        "show a RewardModel's status, endpoints and last push",
+        "Show a RewardModel's phase, conditions, endpoints (with each replica's weights version) and "
+        "its last push.",
+    ),
+    "score": (
+        "score texts with a RewardModel's ready replicas",
+        "Score one or more texts with a RewardModel's ready replicas; prints one line per text "
+        "(score, tab, text) and the weights version that scored them.",
+    ),
+    "push": (
+        "push a saved checkpoint into a RewardModel's servers",
+        "Push the weights of a saved checkpoint into every replica of a RewardModel, in memory, as "
+        "one new weights version; returns once every replica serves it.",
+    ),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rewardplane", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = p.add_subparsers(dest="command", required=True)
-    status = sub.add_parser(
-        "status",
-        help="show a RewardModel's status, endpoints and last push",
-        description="Show a RewardModel's phase, conditions, endpoints (with each replica's weights "
-        "version) and its last push.",
-    )
-    _common(status)
+    commands = {}
+    for name, (summary, description) in _COMMANDS.items():
+        commands[name] = sub.add_parser(name, help=summary, description=description)
+        _common(commands[name])  # the target: NAME, or --url
+    status = commands["status"]
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
-    score = sub.add_parser(
-        "score",
-        help="score texts with a RewardModel's ready replicas",
-        description="Score one or more texts with a RewardModel's ready replicas; prints one line per "
-        "text (score, tab, text) and the weights version that scored them.",
-    )
-    _common(score)
+    score = commands["score"]
     score.add_argument("texts", nargs="*", metavar="TEXT")
     how = score.add_mutually_exclusive_group()
     how.add_argument(
@@ -71,13 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="raw head outputs (the default with --url and where the model's spec says so)",
     )
     how.add_argument("--normalize", action="store_true", help="sigmoid/softmax of the head outputs")
-    push = sub.add_parser(
-        "push",
-        help="push a saved checkpoint into a RewardModel's servers",
-        description="Push the weights of a saved checkpoint into every replica of a RewardModel, in "
-        "memory, as one new weights version; returns once every replica serves it.",
-    )
-    _common(push)
+    push = commands["push"]
     push.add_argument(
         "--from",
         dest="checkpoint",

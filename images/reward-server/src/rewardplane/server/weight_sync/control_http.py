@@ -37,6 +37,7 @@ from rewardplane.server.weight_sync.control_state import (
     merge,
     slowest,
 )
+from rewardplane.server.weight_sync.worker.group import GroupJoin
 from rewardplane.server.weight_sync.worker_calls import WorkerReceived
 from rewardplane.transport.comm import first_line
 
@@ -112,8 +113,7 @@ class GroupMembership:
     async def _form_group(self, req: InitCommunicatorRequest, pending: PendingJoin) -> None:
         """The workers' rendezvous, polled until every worker is in the group, one fails, the
         deadline passes or the join is cancelled; in the last three cases the attempt is abandoned."""
-        await self.state.calls.join_start(
-            pending.attempt,
+        join = GroupJoin(
             req.host,
             req.port,
             req.world_size,
@@ -123,6 +123,7 @@ class GroupMembership:
             pending.group_id,
             req.senders,
         )
+        await self.state.calls.join_start(pending.attempt, join)
         try:
             while True:
                 polls = await self.state.calls.join_poll(pending.attempt)

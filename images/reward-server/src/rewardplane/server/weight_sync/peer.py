@@ -60,20 +60,12 @@ async def send_weights(service: ControlPlaneState, req: SendWeightsRequest) -> N
     if service.busy():  # a push may have arrived while the workers were asked
         raise Conflict("a weight update is in progress; send after it finishes")
     metadata = [m.model_dump(mode="json") for m in service.manifest.values()]
-    group_id = req.group_id or f"peer-v{req.version}"
     limit_s = 3 * req.timeout_s + 30  # the rendezvous and every collective are bounded by timeout_s
     started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     async def send() -> None:
         try:
-            await service.calls.peer_send_start(
-                metadata,
-                req.port,
-                req.world_size,
-                req.bucket_bytes,
-                req.timeout_s,
-                group_id,
-            )
+            await service.calls.peer_send_start(metadata, req)
         except BaseException as e:  # cancelled too (a server stopping): the request must not wait forever
             started.set_exception(e if isinstance(e, Exception) else Conflict("the server is stopping"))
             if not isinstance(e, Exception):

@@ -5,11 +5,12 @@ names the extension's methods; the engine's ``WeightSyncPort.call_workers`` carr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rewardplane.protocol import PushLoaded, settings
+from rewardplane.protocol import PushLoaded, SendWeightsRequest, settings
 from rewardplane.server.engines.engine import WeightSyncPort
+from rewardplane.server.weight_sync.worker.group import GroupJoin
 
 _JOIN = "rp_init_communicator"
 _LONG = frozenset({"rp_receive", "rp_apply_staged", "rp_apply_adapter"})
@@ -18,8 +19,8 @@ _LONG = frozenset({"rp_receive", "rp_apply_staged", "rp_apply_adapter"})
 def rpc_timeout(method: str, args: tuple[Any, ...], short_s: float) -> float:
     """How long the vLLM engine waits for ``method`` on every worker (seconds): a backstop, since
     the worker's communicator bounds each collective itself; ``short_s`` for the quick calls."""
-    if method == _JOIN and len(args) > 5:
-        return float(args[5]) + 60.0  # the worker's own rendezvous timeout, plus slack
+    if method == _JOIN and args:
+        return float(args[0]["timeout_s"]) + 60.0  # the worker's own rendezvous timeout, plus slack
     if method in _LONG:
         return settings.VLLM_RPC_TIMEOUT_S.get()
     return short_s
@@ -74,30 +75,8 @@ class WorkerCalls:
         self.port = port
 
     # ---- the group ---------------------------------------------------------------------------
-    async def join_start(
-        self,
-        attempt: str,
-        host: str,
-        port: int,
-        world_size: int,
-        rank_offset: int,
-        backend: str,
-        timeout_s: float,
-        group_id: str,
-        senders: int,
-    ) -> None:
-        await self.port.call_workers(
-            "rp_join_start",
-            attempt,
-            host,
-            port,
-            world_size,
-            rank_offset,
-            backend,
-            timeout_s,
-            group_id,
-            senders,
-        )
+    async def join_start(self, attempt: str, join: GroupJoin) -> None:
+        await self.port.call_workers("rp_join_start", attempt, asdict(join))
 
     async def join_poll(self, attempt: str) -> list[JoinPoll]:
         return [JoinPoll(**p) for p in await self.port.call_workers("rp_join_poll", attempt)]
@@ -182,18 +161,8 @@ class WorkerCalls:
     async def peer_send_problems(self, names: list[str]) -> list[str | None]:
         return list(await self.port.call_workers("rp_peer_send_problem", names))
 
-    async def peer_send_start(
-        self,
-        metadata: list[dict[str, Any]],
-        port: int,
-        world_size: int,
-        bucket_bytes: int,
-        timeout_s: float,
-        group_id: str,
-    ) -> None:
-        await self.port.call_workers(
-            "rp_peer_send_start", metadata, port, world_size, bucket_bytes, timeout_s, group_id
-        )
+    async def peer_send_start(self, metadata: list[dict[str, Any]], send: SendWeightsRequest) -> None:
+        await self.port.call_workers("rp_peer_send_start", metadata, send.model_dump(mode="json"))
 
     async def peer_send_outcomes(self) -> list[tuple[bool, str] | None]:
         return [

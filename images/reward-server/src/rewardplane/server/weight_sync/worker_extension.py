@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from rewardplane.protocol import AdapterConfig, ParamMeta
+from rewardplane.protocol import ParamMeta, SendWeightsRequest
 from rewardplane.protocol.slices import Region
 from rewardplane.server.engines.lora_hooks import LoraHooks
 from rewardplane.server.weight_sync.worker.group import GroupJoin
 from rewardplane.server.weight_sync.worker.parts import WorkerParts
 from rewardplane.server.weight_sync.worker.persistence import load_checkpoint
-from rewardplane.server.weight_sync.worker.state import WorkerHost
+from rewardplane.server.weight_sync.worker.state import PushedAdapter, WorkerHost
 from rewardplane.server.weight_sync.worker.vllm_host import VLLMHost
 from rewardplane.transport.checksums import digests
 
@@ -60,20 +60,9 @@ class RewardWeightSyncExtension:
         return parts
 
     # ---- the group ---------------------------------------------------------------------------
-    def rp_join_start(
-        self,
-        attempt_id: str,
-        host: str,
-        port: int,
-        world_size: int,
-        rank_offset: int,
-        backend: str,
-        timeout_s: float,
-        group_id: str,
-        senders: int = 1,
-    ) -> None:
-        join = GroupJoin(host, port, world_size, rank_offset, backend, timeout_s, group_id, senders)
-        self.rp_parts.joins.start(attempt_id, join)
+    def rp_join_start(self, attempt_id: str, join: dict[str, Any]) -> None:
+        """Start joining the group ``join`` names (a ``GroupJoin``'s fields), on a thread of its own."""
+        self.rp_parts.joins.start(attempt_id, GroupJoin(**join))
 
     def rp_join_poll(self, attempt_id: str) -> dict[str, Any]:
         return self.rp_parts.joins.poll(attempt_id)
@@ -81,20 +70,9 @@ class RewardWeightSyncExtension:
     def rp_join_abandon(self, attempt_id: str) -> bool:
         return self.rp_parts.joins.abandon(attempt_id)
 
-    def rp_init_communicator(
-        self,
-        host: str,
-        port: int,
-        world_size: int,
-        rank_offset: int,
-        backend: str,
-        timeout_s: float,
-        group_id: str,
-        senders: int = 1,
-    ) -> int:
+    def rp_init_communicator(self, join: dict[str, Any]) -> int:
         """Join at once, on the calling thread (``rp_join_start`` joins on a thread of its own)."""
-        join = GroupJoin(host, port, world_size, rank_offset, backend, timeout_s, group_id, senders)
-        return self.rp_parts.receiver.join(join)
+        return self.rp_parts.receiver.join(GroupJoin(**join))
 
     def rp_close_communicator(self) -> None:
         self.rp_parts.receiver.close()
@@ -178,16 +156,8 @@ class RewardWeightSyncExtension:
     def rp_peer_send_problem(self, names: list[str]) -> str | None:
         return self.rp_parts.peer.problem(names)
 
-    def rp_peer_send_start(
-        self,
-        metadata: list[dict[str, Any]],
-        port: int,
-        world_size: int,
-        bucket_bytes: int,
-        timeout_s: float,
-        group_id: str,
-    ) -> None:
-        self.rp_parts.peer.start(metadata, port, world_size, bucket_bytes, timeout_s, group_id)
+    def rp_peer_send_start(self, metadata: list[dict[str, Any]], send: dict[str, Any]) -> None:
+        self.rp_parts.peer.start(metadata, SendWeightsRequest(**send))
 
     def rp_peer_send_outcome(self) -> tuple[bool, str] | None:
         return self.rp_parts.peer.outcome()
@@ -237,16 +207,10 @@ class HFHost:
     def forget_places(self) -> None:
         """Nothing learned: the parameters are the model's own tensors."""
 
-    def set_adapter(
-        self,
-        tensors: dict[str, torch.Tensor],
-        adapter: AdapterConfig,
-        adapter_id: int,
-        times: dict[str, float],
-    ) -> str | None:
+    def set_adapter(self, adapter: PushedAdapter) -> str | None:
         with torch.no_grad():
-            self._lora.set({n: t.to(self._device) for n, t in tensors.items()}, adapter)
-        times["adapter_added"] = time.monotonic()
+            self._lora.set({n: t.to(self._device) for n, t in adapter.tensors.items()}, adapter.config)
+        adapter.times["adapter_added"] = time.monotonic()
         return None
 
     def clear_adapter(self) -> None:

@@ -22,6 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -74,6 +75,21 @@ class GroupInvite(BaseModel):
     world_size: int = 0
     served: list[str] | None = None
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class RankPush:
+    """One push as every rank runs it: this rank's tensors, the plan the ranks agreed on, the
+    version (None: the next), the mode and the LoRA choices, and the version a delta push is over
+    (None: a whole push)."""
+
+    tensors: dict[str, torch.Tensor]
+    plan: PushPlan
+    version: int | None
+    mode: RewardModelTrainingMode
+    keep_lora: bool
+    adapter: AdapterConfig | None
+    base_version: int | None = None
 
 
 class _LeaderPublisher(RewardModelPublisher):
@@ -266,8 +282,9 @@ class ShardedPusher:
     ) -> int:
         # cleared while the push runs: after any failure the next delta-enabled push sends everything
         acked, self._acked = self._acked, None
+        whole = RankPush(tensors, plan, version, training_mode, keep_lora, adapter)
         if not delta or training_mode is not RewardModelTrainingMode.FULL:
-            return self._push(tensors, plan, version, training_mode, keep_lora, adapter)
+            return self._push(whole)
         prints = fingerprints(tensors)
         if acked is not None:
             if version is None:  # a refused delta is pushed again whole as the same version
@@ -276,20 +293,22 @@ class ShardedPusher:
             keys = sent_names(changed, {k: m.nbytes for k, m in plan.metas.items()})
             try:
                 v = self._push(
-                    {k: tensors[k] for k in keys},
-                    plan.only(keys),  # the same senders: no collective, the same on every rank
-                    version,
-                    training_mode,
-                    keep_lora,
-                    None,
-                    base_version=acked.version,
+                    RankPush(
+                        {k: tensors[k] for k in keys},
+                        plan.only(keys),  # the same senders: no collective, the same on every rank
+                        version,
+                        training_mode,
+                        keep_lora,
+                        None,
+                        base_version=acked.version,
+                    )
                 )
                 self._acked = Acknowledged(v, prints)
                 return v
             except DeltaRefused as exc:  # nothing moved, on every rank alike
                 if self.rank == 0:
                     warn_refused(log, version, acked.version, exc, len(tensors))
-        v = self._push(tensors, plan, version, training_mode, keep_lora, None)
+        v = self._push(replace(whole, version=version, adapter=None))
         self._acked = Acknowledged(v, prints)
         return v
 
@@ -297,34 +316,15 @@ class ShardedPusher:
         assert self.control is not None
         return max(self.control.versions()) + 1
 
-    def _push(
-        self,
-        tensors: dict[str, torch.Tensor],
-        plan: PushPlan,
-        version: int | None,
-        mode: RewardModelTrainingMode,
-        keep_lora: bool,
-        adapter: AdapterConfig | None,
-        base_version: int | None = None,
-    ) -> int:
+    def _push(self, job: RankPush) -> int:
         comm = self.open()
         push = self._pushes
         self._pushes += 1
         if self.rank == 0:
-            return self._lead(push, tensors, plan, version, mode, keep_lora, adapter, base_version)
-        return self._follow(push, comm, tensors, plan, mode, keep_lora, adapter, base_version is not None)
+            return self._lead(push, job)
+        return self._follow(push, comm, job)
 
-    def _lead(
-        self,
-        push: int,
-        tensors: dict[str, torch.Tensor],
-        plan: PushPlan,
-        version: int | None,
-        mode: RewardModelTrainingMode,
-        keep_lora: bool,
-        adapter: AdapterConfig | None,
-        base_version: int | None,
-    ) -> int:
+    def _lead(self, push: int, job: RankPush) -> int:
         publisher = self._publisher
         assert publisher is not None and self.control is not None and self.comm is not None
         channel = self._led = StepChannel(self.comm.store, push, self.options.timeout_s + 60.0)
@@ -349,17 +349,17 @@ class ShardedPusher:
                 )
             )
 
-        publisher.plan = plan
+        publisher.plan = job.plan
         publisher.tell = tell
         try:
-            v = self._next_version() if version is None else version
+            v = self._next_version() if job.version is None else job.version
             publisher.publish(
-                tensors,
+                job.tensors,
                 v,
-                training_mode=mode,
-                keep_lora=keep_lora,
-                adapter=adapter,
-                base_version=base_version,
+                training_mode=job.mode,
+                keep_lora=job.keep_lora,
+                adapter=job.adapter,
+                base_version=job.base_version,
             )
         except BaseException as exc:
             self._tell_failure(tell, exc)
@@ -390,20 +390,11 @@ class ShardedPusher:
         if not keep:
             self.reset()  # every rank forms the group again on the next push
 
-    def _follow(
-        self,
-        push: int,
-        comm: Communicator,
-        tensors: dict[str, torch.Tensor],
-        plan: PushPlan,
-        mode: RewardModelTrainingMode,
-        keep_lora: bool,
-        adapter: AdapterConfig | None,
-        partial: bool,
-    ) -> int:
+    def _follow(self, push: int, comm: Communicator, job: RankPush) -> int:
         assert self._layout is not None
-        layout = self._layout.of(plan, mode, keep_lora, adapter, None, partial)
-        sending = RankSends(comm, self.rank, layout, tensors, self.options.bucket_bytes)
+        partial = job.base_version is not None  # a delta push's subset
+        layout = self._layout.of(job.plan, job.mode, job.keep_lora, job.adapter, None, partial)
+        sending = RankSends(comm, self.rank, layout, job.tensors, self.options.bucket_bytes)
 
         def take(step: SenderStep) -> None:
             if step.step == "ready" and comm.max_flag(0) != 0:

@@ -1,4 +1,4 @@
-"""Trainer side of a weight push: a ``ControlPlane`` (HTTP) announces, a
+"""Trainer side of a weight push: an ``HTTPControlPlane`` announces, a
 ``TensorCommunicator`` (torch.distributed) moves the bytes, ``RewardModelPublisher`` ties them.
 
 A push: normalise names and validate for the training mode → announce to every server (each
@@ -13,9 +13,9 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 import torch
@@ -51,31 +51,6 @@ log = logging.getLogger(__name__)
 # How long the early long-poll for a pushed version waits on the server (finalize_update polls on
 # after it, up to the control plane's timeout): long enough for a large push on a fast link.
 EARLY_WAIT_S = 10.0
-
-
-# --------------------------------------------------------------------------------------------
-# Interfaces
-# --------------------------------------------------------------------------------------------
-
-
-class ControlPlane(Protocol):
-    def manifest(self) -> dict[str, ParamMeta] | None: ...
-
-    def announce_update_batch(
-        self,
-        metadata: list[ParamMeta],
-        *,
-        version: int,
-        training_mode: RewardModelTrainingMode,
-        bucket_bytes: int,
-        atomic: bool,
-        adapter: AdapterConfig | None = None,
-        base_version: int | None = None,
-    ) -> None: ...
-
-    def delta_bases(self) -> list[int | None]: ...
-
-    def finalize_update(self, version: int) -> None: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -373,7 +348,7 @@ class RewardModelPublisher:
 
     def __init__(
         self,
-        control: ControlPlane,
+        control: HTTPControlPlane,
         comm: TensorCommunicator,
         src_rank: int,
         options: PushOptions | None = None,
@@ -505,15 +480,7 @@ class RewardModelPublisher:
             self._phase("send")
             return True
 
-        total = send_buckets(
-            self.comm,
-            metadata,
-            tensors,
-            self.options.bucket_bytes,
-            self.src_rank,
-            plan=plan,
-            before_first=announce,
-        )
+        total = self._broadcast(metadata, tensors, plan, before_first=announce)
         synchronized = time.perf_counter()
         if self.comm.max_flag(0) != 0:
             raise WeightSyncError(
@@ -537,6 +504,26 @@ class RewardModelPublisher:
             "flagged_at_s": sent - start,
         }
         return version
+
+    def _broadcast(
+        self,
+        metadata: list[ParamMeta],
+        tensors: dict[str, torch.Tensor],
+        plan: list[Bucket],
+        *,
+        before_first: Callable[[], bool],
+    ) -> int:
+        """``plan``'s buckets broadcast from this rank, whole (not sliced); ``before_first`` runs
+        before any byte is sent (False: nothing is sent). Returns the bytes sent."""
+        return send_buckets(
+            self.comm,
+            metadata,
+            tensors,
+            self.options.bucket_bytes,
+            self.src_rank,
+            plan=plan,
+            before_first=before_first,
+        )
 
     def _check_delta_bases(self, base_version: int) -> None:
         """Before a delta push is announced over HTTP: every server says it holds ``base_version``
@@ -596,15 +583,7 @@ class RewardModelPublisher:
             return True
 
         if schedule is None:
-            total = send_buckets(
-                self.comm,
-                metadata,
-                tensors,
-                self.options.bucket_bytes,
-                self.src_rank,
-                plan=plan,
-                before_first=agreed,
-            )
+            total = self._broadcast(metadata, tensors, plan, before_first=agreed)
         else:
             assert isinstance(self.comm, Communicator)  # a data plane has one group
             total = send_slices(self.comm, metadata, tensors, schedule) if agreed() else 0

@@ -24,7 +24,7 @@ from rewardplane.server.engines.vllm_lora import (
     lora_model_from_tensors,
     peft_adapter_config,
 )
-from rewardplane.server.weight_sync.worker.state import WorkerState
+from rewardplane.server.weight_sync.worker.state import PushedAdapter, WorkerState
 from rewardplane.transport.buckets import unpack_bucket
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class Adapters:
                 else:
                     plain.append((name, tensor))
         times = {"adapter_unpacked": time.monotonic()}
-        path = state.host.set_adapter(lora, AdapterConfig(**adapter), adapter_id, times)
+        path = state.host.set_adapter(PushedAdapter(lora, AdapterConfig(**adapter), adapter_id, times))
         state.kept = None  # adapters are not persisted (docs/weight-sync.md)
         if plain:
             state.host.load(plain)
@@ -76,21 +76,16 @@ class VLLMAdapters:
         # The adapter served: its id and where it was written (None: built in memory).
         self.served: tuple[int, Path | None] | None = None
 
-    def set(
-        self,
-        tensors: dict[str, torch.Tensor],
-        adapter: AdapterConfig,
-        adapter_id: int,
-        times: dict[str, float],
-    ) -> str | None:
-        """Serve ``tensors`` as adapter ``adapter_id`` through the worker's LoRA manager, then
+    def set(self, pushed: PushedAdapter) -> str | None:
+        """Serve ``pushed``'s tensors as its adapter id through the worker's LoRA manager, then
         drop the previous adapter. Scoring requests name it (``ServedAdapter``). The adapter is
         built from the tensors where they are (``vllm_lora.py``); where this vLLM's LoRA manager is
         not shaped for that, it is written in PEFT's format to a tmpfs directory and loaded from
-        there (vLLM's public path). Returns that directory, or None. ``times`` gets when the
+        there (vLLM's public path). Returns that directory, or None. ``pushed.times`` gets when the
         adapter was built (or written), added to vLLM, and the previous one dropped."""
         from vllm.lora.request import LoRARequest
 
+        tensors, adapter, adapter_id, times = pushed.tensors, pushed.config, pushed.adapter_id, pushed.times
         name = f"rp-adapter-{adapter_id}"
         worker = self.worker
         if VLLMAdapters.lora_from_memory:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from rewardplane.protocol import ParamMeta
+from rewardplane.protocol import ParamMeta, SendWeightsRequest
 from rewardplane.server.weight_sync.worker.state import WorkerHost
 from rewardplane.transport.buckets import torch_dtype
 from rewardplane.transport.comm import create_store
@@ -35,18 +35,10 @@ class PeerSender:
         why = "they were not pushed to this replica since it started, or its loader transforms them"
         return f"{len(missing)} of {len(names)} parameters cannot be read back under their pushed names ({why}): e.g. {missing[:3]}"
 
-    def start(
-        self,
-        metadata: list[dict[str, Any]],
-        port: int,
-        world_size: int,
-        bucket_bytes: int,
-        timeout_s: float,
-        group_id: str,
-    ) -> None:
-        """Host the group's rendezvous, take its last rank and broadcast ``metadata``'s tensors as a
-        full push, on a thread of its own (vLLM's engine loop, and scoring, go on meanwhile);
-        ``outcome`` tells how it ended."""
+    def start(self, metadata: list[dict[str, Any]], send: SendWeightsRequest) -> None:
+        """Host the group's rendezvous on ``send.port``, take the last rank of its
+        ``send.world_size`` and broadcast ``metadata``'s tensors as a full push, on a thread of its
+        own (vLLM's engine loop, and scoring, go on meanwhile); ``outcome`` tells how it ended."""
         if self._thread is not None and self._thread.is_alive():
             raise RuntimeError("this worker is sending its weights to peers already")
         metas = [ParamMeta(**m) for m in metadata]
@@ -62,8 +54,9 @@ class PeerSender:
                 view if view.dtype == want and view.is_contiguous() else view.to(want).contiguous()
             )
         self._outcome = None
+        port, world_size, timeout_s = send.port, send.world_size, send.timeout_s
 
-        def send() -> None:
+        def run() -> None:
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # the device is per thread
             rank = world_size - 1
@@ -77,11 +70,11 @@ class PeerSender:
                     world_size=world_size,
                     device=device,
                     timeout_s=timeout_s,
-                    group_id=group_id,
+                    group_id=send.group,
                 )
                 try:
                     with torch.no_grad():
-                        sent = send_buckets(comm, metas, tensors, bucket_bytes, src=rank)
+                        sent = send_buckets(comm, metas, tensors, send.bucket_bytes, src=rank)
                     failed = comm.max_flag(0)  # the receivers commit only once every rank agrees
                 except BaseException:
                     comm.abort()  # the receivers see the group fail at once instead of waiting it out
@@ -96,7 +89,7 @@ class PeerSender:
                 log.exception("sending the weights to peers failed")
                 self._outcome = (False, f"{type(e).__name__}: {e}")
 
-        self._thread = threading.Thread(target=send, name="rp-peer-send", daemon=True)
+        self._thread = threading.Thread(target=run, name="rp-peer-send", daemon=True)
         self._thread.start()
 
     def outcome(self) -> tuple[bool, str] | None:

@@ -27,6 +27,17 @@ join_thread = threading.local()
 JOIN_LOCK = threading.Lock()
 
 
+@dataclass
+class PushedAdapter:
+    """An adapter push to serve: its LoRA tensors, its shape, the id requests name it by, and the
+    update's timeline (monotonic times), to which serving it adds each step's end."""
+
+    tensors: dict[str, torch.Tensor]
+    config: AdapterConfig
+    adapter_id: int
+    times: dict[str, float]
+
+
 class WorkerHost(Protocol):
     """What the weight-sync parts need of the engine that holds the weights: vLLM's GPU worker
     (``vllm_host.VLLMHost``) or the transformers engine's model (``worker_extension.HFHost``)."""
@@ -66,14 +77,8 @@ class WorkerHost(Protocol):
         """The parameters were discarded (and are loaded again): where each name lands is void."""
         ...
 
-    def set_adapter(
-        self,
-        tensors: dict[str, torch.Tensor],
-        adapter: AdapterConfig,
-        adapter_id: int,
-        times: dict[str, float],
-    ) -> str | None:
-        """Serve ``tensors`` as adapter ``adapter_id``; where it was written (None: in memory)."""
+    def set_adapter(self, adapter: PushedAdapter) -> str | None:
+        """Serve ``adapter`` (replacing the current one); where it was written (None: in memory)."""
         ...
 
     def clear_adapter(self) -> None:

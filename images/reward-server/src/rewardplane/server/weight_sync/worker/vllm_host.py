@@ -8,11 +8,11 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from rewardplane.protocol import AdapterConfig
 from rewardplane.protocol.slices import Region
 from rewardplane.server.weight_sync.copy_plan import CopyPlan
 from rewardplane.server.weight_sync.expert_names import expert_splitter
 from rewardplane.server.weight_sync.worker.adapters import VLLMAdapters
+from rewardplane.server.weight_sync.worker.state import PushedAdapter
 
 
 class _VLLMModel(Protocol):
@@ -81,14 +81,8 @@ class VLLMHost:
         if self.copy_plan is not None:
             self.copy_plan.forget()
 
-    def set_adapter(
-        self,
-        tensors: dict[str, torch.Tensor],
-        adapter: AdapterConfig,
-        adapter_id: int,
-        times: dict[str, float],
-    ) -> str | None:
-        return self.adapters.set(tensors, adapter, adapter_id, times)
+    def set_adapter(self, adapter: PushedAdapter) -> str | None:
+        return self.adapters.set(adapter)
 
     def clear_adapter(self) -> None:
         self.adapters.drop()
