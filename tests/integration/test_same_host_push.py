@@ -150,27 +150,34 @@ def test_ipc_across_hosts_is_refused_before_the_push_naming_nccl(server, tiny_mo
     assert body["version"] == 0
 
 
+def _pair_rank(port: int, rank: int, timeout_s: float, group_id: str = "default") -> SameHostCommunicator:
+    """Rank ``rank`` of a two-rank same-host group on CPU; rank 1 (the sender) hosts the store."""
+    store = create_store("127.0.0.1", port, is_master=rank == 1, world_size=2, timeout_s=10)
+    return SameHostCommunicator(
+        store,
+        rank=rank,
+        world_size=2,
+        device=torch.device("cpu"),
+        places=[_place("h"), _place("h")],
+        timeout_s=timeout_s,
+        group_id=group_id,
+    )
+
+
 def test_a_staging_buffer_that_cannot_be_opened_names_the_pod_field():
     """A receiver that does not see the trainer's shared memory (no shared IPC namespace, e.g. two
     Pods): the error names hostIPC, or one Pod with both containers."""
     port = free_port()
-    places = [_place("h"), _place("h")]
     errors: list[BaseException] = []
 
     def receiver() -> None:
-        store = create_store("127.0.0.1", port, is_master=False, world_size=2, timeout_s=10)
-        comm = SameHostCommunicator(
-            store, rank=0, world_size=2, device=torch.device("cpu"), places=places, timeout_s=10
-        )
+        comm = _pair_rank(port, 0, timeout_s=10)
         try:
             comm.broadcast(torch.empty(1024, dtype=torch.uint8), 1)
         except BaseException as exc:
             errors.append(exc)
 
-    store = create_store("127.0.0.1", port, is_master=True, world_size=2, timeout_s=10)
-    sender = SameHostCommunicator(
-        store, rank=1, world_size=2, device=torch.device("cpu"), places=places, timeout_s=3
-    )
+    sender = _pair_rank(port, 1, timeout_s=3)
     real_new_slot = sender._new_slot
 
     def hidden_slot(nbytes: int):
@@ -195,34 +202,15 @@ def test_status_reductions_agree_round_after_round_through_the_shared_flags():
     values too large for a flag's word (a note in the store): every round gives both the max, and
     no file is left in shared memory."""
     port, group_id = free_port(), f"flags-{uuid.uuid4().hex[:8]}"
-    places = [_place("h"), _place("h")]
     rounds = [(0, 0), (1, 0), (0, 1), (FLAG_VALUE_LIMIT + 5, 3), (2, FLAG_VALUE_LIMIT)] * 4
     out: dict[int, list[int]] = {}
 
     def rank0() -> None:
-        store = create_store("127.0.0.1", port, is_master=False, world_size=2, timeout_s=10)
-        comm = SameHostCommunicator(
-            store,
-            rank=0,
-            world_size=2,
-            device=torch.device("cpu"),
-            places=places,
-            timeout_s=10,
-            group_id=group_id,
-        )
+        comm = _pair_rank(port, 0, timeout_s=10, group_id=group_id)
         out[0] = [comm.max_flag(a) for a, _ in rounds]
         comm.close()
 
-    store = create_store("127.0.0.1", port, is_master=True, world_size=2, timeout_s=10)
-    comm = SameHostCommunicator(
-        store,
-        rank=1,
-        world_size=2,
-        device=torch.device("cpu"),
-        places=places,
-        timeout_s=10,
-        group_id=group_id,
-    )
+    comm = _pair_rank(port, 1, timeout_s=10, group_id=group_id)
     t = threading.Thread(target=rank0)
     t.start()
     out[1] = [comm.max_flag(b) for _, b in rounds]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import os
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
@@ -18,15 +19,27 @@ from rewardplane.transport.same_host_board import (
 )
 from rewardplane.transport.same_host_memory import MESSAGE_RING, SHM_DIR
 
+OPENED: list[SignalBoard] = []
+
+
+@pytest.fixture(autouse=True)
+def close_boards() -> Iterator[None]:
+    """Every board a test made is closed after it: no file is left in shared memory."""
+    yield
+    while OPENED:
+        OPENED.pop().close()
+
 
 def boards(world_size: int) -> tuple[str, list[SignalBoard]]:
     store = dist.HashStore()
     name = f"test-{uuid.uuid4().hex[:8]}"
     # the last rank sends, as a trainer's rank does
-    return name, [
+    made = [
         SignalBoard(store, rank=r, world_size=world_size, name=name, sender=r == world_size - 1)
         for r in range(world_size)
     ]
+    OPENED.extend(made)
+    return name, made
 
 
 def files(name: str) -> list[str]:

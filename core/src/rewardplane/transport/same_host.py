@@ -32,13 +32,14 @@ use are ``same_host_memory``'s.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -357,7 +358,8 @@ class SameHostCommunicator(Communicator):
         # what the receivers are to close (or a value too large for the word) is a note in the store
         note = bool(released) or not 0 <= value < FLAG_VALUE_LIMIT
         if note:
-            self._set(f"f/{n}/{self.rank}", f"{value}|{json.dumps(released)}")
+            with self._reduction_store() as store:
+                store.set(f"f/{n}/{self.rank}", f"{value}|{json.dumps(released)}")
             self._noted.append(n)
         board = self._board
         board.write_flag(n, 0 if note else value, note)
@@ -371,7 +373,8 @@ class SameHostCommunicator(Communicator):
             if not flag[1]:
                 values.append(flag[0])
                 continue
-            got, _, closing = self._get(f"f/{n}/{r}").partition("|")
+            with self._reduction_store() as store:
+                got, _, closing = bytes(store.get(f"f/{n}/{r}")).decode().partition("|")
             values.append(int(got))
             if closing and self.rank < self.first_sender:
                 self.receiver.close(json.loads(closing))
@@ -381,18 +384,11 @@ class SameHostCommunicator(Communicator):
             self.store.delete_key(f"f/{self._noted.pop(0)}/{self.rank}")
         return max(values)
 
-    def _set(self, key: str, value: str) -> None:
+    @contextlib.contextmanager
+    def _reduction_store(self) -> Iterator[dist.Store]:
+        """The store, for a reduction's notes: a store that is gone aborts the group, saying so."""
         try:
-            self.store.set(key, value)
-        except dist.DistNetworkError as exc:
-            self.abort()
-            raise CommunicatorError(
-                f"status reduction failed on rank {self.rank}: the trainer's store is gone ({exc})"
-            ) from exc
-
-    def _get(self, key: str) -> str:
-        try:
-            return bytes(self.store.get(key)).decode()
+            yield self.store
         except dist.DistNetworkError as exc:
             self.abort()
             raise CommunicatorError(
